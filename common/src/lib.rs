@@ -1,0 +1,22 @@
+//! dmkv-common: the parts of dmkv that client and server share, as pure
+//! logic with no IO: the wire protocol and its framing, the remote-memory
+//! layout (region header, index buckets, items), and the limits.
+//!
+//! Where a GET goes: [`layout`] says what the bytes in a server's region
+//! mean; [`frame`] and [`proto`] carry requests over TCP.
+
+pub mod error;
+pub mod frame;
+pub mod layout;
+pub mod limits;
+
+/// Messages generated from `proto/dmkv.proto`.
+pub mod proto {
+    #![allow(missing_docs, clippy::all)]
+    include!(concat!(env!("OUT_DIR"), "/dmkv.v1.rs"));
+}
+
+pub use error::{Error, LayoutError};
+
+/// The version of the wire protocol spoken by this build.
+pub const PROTOCOL_VERSION: u32 = 1;

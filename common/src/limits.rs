@@ -1,0 +1,25 @@
+//! Every size and count that bounds dmkv, named in one place.
+
+/// Largest key, in bytes. Keys must also be non-empty.
+pub const MAX_KEY_LEN: usize = 1024;
+/// Largest value, in bytes.
+pub const MAX_VALUE_LEN: usize = 1024 * 1024;
+/// Default largest frame on the wire: one maximum PUT plus headroom.
+pub const DEFAULT_MAX_FRAME_LEN: usize = 2 * 1024 * 1024;
+/// Smallest frame limit a server or client accepts in its configuration:
+/// one maximum-size PUT must always fit.
+pub const MIN_MAX_FRAME_LEN: usize = MAX_KEY_LEN + MAX_VALUE_LEN + 256;
+/// Length of the frame prefix (u32 little-endian).
+pub const FRAME_HEADER_LEN: usize = 4;
+/// Most keys in one MULTI_GET request.
+pub const MAX_MULTI_GET_KEYS: usize = 1024;
+/// Size of one index bucket: one cache line.
+pub const BUCKET_LEN: usize = 64;
+/// Slots in a bucket.
+pub const SLOTS_PER_BUCKET: usize = 8;
+/// Allocation unit of the data area; items are aligned to it.
+pub const UNIT: usize = 64;
+/// Smallest region the server accepts.
+pub const MIN_REGION_LEN: usize = 1024 * 1024;
+/// Largest region a slot's offset field can address (2^33 units).
+pub const MAX_REGION_LEN: u64 = (1u64 << 33) * UNIT as u64;
