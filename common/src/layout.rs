@@ -117,7 +117,7 @@ impl RegionHeader {
         if self.region_len > MAX_REGION_LEN {
             return bad("region_len", self.region_len);
         }
-        if self.index_offset < HEADER_LEN as u64 || self.index_offset % BUCKET_LEN as u64 != 0 {
+        if self.index_offset < HEADER_LEN as u64 || !self.index_offset.is_multiple_of(BUCKET_LEN as u64) {
             return bad("index_offset", self.index_offset);
         }
         let index_end = self.bucket_count.checked_mul(BUCKET_LEN as u64).and_then(|l| l.checked_add(self.index_offset));
@@ -125,7 +125,7 @@ impl RegionHeader {
             Some(end) if end <= self.data_offset => {}
             _ => return bad("bucket_count", self.bucket_count),
         }
-        if self.data_offset % UNIT as u64 != 0 || self.data_len % UNIT as u64 != 0 {
+        if !self.data_offset.is_multiple_of(UNIT as u64) || !self.data_len.is_multiple_of(UNIT as u64) {
             return bad("data_offset", self.data_offset);
         }
         match self.data_offset.checked_add(self.data_len) {
@@ -221,7 +221,7 @@ impl Slot {
 
     /// A slot for an item at byte `offset` spanning `units` units.
     pub fn new(fingerprint: u16, offset: u64, units: usize) -> Self {
-        assert!(offset % UNIT as u64 == 0 && offset > 0, "item offset {offset} not a non-zero unit multiple");
+        assert!(offset.is_multiple_of(UNIT as u64) && offset > 0, "item offset {offset} not a non-zero unit multiple");
         assert!((1..=MAX_ITEM_UNITS).contains(&units), "item of {units} units");
         let offset_units = offset / UNIT as u64;
         assert!(offset_units <= SLOT_OFFSET_MASK, "offset {offset} beyond slot range");

@@ -9,6 +9,7 @@ pub mod error;
 pub mod frame;
 pub mod layout;
 pub mod limits;
+pub mod racy;
 
 /// Messages generated from `proto/dmkv.proto`.
 pub mod proto {

@@ -1,1 +1,133 @@
+//! Helpers for end-to-end tests: start real `dmkvd` processes on ports
+//! picked at run time, wait for conditions with deadlines, clean up.
 
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// How long a server gets to start and print its address.
+pub const START_DEADLINE: Duration = Duration::from_secs(20);
+/// How long a server gets to exit after SIGTERM before it is killed.
+pub const STOP_DEADLINE: Duration = Duration::from_secs(10);
+
+/// Path of a binary built from this workspace (`dmkvd`, `dmkv`).
+///
+/// `cargo test --workspace` builds them next to the test executables;
+/// `DMKV_BIN_DIR` overrides the directory.
+pub fn bin_path(name: &str) -> PathBuf {
+    let dir = match std::env::var_os("DMKV_BIN_DIR") {
+        Some(d) => PathBuf::from(d),
+        None => {
+            let exe = std::env::current_exe().expect("current exe");
+            exe.parent().and_then(|deps| deps.parent()).expect("target dir").to_path_buf()
+        }
+    };
+    let p = dir.join(name);
+    assert!(p.exists(), "{} not found: run the tests with `cargo test --workspace`, which builds it", p.display());
+    p
+}
+
+/// A running `dmkvd`, stopped (SIGTERM, then SIGKILL) when dropped.
+pub struct ServerProcess {
+    child: Option<Child>,
+    /// RPC address, as printed by the server.
+    pub rpc: String,
+    /// Every `key=value` pair of the server's "listening" line.
+    pub endpoints: Vec<(String, String)>,
+}
+
+impl ServerProcess {
+    /// Starts `dmkvd --listen 127.0.0.1:0 ARGS...` and waits for its address.
+    pub fn start(args: &[&str]) -> ServerProcess {
+        let mut child = Command::new(bin_path("dmkvd"))
+            .args(["--listen", "127.0.0.1:0", "--log", "warn"])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn dmkvd");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let deadline = Instant::now() + START_DEADLINE;
+        let line = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(line) if line.starts_with("dmkvd listening") => break line,
+                Ok(_) => continue,
+                Err(_) => {
+                    let _ = child.kill();
+                    panic!("dmkvd did not report its address within {START_DEADLINE:?}");
+                }
+            }
+        };
+        let endpoints: Vec<(String, String)> = line
+            .split_whitespace()
+            .filter_map(|kv| kv.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())))
+            .collect();
+        let rpc = endpoints.iter().find(|(k, _)| k == "rpc").expect("rpc address").1.clone();
+        ServerProcess { child: Some(child), rpc, endpoints }
+    }
+
+    /// The address printed for `name` (e.g. "rpc").
+    pub fn endpoint(&self, name: &str) -> Option<&str> {
+        self.endpoints.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+    }
+
+    /// OS process id.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    /// Sends SIGTERM and waits (bounded) for exit; returns the exit status.
+    pub fn stop(&mut self) -> Option<std::process::ExitStatus> {
+        let mut child = self.child.take()?;
+        // The `kill` command keeps this crate free of unsafe FFI.
+        let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
+        let deadline = Instant::now() + STOP_DEADLINE;
+        loop {
+            match child.try_wait() {
+                Ok(Some(status)) => return Some(status),
+                Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+                _ => {
+                    let _ = child.kill();
+                    return child.wait().ok();
+                }
+            }
+        }
+    }
+
+    /// Whether the process is still running.
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.as_mut().map(|c| c.try_wait()), Some(Ok(None)))
+    }
+}
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Polls `cond` until it holds or `timeout` passes; returns whether it held.
+pub fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if cond() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}

@@ -1,0 +1,69 @@
+//! A blocking wrapper for callers without an async runtime. It owns a small
+//! runtime whose one worker thread drives the connections.
+
+use std::collections::HashMap;
+
+use bytes::Bytes;
+
+use crate::client::{Client as AsyncClient, ClientConfig, Versioned};
+use crate::error::ClientError;
+
+/// A blocking dmkv client.
+pub struct Client {
+    rt: tokio::runtime::Runtime,
+    inner: AsyncClient,
+}
+
+impl Client {
+    /// Connects with default settings.
+    pub fn connect(addr: impl Into<String>) -> Result<Client, ClientError> {
+        Client::connect_with(addr, ClientConfig::default())
+    }
+
+    /// Connects with the given settings.
+    pub fn connect_with(addr: impl Into<String>, cfg: ClientConfig) -> Result<Client, ClientError> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .map_err(|e| ClientError::Connect { addr: "runtime".into(), reason: e.to_string() })?;
+        let addr = addr.into();
+        let inner = rt.block_on(AsyncClient::connect_with(addr, cfg))?;
+        Ok(Client { rt, inner })
+    }
+
+    /// See [`AsyncClient::get`].
+    pub fn get(&self, key: impl AsRef<[u8]>) -> Result<Option<Bytes>, ClientError> {
+        self.rt.block_on(self.inner.get(key))
+    }
+
+    /// See [`AsyncClient::get_versioned`].
+    pub fn get_versioned(&self, key: impl AsRef<[u8]>) -> Result<Option<Versioned>, ClientError> {
+        self.rt.block_on(self.inner.get_versioned(key))
+    }
+
+    /// See [`AsyncClient::put`].
+    pub fn put(&self, key: impl AsRef<[u8]>, value: impl AsRef<[u8]>) -> Result<u64, ClientError> {
+        self.rt.block_on(self.inner.put(key, value))
+    }
+
+    /// See [`AsyncClient::delete`].
+    pub fn delete(&self, key: impl AsRef<[u8]>) -> Result<bool, ClientError> {
+        self.rt.block_on(self.inner.delete(key))
+    }
+
+    /// See [`AsyncClient::multi_get`].
+    pub fn multi_get<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Option<Bytes>>, ClientError> {
+        self.rt.block_on(self.inner.multi_get(keys))
+    }
+
+    /// See [`AsyncClient::stats`].
+    pub fn stats(&self) -> Result<HashMap<String, u64>, ClientError> {
+        self.rt.block_on(self.inner.stats())
+    }
+
+    /// The async client inside, for mixing styles.
+    pub fn as_async(&self) -> &AsyncClient {
+        &self.inner
+    }
+}

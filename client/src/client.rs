@@ -1,0 +1,218 @@
+//! The async client: a small pool of pipelined connections to one server.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use dmkv_common::PROTOCOL_VERSION;
+use dmkv_common::error::{check_key, check_value};
+use dmkv_common::limits::{DEFAULT_MAX_FRAME_LEN, MAX_MULTI_GET_KEYS};
+use dmkv_common::proto::{self, ErrorCode, Response, request::Op, response::Result as R};
+use tokio::sync::Mutex;
+
+use crate::conn::{Conn, InFlight};
+use crate::error::ClientError;
+
+/// Client settings. The defaults suit a server on the same network.
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    /// Connections kept to the server; requests are spread over them.
+    pub pool_size: usize,
+    /// Longest wait for a reply.
+    pub request_timeout: Duration,
+    /// Longest wait for a TCP connection.
+    pub connect_timeout: Duration,
+    /// Largest frame sent or accepted; must match the server's.
+    pub max_frame: usize,
+}
+
+impl Default for ClientConfig {
+    fn default() -> Self {
+        ClientConfig {
+            pool_size: 2,
+            request_timeout: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(3),
+            max_frame: DEFAULT_MAX_FRAME_LEN,
+        }
+    }
+}
+
+/// A value read with the version the server gave its write.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Versioned {
+    pub value: Bytes,
+    pub version: u64,
+}
+
+/// An async dmkv client. Cheap to clone; clones share the pool.
+#[derive(Clone)]
+pub struct Client {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    addr: String,
+    cfg: ClientConfig,
+    pool: Vec<Mutex<Option<Arc<Conn>>>>,
+    next: AtomicUsize,
+}
+
+impl Client {
+    /// Connects to a server with default settings.
+    pub async fn connect(addr: impl Into<String>) -> Result<Client, ClientError> {
+        Client::connect_with(addr, ClientConfig::default()).await
+    }
+
+    /// Connects with the given settings. Opens one connection now (so a
+    /// wrong address fails here) and checks the protocol version.
+    pub async fn connect_with(addr: impl Into<String>, cfg: ClientConfig) -> Result<Client, ClientError> {
+        let pool = (0..cfg.pool_size.max(1)).map(|_| Mutex::new(None)).collect();
+        let client = Client { inner: Arc::new(Inner { addr: addr.into(), cfg, pool, next: AtomicUsize::new(0) }) };
+        client.conn_at(0).await?;
+        Ok(client)
+    }
+
+    /// The server address.
+    pub fn addr(&self) -> &str {
+        &self.inner.addr
+    }
+
+    /// Settings in use.
+    pub fn config(&self) -> &ClientConfig {
+        &self.inner.cfg
+    }
+
+    async fn conn_at(&self, i: usize) -> Result<Arc<Conn>, ClientError> {
+        let mut slot = self.inner.pool[i].lock().await;
+        if let Some(c) = slot.as_ref()
+            && !c.is_closed()
+        {
+            return Ok(Arc::clone(c));
+        }
+        let cfg = &self.inner.cfg;
+        let conn = Conn::connect(&self.inner.addr, cfg.connect_timeout, cfg.max_frame).await?;
+        let hello = Op::Hello(proto::Hello { protocol_version: PROTOCOL_VERSION, client_name: "dmkv-client".into() });
+        let resp = conn.send(hello).await?.wait(cfg.request_timeout).await?;
+        match unwrap(resp)? {
+            R::Hello(_) => {}
+            other => return Err(unexpected(&other)),
+        }
+        *slot = Some(Arc::clone(&conn));
+        Ok(conn)
+    }
+
+    /// Sends a request on the next pooled connection without waiting for
+    /// its reply: the building block of pipelining.
+    pub async fn send(&self, op: Op) -> Result<InFlight, ClientError> {
+        let i = self.inner.next.fetch_add(1, Ordering::Relaxed) % self.inner.pool.len();
+        let conn = self.conn_at(i).await?;
+        conn.send(op).await
+    }
+
+    async fn call(&self, op: Op) -> Result<R, ClientError> {
+        let resp = self.send(op).await?.wait(self.inner.cfg.request_timeout).await?;
+        unwrap(resp)
+    }
+
+    /// Reads `key`; `None` if it is not stored.
+    pub async fn get(&self, key: impl AsRef<[u8]>) -> Result<Option<Bytes>, ClientError> {
+        Ok(self.get_versioned(key).await?.map(|v| v.value))
+    }
+
+    /// Reads `key` with its version.
+    pub async fn get_versioned(&self, key: impl AsRef<[u8]>) -> Result<Option<Versioned>, ClientError> {
+        let key = key.as_ref();
+        check_key(key)?;
+        match self.call(Op::Get(proto::Get { key: Bytes::copy_from_slice(key) })).await? {
+            R::Get(g) => Ok(g.found.then_some(Versioned { value: g.value, version: g.version })),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Stores `value` under `key`; returns the version of this write.
+    pub async fn put(&self, key: impl AsRef<[u8]>, value: impl AsRef<[u8]>) -> Result<u64, ClientError> {
+        let (key, value) = (key.as_ref(), value.as_ref());
+        check_key(key)?;
+        check_value(value)?;
+        let op = Op::Put(proto::Put { key: Bytes::copy_from_slice(key), value: Bytes::copy_from_slice(value) });
+        match self.call(op).await? {
+            R::Put(p) => Ok(p.version),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Removes `key`; returns whether it existed.
+    pub async fn delete(&self, key: impl AsRef<[u8]>) -> Result<bool, ClientError> {
+        let key = key.as_ref();
+        check_key(key)?;
+        match self.call(Op::Delete(proto::Delete { key: Bytes::copy_from_slice(key) })).await? {
+            R::Delete(d) => Ok(d.existed),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Reads many keys; the result is in the order of `keys`. Large batches
+    /// are split into requests of at most [`MAX_MULTI_GET_KEYS`] keys, all
+    /// in flight at once.
+    pub async fn multi_get<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Option<Bytes>>, ClientError> {
+        for k in keys {
+            check_key(k.as_ref())?;
+        }
+        let mut sent = Vec::new();
+        for chunk in keys.chunks(MAX_MULTI_GET_KEYS) {
+            let ks = chunk.iter().map(|k| Bytes::copy_from_slice(k.as_ref())).collect();
+            sent.push((chunk, self.send(Op::MultiGet(proto::MultiGet { keys: ks })).await?));
+        }
+        let mut out = Vec::with_capacity(keys.len());
+        for (chunk, inflight) in sent {
+            match unwrap(inflight.wait(self.inner.cfg.request_timeout).await?) {
+                Ok(R::MultiGet(m)) if m.values.len() == chunk.len() => {
+                    out.extend(m.values.into_iter().map(|g| g.found.then_some(g.value)));
+                }
+                Ok(other) => return Err(unexpected(&other)),
+                // Too many large values for one reply: fetch them one by one.
+                Err(ClientError::Server { code: ErrorCode::ResponseTooLarge, .. }) => {
+                    for k in chunk {
+                        out.push(self.get(k).await?);
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(out)
+    }
+
+    /// The server's counters.
+    pub async fn stats(&self) -> Result<HashMap<String, u64>, ClientError> {
+        match self.call(Op::Stats(proto::Stats {})).await? {
+            R::Stats(s) => Ok(s.counters),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Descriptors of the server's remote-memory regions.
+    pub async fn region_info(&self) -> Result<Vec<proto::RegionDescriptor>, ClientError> {
+        match self.call(Op::RegionInfo(proto::RegionInfo {})).await? {
+            R::RegionInfo(r) => Ok(r.regions),
+            other => Err(unexpected(&other)),
+        }
+    }
+}
+
+/// Turns a reply into its result, or the server's error into ours.
+pub fn unwrap(resp: Response) -> Result<R, ClientError> {
+    match resp.result {
+        Some(R::Error(e)) => Err(ClientError::Server {
+            code: ErrorCode::try_from(e.code).unwrap_or(ErrorCode::Unspecified),
+            message: e.message,
+        }),
+        Some(r) => Ok(r),
+        None => Err(ClientError::Protocol("reply without a result".into())),
+    }
+}
+
+fn unexpected(r: &R) -> ClientError {
+    ClientError::Protocol(format!("unexpected reply {r:?}"))
+}

@@ -1,0 +1,156 @@
+//! One pipelined connection: any number of requests in flight, matched to
+//! replies by id, replies in any order. A writer task coalesces queued
+//! requests into one write; a reader task dispatches replies.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::BytesMut;
+use dmkv_common::frame::{self, Decoder};
+use dmkv_common::proto::{Request, Response, request::Op};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::error::ClientError;
+
+/// Requests queued for the writer task before senders wait.
+const SEND_QUEUE: usize = 1024;
+/// Most bytes the writer gathers into one write.
+const MAX_COALESCE: usize = 256 * 1024;
+const READ_BUF: usize = 64 * 1024;
+
+type Pending = Arc<Mutex<HashMap<u64, oneshot::Sender<Response>>>>;
+
+/// A connection to a server's RPC port.
+pub struct Conn {
+    tx: mpsc::Sender<BytesMut>,
+    pending: Pending,
+    next_id: AtomicU64,
+    closed: Arc<AtomicBool>,
+    max_frame: usize,
+}
+
+/// A request that was sent and whose reply has not been awaited yet.
+pub struct InFlight {
+    id: u64,
+    rx: oneshot::Receiver<Response>,
+    pending: Pending,
+}
+
+impl InFlight {
+    /// Waits for the reply, at most `timeout`.
+    pub async fn wait(self, timeout: Duration) -> Result<Response, ClientError> {
+        let InFlight { id, rx, pending } = self;
+        match tokio::time::timeout(timeout, rx).await {
+            Ok(Ok(resp)) => Ok(resp),
+            Ok(Err(_)) => Err(ClientError::ConnectionClosed),
+            Err(_) => {
+                pending.lock().expect("pending poisoned").remove(&id);
+                Err(ClientError::Timeout(timeout))
+            }
+        }
+    }
+}
+
+impl Conn {
+    /// Connects and starts the reader and writer tasks.
+    pub async fn connect(addr: &str, connect_timeout: Duration, max_frame: usize) -> Result<Arc<Conn>, ClientError> {
+        let err = |reason: String| ClientError::Connect { addr: addr.to_string(), reason };
+        let stream = match tokio::time::timeout(connect_timeout, TcpStream::connect(addr)).await {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => return Err(err(e.to_string())),
+            Err(_) => return Err(err(format!("timed out after {connect_timeout:?}"))),
+        };
+        let _ = stream.set_nodelay(true);
+        let (rd, wr) = stream.into_split();
+        let (tx, rx) = mpsc::channel(SEND_QUEUE);
+        let pending: Pending = Arc::default();
+        let closed = Arc::new(AtomicBool::new(false));
+        tokio::spawn(write_loop(wr, rx, Arc::clone(&closed)));
+        tokio::spawn(read_loop(rd, Arc::clone(&pending), Arc::clone(&closed), max_frame));
+        Ok(Arc::new(Conn { tx, pending, next_id: AtomicU64::new(1), closed, max_frame }))
+    }
+
+    /// Whether the connection has failed or been closed by the peer.
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    /// Queues a request; its reply is awaited with [`InFlight::wait`].
+    pub async fn send(&self, op: Op) -> Result<InFlight, ClientError> {
+        if self.is_closed() {
+            return Err(ClientError::ConnectionClosed);
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let req = Request { id, op: Some(op) };
+        let mut buf = BytesMut::new();
+        frame::encode(&req, self.max_frame, &mut buf).map_err(|_| ClientError::RequestTooLarge {
+            len: prost::Message::encoded_len(&req),
+            max: self.max_frame,
+        })?;
+        let (otx, orx) = oneshot::channel();
+        self.pending.lock().expect("pending poisoned").insert(id, otx);
+        if self.tx.send(buf).await.is_err() {
+            self.pending.lock().expect("pending poisoned").remove(&id);
+            return Err(ClientError::ConnectionClosed);
+        }
+        // The reader may have failed between the check above and the insert.
+        if self.is_closed() {
+            self.pending.lock().expect("pending poisoned").remove(&id);
+            return Err(ClientError::ConnectionClosed);
+        }
+        Ok(InFlight { id, rx: orx, pending: Arc::clone(&self.pending) })
+    }
+}
+
+async fn write_loop(mut wr: OwnedWriteHalf, mut rx: mpsc::Receiver<BytesMut>, closed: Arc<AtomicBool>) {
+    while let Some(mut batch) = rx.recv().await {
+        while batch.len() < MAX_COALESCE {
+            match rx.try_recv() {
+                Ok(more) => batch.extend_from_slice(&more),
+                Err(_) => break,
+            }
+        }
+        if wr.write_all(&batch).await.is_err() {
+            break;
+        }
+    }
+    closed.store(true, Ordering::Release);
+}
+
+async fn read_loop(mut rd: OwnedReadHalf, pending: Pending, closed: Arc<AtomicBool>, max_frame: usize) {
+    let decoder = Decoder::new(max_frame);
+    let mut buf = BytesMut::with_capacity(READ_BUF);
+    'outer: loop {
+        if buf.capacity() - buf.len() < READ_BUF / 4 {
+            buf.reserve(READ_BUF);
+        }
+        match rd.read_buf(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {}
+        }
+        loop {
+            match decoder.next_message::<Response>(&mut buf) {
+                Ok(Some(resp)) => {
+                    let tx = pending.lock().expect("pending poisoned").remove(&resp.id);
+                    // A reply nobody waits for (timed out) is dropped.
+                    if let Some(tx) = tx {
+                        let _ = tx.send(resp);
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    tracing::warn!("closing connection: bad reply from server: {e}");
+                    break 'outer;
+                }
+            }
+        }
+    }
+    closed.store(true, Ordering::Release);
+    // Dropping the senders wakes every waiter with "connection closed".
+    pending.lock().expect("pending poisoned").clear();
+}

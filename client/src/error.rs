@@ -1,0 +1,39 @@
+//! Errors of the client SDK.
+
+use std::time::Duration;
+
+use dmkv_common::proto::ErrorCode;
+use thiserror::Error;
+
+/// Why a request failed.
+#[derive(Debug, Clone, Error)]
+pub enum ClientError {
+    /// The request was refused before sending (bad key or value).
+    #[error("invalid request: {0}")]
+    Invalid(#[from] dmkv_common::Error),
+    #[error("cannot connect to {addr}: {reason}")]
+    Connect { addr: String, reason: String },
+    #[error("connection closed")]
+    ConnectionClosed,
+    #[error("no reply within {0:?}")]
+    Timeout(Duration),
+    /// The server answered with an error; nothing was changed.
+    #[error("server error {code:?}: {message}")]
+    Server { code: ErrorCode, message: String },
+    /// The server sent something this client does not understand.
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    /// The request would exceed the maximum frame size.
+    #[error("request of {len} bytes exceeds the maximum frame of {max} bytes")]
+    RequestTooLarge { len: usize, max: usize },
+}
+
+impl ClientError {
+    /// The server's error code, if the server answered with an error.
+    pub fn code(&self) -> Option<ErrorCode> {
+        match self {
+            ClientError::Server { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+}

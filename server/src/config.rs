@@ -1,0 +1,209 @@
+//! dmkvd configuration: defaults that run one node on loopback, an optional
+//! TOML file, and command-line flags that override the file.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::Parser;
+use dmkv_common::limits::{DEFAULT_MAX_FRAME_LEN, MIN_MAX_FRAME_LEN, MIN_REGION_LEN};
+use serde::Deserialize;
+
+/// Default RPC listen address.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:7070";
+/// Default region size.
+pub const DEFAULT_MEMORY: u64 = 256 << 20;
+/// Default time a retired item stays intact for one-sided readers.
+pub const DEFAULT_GRACE: Duration = Duration::from_millis(100);
+/// Default index size: one bucket (8 slots) per this many bytes of region.
+pub const DEFAULT_BYTES_PER_BUCKET: u64 = 1024;
+/// Most client connections served at once; more wait in the accept queue.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
+/// How long shutdown waits for connections to finish their requests.
+pub const SHUTDOWN_DRAIN: Duration = Duration::from_secs(5);
+
+/// Command-line flags of `dmkvd`. Every flag overrides the config file.
+#[derive(Debug, Parser, Default)]
+#[command(name = "dmkvd", version, about = "dmkv server: a remote-memory key-value store")]
+pub struct Flags {
+    /// TOML config file.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// RPC listen address (port 0 picks a free port).
+    #[arg(long, value_name = "ADDR")]
+    pub listen: Option<SocketAddr>,
+    /// Region size, e.g. 256MiB, 4GiB, or bytes.
+    #[arg(long, value_name = "SIZE")]
+    pub memory: Option<String>,
+    /// Index buckets (a power of two); default scales with memory.
+    #[arg(long)]
+    pub buckets: Option<u64>,
+    /// Grace period before retired space is reused, in milliseconds.
+    #[arg(long, value_name = "MS")]
+    pub grace_ms: Option<u64>,
+    /// Largest accepted frame, e.g. 2MiB.
+    #[arg(long, value_name = "SIZE")]
+    pub max_frame: Option<String>,
+    /// Worker threads (default: one per core).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Log filter, e.g. info or dmkv_server=debug (RUST_LOG also works).
+    #[arg(long)]
+    pub log: Option<String>,
+}
+
+/// The TOML file; every field is optional.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    pub listen: Option<SocketAddr>,
+    pub memory: Option<Size>,
+    pub buckets: Option<u64>,
+    pub grace_ms: Option<u64>,
+    pub max_frame: Option<Size>,
+    pub threads: Option<usize>,
+    pub log: Option<String>,
+}
+
+/// A byte size written as a number or a string such as "256MiB".
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Size(pub u64);
+
+impl<'de> Deserialize<'de> for Size {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            N(u64),
+            S(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::N(n) => Ok(Size(n)),
+            Raw::S(s) => parse_size(&s).map(Size).map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+/// Parses "123", "64KiB", "256MiB", "4GiB" (K/M/G and KB/MB/GB are binary too).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num.parse().map_err(|_| format!("invalid size {s:?}"))?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        "t" | "tb" | "tib" => 1 << 40,
+        _ => return Err(format!("invalid size unit in {s:?}")),
+    };
+    n.checked_mul(mult).ok_or_else(|| format!("size {s:?} overflows"))
+}
+
+/// The resolved configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub listen: SocketAddr,
+    pub memory: u64,
+    pub buckets: u64,
+    pub grace: Duration,
+    pub max_frame: usize,
+    pub threads: usize,
+    pub log: String,
+    pub max_connections: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config::resolve(FileConfig::default(), Flags::default()).expect("defaults are valid")
+    }
+}
+
+impl Config {
+    /// Reads the file named by `flags.config` (if any) and applies the flags.
+    pub fn load(flags: Flags) -> Result<Config, String> {
+        let file = match &flags.config {
+            Some(path) => read_file(path)?,
+            None => FileConfig::default(),
+        };
+        Config::resolve(file, flags)
+    }
+
+    /// Merges file and flags (flags win) over the defaults and validates.
+    pub fn resolve(file: FileConfig, flags: Flags) -> Result<Config, String> {
+        let memory = match flags.memory {
+            Some(s) => parse_size(&s)?,
+            None => file.memory.map_or(DEFAULT_MEMORY, |s| s.0),
+        };
+        if memory < MIN_REGION_LEN as u64 * 4 {
+            return Err(format!("memory {memory} is below the minimum of {} bytes", MIN_REGION_LEN * 4));
+        }
+        let buckets =
+            flags.buckets.or(file.buckets).unwrap_or_else(|| (memory / DEFAULT_BYTES_PER_BUCKET).next_power_of_two());
+        if buckets == 0 || !buckets.is_power_of_two() {
+            return Err(format!("buckets must be a power of two, got {buckets}"));
+        }
+        let max_frame = match flags.max_frame {
+            Some(s) => parse_size(&s)?,
+            None => file.max_frame.map_or(DEFAULT_MAX_FRAME_LEN as u64, |s| s.0),
+        };
+        if max_frame < MIN_MAX_FRAME_LEN as u64 || max_frame > u32::MAX as u64 {
+            return Err(format!("max_frame must be between {MIN_MAX_FRAME_LEN} and {} bytes", u32::MAX));
+        }
+        let threads = flags
+            .threads
+            .or(file.threads)
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+        Ok(Config {
+            listen: flags.listen.or(file.listen).unwrap_or_else(|| DEFAULT_LISTEN.parse().expect("valid default")),
+            memory,
+            buckets,
+            grace: Duration::from_millis(flags.grace_ms.or(file.grace_ms).unwrap_or(DEFAULT_GRACE.as_millis() as u64)),
+            max_frame: max_frame as usize,
+            threads: threads.max(1),
+            log: flags.log.or(file.log).unwrap_or_else(|| "info".into()),
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+        })
+    }
+}
+
+fn read_file(path: &Path) -> Result<FileConfig, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read config {}: {e}", path.display()))?;
+    toml::from_str(&text).map_err(|e| format!("invalid config {}: {e}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_size("256MiB"), Ok(256 << 20));
+        assert_eq!(parse_size("4g"), Ok(4 << 30));
+        assert_eq!(parse_size("1000"), Ok(1000));
+        assert!(parse_size("12XB").is_err());
+        assert!(parse_size("").is_err());
+        assert!(parse_size("99999999999999999999G").is_err());
+    }
+
+    #[test]
+    fn flags_override_file() {
+        let file: FileConfig = toml::from_str("listen = \"127.0.0.1:9000\"\nmemory = \"64MiB\"\ngrace_ms = 5").unwrap();
+        let flags = Flags { memory: Some("32MiB".into()), ..Flags::default() };
+        let c = Config::resolve(file, flags).unwrap();
+        assert_eq!(c.listen.port(), 9000);
+        assert_eq!(c.memory, 32 << 20);
+        assert_eq!(c.grace, Duration::from_millis(5));
+    }
+
+    #[test]
+    fn defaults_and_rejections() {
+        let c = Config::default();
+        assert_eq!(c.listen.to_string(), DEFAULT_LISTEN);
+        assert_eq!(c.memory, DEFAULT_MEMORY);
+        assert!(toml::from_str::<FileConfig>("bogus = 1").is_err());
+        let bad = Flags { buckets: Some(1000), ..Flags::default() };
+        assert!(Config::resolve(FileConfig::default(), bad).is_err());
+    }
+}

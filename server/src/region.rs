@@ -1,0 +1,140 @@
+//! The server's remote-memory region: one shared mapping of a memfd, so it
+//! can be handed to same-host readers, registered with an RDMA device, or
+//! served by the software one-sided engine.
+//!
+//! All access goes through raw pointers and atomics ([`dmkv_common::racy`]),
+//! never through Rust references, because other threads and processes read
+//! it while the writer changes it. This module and `racy` hold the server's
+//! `unsafe`.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd, FromRawFd, OwnedFd};
+
+use dmkv_common::racy;
+use memmap2::{MmapOptions, MmapRaw};
+
+/// A shared, memfd-backed memory region.
+pub struct Region {
+    map: MmapRaw,
+    fd: OwnedFd,
+    len: usize,
+}
+
+// SAFETY: the mapping is only accessed through atomic loads and stores (see
+// `racy`), which are sound from any thread.
+unsafe impl Sync for Region {}
+// SAFETY: as above; the raw pointer inside `MmapRaw` is not tied to a thread.
+unsafe impl Send for Region {}
+
+impl Region {
+    /// Creates a zero-filled region of `len` bytes in a new memfd and maps it
+    /// shared, read-write. Pages are allocated lazily by the kernel.
+    pub fn create(name: &str, len: usize) -> io::Result<Region> {
+        let cname = std::ffi::CString::new(name).map_err(|_| io::Error::other("region name has a NUL byte"))?;
+        // SAFETY: `cname` is a valid C string; flags are valid for memfd_create.
+        let raw = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+        if raw < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `raw` is a fresh descriptor we own exclusively.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let file = File::from(fd);
+        file.set_len(len as u64)?;
+        let map = MmapOptions::new().len(len).map_raw(&file)?;
+        // Transparent huge pages cut TLB misses on random GETs; the kernel may
+        // refuse for shmem (see shmem_enabled), which is fine.
+        let _ = map.advise(memmap2::Advice::HugePage);
+        Ok(Region { map, fd: file.into(), len })
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the region is zero bytes long (never, once created).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The memfd, for handing the region to same-host readers.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// Base address of the mapping (for RDMA registration).
+    pub fn base_ptr(&self) -> *mut u8 {
+        self.map.as_mut_ptr()
+    }
+
+    fn check(&self, offset: u64, len: usize) -> usize {
+        let off = usize::try_from(offset).expect("offset fits usize");
+        assert!(off.checked_add(len).is_some_and(|end| end <= self.len), "region access {off}+{len} out of bounds");
+        off
+    }
+
+    /// Whether `[offset, offset+len)` lies inside the region.
+    pub fn contains(&self, offset: u64, len: u64) -> bool {
+        offset.checked_add(len).is_some_and(|end| end <= self.len as u64)
+    }
+
+    /// Copies bytes out of the region; they may be torn by a concurrent
+    /// writer and must be verified. Panics if out of bounds (callers check
+    /// untrusted offsets with [`Region::contains`] first).
+    pub fn read(&self, offset: u64, dst: &mut [u8]) {
+        let off = self.check(offset, dst.len());
+        // SAFETY: bounds checked above; the mapping lives as long as `self`;
+        // all writers use atomic stores.
+        unsafe { racy::copy_from_shared(self.map.as_ptr().add(off), dst) }
+    }
+
+    /// Writes bytes into the region with atomic stores.
+    pub fn write(&self, offset: u64, src: &[u8]) {
+        let off = self.check(offset, src.len());
+        // SAFETY: bounds checked above; all readers use atomic loads.
+        unsafe { racy::copy_to_shared(self.map.as_mut_ptr().add(off), src) }
+    }
+
+    /// Loads an 8-byte slot with acquire ordering.
+    pub fn load_slot(&self, offset: u64) -> u64 {
+        let off = self.check(offset, 8);
+        assert!(off.is_multiple_of(8), "unaligned slot");
+        // SAFETY: in bounds and 8-aligned (the mapping is page-aligned).
+        unsafe { racy::load_word(self.map.as_ptr().add(off)) }
+    }
+
+    /// Stores an 8-byte slot with release ordering (publishes an item).
+    pub fn store_slot(&self, offset: u64, v: u64) {
+        let off = self.check(offset, 8);
+        assert!(off.is_multiple_of(8), "unaligned slot");
+        // SAFETY: in bounds and 8-aligned.
+        unsafe { racy::store_word(self.map.as_mut_ptr().add(off), v) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn read_write_and_slots() {
+        let r = Region::create("test", 1 << 20).unwrap();
+        r.write(4096, b"hello world");
+        let mut b = [0u8; 11];
+        r.read(4096, &mut b);
+        assert_eq!(&b, b"hello world");
+        r.store_slot(8, 42);
+        assert_eq!(r.load_slot(8), 42);
+        assert!(r.contains(0, 1 << 20));
+        assert!(!r.contains(1, 1 << 20));
+        assert!(!r.contains(u64::MAX, 2));
+    }
+
+    #[test]
+    #[should_panic(expected = "out of bounds")]
+    fn out_of_bounds_panics() {
+        let r = Region::create("test", 1 << 20).unwrap();
+        r.write((1 << 20) - 2, b"abc");
+    }
+}

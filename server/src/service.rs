@@ -1,0 +1,228 @@
+//! The RPC service: one task per TCP connection reads frames, runs each
+//! request against the store, and writes all replies to the requests it
+//! read in one batch with a single write (reply coalescing).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use bytes::BytesMut;
+use dmkv_common::error::Error as StoreError;
+use dmkv_common::frame::{self, Decoder};
+use dmkv_common::limits::MAX_MULTI_GET_KEYS;
+use dmkv_common::proto::{self, ErrorCode, Request, Response, request::Op, response::Result as R};
+use dmkv_common::{PROTOCOL_VERSION, layout::LAYOUT_VERSION};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+use tracing::{debug, warn};
+
+use crate::store::Store;
+
+/// Read buffer size per connection; frames larger than this grow it.
+const READ_BUF: usize = 64 * 1024;
+/// Most times a PUT waits for space that is finishing its grace period.
+const OOM_RETRIES: usize = 2;
+
+/// What the service shares between connections.
+pub struct Shared {
+    pub store: Store,
+    pub max_frame: usize,
+    pub rkey: u64,
+    pub region_id: u32,
+}
+
+/// Serves one connection until the peer closes, sends a malformed frame,
+/// or the server shuts down (after answering every request already read).
+pub async fn serve_connection(stream: TcpStream, shared: Arc<Shared>, mut shutdown: watch::Receiver<bool>) {
+    let peer = stream.peer_addr().ok();
+    let _ = stream.set_nodelay(true);
+    let (mut rd, mut wr) = stream.into_split();
+    let decoder = Decoder::new(shared.max_frame);
+    let mut inbuf = BytesMut::with_capacity(READ_BUF);
+    let mut out = BytesMut::new();
+    loop {
+        if inbuf.capacity() - inbuf.len() < READ_BUF / 4 {
+            inbuf.reserve(READ_BUF);
+        }
+        let n = tokio::select! {
+            r = rd.read_buf(&mut inbuf) => match r {
+                Ok(n) => n,
+                Err(e) => { debug!(?peer, "read error: {e}"); return; }
+            },
+            _ = shutdown.changed() => return,
+        };
+        if n == 0 {
+            if !inbuf.is_empty() {
+                warn!(?peer, bytes = inbuf.len(), "connection closed in the middle of a frame");
+            }
+            return;
+        }
+        let mut close_reason = None;
+        loop {
+            match decoder.next_message::<Request>(&mut inbuf) {
+                Ok(Some(req)) => {
+                    let resp = handle(&shared, req).await;
+                    encode_reply(&resp, shared.max_frame, &mut out);
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    close_reason = Some(e);
+                    break;
+                }
+            }
+        }
+        if !out.is_empty() {
+            if let Err(e) = wr.write_all(&out).await {
+                debug!(?peer, "write error: {e}");
+                return;
+            }
+            out.clear();
+        }
+        if let Some(e) = close_reason {
+            warn!(?peer, "closing connection: {e}");
+            return;
+        }
+    }
+}
+
+fn encode_reply(resp: &Response, max_frame: usize, out: &mut BytesMut) {
+    if frame::encode(resp, max_frame, out).is_err() {
+        let err = error(
+            resp.id,
+            ErrorCode::ResponseTooLarge,
+            format!("reply exceeds the maximum frame of {max_frame} bytes"),
+        );
+        frame::encode(&err, max_frame, out).expect("an error reply fits any frame");
+    }
+}
+
+fn error(id: u64, code: ErrorCode, message: String) -> Response {
+    Response { id, result: Some(R::Error(proto::Error { code: code as i32, message })) }
+}
+
+fn store_error(id: u64, e: StoreError) -> Response {
+    let code = match e {
+        StoreError::EmptyKey => ErrorCode::BadRequest,
+        StoreError::KeyTooLarge(_) => ErrorCode::KeyTooLarge,
+        StoreError::ValueTooLarge(_) => ErrorCode::ValueTooLarge,
+        StoreError::OutOfMemory => ErrorCode::OutOfMemory,
+        StoreError::IndexFull => ErrorCode::IndexFull,
+    };
+    error(id, code, e.to_string())
+}
+
+async fn handle(shared: &Shared, req: Request) -> Response {
+    let id = req.id;
+    let store = &shared.store;
+    let result = match req.op {
+        None => return error(id, ErrorCode::UnknownOp, "request has no operation this server knows".into()),
+        Some(Op::Hello(h)) => {
+            if h.protocol_version != PROTOCOL_VERSION {
+                return error(
+                    id,
+                    ErrorCode::UnsupportedVersion,
+                    format!(
+                        "protocol version {} is not supported; this server speaks {PROTOCOL_VERSION}",
+                        h.protocol_version
+                    ),
+                );
+            }
+            R::Hello(proto::HelloReply {
+                protocol_version: PROTOCOL_VERSION,
+                server_version: env!("CARGO_PKG_VERSION").into(),
+            })
+        }
+        Some(Op::Put(p)) => {
+            let mut attempt = 0;
+            loop {
+                match store.put(&p.key, &p.value) {
+                    Ok(version) => break R::Put(proto::PutReply { version }),
+                    Err(StoreError::OutOfMemory) if attempt < OOM_RETRIES => {
+                        // Space that finishes its grace period soon is not "full".
+                        match store.reclaim_wait() {
+                            Some(wait) => tokio::time::sleep(wait + Duration::from_millis(1)).await,
+                            None => return store_error(id, StoreError::OutOfMemory),
+                        }
+                        attempt += 1;
+                    }
+                    Err(e) => return store_error(id, e),
+                }
+            }
+        }
+        Some(Op::Get(g)) => match store.get(&g.key) {
+            Ok(Some((value, version))) => R::Get(proto::GetReply { found: true, value, version }),
+            Ok(None) => R::Get(proto::GetReply::default()),
+            Err(e) => return store_error(id, e),
+        },
+        Some(Op::Delete(d)) => match store.delete(&d.key) {
+            Ok(existed) => R::Delete(proto::DeleteReply { existed }),
+            Err(e) => return store_error(id, e),
+        },
+        Some(Op::MultiGet(m)) => {
+            if m.keys.len() > MAX_MULTI_GET_KEYS {
+                return error(
+                    id,
+                    ErrorCode::BadRequest,
+                    format!("multi-get of {} keys exceeds the limit of {MAX_MULTI_GET_KEYS}", m.keys.len()),
+                );
+            }
+            let mut values = Vec::with_capacity(m.keys.len());
+            for k in &m.keys {
+                match store.get(k) {
+                    Ok(Some((value, version))) => values.push(proto::GetReply { found: true, value, version }),
+                    Ok(None) => values.push(proto::GetReply::default()),
+                    Err(e) => return store_error(id, e),
+                }
+            }
+            R::MultiGet(proto::MultiGetReply { values })
+        }
+        Some(Op::Stats(_)) => R::Stats(proto::StatsReply { counters: stats(shared) }),
+        Some(Op::RegionInfo(_)) => {
+            let h = store.header();
+            R::RegionInfo(proto::RegionInfoReply {
+                regions: vec![proto::RegionDescriptor {
+                    region_id: shared.region_id,
+                    epoch: h.epoch,
+                    length: h.region_len,
+                    rkey: shared.rkey,
+                    bucket_count: h.bucket_count,
+                    hash_seed: h.hash_seed,
+                    index_offset: h.index_offset,
+                    data_offset: h.data_offset,
+                    data_length: h.data_len,
+                    layout_version: LAYOUT_VERSION,
+                    grace_nanos: h.grace_nanos,
+                }],
+            })
+        }
+    };
+    Response { id, result: Some(result) }
+}
+
+fn stats(shared: &Shared) -> HashMap<String, u64> {
+    let s = &shared.store;
+    let c = &s.counters;
+    let (data_bytes, used_units_bytes) = s.memory();
+    let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    [
+        ("gets", load(&c.gets)),
+        ("get_hits", load(&c.get_hits)),
+        ("puts", load(&c.puts)),
+        ("deletes", load(&c.deletes)),
+        ("items", load(&c.items)),
+        ("out_of_memory_errors", load(&c.out_of_memory)),
+        ("index_full_errors", load(&c.index_full)),
+        ("corrupt_reads", load(&c.corrupt_reads)),
+        ("live_bytes", load(&c.used_bytes)),
+        ("allocated_bytes", used_units_bytes),
+        ("data_bytes", data_bytes),
+        ("region_bytes", s.header().region_len),
+        ("index_slots", s.slot_count()),
+        ("region_epoch", s.header().epoch),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect()
+}

@@ -1,0 +1,331 @@
+//! End-to-end tests of the RPC path against real dmkvd processes.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::Command;
+use std::time::Duration;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use dmkv_client::{Client, ClientConfig, ClientError, ErrorCode};
+use dmkv_common::frame;
+use dmkv_common::limits::{MAX_KEY_LEN, MAX_VALUE_LEN};
+use dmkv_common::proto::{self, Request, Response, request::Op, response::Result as R};
+use dmkv_tests::{ServerProcess, bin_path};
+use prost::Message;
+
+const IO_TIMEOUT: Duration = Duration::from_secs(10);
+
+fn raw_conn(addr: &str) -> TcpStream {
+    let s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
+    s
+}
+
+fn send_raw(s: &mut TcpStream, req: &Request) {
+    let mut buf = BytesMut::new();
+    frame::encode(req, usize::MAX >> 1, &mut buf).unwrap();
+    s.write_all(&buf).unwrap();
+}
+
+fn read_raw(s: &mut TcpStream) -> Option<Response> {
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len).ok()?;
+    let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
+    s.read_exact(&mut body).ok()?;
+    Some(Response::decode(&body[..]).expect("server sends valid replies"))
+}
+
+/// Whether the server closed `s` (EOF or reset) rather than answering.
+fn closed_by_server(s: &mut TcpStream) -> bool {
+    let mut b = [0u8; 1];
+    matches!(s.read(&mut b), Ok(0) | Err(_))
+}
+
+fn error_code(r: &Response) -> Option<ErrorCode> {
+    match &r.result {
+        Some(R::Error(e)) => ErrorCode::try_from(e.code).ok(),
+        _ => None,
+    }
+}
+
+async fn still_serves(addr: &str) {
+    let c = Client::connect(addr).await.unwrap();
+    c.put("alive", "yes").await.unwrap();
+    assert_eq!(c.get("alive").await.unwrap().as_deref(), Some(&b"yes"[..]));
+}
+
+#[tokio::test]
+async fn put_get_delete_multi_get() {
+    let srv = ServerProcess::start(&["--memory", "64MiB"]);
+    let c = Client::connect(&srv.rpc).await.unwrap();
+    assert_eq!(c.get("missing").await.unwrap(), None);
+    let v1 = c.put("a", "1").await.unwrap();
+    let v2 = c.put("b", "22").await.unwrap();
+    assert!(v2 > v1);
+    assert_eq!(c.get("a").await.unwrap().as_deref(), Some(&b"1"[..]));
+    let got = c.get_versioned("b").await.unwrap().unwrap();
+    assert_eq!((got.value.as_ref(), got.version), (&b"22"[..], v2));
+    assert_eq!(
+        c.multi_get(&["a", "zz", "b"]).await.unwrap(),
+        vec![Some(Bytes::from("1")), None, Some(Bytes::from("22"))]
+    );
+    assert!(c.delete("a").await.unwrap());
+    assert!(!c.delete("a").await.unwrap());
+    assert_eq!(c.get("a").await.unwrap(), None);
+    // A multi-get larger than one request's key limit is split by the SDK.
+    let keys: Vec<String> = (0..3000).map(|i| format!("mk{i}")).collect();
+    for k in keys.iter().step_by(3) {
+        c.put(k, k).await.unwrap();
+    }
+    let vals = c.multi_get(&keys).await.unwrap();
+    for (i, (k, v)) in keys.iter().zip(&vals).enumerate() {
+        assert_eq!(v.as_deref(), (i % 3 == 0).then_some(k.as_bytes()), "{k}");
+    }
+    let stats = c.stats().await.unwrap();
+    assert_eq!(stats["items"], 1001);
+    assert!(stats["puts"] >= 1002);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_concurrent_clients() {
+    let srv = ServerProcess::start(&["--memory", "64MiB"]);
+    let mut tasks = Vec::new();
+    for t in 0..16 {
+        let addr = srv.rpc.clone();
+        tasks.push(tokio::spawn(async move {
+            let c = Client::connect_with(addr, ClientConfig { pool_size: 1, ..Default::default() }).await.unwrap();
+            for i in 0..200 {
+                let k = format!("c{t}-{i}");
+                c.put(&k, format!("{t}:{i}:{}", "x".repeat(i))).await.unwrap();
+            }
+            for i in 0..200 {
+                let k = format!("c{t}-{i}");
+                assert_eq!(c.get(&k).await.unwrap().unwrap(), format!("{t}:{i}:{}", "x".repeat(i)).as_bytes());
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn pipelined_requests_on_one_connection() {
+    let srv = ServerProcess::start(&["--memory", "64MiB"]);
+    let c = Client::connect_with(&srv.rpc, ClientConfig { pool_size: 1, ..Default::default() }).await.unwrap();
+    let mut inflight = Vec::new();
+    for i in 0..64u32 {
+        let op = Op::Put(proto::Put { key: format!("p{i}").into(), value: i.to_string().into() });
+        inflight.push(c.send(op).await.unwrap());
+    }
+    for f in inflight {
+        assert!(matches!(f.wait(IO_TIMEOUT).await.unwrap().result, Some(R::Put(_))));
+    }
+    let mut gets = Vec::new();
+    for i in 0..64u32 {
+        gets.push((i, c.send(Op::Get(proto::Get { key: format!("p{i}").into() })).await.unwrap()));
+    }
+    for (i, f) in gets.into_iter().rev() {
+        match f.wait(IO_TIMEOUT).await.unwrap().result {
+            Some(R::Get(g)) => assert_eq!(g.value, i.to_string().as_bytes()),
+            other => panic!("{other:?}"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn overwrites_with_changing_sizes_and_maximum_sizes() {
+    let srv = ServerProcess::start(&["--memory", "64MiB"]);
+    let c = Client::connect(&srv.rpc).await.unwrap();
+    let sizes = [0usize, 1, 63, 64, 100, 4000, 70_000, MAX_VALUE_LEN, 10, MAX_VALUE_LEN - 1, 0, 333];
+    for round in 0..3 {
+        for (i, &n) in sizes.iter().enumerate() {
+            let v: Vec<u8> = (0..n).map(|j| (j + i + round) as u8).collect();
+            c.put("k", &v).await.unwrap();
+            assert_eq!(c.get("k").await.unwrap().unwrap(), v, "size {n}");
+        }
+    }
+    let big_key = vec![b'k'; MAX_KEY_LEN];
+    c.put(&big_key, vec![7u8; MAX_VALUE_LEN]).await.unwrap();
+    assert_eq!(c.get(&big_key).await.unwrap().unwrap().len(), MAX_VALUE_LEN);
+    // Too large: refused by the SDK before sending.
+    assert!(matches!(c.put(vec![b'k'; MAX_KEY_LEN + 1], "v").await, Err(ClientError::Invalid(_))));
+    assert!(matches!(c.put("k", vec![0u8; MAX_VALUE_LEN + 1]).await, Err(ClientError::Invalid(_))));
+    assert!(matches!(c.put("", "v").await, Err(ClientError::Invalid(_))));
+    // ... and by the server, for clients that skip the checks.
+    let mut s = raw_conn(&srv.rpc);
+    let put = |id, key: Vec<u8>, value: Vec<u8>| Request {
+        id,
+        op: Some(Op::Put(proto::Put { key: key.into(), value: value.into() })),
+    };
+    send_raw(&mut s, &put(1, vec![b'k'; MAX_KEY_LEN + 1], vec![]));
+    send_raw(&mut s, &put(2, b"k".to_vec(), vec![0; MAX_VALUE_LEN + 1]));
+    send_raw(&mut s, &put(3, vec![], b"v".to_vec()));
+    let mut codes: Vec<_> = (0..3).map(|_| read_raw(&mut s).unwrap()).map(|r| (r.id, error_code(&r))).collect();
+    codes.sort_by_key(|c| c.0);
+    assert_eq!(
+        codes,
+        vec![(1, Some(ErrorCode::KeyTooLarge)), (2, Some(ErrorCode::ValueTooLarge)), (3, Some(ErrorCode::BadRequest))]
+    );
+    assert_eq!(c.get("k").await.unwrap().unwrap().len(), 333, "failed puts changed nothing");
+}
+
+#[tokio::test]
+async fn full_store_keeps_every_acknowledged_value() {
+    let srv = ServerProcess::start(&["--memory", "8MiB", "--grace-ms", "20"]);
+    let c = Client::connect(&srv.rpc).await.unwrap();
+    let value = |i: u32| format!("{i:08}").repeat(1000 / 8 + i as usize % 50).into_bytes();
+    let mut acked = Vec::new();
+    let mut errors = 0;
+    for i in 0..20_000u32 {
+        match c.put(format!("key{i}"), value(i)).await {
+            Ok(_) => acked.push(i),
+            Err(e) => {
+                assert!(matches!(e.code(), Some(ErrorCode::OutOfMemory | ErrorCode::IndexFull)), "{e}");
+                errors += 1;
+                if errors > 50 {
+                    break;
+                }
+            }
+        }
+    }
+    assert!(errors > 50, "the store never filled up");
+    assert!(acked.len() > 1000);
+    // Overwrites that do not fit fail and leave the old value in place.
+    for i in acked.iter().take(20) {
+        let r = c.put(format!("key{i}"), vec![1u8; 500_000]).await;
+        if r.is_err() {
+            assert_eq!(c.get(format!("key{i}")).await.unwrap().unwrap(), value(*i));
+        }
+    }
+    for i in &acked {
+        let got = c.get(format!("key{i}")).await.unwrap().unwrap_or_else(|| panic!("acknowledged key{i} lost"));
+        if got.len() != 500_000 {
+            assert_eq!(got, value(*i), "key{i}");
+        }
+    }
+    let stats = c.stats().await.unwrap();
+    assert!(stats["out_of_memory_errors"] + stats["index_full_errors"] > 0);
+    assert_eq!(stats["corrupt_reads"], 0);
+}
+
+#[tokio::test]
+async fn bad_input_closes_only_that_connection() {
+    let srv = ServerProcess::start(&["--memory", "16MiB"]);
+    let good = Client::connect_with(&srv.rpc, ClientConfig { pool_size: 1, ..Default::default() }).await.unwrap();
+    good.put("before", "1").await.unwrap();
+
+    // Garbage: a length prefix followed by bytes that are not a message.
+    let mut s = raw_conn(&srv.rpc);
+    s.write_all(&[5, 0, 0, 0, 0xff, 0xff, 0xff, 0xff, 0xff]).unwrap();
+    assert!(closed_by_server(&mut s));
+
+    // A frame larger than the maximum is refused on its prefix alone.
+    let mut s = raw_conn(&srv.rpc);
+    let mut b = BytesMut::new();
+    b.put_u32_le(u32::MAX);
+    s.write_all(&b).unwrap();
+    assert!(closed_by_server(&mut s));
+
+    // A truncated frame, then the client goes away.
+    let mut s = raw_conn(&srv.rpc);
+    s.write_all(&[100, 0, 0, 0, 1, 2, 3]).unwrap();
+    drop(s);
+
+    // An unknown message type gets an error reply; the connection lives on.
+    let mut s = raw_conn(&srv.rpc);
+    let mut unknown = BytesMut::new();
+    prost::encoding::uint64::encode(1, &42u64, &mut unknown);
+    prost::encoding::bytes::encode(99, &Bytes::from_static(b"from the future"), &mut unknown);
+    let mut b = BytesMut::new();
+    b.put_u32_le(unknown.len() as u32);
+    b.extend_from_slice(&unknown);
+    s.write_all(&b).unwrap();
+    let r = read_raw(&mut s).unwrap();
+    assert_eq!((r.id, error_code(&r)), (42, Some(ErrorCode::UnknownOp)));
+    send_raw(&mut s, &Request { id: 43, op: Some(Op::Get(proto::Get { key: "before".into() })) });
+    let r = read_raw(&mut s).unwrap();
+    assert!(matches!(r.result, Some(R::Get(g)) if g.value == "1"));
+
+    // An unknown protocol version is refused clearly.
+    send_raw(
+        &mut s,
+        &Request { id: 44, op: Some(Op::Hello(proto::Hello { protocol_version: 999, client_name: "x".into() })) },
+    );
+    assert_eq!(error_code(&read_raw(&mut s).unwrap()), Some(ErrorCode::UnsupportedVersion));
+
+    // The long-lived client and new clients never noticed.
+    assert_eq!(good.get("before").await.unwrap().as_deref(), Some(&b"1"[..]));
+    still_serves(&srv.rpc).await;
+}
+
+#[tokio::test]
+async fn graceful_shutdown_answers_in_flight_requests() {
+    let mut srv = ServerProcess::start(&["--memory", "16MiB"]);
+    let c = Client::connect_with(&srv.rpc, ClientConfig { pool_size: 1, ..Default::default() }).await.unwrap();
+    let mut inflight = Vec::new();
+    for i in 0..200u32 {
+        inflight.push(c.send(Op::Put(proto::Put { key: format!("s{i}").into(), value: "v".into() })).await.unwrap());
+    }
+    let status = tokio::task::spawn_blocking(move || srv.stop()).await.unwrap().expect("server exited");
+    assert!(status.success(), "{status:?}");
+    // Each request was either answered or (if the server had not read it
+    // yet) failed with a closed connection: never a wrong or partial reply.
+    let mut answered = 0;
+    for f in inflight {
+        match f.wait(IO_TIMEOUT).await {
+            Ok(r) => {
+                assert!(matches!(r.result, Some(R::Put(_))));
+                answered += 1;
+            }
+            Err(e) => assert!(matches!(e, ClientError::ConnectionClosed), "{e}"),
+        }
+    }
+    assert!(answered > 0);
+}
+
+#[test]
+fn cli_put_get_del_stats_and_exit_codes() {
+    let srv = ServerProcess::start(&["--memory", "16MiB"]);
+    let dmkv = |args: &[&str], stdin: Option<&str>| {
+        let mut cmd = Command::new(bin_path("dmkv"));
+        cmd.args(["--server", &srv.rpc]).args(args);
+        cmd.stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        let mut child = cmd.spawn().unwrap();
+        let mut sin = child.stdin.take().unwrap();
+        if let Some(s) = stdin {
+            sin.write_all(s.as_bytes()).unwrap();
+        }
+        drop(sin);
+        let out = child.wait_with_output().unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    assert_eq!(dmkv(&["put", "k", "v"], None).0, Some(0));
+    assert_eq!(dmkv(&["get", "k"], None), (Some(0), "v\n".into(), String::new()));
+    assert_eq!(dmkv(&["get", "--raw", "k"], None).1, "v");
+    assert_eq!(dmkv(&["put", "k2"], Some("from stdin")).0, Some(0));
+    assert_eq!(dmkv(&["get", "--raw", "k2"], None).1, "from stdin");
+    let (code, _, err) = dmkv(&["get", "nope"], None);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("not found"));
+    assert_eq!(dmkv(&["del", "k"], None).0, Some(0));
+    assert_eq!(dmkv(&["del", "k"], None).0, Some(1));
+    let (code, out, _) = dmkv(&["stats"], None);
+    assert_eq!(code, Some(0));
+    assert!(out.lines().any(|l| l.starts_with("items ")), "{out}");
+    let long_key = "k".repeat(MAX_KEY_LEN + 1);
+    let (code, _, err) = dmkv(&["put", &long_key, "v"], None);
+    assert_eq!(code, Some(2));
+    assert_eq!(err.lines().count(), 1, "{err}");
+    // A server that is not there: exit 2 with one line.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
+    let out = Command::new(bin_path("dmkv")).args(["--server", &closed, "get", "k"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(String::from_utf8_lossy(&out.stderr).lines().count(), 1);
+}
