@@ -15,9 +15,60 @@ use tokio::sync::Mutex;
 use crate::conn::{Conn, InFlight};
 use crate::error::ClientError;
 
+/// Which way GETs go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ReadPath {
+    /// One-sided reads where the server offers them, else RPC.
+    #[default]
+    Auto,
+    /// One-sided reads only; fail if none is possible.
+    OneSided,
+    /// RPC only.
+    Rpc,
+}
+
+impl std::str::FromStr for ReadPath {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(ReadPath::Auto),
+            "one-sided" | "onesided" => Ok(ReadPath::OneSided),
+            "rpc" => Ok(ReadPath::Rpc),
+            _ => Err(format!("unknown path {s:?}: expected auto, one-sided or rpc")),
+        }
+    }
+}
+
+/// Backends of one-sided reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// The server's region mapped read-only (same host only).
+    Shm,
+    /// The server's software one-sided engine over TCP.
+    Tcp,
+    /// RDMA READs by the NIC.
+    Rdma,
+}
+
+impl std::str::FromStr for Transport {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "shm" => Ok(Transport::Shm),
+            "tcp" => Ok(Transport::Tcp),
+            "rdma" => Ok(Transport::Rdma),
+            _ => Err(format!("unknown transport {s:?}: expected shm, tcp or rdma")),
+        }
+    }
+}
+
 /// Client settings. The defaults suit a server on the same network.
 #[derive(Debug, Clone)]
 pub struct ClientConfig {
+    /// Which way GETs go.
+    pub read_path: ReadPath,
+    /// Force one one-sided backend (default: the best one available).
+    pub transport: Option<Transport>,
     /// Connections kept to the server; requests are spread over them.
     pub pool_size: usize,
     /// Longest wait for a reply.
@@ -31,6 +82,8 @@ pub struct ClientConfig {
 impl Default for ClientConfig {
     fn default() -> Self {
         ClientConfig {
+            read_path: ReadPath::Auto,
+            transport: None,
             pool_size: 2,
             request_timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(3),

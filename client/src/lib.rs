@@ -16,6 +16,6 @@ pub mod client;
 pub mod conn;
 pub mod error;
 
-pub use client::{Client, ClientConfig, Versioned};
+pub use client::{Client, ClientConfig, ReadPath, Transport, Versioned};
 pub use dmkv_common::proto::ErrorCode;
 pub use error::ClientError;
