@@ -62,6 +62,16 @@ impl Client {
         self.rt.block_on(self.inner.stats())
     }
 
+    /// See [`AsyncClient::read_stats`].
+    pub fn read_stats(&self) -> crate::ReadStats {
+        self.inner.read_stats()
+    }
+
+    /// See [`AsyncClient::one_sided_transport`].
+    pub fn one_sided_transport(&self) -> Option<crate::Transport> {
+        self.inner.one_sided_transport()
+    }
+
     /// The async client inside, for mixing styles.
     pub fn as_async(&self) -> &AsyncClient {
         &self.inner

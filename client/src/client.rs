@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use dmkv_common::PROTOCOL_VERSION;
@@ -14,6 +14,7 @@ use tokio::sync::Mutex;
 
 use crate::conn::{Conn, InFlight};
 use crate::error::ClientError;
+use crate::onesided::{self, BackendError, OneSided, OneSidedGet, ReadCounters, ReadStats};
 
 /// Which way GETs go.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -77,6 +78,12 @@ pub struct ClientConfig {
     pub connect_timeout: Duration,
     /// Largest frame sent or accepted; must match the server's.
     pub max_frame: usize,
+    /// Keys whose item address is cached for one-round-trip GETs.
+    pub hint_cache_entries: usize,
+    /// Abandon one-sided attempts that outlast the server's grace period.
+    /// Only tests that provoke torn reads turn this off, to show that
+    /// verification alone catches them.
+    pub enforce_grace: bool,
 }
 
 impl Default for ClientConfig {
@@ -88,6 +95,8 @@ impl Default for ClientConfig {
             request_timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(3),
             max_frame: DEFAULT_MAX_FRAME_LEN,
+            hint_cache_entries: onesided::DEFAULT_HINT_ENTRIES,
+            enforce_grace: true,
         }
     }
 }
@@ -110,7 +119,20 @@ struct Inner {
     cfg: ClientConfig,
     pool: Vec<Mutex<Option<Arc<Conn>>>>,
     next: AtomicUsize,
+    path: std::sync::Mutex<PathState>,
+    read_counters: Arc<ReadCounters>,
 }
+
+/// The one-sided path, if attached, and when attaching was last tried.
+#[derive(Default)]
+struct PathState {
+    attached: Option<Arc<OneSided>>,
+    last_try: Option<Instant>,
+}
+
+/// How often a client in `ReadPath::Auto` retries attaching one-sided reads
+/// after a failure; GETs go over RPC meanwhile.
+const REATTACH_INTERVAL: Duration = Duration::from_millis(500);
 
 impl Client {
     /// Connects to a server with default settings.
@@ -122,9 +144,97 @@ impl Client {
     /// wrong address fails here) and checks the protocol version.
     pub async fn connect_with(addr: impl Into<String>, cfg: ClientConfig) -> Result<Client, ClientError> {
         let pool = (0..cfg.pool_size.max(1)).map(|_| Mutex::new(None)).collect();
-        let client = Client { inner: Arc::new(Inner { addr: addr.into(), cfg, pool, next: AtomicUsize::new(0) }) };
+        let inner = Inner {
+            addr: addr.into(),
+            cfg,
+            pool,
+            next: AtomicUsize::new(0),
+            path: Default::default(),
+            read_counters: Arc::default(),
+        };
+        let client = Client { inner: Arc::new(inner) };
         client.conn_at(0).await?;
+        match client.inner.cfg.read_path {
+            ReadPath::Rpc => {}
+            ReadPath::Auto => {
+                let _ = client.one_sided().await;
+            }
+            ReadPath::OneSided => {
+                client.attach().await?;
+            }
+        }
         Ok(client)
+    }
+
+    /// The one-sided path, attaching it if needed (rate-limited in `Auto`).
+    async fn one_sided(&self) -> Result<Option<Arc<OneSided>>, ClientError> {
+        match self.inner.cfg.read_path {
+            ReadPath::Rpc => Ok(None),
+            ReadPath::OneSided => self.attach().await.map(Some),
+            ReadPath::Auto => {
+                {
+                    let st = self.inner.path.lock().expect("path lock poisoned");
+                    if let Some(p) = &st.attached {
+                        return Ok(Some(Arc::clone(p)));
+                    }
+                    if st.last_try.is_some_and(|t| t.elapsed() < REATTACH_INTERVAL) {
+                        return Ok(None);
+                    }
+                }
+                match self.attach().await {
+                    Ok(p) => Ok(Some(p)),
+                    Err(e) => {
+                        tracing::debug!("one-sided reads unavailable, using RPC: {e}");
+                        Ok(None)
+                    }
+                }
+            }
+        }
+    }
+
+    async fn attach(&self) -> Result<Arc<OneSided>, ClientError> {
+        {
+            let mut st = self.inner.path.lock().expect("path lock poisoned");
+            if let Some(p) = &st.attached {
+                return Ok(Arc::clone(p));
+            }
+            st.last_try = Some(Instant::now());
+        }
+        let cfg = &self.inner.cfg;
+        let info = self.region_info_full().await?;
+        let path = onesided::attach(
+            &info,
+            cfg.transport,
+            cfg.connect_timeout,
+            cfg.hint_cache_entries,
+            Arc::clone(&self.inner.read_counters),
+            cfg.enforce_grace,
+        )
+        .await
+        .map_err(|e| ClientError::OneSidedUnavailable(e.to_string()))?;
+        let path = Arc::new(path);
+        let mut st = self.inner.path.lock().expect("path lock poisoned");
+        Ok(Arc::clone(st.attached.get_or_insert(path)))
+    }
+
+    /// Forgets a path that failed, so the next GET attaches anew.
+    fn detach(&self, failed: &Arc<OneSided>, why: &BackendError) {
+        tracing::debug!("one-sided path failed: {why}");
+        let mut st = self.inner.path.lock().expect("path lock poisoned");
+        if st.attached.as_ref().is_some_and(|p| Arc::ptr_eq(p, failed)) {
+            st.attached = None;
+            st.last_try = None;
+        }
+    }
+
+    /// The one-sided backend GETs use now, if any.
+    pub fn one_sided_transport(&self) -> Option<Transport> {
+        self.inner.path.lock().expect("path lock poisoned").attached.as_ref().map(|p| p.transport())
+    }
+
+    /// Counters of this client's one-sided reads.
+    pub fn read_stats(&self) -> ReadStats {
+        self.inner.read_counters.snapshot()
     }
 
     /// The server address.
@@ -174,9 +284,30 @@ impl Client {
         Ok(self.get_versioned(key).await?.map(|v| v.value))
     }
 
-    /// Reads `key` with its version.
+    /// Reads `key` with its version: one-sided where possible, else RPC.
     pub async fn get_versioned(&self, key: impl AsRef<[u8]>) -> Result<Option<Versioned>, ClientError> {
         let key = key.as_ref();
+        check_key(key)?;
+        // A forced one-sided GET gets one more try on a fresh path.
+        for _ in 0..2 {
+            let Some(path) = self.one_sided().await? else { break };
+            match path.get(key).await {
+                Ok(OneSidedGet::Found(v)) => return Ok(Some(v)),
+                Ok(OneSidedGet::Missing) => return Ok(None),
+                Ok(OneSidedGet::GiveUp) => break,
+                Err(e) => {
+                    self.detach(&path, &e);
+                    if self.inner.cfg.read_path != ReadPath::OneSided {
+                        break;
+                    }
+                }
+            }
+        }
+        self.rpc_get(key).await
+    }
+
+    /// Reads `key` over RPC, whatever the read path.
+    pub async fn rpc_get(&self, key: &[u8]) -> Result<Option<Versioned>, ClientError> {
         check_key(key)?;
         match self.call(Op::Get(proto::Get { key: Bytes::copy_from_slice(key) })).await? {
             R::Get(g) => Ok(g.found.then_some(Versioned { value: g.value, version: g.version })),
@@ -213,6 +344,42 @@ impl Client {
         for k in keys {
             check_key(k.as_ref())?;
         }
+        if let Some(path) = self.one_sided().await? {
+            match path.multi_get(keys).await {
+                Ok(res) => {
+                    let mut out = Vec::with_capacity(keys.len());
+                    let mut rest = Vec::new();
+                    for (i, r) in res.into_iter().enumerate() {
+                        match r {
+                            OneSidedGet::Found(v) => out.push(Some(v.value)),
+                            OneSidedGet::Missing => out.push(None),
+                            OneSidedGet::GiveUp => {
+                                out.push(None);
+                                rest.push(i);
+                            }
+                        }
+                    }
+                    if !rest.is_empty() {
+                        let rest_keys: Vec<&[u8]> = rest.iter().map(|&i| keys[i].as_ref()).collect();
+                        for (i, v) in rest.into_iter().zip(self.rpc_multi_get(&rest_keys).await?) {
+                            out[i] = v;
+                        }
+                    }
+                    return Ok(out);
+                }
+                Err(e) => {
+                    self.detach(&path, &e);
+                    if self.inner.cfg.read_path == ReadPath::OneSided {
+                        return Err(ClientError::OneSidedUnavailable(e.to_string()));
+                    }
+                }
+            }
+        }
+        self.rpc_multi_get(keys).await
+    }
+
+    /// Multi-get over RPC, whatever the read path.
+    pub async fn rpc_multi_get<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Option<Bytes>>, ClientError> {
         let mut sent = Vec::new();
         for chunk in keys.chunks(MAX_MULTI_GET_KEYS) {
             let ks = chunk.iter().map(|k| Bytes::copy_from_slice(k.as_ref())).collect();
@@ -228,7 +395,7 @@ impl Client {
                 // Too many large values for one reply: fetch them one by one.
                 Err(ClientError::Server { code: ErrorCode::ResponseTooLarge, .. }) => {
                     for k in chunk {
-                        out.push(self.get(k).await?);
+                        out.push(self.rpc_get(k.as_ref()).await?.map(|v| v.value));
                     }
                 }
                 Err(e) => return Err(e),
@@ -247,8 +414,22 @@ impl Client {
 
     /// Descriptors of the server's remote-memory regions.
     pub async fn region_info(&self) -> Result<Vec<proto::RegionDescriptor>, ClientError> {
+        Ok(self.region_info_full().await?.regions)
+    }
+
+    /// The server's regions and the one-sided endpoints it offers.
+    pub async fn region_info_full(&self) -> Result<proto::RegionInfoReply, ClientError> {
         match self.call(Op::RegionInfo(proto::RegionInfo {})).await? {
-            R::RegionInfo(r) => Ok(r.regions),
+            R::RegionInfo(r) => Ok(r),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Admin: makes the server register its region anew (new epoch and
+    /// rkey). Every client's one-sided path then fails over and re-attaches.
+    pub async fn reregister(&self) -> Result<proto::RegionInfoReply, ClientError> {
+        match self.call(Op::Reregister(proto::Reregister {})).await? {
+            R::Reregister(r) => Ok(r),
             other => Err(unexpected(&other)),
         }
     }

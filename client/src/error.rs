@@ -23,6 +23,10 @@ pub enum ClientError {
     /// The server sent something this client does not understand.
     #[error("protocol error: {0}")]
     Protocol(String),
+    /// One-sided reads were required (`ReadPath::OneSided`) but are not
+    /// possible with this server.
+    #[error("one-sided reads unavailable: {0}")]
+    OneSidedUnavailable(String),
     /// The request would exceed the maximum frame size.
     #[error("request of {len} bytes exceeds the maximum frame of {max} bytes")]
     RequestTooLarge { len: usize, max: usize },

@@ -8,14 +8,19 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Where a GET goes: [`Client`] picks a pooled [`conn::Conn`], which sends
-//! it as a framed request and matches the reply by id.
+//! Where a GET goes: [`Client`] tries [`onesided`] first — the server's
+//! region read directly (shared memory on the same host, the server's
+//! software engine over TCP elsewhere), every item verified — and falls
+//! back to RPC: a pooled [`conn::Conn`] sends a framed request and matches
+//! the reply by id. PUTs and DELETEs always go over RPC.
 
 pub mod blocking;
 pub mod client;
 pub mod conn;
 pub mod error;
+pub mod onesided;
 
 pub use client::{Client, ClientConfig, ReadPath, Transport, Versioned};
 pub use dmkv_common::proto::ErrorCode;
 pub use error::ClientError;
+pub use onesided::ReadStats;

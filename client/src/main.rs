@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use dmkv_client::{ClientConfig, blocking::Client};
+use dmkv_client::{ClientConfig, ReadPath, Transport, blocking::Client};
 
 #[derive(Parser)]
 #[command(name = "dmkv", version, about = "dmkv command-line client")]
@@ -19,6 +19,12 @@ struct Cli {
     /// Request timeout in milliseconds.
     #[arg(long, default_value_t = 5000)]
     timeout_ms: u64,
+    /// How GETs go: auto (one-sided where possible), one-sided, or rpc.
+    #[arg(long, default_value = "auto")]
+    path: ReadPath,
+    /// Force a one-sided backend: shm or tcp (default: the best available).
+    #[arg(long)]
+    transport: Option<Transport>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -53,8 +59,13 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> Result<ExitCode, String> {
-    let cfg =
-        ClientConfig { pool_size: 1, request_timeout: Duration::from_millis(cli.timeout_ms), ..Default::default() };
+    let cfg = ClientConfig {
+        pool_size: 1,
+        request_timeout: Duration::from_millis(cli.timeout_ms),
+        read_path: cli.path,
+        transport: cli.transport,
+        ..Default::default()
+    };
     let client = Client::connect_with(cli.server, cfg).map_err(|e| e.to_string())?;
     let mut stdout = std::io::stdout().lock();
     match cli.cmd {

@@ -34,6 +34,9 @@ pub const LAYOUT_VERSION: u32 = 1;
 pub const HEADER_LEN: usize = 4096;
 /// Bytes of the header that carry data (the rest of the page is zero).
 pub const HEADER_ENCODED_LEN: usize = 96;
+/// Byte offset of the epoch within the header: one aligned 8-byte word, so
+/// a reader can check it with a single atomic load.
+pub const EPOCH_OFFSET: u64 = 16;
 /// Length of the item header.
 pub const ITEM_HEADER_LEN: usize = 32;
 /// Largest item, in units: header, maximum key and maximum value.

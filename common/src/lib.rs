@@ -9,7 +9,9 @@ pub mod error;
 pub mod frame;
 pub mod layout;
 pub mod limits;
+pub mod onesided;
 pub mod racy;
+pub mod read;
 
 /// Messages generated from `proto/dmkv.proto`.
 pub mod proto {

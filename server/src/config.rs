@@ -47,6 +47,18 @@ pub struct Flags {
     /// Worker threads (default: one per core).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Address of the software one-sided engine (default: the RPC host, any port).
+    #[arg(long, value_name = "ADDR")]
+    pub engine_listen: Option<SocketAddr>,
+    /// Do not offer the software one-sided engine.
+    #[arg(long)]
+    pub no_engine: bool,
+    /// Unix socket for shared-memory handoff (default: in the temp dir, per process).
+    #[arg(long, value_name = "PATH")]
+    pub shm_socket: Option<PathBuf>,
+    /// Do not offer shared memory to same-host clients.
+    #[arg(long)]
+    pub no_shm: bool,
     /// Log filter, e.g. info or dmkv_server=debug (RUST_LOG also works).
     #[arg(long)]
     pub log: Option<String>,
@@ -63,6 +75,10 @@ pub struct FileConfig {
     pub max_frame: Option<Size>,
     pub threads: Option<usize>,
     pub log: Option<String>,
+    pub engine_listen: Option<SocketAddr>,
+    pub engine: Option<bool>,
+    pub shm_socket: Option<PathBuf>,
+    pub shm: Option<bool>,
 }
 
 /// A byte size written as a number or a string such as "256MiB".
@@ -112,6 +128,10 @@ pub struct Config {
     pub threads: usize,
     pub log: String,
     pub max_connections: usize,
+    /// Engine address; `None` when the engine is off.
+    pub engine_listen: Option<SocketAddr>,
+    /// Handoff socket path; `None` when shared memory is off.
+    pub shm_socket: Option<PathBuf>,
 }
 
 impl Default for Config {
@@ -155,8 +175,21 @@ impl Config {
             .threads
             .or(file.threads)
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+        let listen = flags.listen.or(file.listen).unwrap_or_else(|| DEFAULT_LISTEN.parse().expect("valid default"));
+        let engine_on = !flags.no_engine && file.engine.unwrap_or(true);
+        let engine_listen =
+            engine_on.then(|| flags.engine_listen.or(file.engine_listen).unwrap_or(SocketAddr::new(listen.ip(), 0)));
+        let shm_on = !flags.no_shm && file.shm.unwrap_or(true);
+        let shm_socket = shm_on.then(|| {
+            flags
+                .shm_socket
+                .or(file.shm_socket)
+                .unwrap_or_else(|| std::env::temp_dir().join(format!("dmkvd-{}.sock", std::process::id())))
+        });
         Ok(Config {
-            listen: flags.listen.or(file.listen).unwrap_or_else(|| DEFAULT_LISTEN.parse().expect("valid default")),
+            listen,
+            engine_listen,
+            shm_socket,
             memory,
             buckets,
             grace: Duration::from_millis(flags.grace_ms.or(file.grace_ms).unwrap_or(DEFAULT_GRACE.as_millis() as u64)),

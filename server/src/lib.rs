@@ -2,12 +2,17 @@
 //! `dmkv_common::layout`, the store that writes it, and the RPC service.
 //!
 //! Where a request goes: [`service`] decodes it, [`store`] runs it against
-//! the [`region`], whose space [`alloc`] hands out.
+//! the [`region`], whose space [`alloc`] hands out. One-sided GETs never
+//! reach those: same-host clients map the region after a [`shm`] handoff,
+//! others read it through the [`engine`]; both check the [`registration`].
 
 pub mod alloc;
 pub mod config;
+pub mod engine;
 pub mod region;
+pub mod registration;
 pub mod service;
+pub mod shm;
 pub mod store;
 
 use std::net::SocketAddr;
@@ -26,6 +31,8 @@ use store::Store;
 /// A bound, formatted server, ready to serve.
 pub struct Server {
     listener: TcpListener,
+    engine: Option<TcpListener>,
+    shm: Option<shm::ShmListener>,
     shared: Arc<Shared>,
     max_connections: usize,
 }
@@ -35,14 +42,53 @@ impl Server {
     pub async fn bind(cfg: &Config) -> std::io::Result<Server> {
         let region = Arc::new(Region::create("dmkv-region", cfg.memory as usize)?);
         let seed: u64 = rand::random();
-        let rkey: u64 = rand::random::<u32>() as u64;
         // Epochs start at a random value so a restarted server never reuses one.
         let epoch: u64 = rand::random::<u32>() as u64 + 1;
         let store = Store::format(region, cfg.buckets, seed, epoch, cfg.grace)
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
         let listener = TcpListener::bind(cfg.listen).await?;
-        let shared = Arc::new(Shared { store, max_frame: cfg.max_frame, rkey, region_id: 0 });
-        Ok(Server { listener, shared, max_connections: cfg.max_connections })
+        let engine = match cfg.engine_listen {
+            Some(addr) => Some(TcpListener::bind(addr).await?),
+            None => None,
+        };
+        let shm = match &cfg.shm_socket {
+            Some(path) => Some(shm::ShmListener::bind(path)?),
+            None => None,
+        };
+        let registration = Arc::new(registration::Registration::new(*store.header()));
+        let shared = Arc::new(Shared {
+            store,
+            max_frame: cfg.max_frame,
+            registration,
+            region_id: 0,
+            engine_addr: engine.as_ref().map(|l| l.local_addr()).transpose()?,
+            shm_socket: shm.as_ref().map(|s| s.path().to_path_buf()),
+            host_id: host_id(),
+            engine_counters: Arc::default(),
+        });
+        Ok(Server { listener, engine, shm, shared, max_connections: cfg.max_connections })
+    }
+
+    /// The one-sided engine's address, if it is on.
+    pub fn engine_addr(&self) -> Option<SocketAddr> {
+        self.shared.engine_addr
+    }
+
+    /// The shared-memory handoff socket, if it is on.
+    pub fn shm_socket(&self) -> Option<&std::path::Path> {
+        self.shared.shm_socket.as_deref()
+    }
+
+    /// The line `dmkvd` prints once it serves: every endpoint as key=value.
+    pub fn endpoints_line(&self) -> String {
+        let mut line = format!("dmkvd listening rpc={}", self.local_addr());
+        if let Some(a) = self.engine_addr() {
+            line += &format!(" engine={a}");
+        }
+        if let Some(p) = self.shm_socket() {
+            line += &format!(" shm={}", p.display());
+        }
+        line
     }
 
     /// The RPC address actually bound (useful with port 0).
@@ -54,6 +100,21 @@ impl Server {
     /// connection answer the requests it has read (bounded by a deadline).
     pub async fn serve(self, shutdown: impl std::future::Future<Output = ()>) {
         let (stop_tx, stop_rx) = watch::channel(false);
+        let mut side = JoinSet::new();
+        let region = Arc::clone(self.shared.store.region());
+        if let Some(l) = self.engine {
+            let (r, reg, c) =
+                (Arc::clone(&region), Arc::clone(&self.shared.registration), Arc::clone(&self.shared.engine_counters));
+            side.spawn(engine::serve(l, r, reg, c, stop_rx.clone()));
+        }
+        if let Some(l) = self.shm {
+            let (r, reg, rx) = (Arc::clone(&region), Arc::clone(&self.shared.registration), stop_rx.clone());
+            side.spawn(async move {
+                if let Err(e) = shm::serve(l, r, reg, rx).await {
+                    warn!("shared-memory handoff stopped: {e}");
+                }
+            });
+        }
         let permits = Arc::new(Semaphore::new(self.max_connections));
         let mut conns = JoinSet::new();
         tokio::pin!(shutdown);
@@ -85,6 +146,12 @@ impl Server {
         if tokio::time::timeout(config::SHUTDOWN_DRAIN, drain).await.is_err() {
             warn!("connections still open after the drain deadline; closing them");
         }
+        while side.join_next().await.is_some() {}
         info!("stopped");
     }
+}
+
+/// The kernel's boot id: equal for processes on the same host (and kernel).
+fn host_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id").map(|s| s.trim().to_string()).unwrap_or_default()
 }

@@ -38,7 +38,7 @@ fn main() -> std::process::ExitCode {
         };
         tracing::info!(rpc = %server.local_addr(), memory = cfg.memory, buckets = cfg.buckets, "dmkvd serving");
         // Tests and scripts read this line to learn the port picked at run time.
-        println!("dmkvd listening rpc={}", server.local_addr());
+        println!("{}", server.endpoints_line());
         server.serve(shutdown_signal()).await;
         std::process::ExitCode::SUCCESS
     })

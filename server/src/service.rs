@@ -18,6 +18,8 @@ use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tracing::{debug, warn};
 
+use crate::engine::EngineCounters;
+use crate::registration::Registration;
 use crate::store::Store;
 
 /// Read buffer size per connection; frames larger than this grow it.
@@ -29,8 +31,12 @@ const OOM_RETRIES: usize = 2;
 pub struct Shared {
     pub store: Store,
     pub max_frame: usize,
-    pub rkey: u64,
+    pub registration: Arc<Registration>,
     pub region_id: u32,
+    pub engine_addr: Option<std::net::SocketAddr>,
+    pub shm_socket: Option<std::path::PathBuf>,
+    pub host_id: String,
+    pub engine_counters: Arc<EngineCounters>,
 }
 
 /// Serves one connection until the peer closes, sends a malformed frame,
@@ -179,26 +185,38 @@ async fn handle(shared: &Shared, req: Request) -> Response {
             R::MultiGet(proto::MultiGetReply { values })
         }
         Some(Op::Stats(_)) => R::Stats(proto::StatsReply { counters: stats(shared) }),
-        Some(Op::RegionInfo(_)) => {
-            let h = store.header();
-            R::RegionInfo(proto::RegionInfoReply {
-                regions: vec![proto::RegionDescriptor {
-                    region_id: shared.region_id,
-                    epoch: h.epoch,
-                    length: h.region_len,
-                    rkey: shared.rkey,
-                    bucket_count: h.bucket_count,
-                    hash_seed: h.hash_seed,
-                    index_offset: h.index_offset,
-                    data_offset: h.data_offset,
-                    data_length: h.data_len,
-                    layout_version: LAYOUT_VERSION,
-                    grace_nanos: h.grace_nanos,
-                }],
-            })
+        Some(Op::RegionInfo(_)) => R::RegionInfo(region_info(shared)),
+        Some(Op::Reregister(_)) => {
+            let epoch = shared.registration.reregister(store.region());
+            tracing::info!(epoch, "region registered anew");
+            R::Reregister(region_info(shared))
         }
     };
     Response { id, result: Some(result) }
+}
+
+fn region_info(shared: &Shared) -> proto::RegionInfoReply {
+    let reg = &shared.registration;
+    let h = reg.header();
+    proto::RegionInfoReply {
+        regions: vec![proto::RegionDescriptor {
+            region_id: shared.region_id,
+            epoch: h.epoch,
+            length: h.region_len,
+            rkey: reg.rkey(),
+            bucket_count: h.bucket_count,
+            hash_seed: h.hash_seed,
+            index_offset: h.index_offset,
+            data_offset: h.data_offset,
+            data_length: h.data_len,
+            layout_version: LAYOUT_VERSION,
+            grace_nanos: h.grace_nanos,
+            base_addr: shared.store.region().base_ptr() as u64,
+        }],
+        shm_socket: shared.shm_socket.as_ref().map(|p| p.display().to_string()).unwrap_or_default(),
+        engine_addr: shared.engine_addr.map(|a| a.to_string()).unwrap_or_default(),
+        host_id: shared.host_id.clone(),
+    }
 }
 
 fn stats(shared: &Shared) -> HashMap<String, u64> {
@@ -220,7 +238,11 @@ fn stats(shared: &Shared) -> HashMap<String, u64> {
         ("data_bytes", data_bytes),
         ("region_bytes", s.header().region_len),
         ("index_slots", s.slot_count()),
-        ("region_epoch", s.header().epoch),
+        ("region_epoch", shared.registration.epoch()),
+        ("engine_batches", load(&shared.engine_counters.batches)),
+        ("engine_reads", load(&shared.engine_counters.reads)),
+        ("engine_bytes", load(&shared.engine_counters.bytes)),
+        ("engine_rejected_reads", load(&shared.engine_counters.rejected)),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))

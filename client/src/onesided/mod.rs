@@ -1,0 +1,415 @@
+//! One-sided GETs: read the server's region without running its key-value
+//! code, verify every byte, and fall back to RPC when that fails.
+//!
+//! [`OneSided`] drives the pure protocol of [`dmkv_common::read`] over a
+//! backend: [`shm`] (the region mapped in this process) or [`engine`] (the
+//! server's software one-sided engine over TCP).
+
+pub mod engine;
+pub mod shm;
+
+use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use dmkv_common::layout::{LAYOUT_VERSION, RegionHeader};
+use dmkv_common::proto::{RegionDescriptor, RegionInfoReply};
+use dmkv_common::read::{AfterBuckets, Hint, Lookup, MAX_ATTEMPTS, Outcome, ReadSpec, Retry};
+use thiserror::Error;
+
+use crate::client::{Transport, Versioned};
+
+/// Most keys whose item address is cached per server.
+pub const DEFAULT_HINT_ENTRIES: usize = 64 * 1024;
+/// Keys per batch in a one-sided multi-get (three reads each at most).
+const MULTI_GET_CHUNK: usize = 256;
+
+/// Why a backend could not serve a batch. Every variant means the path is
+/// unusable until attached again; nothing read is returned.
+#[derive(Debug, Clone, Error)]
+pub enum BackendError {
+    #[error("cannot attach: {0}")]
+    Attach(String),
+    #[error("one-sided connection closed")]
+    Closed,
+    #[error("region registration is stale (new epoch or rkey)")]
+    Stale,
+    #[error("one-sided read timed out")]
+    Timeout,
+    #[error("one-sided protocol error: {0}")]
+    Protocol(String),
+}
+
+/// The results of one batch of reads: the bytes of each read, in order, or
+/// `None` for a read the backend refused (out of bounds).
+#[derive(Debug, Default)]
+pub struct Reads {
+    data: Vec<u8>,
+    ranges: Vec<Option<Range<usize>>>,
+}
+
+impl Reads {
+    fn clear(&mut self) {
+        self.data.clear();
+        self.ranges.clear();
+    }
+
+    /// Appends room for a read of `len` bytes and returns it.
+    fn push_slot(&mut self, len: usize) -> &mut [u8] {
+        let start = self.data.len();
+        self.data.resize(start + len, 0);
+        self.ranges.push(Some(start..start + len));
+        &mut self.data[start..]
+    }
+
+    fn push_failed(&mut self) {
+        self.ranges.push(None);
+    }
+
+    /// The bytes of read `i`; `None` if it failed.
+    pub fn get(&self, i: usize) -> Option<&[u8]> {
+        self.ranges.get(i)?.clone().map(|r| &self.data[r])
+    }
+}
+
+enum Backend {
+    Shm(shm::ShmRegion),
+    Engine(engine::EngineConn),
+}
+
+impl Backend {
+    async fn read(&self, specs: &[ReadSpec], out: &mut Reads) -> Result<(), BackendError> {
+        match self {
+            Backend::Shm(s) => s.read(specs, out),
+            Backend::Engine(e) => e.read(specs, out).await,
+        }
+    }
+}
+
+/// Counters of one-sided reads, for tests, benchmarks and operators.
+#[derive(Debug, Default)]
+pub struct ReadCounters {
+    /// GETs answered one-sided (hit or miss).
+    pub gets: AtomicU64,
+    /// Of those, answered from a cached address in one round trip.
+    pub hint_hits: AtomicU64,
+    /// Attempts abandoned because an item failed verification.
+    pub torn: AtomicU64,
+    /// Attempts abandoned because a matching slot held another key.
+    pub other_key: AtomicU64,
+    /// Attempts abandoned because they outlasted the grace period.
+    pub slow: AtomicU64,
+    /// GETs that used up their attempts and went over RPC.
+    pub fallbacks: AtomicU64,
+}
+
+/// A snapshot of [`ReadCounters`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReadStats {
+    pub gets: u64,
+    pub hint_hits: u64,
+    pub torn: u64,
+    pub other_key: u64,
+    pub slow: u64,
+    pub fallbacks: u64,
+}
+
+impl ReadCounters {
+    /// The current values.
+    pub fn snapshot(&self) -> ReadStats {
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        ReadStats {
+            gets: l(&self.gets),
+            hint_hits: l(&self.hint_hits),
+            torn: l(&self.torn),
+            other_key: l(&self.other_key),
+            slow: l(&self.slow),
+            fallbacks: l(&self.fallbacks),
+        }
+    }
+
+    fn retry(&self, r: Retry) {
+        let c = match r {
+            Retry::Torn => &self.torn,
+            Retry::OtherKey => &self.other_key,
+            Retry::Slow => &self.slow,
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// A bounded map from key to the address its item was last read at;
+/// the oldest entries are dropped first.
+struct HintCache {
+    map: HashMap<Bytes, Hint>,
+    order: VecDeque<Bytes>,
+    cap: usize,
+}
+
+impl HintCache {
+    fn get(&self, key: &[u8]) -> Option<Hint> {
+        self.map.get(key).copied()
+    }
+
+    fn put(&mut self, key: &[u8], hint: Hint) {
+        if self.cap == 0 {
+            return;
+        }
+        if let Some(h) = self.map.get_mut(key) {
+            *h = hint;
+            return;
+        }
+        while self.map.len() >= self.cap {
+            match self.order.pop_front() {
+                Some(old) => {
+                    self.map.remove(&old);
+                }
+                None => break,
+            }
+        }
+        let k = Bytes::copy_from_slice(key);
+        self.order.push_back(k.clone());
+        self.map.insert(k, hint);
+    }
+
+    fn remove(&mut self, key: &[u8]) {
+        // The key stays in `order` until it ages out; the map decides.
+        self.map.remove(key);
+    }
+}
+
+/// Result of a one-sided GET.
+pub enum OneSidedGet {
+    Found(Versioned),
+    Missing,
+    /// Verification kept failing: ask the server over RPC.
+    GiveUp,
+}
+
+/// An attached one-sided path to one server's region.
+pub struct OneSided {
+    header: RegionHeader,
+    backend: Backend,
+    transport: Transport,
+    hints: Mutex<HintCache>,
+    counters: std::sync::Arc<ReadCounters>,
+    clock: Instant,
+    enforce_grace: bool,
+}
+
+/// Picks and attaches a backend for the server described by `info`.
+///
+/// `forced` limits the choice to one transport; otherwise shared memory is
+/// tried first (only when the server runs on this host), then the engine.
+pub async fn attach(
+    info: &RegionInfoReply,
+    forced: Option<Transport>,
+    timeout: Duration,
+    hint_entries: usize,
+    counters: std::sync::Arc<ReadCounters>,
+    enforce_grace: bool,
+) -> Result<OneSided, BackendError> {
+    let desc = info.regions.first().ok_or_else(|| BackendError::Attach("server has no region".into()))?;
+    let header = header_of(desc)?;
+    let same_host = !info.host_id.is_empty() && info.host_id == local_host_id();
+    let mut errors = Vec::new();
+    let candidates: &[Transport] = match forced {
+        Some(t) => &[t][..],
+        None => &[Transport::Shm, Transport::Tcp],
+    };
+    for &t in candidates {
+        let attempt = match t {
+            Transport::Shm if info.shm_socket.is_empty() => {
+                Err(BackendError::Attach("server offers no shared memory".into()))
+            }
+            Transport::Shm if !same_host => Err(BackendError::Attach("server is on another host".into())),
+            Transport::Shm => {
+                shm::ShmRegion::attach(&info.shm_socket, desc.rkey, desc.epoch, timeout).await.map(Backend::Shm)
+            }
+            Transport::Tcp if info.engine_addr.is_empty() => {
+                Err(BackendError::Attach("server offers no one-sided engine".into()))
+            }
+            Transport::Tcp => {
+                engine::EngineConn::connect(&info.engine_addr, desc.rkey, timeout).await.map(Backend::Engine)
+            }
+            Transport::Rdma => {
+                Err(BackendError::Attach("this client was built without RDMA support (feature `rdma`)".into()))
+            }
+        };
+        match attempt {
+            Ok(backend) => {
+                return Ok(OneSided {
+                    header,
+                    backend,
+                    transport: t,
+                    hints: Mutex::new(HintCache { map: HashMap::new(), order: VecDeque::new(), cap: hint_entries }),
+                    counters,
+                    clock: Instant::now(),
+                    enforce_grace,
+                });
+            }
+            Err(e) => errors.push(format!("{t:?}: {e}")),
+        }
+    }
+    Err(BackendError::Attach(errors.join("; ")))
+}
+
+fn header_of(d: &RegionDescriptor) -> Result<RegionHeader, BackendError> {
+    if d.layout_version != LAYOUT_VERSION {
+        return Err(BackendError::Attach(format!(
+            "server's layout version {} is not {LAYOUT_VERSION}",
+            d.layout_version
+        )));
+    }
+    let h = RegionHeader {
+        epoch: d.epoch,
+        bucket_count: d.bucket_count,
+        hash_seed: d.hash_seed,
+        index_offset: d.index_offset,
+        data_offset: d.data_offset,
+        data_len: d.data_length,
+        region_len: d.length,
+        grace_nanos: d.grace_nanos,
+    };
+    h.validate().map_err(|e| BackendError::Attach(format!("bad region descriptor: {e}")))?;
+    Ok(h)
+}
+
+fn local_host_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id").map(|s| s.trim().to_string()).unwrap_or_default()
+}
+
+/// One key's progress through a (multi-)GET.
+struct Pending<'k> {
+    key: &'k [u8],
+    look: Lookup,
+    hint: Option<Hint>,
+    first: Range<usize>,
+    items: Range<usize>,
+}
+
+impl OneSided {
+    /// Which backend this path uses.
+    pub fn transport(&self) -> Transport {
+        self.transport
+    }
+
+    fn now(&self) -> u64 {
+        self.clock.elapsed().as_nanos() as u64
+    }
+
+    fn lookup(&self, key: &[u8]) -> (Lookup, Option<Hint>) {
+        let hint = self.hints.lock().expect("hints poisoned").get(key);
+        let look = Lookup::new(key, &self.header, hint, self.now());
+        (if self.enforce_grace { look } else { look.without_grace_check() }, hint)
+    }
+
+    /// GETs `key` with one-sided reads, at most [`MAX_ATTEMPTS`] attempts.
+    pub async fn get(&self, key: &[u8]) -> Result<OneSidedGet, BackendError> {
+        let mut out = self.multi_get(&[key]).await?;
+        Ok(out.pop().expect("one result per key"))
+    }
+
+    /// GETs many keys: all bucket reads in one batch, then all item reads in
+    /// one batch, repeated for the keys that must retry.
+    pub async fn multi_get<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<OneSidedGet>, BackendError> {
+        let mut results: Vec<Option<OneSidedGet>> = (0..keys.len()).map(|_| None).collect();
+        for (chunk_no, chunk) in keys.chunks(MULTI_GET_CHUNK).enumerate() {
+            let base = chunk_no * MULTI_GET_CHUNK;
+            let mut todo: Vec<usize> = (0..chunk.len()).collect();
+            for _ in 0..MAX_ATTEMPTS {
+                if todo.is_empty() {
+                    break;
+                }
+                todo = self.attempt(chunk, &todo, &mut results[base..base + chunk.len()]).await?;
+            }
+            for i in todo {
+                self.counters.fallbacks.fetch_add(1, Ordering::Relaxed);
+                results[base + i] = Some(OneSidedGet::GiveUp);
+            }
+        }
+        Ok(results.into_iter().map(|r| r.expect("every key resolved")).collect())
+    }
+
+    /// One attempt for keys `todo` of `keys`; returns those that must retry.
+    async fn attempt<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        todo: &[usize],
+        results: &mut [Option<OneSidedGet>],
+    ) -> Result<Vec<usize>, BackendError> {
+        let mut specs = Vec::with_capacity(todo.len() * 3);
+        let mut pend: Vec<(usize, Pending)> = Vec::with_capacity(todo.len());
+        for &i in todo {
+            let key = keys[i].as_ref();
+            let (look, hint) = self.lookup(key);
+            let start = specs.len();
+            look.first_reads(&mut specs);
+            pend.push((i, Pending { key, look, hint, first: start..specs.len(), items: 0..0 }));
+        }
+        let mut reads = Reads::default();
+        self.backend.read(&specs, &mut reads).await?;
+        let mut retry = Vec::new();
+        let mut item_specs = Vec::new();
+        let mut second = Vec::new();
+        for (i, mut p) in pend {
+            let (b0, b1) = (reads.get(p.first.start), reads.get(p.first.start + 1));
+            let (Some(b0), Some(b1)) = (b0, b1) else {
+                self.counters.retry(Retry::Torn);
+                retry.push(i);
+                continue;
+            };
+            let hinted = p.hint.and_then(|_| reads.get(p.first.start + 2));
+            match p.look.after_buckets(p.key, [b0, b1], hinted, self.now()) {
+                AfterBuckets::Hit(h) => {
+                    let item = hinted.expect("hit comes from the hinted item");
+                    self.counters.hint_hits.fetch_add(1, Ordering::Relaxed);
+                    results[i] = Some(self.found(p.key, item, &h));
+                }
+                AfterBuckets::Miss => results[i] = Some(self.missing(p.key)),
+                AfterBuckets::Retry(r) => {
+                    self.counters.retry(r);
+                    retry.push(i);
+                }
+                AfterBuckets::ReadItems => {
+                    let start = item_specs.len();
+                    p.look.item_reads(&mut item_specs);
+                    p.items = start..item_specs.len();
+                    second.push((i, p));
+                }
+            }
+        }
+        if second.is_empty() {
+            return Ok(retry);
+        }
+        let mut items = Reads::default();
+        self.backend.read(&item_specs, &mut items).await?;
+        for (i, p) in second {
+            let bufs: Vec<&[u8]> = p.items.clone().map(|j| items.get(j).unwrap_or(&[])).collect();
+            match p.look.after_items(p.key, &bufs, self.now()) {
+                Outcome::Hit(h) => results[i] = Some(self.found(p.key, bufs[h.item], &h)),
+                Outcome::Miss => results[i] = Some(self.missing(p.key)),
+                Outcome::Retry(r) => {
+                    self.counters.retry(r);
+                    retry.push(i);
+                }
+            }
+        }
+        Ok(retry)
+    }
+
+    fn found(&self, key: &[u8], item: &[u8], h: &dmkv_common::read::Hit) -> OneSidedGet {
+        self.counters.gets.fetch_add(1, Ordering::Relaxed);
+        self.hints.lock().expect("hints poisoned").put(key, h.hint);
+        OneSidedGet::Found(Versioned { value: Bytes::copy_from_slice(&item[h.value.clone()]), version: h.version })
+    }
+
+    fn missing(&self, key: &[u8]) -> OneSidedGet {
+        self.counters.gets.fetch_add(1, Ordering::Relaxed);
+        self.hints.lock().expect("hints poisoned").remove(key);
+        OneSidedGet::Missing
+    }
+}

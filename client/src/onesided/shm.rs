@@ -1,0 +1,149 @@
+//! The shared-memory backend: the server's region, mapped read-only after a
+//! descriptor handoff over its Unix socket. Reads are copies by this
+//! process's CPU; the server runs nothing per GET.
+//!
+//! The mapping is valid only while the handoff connection is open: the
+//! server closes it when it stops or registers the region anew, and a
+//! crashed server's socket reports EOF. A task watches it; once it closes,
+//! every read fails with [`BackendError::Closed`] and the client attaches
+//! again. This module holds the client's only `unsafe` (the mapping).
+
+use std::fs::File;
+use std::io::{self, IoSliceMut};
+use std::mem::MaybeUninit;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use dmkv_common::layout::EPOCH_OFFSET;
+use dmkv_common::racy;
+use dmkv_common::read::ReadSpec;
+use memmap2::{MmapOptions, MmapRaw};
+use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, recvmsg};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
+use tokio::net::UnixStream;
+
+use super::{BackendError, Reads};
+
+/// Handoff reply: status byte, region length.
+const REPLY_LEN: usize = 9;
+const STATUS_OK: u8 = 0;
+
+/// A mapped region and the connection that keeps it valid.
+pub struct ShmRegion {
+    map: MmapRaw,
+    len: usize,
+    epoch: u64,
+    alive: Arc<AtomicBool>,
+    watcher: tokio::task::JoinHandle<()>,
+}
+
+// SAFETY: the mapping is only read through atomic loads (`racy`), which
+// are sound from any thread; the pointer is not tied to a thread.
+unsafe impl Send for ShmRegion {}
+// SAFETY: as above.
+unsafe impl Sync for ShmRegion {}
+
+impl Drop for ShmRegion {
+    fn drop(&mut self) {
+        self.watcher.abort();
+    }
+}
+
+impl ShmRegion {
+    /// Asks the server at `socket` for its region, presenting `rkey` and
+    /// `epoch`, and maps it read-only.
+    pub async fn attach(socket: &str, rkey: u64, epoch: u64, timeout: Duration) -> Result<ShmRegion, BackendError> {
+        let work = async {
+            let mut stream = UnixStream::connect(socket).await?;
+            let mut req = [0u8; 16];
+            req[..8].copy_from_slice(&rkey.to_le_bytes());
+            req[8..].copy_from_slice(&epoch.to_le_bytes());
+            stream.write_all(&req).await?;
+            let (reply, fd) = recv_with_fd(&stream).await?;
+            Ok::<_, io::Error>((stream, reply, fd))
+        };
+        let (mut stream, reply, fd) = match tokio::time::timeout(timeout, work).await {
+            Ok(Ok(x)) => x,
+            Ok(Err(e)) => return Err(BackendError::Attach(format!("shared-memory handoff via {socket}: {e}"))),
+            Err(_) => return Err(BackendError::Attach(format!("shared-memory handoff via {socket} timed out"))),
+        };
+        if reply[0] != STATUS_OK {
+            return Err(BackendError::Attach(
+                "server refused the shared-memory handoff (rkey or epoch not current)".into(),
+            ));
+        }
+        let file = fd.ok_or_else(|| BackendError::Attach("handoff reply carried no descriptor".into()))?;
+        let len = u64::from_le_bytes(reply[1..9].try_into().expect("8 bytes")) as usize;
+        let map = MmapOptions::new()
+            .len(len)
+            .map_raw_read_only(&file)
+            .map_err(|e| BackendError::Attach(format!("cannot map the region: {e}")))?;
+        let alive = Arc::new(AtomicBool::new(true));
+        let flag = Arc::clone(&alive);
+        let watcher = tokio::spawn(async move {
+            let mut b = [0u8; 1];
+            let _ = stream.read(&mut b).await;
+            flag.store(false, Ordering::Release);
+        });
+        Ok(ShmRegion { map, len, epoch, alive, watcher })
+    }
+
+    /// Reads every spec, concatenated in order. A spec past the mapping's
+    /// end (from a torn or reused slot) yields `None`, never a fault.
+    pub fn read(&self, specs: &[ReadSpec], out: &mut Reads) -> Result<(), BackendError> {
+        if !self.alive.load(Ordering::Acquire) {
+            return Err(BackendError::Closed);
+        }
+        let base = self.map.as_ptr();
+        // SAFETY: EPOCH_OFFSET + 8 <= header length <= self.len, 8-aligned
+        // (the mapping is page-aligned); the mapping lives as long as self.
+        let epoch = unsafe { racy::load_word(base.add(EPOCH_OFFSET as usize)) };
+        if epoch != self.epoch {
+            return Err(BackendError::Stale);
+        }
+        out.clear();
+        for s in specs {
+            let len = s.len as usize;
+            match (s.offset as usize).checked_add(len) {
+                Some(end) if end <= self.len => {
+                    let dst = out.push_slot(len);
+                    // SAFETY: offset..end lies inside the live mapping,
+                    // which is only ever written by the server's atomic stores.
+                    unsafe { racy::copy_from_shared(base.add(s.offset as usize), dst) };
+                }
+                _ => out.push_failed(),
+            }
+        }
+        Ok(())
+    }
+}
+
+async fn recv_with_fd(stream: &UnixStream) -> io::Result<([u8; REPLY_LEN], Option<File>)> {
+    loop {
+        stream.readable().await?;
+        let r = stream.try_io(Interest::READABLE, || {
+            let mut reply = [0u8; REPLY_LEN];
+            let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+            let mut control = RecvAncillaryBuffer::new(&mut space);
+            let msg = recvmsg(stream, &mut [IoSliceMut::new(&mut reply)], &mut control, RecvFlags::CMSG_CLOEXEC)
+                .map_err(io::Error::from)?;
+            let mut file = None;
+            for m in control.drain() {
+                if let RecvAncillaryMessage::ScmRights(fds) = m {
+                    for fd in fds {
+                        file.get_or_insert(File::from(fd));
+                    }
+                }
+            }
+            if msg.bytes != REPLY_LEN {
+                return Err(io::Error::other(format!("handoff reply of {} bytes", msg.bytes)));
+            }
+            Ok((reply, file))
+        });
+        match r {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            r => return r,
+        }
+    }
+}

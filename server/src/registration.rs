@@ -1,0 +1,66 @@
+//! The region's registration: the rkey that one-sided readers must present
+//! and the epoch that says which registration is current. A new
+//! registration (restart, or the REREGISTER admin request) picks a new
+//! random rkey and bumps the epoch, so every old rkey, cached address and
+//! shared-memory handoff stops working.
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use dmkv_common::layout::RegionHeader;
+use tokio::sync::watch;
+
+use crate::region::Region;
+
+/// Current rkey and epoch of the region.
+pub struct Registration {
+    rkey: AtomicU64,
+    header: Mutex<RegionHeader>,
+    epoch_tx: watch::Sender<u64>,
+}
+
+impl Registration {
+    /// The first registration of a freshly formatted region.
+    pub fn new(header: RegionHeader) -> Registration {
+        let (epoch_tx, _) = watch::channel(header.epoch);
+        Registration { rkey: AtomicU64::new(new_rkey()), header: Mutex::new(header), epoch_tx }
+    }
+
+    /// The rkey readers must present.
+    pub fn rkey(&self) -> u64 {
+        self.rkey.load(Ordering::Acquire)
+    }
+
+    /// The current epoch.
+    pub fn epoch(&self) -> u64 {
+        *self.epoch_tx.borrow()
+    }
+
+    /// The header as currently written (with the current epoch).
+    pub fn header(&self) -> RegionHeader {
+        *self.header.lock().expect("header lock poisoned")
+    }
+
+    /// Wakes when the epoch changes.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.epoch_tx.subscribe()
+    }
+
+    /// Registers the region anew: new rkey, next epoch, written into the
+    /// region's header so that shared-memory readers see it too.
+    pub fn reregister(&self, region: &Region) -> u64 {
+        let mut h = self.header.lock().expect("header lock poisoned");
+        h.epoch += 1;
+        // Invalidate the old rkey before the epoch is visible, so nothing
+        // can pair the new epoch with the old key.
+        self.rkey.store(new_rkey(), Ordering::Release);
+        region.write(0, &h.encode());
+        self.epoch_tx.send_replace(h.epoch);
+        h.epoch
+    }
+}
+
+fn new_rkey() -> u64 {
+    // 32 bits, like an RDMA rkey, but never zero.
+    rand::random::<u32>().max(1) as u64
+}

@@ -1,0 +1,208 @@
+//! End-to-end tests of one-sided GETs: shared memory and the TCP engine,
+//! against real dmkvd processes.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::os::unix::net::UnixStream;
+use std::time::Duration;
+
+use bytes::BytesMut;
+use dmkv_client::{Client, ClientConfig, ClientError, ReadPath, Transport};
+use dmkv_common::onesided::{self, MAX_READ_LEN, ReadStatus, ReadWr};
+use dmkv_tests::{ServerProcess, wait_until};
+
+fn cfg(path: ReadPath, transport: Option<Transport>) -> ClientConfig {
+    ClientConfig { read_path: path, transport, pool_size: 1, ..Default::default() }
+}
+
+async fn server_gets(c: &Client) -> u64 {
+    c.stats().await.unwrap()["gets"]
+}
+
+#[tokio::test]
+async fn gets_go_one_sided_by_default_and_never_reach_kv_code() {
+    let srv = ServerProcess::start(&["--memory", "64MiB"]);
+    let auto = Client::connect(&srv.rpc).await.unwrap();
+    assert_eq!(auto.one_sided_transport(), Some(Transport::Shm), "same host: shared memory is the default");
+    for i in 0..500u32 {
+        auto.put(format!("k{i}"), format!("value-{i}").repeat(i as usize % 7 + 1)).await.unwrap();
+    }
+    for (name, c) in [
+        ("auto", auto.clone()),
+        ("shm", Client::connect_with(&srv.rpc, cfg(ReadPath::OneSided, Some(Transport::Shm))).await.unwrap()),
+        ("tcp", Client::connect_with(&srv.rpc, cfg(ReadPath::OneSided, Some(Transport::Tcp))).await.unwrap()),
+    ] {
+        let before = server_gets(&auto).await;
+        for round in 0..2 {
+            for i in 0..500u32 {
+                let want = format!("value-{i}").repeat(i as usize % 7 + 1);
+                assert_eq!(c.get(format!("k{i}")).await.unwrap().unwrap(), want.as_bytes(), "{name} round {round}");
+            }
+            assert_eq!(c.get("absent").await.unwrap(), None);
+        }
+        let keys: Vec<String> = (0..700).map(|i| format!("k{i}")).collect();
+        let got = c.multi_get(&keys).await.unwrap();
+        for (i, v) in got.iter().enumerate() {
+            let want = (i < 500).then(|| format!("value-{i}").repeat(i % 7 + 1));
+            assert_eq!(v.as_deref(), want.as_deref().map(str::as_bytes), "{name} multi-get k{i}");
+        }
+        assert_eq!(server_gets(&auto).await, before, "{name}: the server's KV code ran for a one-sided GET");
+        let rs = c.read_stats();
+        assert!(rs.gets >= 1000 + 700, "{name}: {rs:?}");
+        assert!(rs.hint_hits >= 500, "{name}: the second round should hit cached addresses: {rs:?}");
+        assert_eq!(rs.fallbacks, 0, "{name}: {rs:?}");
+    }
+    let stats = auto.stats().await.unwrap();
+    assert!(stats["engine_reads"] > 0);
+    // The RPC path still works when asked for.
+    let rpc = Client::connect_with(&srv.rpc, cfg(ReadPath::Rpc, None)).await.unwrap();
+    assert_eq!(rpc.one_sided_transport(), None);
+    assert_eq!(rpc.get("k1").await.unwrap().unwrap(), "value-1value-1".as_bytes());
+    assert_eq!(server_gets(&auto).await, stats["gets"] + 1);
+}
+
+#[tokio::test]
+async fn one_sided_sees_overwrites_and_deletes() {
+    let srv = ServerProcess::start(&["--memory", "64MiB"]);
+    for t in [Transport::Shm, Transport::Tcp] {
+        let c = Client::connect_with(&srv.rpc, cfg(ReadPath::OneSided, Some(t))).await.unwrap();
+        for n in [0usize, 10, 5000, 100, 200_000, 64, 1] {
+            c.put("ow", vec![n as u8; n]).await.unwrap();
+            assert_eq!(c.get("ow").await.unwrap().unwrap(), vec![n as u8; n], "{t:?} size {n}");
+        }
+        assert!(c.delete("ow").await.unwrap());
+        assert_eq!(c.get("ow").await.unwrap(), None, "{t:?}: cached address must not outlive a delete");
+    }
+}
+
+#[tokio::test]
+async fn forced_transport_without_support_fails_clearly() {
+    let srv = ServerProcess::start(&["--memory", "16MiB", "--no-shm", "--no-engine"]);
+    for t in [Transport::Shm, Transport::Tcp, Transport::Rdma] {
+        let err = Client::connect_with(&srv.rpc, cfg(ReadPath::OneSided, Some(t))).await.err().expect("must fail");
+        assert!(matches!(err, ClientError::OneSidedUnavailable(_)), "{err}");
+    }
+    let auto = Client::connect(&srv.rpc).await.unwrap();
+    assert_eq!(auto.one_sided_transport(), None);
+    auto.put("k", "v").await.unwrap();
+    assert_eq!(auto.get("k").await.unwrap().unwrap(), "v".as_bytes());
+}
+
+fn engine_batch(addr: &str, wrs: &[ReadWr]) -> Vec<(ReadStatus, Vec<u8>)> {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut buf = BytesMut::new();
+    onesided::encode_request(77, wrs, &mut buf);
+    s.write_all(&buf).unwrap();
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len).unwrap();
+    let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
+    s.read_exact(&mut body).unwrap();
+    let r = onesided::decode_reply(&body).unwrap();
+    assert_eq!(r.batch_id, 77);
+    r.results.into_iter().map(|(st, range)| (st, body[range].to_vec())).collect()
+}
+
+fn shm_handoff_status(path: &str, rkey: u64, epoch: u64) -> u8 {
+    let mut s = UnixStream::connect(path).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut req = [0u8; 16];
+    req[..8].copy_from_slice(&rkey.to_le_bytes());
+    req[8..].copy_from_slice(&epoch.to_le_bytes());
+    s.write_all(&req).unwrap();
+    let mut reply = [0u8; 9];
+    s.read_exact(&mut reply).unwrap();
+    reply[0]
+}
+
+#[tokio::test]
+async fn bad_rkeys_and_bounds_are_rejected_and_change_nothing() {
+    let srv = ServerProcess::start(&["--memory", "16MiB"]);
+    let c = Client::connect_with(&srv.rpc, cfg(ReadPath::Rpc, None)).await.unwrap();
+    c.put("k", "v").await.unwrap();
+    let info = c.region_info_full().await.unwrap();
+    let d = &info.regions[0];
+    let (rkey, len) = (d.rkey, d.length);
+    let engine = info.engine_addr.clone();
+    let ok = ReadWr { rkey, offset: 0, len: 64 };
+    let results = engine_batch(
+        &engine,
+        &[
+            ok,
+            ReadWr { rkey: rkey ^ 1, ..ok },
+            ReadWr { offset: len, len: 1, ..ok },
+            ReadWr { offset: len - 8, len: 16, ..ok },
+            ReadWr { offset: u64::MAX - 10, len: 100, ..ok },
+            ReadWr { len: MAX_READ_LEN + 1, ..ok },
+            ReadWr { offset: len - 64, len: 64, ..ok },
+        ],
+    );
+    let statuses: Vec<ReadStatus> = results.iter().map(|r| r.0).collect();
+    use ReadStatus::*;
+    assert_eq!(statuses, vec![Success, BadRkey, OutOfBounds, OutOfBounds, OutOfBounds, TooLong, Success]);
+    assert_eq!(&results[0].1[..8], b"DMKVREG1", "a good read returns the region header");
+    assert!(results[1..6].iter().all(|r| r.1.is_empty()), "nothing served for rejected reads");
+
+    // Shared memory: the handoff checks rkey and epoch.
+    assert_eq!(shm_handoff_status(&info.shm_socket, rkey, d.epoch), 0);
+    assert_eq!(shm_handoff_status(&info.shm_socket, rkey ^ 1, d.epoch), 1);
+    assert_eq!(shm_handoff_status(&info.shm_socket, rkey, d.epoch + 1), 1);
+
+    // A new registration retires the old rkey and epoch everywhere.
+    let new = c.reregister().await.unwrap();
+    let nd = &new.regions[0];
+    assert_eq!(nd.epoch, d.epoch + 1);
+    assert_ne!(nd.rkey, rkey);
+    assert_eq!(engine_batch(&engine, &[ok])[0].0, BadRkey, "stale rkey after re-registration");
+    assert_eq!(engine_batch(&engine, &[ReadWr { rkey: nd.rkey, ..ok }])[0].0, Success);
+    assert_eq!(shm_handoff_status(&info.shm_socket, rkey, d.epoch), 1);
+    assert_eq!(shm_handoff_status(&info.shm_socket, nd.rkey, nd.epoch), 0);
+
+    // Garbage on the engine port closes that connection only.
+    let mut s = TcpStream::connect(&engine).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(&[3, 0, 0, 0, 1, 2, 3]).unwrap();
+    let mut b = [0u8; 1];
+    assert!(matches!(s.read(&mut b), Ok(0) | Err(_)));
+    let stats = c.stats().await.unwrap();
+    assert!(stats["engine_rejected_reads"] >= 6);
+    assert_eq!(c.get("k").await.unwrap().unwrap(), "v".as_bytes());
+    let os = Client::connect_with(&srv.rpc, cfg(ReadPath::OneSided, Some(Transport::Tcp))).await.unwrap();
+    assert_eq!(os.get("k").await.unwrap().unwrap(), "v".as_bytes());
+}
+
+#[tokio::test]
+async fn clients_follow_a_reregistration() {
+    let srv = ServerProcess::start(&["--memory", "16MiB"]);
+    let admin = Client::connect_with(&srv.rpc, cfg(ReadPath::Rpc, None)).await.unwrap();
+    admin.put("k", "v1").await.unwrap();
+    let shm = Client::connect_with(&srv.rpc, cfg(ReadPath::OneSided, Some(Transport::Shm))).await.unwrap();
+    let tcp = Client::connect_with(&srv.rpc, cfg(ReadPath::OneSided, Some(Transport::Tcp))).await.unwrap();
+    assert_eq!(shm.get("k").await.unwrap().unwrap(), "v1".as_bytes());
+    assert_eq!(tcp.get("k").await.unwrap().unwrap(), "v1".as_bytes());
+    admin.reregister().await.unwrap();
+    admin.put("k", "v2").await.unwrap();
+    let gets = server_gets(&admin).await;
+    assert_eq!(shm.get("k").await.unwrap().unwrap(), "v2".as_bytes());
+    assert_eq!(tcp.get("k").await.unwrap().unwrap(), "v2".as_bytes());
+    assert_eq!(server_gets(&admin).await, gets, "re-attached one-sided, not RPC");
+}
+
+#[tokio::test]
+async fn a_dead_server_region_is_never_served() {
+    let mut srv = ServerProcess::start(&["--memory", "16MiB"]);
+    let c = Client::connect_with(&srv.rpc, cfg(ReadPath::OneSided, Some(Transport::Shm))).await.unwrap();
+    c.put("k", "v").await.unwrap();
+    assert_eq!(c.get("k").await.unwrap().unwrap(), "v".as_bytes());
+    tokio::task::spawn_blocking(move || srv.stop()).await.unwrap();
+    // The mapping still exists in this process, but the handoff connection
+    // closed, so the client must refuse to read it.
+    let c2 = c.clone();
+    let refused = tokio::task::spawn_blocking(move || {
+        let rt = tokio::runtime::Handle::current();
+        wait_until(Duration::from_secs(10), || rt.block_on(c2.get("k")).is_err())
+    })
+    .await
+    .unwrap();
+    assert!(refused, "GETs kept being served from a dead server's region");
+}
