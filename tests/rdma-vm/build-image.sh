@@ -54,7 +54,9 @@ KPKG=$(kernel_pkg)
 [ -n "$KPKG" ] || { log "cannot resolve linux-image-amd64"; exit 1; }
 KVER=${KPKG#linux-image-}
 KDEBVER=$(apt-cache policy "$KPKG" | awk '/Candidate:/{print $2}')
-STAMP="$KPKG=$KDEBVER|$GUEST_PKGS|$MODS|$(cat "$HERE/guest-init.sh" "$0" | sha256sum | cut -c1-16)"
+# Bump RECIPE when a change to this script changes the image it builds.
+RECIPE=1
+STAMP="recipe $RECIPE|$KPKG=$KDEBVER|$GUEST_PKGS|$MODS|$(sha256sum < "$HERE/guest-init.sh" | cut -c1-16)"
 
 mkdir -p "$CACHE"
 if [ -f "$CACHE/stamp" ] && [ "$(cat "$CACHE/stamp")" = "$STAMP" ] \

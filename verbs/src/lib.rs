@@ -65,6 +65,9 @@ pub const LOCAL_BUFFER_ALIGN: usize = 4096;
 const SPINS_PER_YIELD: u32 = 256;
 /// PSNs are 24-bit.
 const PSN_MASK: u32 = 0x00ff_ffff;
+/// Low bits of the NIC-level wr_id that hold a read's index in its batch (above: batch number).
+const BATCH_INDEX_BITS: u32 = 16;
+const _: () = assert!(MAX_READS_PER_BATCH <= 1 << BATCH_INDEX_BITS);
 
 /// `ibv_wc_status` of a remote protection error (wrong rkey, out-of-bounds, no remote-read access).
 pub const WC_STATUS_REM_ACCESS_ERR: u32 = sys::ibv_wc_status::IBV_WC_REM_ACCESS_ERR;
@@ -715,7 +718,8 @@ impl Drop for InFlight {
 struct Finished {
     seq: u64,
     wr_ids: Vec<u64>,
-    error: Option<(u32, String)>,
+    /// Index (in the batch) of the first failed read, its status and status text.
+    error: Option<(usize, u32, String)>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -749,6 +753,7 @@ pub struct QueuePair {
     finished: VecDeque<Finished>,
     wr_scratch: Vec<sys::ibv_send_wr>,
     sge_scratch: Vec<sys::ibv_sge>,
+    wc_scratch: [sys::ibv_wc; POLL_BATCH],
 }
 
 // SAFETY: a QP and its CQ may be used from any thread as long as calls are not concurrent; all
@@ -828,6 +833,7 @@ impl QueuePair {
             finished: VecDeque::new(),
             wr_scratch: Vec::with_capacity(MAX_READS_PER_BATCH),
             sge_scratch: Vec::with_capacity(MAX_READS_PER_BATCH),
+            wc_scratch: [sys::ibv_wc::default(); POLL_BATCH],
         };
         let mut attr = sys::ibv_qp_attr {
             qp_state: sys::ibv_qp_state::IBV_QPS_INIT,
@@ -987,7 +993,8 @@ impl QueuePair {
         for (i, r) in reads.iter().enumerate() {
             // SAFETY: ibv_send_wr is plain C data for which all-zero is a valid (empty) value.
             let mut wr: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
-            wr.wr_id = seq;
+            // The index lets an error completion (reported even for unsignaled WRs) name the read.
+            wr.wr_id = (seq << BATCH_INDEX_BITS) | i as u64;
             wr.sg_list = &mut self.sge_scratch[i];
             wr.num_sge = 1;
             wr.opcode = sys::ibv_wr_opcode::IBV_WR_RDMA_READ;
@@ -1033,15 +1040,17 @@ impl QueuePair {
 
     /// Moves completions from the CQ into `self.finished`. Bounded: at most one CQ's worth.
     fn drain_cq(&mut self) -> Result<(), VerbsError> {
-        let mut wcs = [sys::ibv_wc::default(); POLL_BATCH];
         let mut budget = self.sq_capacity as usize + POLL_BATCH;
         while budget > 0 {
-            // SAFETY: cq is live; wcs has room for POLL_BATCH entries.
-            let got = unsafe { (self.poll_cq)(self.cq, POLL_BATCH as c_int, wcs.as_mut_ptr()) };
+            // SAFETY: cq is live; wc_scratch has room for POLL_BATCH entries.
+            let got = unsafe { (self.poll_cq)(self.cq, POLL_BATCH as c_int, self.wc_scratch.as_mut_ptr()) };
             if got < 0 {
-                return Err(VerbsError::Verb { verb: "ibv_poll_cq", errno: (-got).max(libc::EIO) });
+                // Providers return -1 with errno set, or a negative errno.
+                let errno = if got == -1 { last_errno() } else { -got };
+                return Err(VerbsError::Verb { verb: "ibv_poll_cq", errno });
             }
-            for wc in &wcs[..got as usize] {
+            for i in 0..got as usize {
+                let wc = self.wc_scratch[i];
                 self.complete(wc.wr_id(), wc.error().map(|(status, _vendor)| status));
             }
             if (got as usize) < POLL_BATCH {
@@ -1052,7 +1061,8 @@ impl QueuePair {
         Ok(())
     }
 
-    fn complete(&mut self, seq: u64, error: Option<u32>) {
+    fn complete(&mut self, nic_wr_id: u64, error: Option<u32>) {
+        let (seq, index) = (nic_wr_id >> BATCH_INDEX_BITS, (nic_wr_id & ((1 << BATCH_INDEX_BITS) - 1)) as usize);
         // A failed batch reports several completions (the error, then flushes of its unsignaled
         // WRs); only the first one finds the batch.
         let Some(pos) = self.in_flight.iter().position(|b| b.seq == seq) else { return };
@@ -1060,7 +1070,7 @@ impl QueuePair {
         self.outstanding_wrs -= batch.wr_ids.len() as u32;
         let error = error.map(|status| {
             self.state = QpState::Failed;
-            (status, wc_status_str(status))
+            (index.min(batch.wr_ids.len() - 1), status, wc_status_str(status))
         });
         let wr_ids = std::mem::take(&mut batch.wr_ids);
         // Dropping `batch` releases the buffer: the NIC is done with it.
@@ -1074,7 +1084,7 @@ impl QueuePair {
             wr_id,
             result: match &f.error {
                 None => Ok(()),
-                Some((status, status_str)) => {
+                Some((_, status, status_str)) => {
                     Err(VerbsError::Completion { wr_id, status: *status, status_str: status_str.clone() })
                 }
             },
@@ -1084,8 +1094,10 @@ impl QueuePair {
 
     /// Polls the CQ without blocking and appends one [`Completion`] per read of every finished
     /// batch (a batch's single signaled completion is mapped back to all of its reads). A
-    /// failed batch reports [`VerbsError::Completion`] for each of its reads and leaves the QP
-    /// failed (recreate it). Returns the number of completions appended.
+    /// failed batch reports [`VerbsError::Completion`] for each of its reads, all carrying the
+    /// status of its first failed read (reads before it may have landed, but the batch is
+    /// treated as one unit), and leaves the QP failed: recreate it. Returns the number of
+    /// completions appended.
     pub fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize, VerbsError> {
         self.drain_cq()?;
         let mut n = 0;
@@ -1099,7 +1111,7 @@ impl QueuePair {
     /// of other batches seen meanwhile are kept for the next [`QueuePair::poll`].
     ///
     /// On success the data is in `local`. A failed read returns its [`VerbsError::Completion`]
-    /// (first failed read of the batch); on [`VerbsError::Timeout`] the batch stays outstanding.
+    /// (the batch's first failed read); on [`VerbsError::Timeout`] the batch stays outstanding.
     pub fn read_batch(
         &mut self,
         reads: &[ReadRequest],
@@ -1107,23 +1119,24 @@ impl QueuePair {
         deadline: Instant,
     ) -> Result<(), VerbsError> {
         let seq = self.post_reads(reads, local)?;
-        let mut spins = 0u32;
+        let mut spins_left = SPINS_PER_YIELD;
         loop {
             self.drain_cq()?;
             if let Some(pos) = self.finished.iter().position(|f| f.seq == seq) {
                 let f = self.finished.remove(pos).expect("position is in bounds");
                 return match f.error {
                     None => Ok(()),
-                    Some((status, status_str)) => {
-                        Err(VerbsError::Completion { wr_id: f.wr_ids[0], status, status_str })
+                    Some((idx, status, status_str)) => {
+                        Err(VerbsError::Completion { wr_id: f.wr_ids[idx], status, status_str })
                     }
                 };
             }
             if Instant::now() >= deadline {
                 return Err(VerbsError::Timeout);
             }
-            spins += 1;
-            if spins % SPINS_PER_YIELD == 0 {
+            spins_left -= 1;
+            if spins_left == 0 {
+                spins_left = SPINS_PER_YIELD;
                 std::thread::yield_now();
             } else {
                 std::hint::spin_loop();
