@@ -1,0 +1,36 @@
+#!/bin/bash
+# Runs INSIDE the test VM, in the staging directory run-tests.sh shares at /host.
+# Runs every test binary listed in tests.list (one path per line) with DMKV_RDMA_TESTS=1, so a
+# missing device fails instead of skipping. With bench=1 in the environment it then runs the
+# readbench example and perftest's ib_read_lat as a baseline. Exit status: number of failed
+# test binaries (capped at 100), 0 when all passed.
+set -u
+export DMKV_RDMA_TESTS=1 RUST_BACKTRACE=1
+# Every step that could hang gets its own limit; a hang would otherwise cost the VM's whole budget.
+T="timeout 600"
+ibv_devinfo -d rxe0 | grep -E 'hca_id|state|active_mtu|link_layer' || true
+failed=0
+while read -r bin; do
+  [ -n "$bin" ] || continue
+  echo "=== $bin"
+  if ! $T "./$bin" --test-threads=1; then
+    echo "=== FAILED: $bin"
+    failed=$((failed + 1))
+  fi
+done < tests.list
+echo "=== test binaries failed: $failed"
+
+if [ "${bench:-0}" = 1 ] && [ -x ./readbench ]; then
+  echo "=== readbench ${bench_iters:-5000}"
+  $T ./readbench "${bench_iters:-5000}" rxe0 || echo "=== readbench FAILED"
+  for size in 64 1024; do
+    echo "=== ib_read_lat -s $size"
+    # Server and client on the same rxe0: loopback through the guest's own IPv4 GID (index 1).
+    timeout 120 ib_read_lat -d rxe0 -x 1 -F -n 5000 -s "$size" > "/tmp/lat-server-$size.log" 2>&1 &
+    sleep 1
+    timeout 120 ib_read_lat -d rxe0 -x 1 -F -n 5000 -s "$size" localhost || echo "=== ib_read_lat FAILED"
+    wait
+  done
+fi
+[ "$failed" -gt 100 ] && failed=100
+exit "$failed"

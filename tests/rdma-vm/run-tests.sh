@@ -1,0 +1,74 @@
+#!/bin/bash
+# Build dmkv-verbs' test binaries on the host and run them against Soft-RoCE in one VM boot.
+#
+# Usage: tests/rdma-vm/run-tests.sh [--bench]
+#   --bench   also run the readbench example and perftest's ib_read_lat (same VM boot)
+# Env: CARGO_TARGET_DIR (default: <repo>/target), DMKV_RDMA_VM_CACHE (image cache, see
+#      build-image.sh), BENCH_ITERS (readbench iterations, default 5000),
+#      BENCH_RELEASE=1 (build readbench with --release: the debug build's own overhead is
+#      visible in its latency).
+# Exits non-zero if any test binary fails (or the VM does). Needs root (apt-get, image build).
+set -euo pipefail
+t0=$(date +%s)
+HERE=$(cd "$(dirname "$0")" && pwd)
+REPO=$(cd "$HERE/../.." && pwd)
+BENCH=0
+case "${1:-}" in
+  --bench) BENCH=1 ;;
+  "") ;;
+  *) echo "usage: $0 [--bench]" >&2; exit 2 ;;
+esac
+log() { echo "run-tests: $*" >&2; }
+
+# Host packages that ibverbs-sys needs to build (bindgen over the libibverbs headers, link).
+need=()
+for p in cmake pkg-config libnl-3-dev libnl-route-3-dev libclang-dev libibverbs-dev; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || need+=("$p")
+done
+if [ ${#need[@]} -gt 0 ]; then
+  log "installing host packages: ${need[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+
+"$HERE/build-image.sh" >/dev/null
+
+cd "$REPO"
+TARGET=${CARGO_TARGET_DIR:-$REPO/target}
+log "building test binaries"
+# Only the test harness executables: lib unit tests and the integration tests.
+mapfile -t BINS < <(cargo test -p dmkv-verbs --no-run --message-format=json 2>/dev/null \
+  | grep '"reason":"compiler-artifact"' | grep '"test":true' \
+  | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p')
+[ ${#BINS[@]} -gt 0 ] || { log "no test executables (run 'cargo test -p dmkv-verbs --no-run' to see why)"; exit 1; }
+BENCH_BIN=$TARGET/debug/examples/readbench
+if [ "$BENCH" = 1 ]; then
+  if [ "${BENCH_RELEASE:-0}" = 1 ]; then
+    cargo build -q --release -p dmkv-verbs --example readbench
+    BENCH_BIN=$TARGET/release/examples/readbench
+  else
+    cargo build -q -p dmkv-verbs --example readbench
+  fi
+fi
+
+# Share only a staging copy: the guest sees the binaries and nothing else of the host.
+STAGE="$TARGET/rdma-vm-stage"
+rm -rf "$STAGE"; mkdir -p "$STAGE"
+: > "$STAGE/tests.list"
+for b in "${BINS[@]}"; do
+  cp "$b" "$STAGE/"
+  basename "$b" >> "$STAGE/tests.list"
+  log "test binary: $(basename "$b")"
+done
+cp "$HERE/guest-run-tests.sh" "$STAGE/"
+if [ "$BENCH" = 1 ]; then cp "$BENCH_BIN" "$STAGE/readbench"; fi
+
+t1=$(date +%s)
+log "booting the VM ($((t1 - t0)) s of preparation)"
+set +e
+"$HERE/run.sh" -C "$STAGE" -t 1500 -e "bench=$BENCH" -e "bench_iters=${BENCH_ITERS:-5000}" -- ./guest-run-tests.sh
+rc=$?
+set -e
+t2=$(date +%s)
+log "VM stage took $((t2 - t1)) s (total $((t2 - t0)) s); exit status $rc"
+exit "$rc"
