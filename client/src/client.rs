@@ -203,6 +203,7 @@ impl Client {
         let cfg = &self.inner.cfg;
         let info = self.region_info_full().await?;
         let path = onesided::attach(
+            self,
             &info,
             cfg.transport,
             cfg.connect_timeout,
@@ -421,6 +422,15 @@ impl Client {
     pub async fn region_info_full(&self) -> Result<proto::RegionInfoReply, ClientError> {
         match self.call(Op::RegionInfo(proto::RegionInfo {})).await? {
             R::RegionInfo(r) => Ok(r),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Sets up the server's end of an RDMA queue pair (see the `rdma`
+    /// backend); the server's queue pair lives as long as the connection.
+    pub async fn rdma_connect(&self, endpoint: Vec<u8>) -> Result<proto::RdmaConnectReply, ClientError> {
+        match self.call(Op::RdmaConnect(proto::RdmaConnect { endpoint: endpoint.into() })).await? {
+            R::RdmaConnect(r) => Ok(r),
             other => Err(unexpected(&other)),
         }
     }

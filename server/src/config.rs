@@ -59,6 +59,13 @@ pub struct Flags {
     /// Do not offer shared memory to same-host clients.
     #[arg(long)]
     pub no_shm: bool,
+    /// RDMA device to register the region with (builds with feature `rdma`;
+    /// default: the first device with an active port, if any).
+    #[arg(long, value_name = "NAME")]
+    pub rdma_device: Option<String>,
+    /// Do not offer RDMA even where a device exists.
+    #[arg(long)]
+    pub no_rdma: bool,
     /// Log filter, e.g. info or dmkv_server=debug (RUST_LOG also works).
     #[arg(long)]
     pub log: Option<String>,
@@ -79,6 +86,8 @@ pub struct FileConfig {
     pub engine: Option<bool>,
     pub shm_socket: Option<PathBuf>,
     pub shm: Option<bool>,
+    pub rdma_device: Option<String>,
+    pub rdma: Option<bool>,
 }
 
 /// A byte size written as a number or a string such as "256MiB".
@@ -132,6 +141,10 @@ pub struct Config {
     pub engine_listen: Option<SocketAddr>,
     /// Handoff socket path; `None` when shared memory is off.
     pub shm_socket: Option<PathBuf>,
+    /// Whether to offer RDMA (when built with it and a device exists).
+    pub rdma: bool,
+    /// A specific RDMA device; an error at start if it cannot be opened.
+    pub rdma_device: Option<String>,
 }
 
 impl Default for Config {
@@ -186,7 +199,13 @@ impl Config {
                 .or(file.shm_socket)
                 .unwrap_or_else(|| std::env::temp_dir().join(format!("dmkvd-{}.sock", std::process::id())))
         });
+        let rdma_device = flags.rdma_device.or(file.rdma_device);
+        if rdma_device.is_some() && !cfg!(feature = "rdma") {
+            return Err("this dmkvd was built without RDMA support (cargo feature `rdma`)".into());
+        }
         Ok(Config {
+            rdma: !flags.no_rdma && file.rdma.unwrap_or(true),
+            rdma_device,
             listen,
             engine_listen,
             shm_socket,

@@ -9,6 +9,8 @@
 pub mod alloc;
 pub mod config;
 pub mod engine;
+#[cfg(feature = "rdma")]
+pub mod rdma;
 pub mod region;
 pub mod registration;
 pub mod service;
@@ -56,6 +58,8 @@ impl Server {
             None => None,
         };
         let registration = Arc::new(registration::Registration::new(*store.header()));
+        #[cfg(feature = "rdma")]
+        let rdma = open_rdma(cfg, store.region())?;
         let shared = Arc::new(Shared {
             store,
             max_frame: cfg.max_frame,
@@ -65,6 +69,8 @@ impl Server {
             shm_socket: shm.as_ref().map(|s| s.path().to_path_buf()),
             host_id: host_id(),
             engine_counters: Arc::default(),
+            #[cfg(feature = "rdma")]
+            rdma,
         });
         Ok(Server { listener, engine, shm, shared, max_connections: cfg.max_connections })
     }
@@ -87,6 +93,10 @@ impl Server {
         }
         if let Some(p) = self.shm_socket() {
             line += &format!(" shm={}", p.display());
+        }
+        #[cfg(feature = "rdma")]
+        if let Some(r) = &self.shared.rdma {
+            line += &format!(" rdma={}", r.device_name());
         }
         line
     }
@@ -154,4 +164,26 @@ impl Server {
 /// The kernel's boot id: equal for processes on the same host (and kernel).
 fn host_id() -> String {
     std::fs::read_to_string("/proc/sys/kernel/random/boot_id").map(|s| s.trim().to_string()).unwrap_or_default()
+}
+
+#[cfg(feature = "rdma")]
+fn open_rdma(cfg: &Config, region: &Arc<Region>) -> std::io::Result<Option<rdma::RdmaRegion>> {
+    if !cfg.rdma {
+        return Ok(None);
+    }
+    match rdma::RdmaRegion::open(cfg.rdma_device.as_deref(), Arc::clone(region)) {
+        Ok(r) => {
+            info!(device = r.device_name(), "region registered for RDMA reads");
+            Ok(Some(r))
+        }
+        Err(e) if cfg.rdma_device.is_some() => Err(std::io::Error::other(format!("RDMA: {e}"))),
+        Err(dmkv_verbs::VerbsError::NoDevice) => {
+            info!("no RDMA device: one-sided reads over shared memory and TCP only");
+            Ok(None)
+        }
+        Err(e) => {
+            warn!("RDMA unavailable: {e}");
+            Ok(None)
+        }
+    }
 }

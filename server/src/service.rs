@@ -37,6 +37,16 @@ pub struct Shared {
     pub shm_socket: Option<std::path::PathBuf>,
     pub host_id: String,
     pub engine_counters: Arc<EngineCounters>,
+    #[cfg(feature = "rdma")]
+    pub rdma: Option<crate::rdma::RdmaRegion>,
+}
+
+/// What a connection owns besides its socket.
+#[derive(Default)]
+struct ConnState {
+    /// RDMA queue pairs set up over this connection; destroyed with it.
+    #[cfg(feature = "rdma")]
+    qps: Vec<dmkv_verbs::QueuePair>,
 }
 
 /// Serves one connection until the peer closes, sends a malformed frame,
@@ -48,6 +58,7 @@ pub async fn serve_connection(stream: TcpStream, shared: Arc<Shared>, mut shutdo
     let decoder = Decoder::new(shared.max_frame);
     let mut inbuf = BytesMut::with_capacity(READ_BUF);
     let mut out = BytesMut::new();
+    let mut state = ConnState::default();
     loop {
         if inbuf.capacity() - inbuf.len() < READ_BUF / 4 {
             inbuf.reserve(READ_BUF);
@@ -69,7 +80,7 @@ pub async fn serve_connection(stream: TcpStream, shared: Arc<Shared>, mut shutdo
         loop {
             match decoder.next_message::<Request>(&mut inbuf) {
                 Ok(Some(req)) => {
-                    let resp = handle(&shared, req).await;
+                    let resp = handle(&shared, &mut state, req).await;
                     encode_reply(&resp, shared.max_frame, &mut out);
                 }
                 Ok(None) => break,
@@ -119,7 +130,7 @@ fn store_error(id: u64, e: StoreError) -> Response {
     error(id, code, e.to_string())
 }
 
-async fn handle(shared: &Shared, req: Request) -> Response {
+async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response {
     let id = req.id;
     let store = &shared.store;
     let result = match req.op {
@@ -186,13 +197,54 @@ async fn handle(shared: &Shared, req: Request) -> Response {
         }
         Some(Op::Stats(_)) => R::Stats(proto::StatsReply { counters: stats(shared) }),
         Some(Op::RegionInfo(_)) => R::RegionInfo(region_info(shared)),
+        Some(Op::RdmaConnect(c)) => match rdma_connect(shared, conn, &c.endpoint) {
+            Ok(r) => R::RdmaConnect(r),
+            Err(e) => return e.with_id(id),
+        },
         Some(Op::Reregister(_)) => {
+            #[cfg(feature = "rdma")]
+            if let Some(r) = &shared.rdma
+                && let Err(e) = r.reregister()
+            {
+                return error(id, ErrorCode::Internal, format!("RDMA re-registration failed: {e}"));
+            }
             let epoch = shared.registration.reregister(store.region());
             tracing::info!(epoch, "region registered anew");
             R::Reregister(region_info(shared))
         }
     };
     Response { id, result: Some(result) }
+}
+
+/// An error reply waiting for its request id.
+struct Refusal(ErrorCode, String);
+
+impl Refusal {
+    fn with_id(self, id: u64) -> Response {
+        error(id, self.0, self.1)
+    }
+}
+
+#[cfg(feature = "rdma")]
+fn rdma_connect(shared: &Shared, conn: &mut ConnState, endpoint: &[u8]) -> Result<proto::RdmaConnectReply, Refusal> {
+    let rdma = shared.rdma.as_ref().ok_or(Refusal(ErrorCode::BadRequest, "this server offers no RDMA".into()))?;
+    if conn.qps.len() >= crate::rdma::MAX_QPS_PER_CONNECTION {
+        return Err(Refusal(ErrorCode::BadRequest, "too many RDMA queue pairs on this connection".into()));
+    }
+    let a = rdma.accept(endpoint).map_err(|e| Refusal(ErrorCode::BadRequest, format!("RDMA connect: {e}")))?;
+    conn.qps.push(a.qp);
+    Ok(proto::RdmaConnectReply {
+        endpoint: a.endpoint.to_bytes().to_vec().into(),
+        addr: a.addr,
+        length: a.len,
+        rkey: a.rkey,
+        epoch: shared.registration.epoch(),
+    })
+}
+
+#[cfg(not(feature = "rdma"))]
+fn rdma_connect(_: &Shared, _: &mut ConnState, _: &[u8]) -> Result<proto::RdmaConnectReply, Refusal> {
+    Err(Refusal(ErrorCode::BadRequest, "this server was built without RDMA support".into()))
 }
 
 fn region_info(shared: &Shared) -> proto::RegionInfoReply {
@@ -216,6 +268,10 @@ fn region_info(shared: &Shared) -> proto::RegionInfoReply {
         shm_socket: shared.shm_socket.as_ref().map(|p| p.display().to_string()).unwrap_or_default(),
         engine_addr: shared.engine_addr.map(|a| a.to_string()).unwrap_or_default(),
         host_id: shared.host_id.clone(),
+        #[cfg(feature = "rdma")]
+        rdma_device: shared.rdma.as_ref().map(|r| r.device_name().to_string()).unwrap_or_default(),
+        #[cfg(not(feature = "rdma"))]
+        rdma_device: String::new(),
     }
 }
 

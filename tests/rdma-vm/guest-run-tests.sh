@@ -6,6 +6,8 @@
 # test binaries (capped at 100), 0 when all passed.
 set -u
 export DMKV_RDMA_TESTS=1 RUST_BACKTRACE=1
+# The end-to-end tests start ./dmkvd (built with RDMA) and read over RDMA only.
+export DMKV_BIN_DIR=$PWD DMKV_STRESS_TRANSPORTS=rdma DMKV_STRESS_SECS=${stress_secs:-4}
 # Every step that could hang gets its own limit; a hang would otherwise cost the VM's whole budget.
 T="timeout 600"
 ibv_devinfo -d rxe0 | grep -E 'hca_id|state|active_mtu|link_layer' || true
@@ -13,7 +15,7 @@ failed=0
 while read -r bin; do
   [ -n "$bin" ] || continue
   echo "=== $bin"
-  if ! $T "./$bin" --test-threads=1; then
+  if ! $T "./$bin" --test-threads=1 --nocapture; then
     echo "=== FAILED: $bin"
     failed=$((failed + 1))
   fi

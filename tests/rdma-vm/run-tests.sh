@@ -41,6 +41,14 @@ mapfile -t BINS < <(cargo test -p dmkv-verbs --no-run --message-format=json 2>/d
   | grep '"reason":"compiler-artifact"' | grep '"test":true' \
   | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p')
 [ ${#BINS[@]} -gt 0 ] || { log "no test executables (run 'cargo test -p dmkv-verbs --no-run' to see why)"; exit 1; }
+# dmkvd with RDMA, and the end-to-end tests that drive it: GETs over RDMA READ
+# and the racing-writers stress test with RDMA readers.
+cargo build -q -p dmkv-server --features rdma --bin dmkvd
+mapfile -t E2E < <(cargo test -p dmkv-tests --features rdma --test rdma --test stress --no-run --message-format=json 2>/dev/null \
+  | grep '"reason":"compiler-artifact"' | grep '"test":true' \
+  | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p')
+[ ${#E2E[@]} -eq 2 ] || { log "expected the rdma and stress test executables (run 'cargo test -p dmkv-tests --features rdma --no-run')"; exit 1; }
+BINS+=("${E2E[@]}")
 BENCH_BIN=$TARGET/debug/examples/readbench
 if [ "$BENCH" = 1 ]; then
   if [ "${BENCH_RELEASE:-0}" = 1 ]; then
@@ -60,6 +68,7 @@ for b in "${BINS[@]}"; do
   basename "$b" >> "$STAGE/tests.list"
   log "test binary: $(basename "$b")"
 done
+cp "$TARGET/debug/dmkvd" "$STAGE/"
 cp "$HERE/guest-run-tests.sh" "$STAGE/"
 if [ "$BENCH" = 1 ]; then cp "$BENCH_BIN" "$STAGE/readbench"; fi
 

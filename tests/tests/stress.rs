@@ -12,7 +12,9 @@
 //! that skip the grace check, so space is reused under readers at once and
 //! verification alone must catch every tear; `default` runs the shipped
 //! settings and also checks that no reader sees a key's values go
-//! backwards. `DMKV_STRESS_SECS` sets each reader's run time (default 6).
+//! backwards. `DMKV_STRESS_SECS` sets each reader's run time (default 6);
+//! `DMKV_STRESS_TRANSPORTS` the readers' transports (default `shm,tcp`;
+//! the RDMA VM stage runs `rdma`).
 
 use std::collections::HashMap;
 use std::process::{Command, Stdio};
@@ -284,6 +286,16 @@ fn racing_writers_and_reader_processes() {
     let secs: f64 = std::env::var("DMKV_STRESS_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(6.0);
     let seed: u64 = std::env::var("DMKV_STRESS_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(rand::random);
     println!("stress seed {seed} (set DMKV_STRESS_SEED to repeat)");
+    let transports_env = std::env::var("DMKV_STRESS_TRANSPORTS").unwrap_or_else(|_| "shm,tcp".into());
+    let transports: Vec<&'static str> = transports_env
+        .split(',')
+        .map(|t| match t.trim() {
+            "shm" => "shm",
+            "tcp" => "tcp",
+            "rdma" => "rdma",
+            other => panic!("unknown transport {other:?} in DMKV_STRESS_TRANSPORTS"),
+        })
+        .collect();
     let mut caught_tears = 0;
     for (mode, grace_ms, enforce) in [("tearing", "0", false), ("default", "100", true)] {
         let srv = ServerProcess::start(&["--memory", "32MiB", "--grace-ms", grace_ms]);
@@ -300,9 +312,9 @@ fn racing_writers_and_reader_processes() {
             });
         }
         let mut writers = Writers::start(&srv.rpc, seed);
-        let readers: Vec<_> = ["shm", "tcp"]
-            .into_iter()
-            .map(|t| {
+        let readers: Vec<_> = transports
+            .iter()
+            .map(|&t| {
                 let rpc = srv.rpc.clone();
                 std::thread::spawn(move || (t, run_reader(&rpc, t, secs, enforce, seed)))
             })

@@ -6,6 +6,8 @@
 //! server's software one-sided engine over TCP).
 
 pub mod engine;
+#[cfg(feature = "rdma")]
+pub mod rdma;
 pub mod shm;
 
 use std::collections::{HashMap, VecDeque};
@@ -78,6 +80,8 @@ impl Reads {
 enum Backend {
     Shm(shm::ShmRegion),
     Engine(engine::EngineConn),
+    #[cfg(feature = "rdma")]
+    Rdma(Box<rdma::RdmaPath>),
 }
 
 impl Backend {
@@ -85,6 +89,8 @@ impl Backend {
         match self {
             Backend::Shm(s) => s.read(specs, out),
             Backend::Engine(e) => e.read(specs, out).await,
+            #[cfg(feature = "rdma")]
+            Backend::Rdma(r) => r.read(specs, out),
         }
     }
 }
@@ -202,9 +208,11 @@ pub struct OneSided {
 
 /// Picks and attaches a backend for the server described by `info`.
 ///
-/// `forced` limits the choice to one transport; otherwise shared memory is
-/// tried first (only when the server runs on this host), then the engine.
+/// `forced` limits the choice to one transport; otherwise RDMA is tried
+/// first (when the server offers it and this host has a device), then
+/// shared memory (only when the server runs on this host), then the engine.
 pub async fn attach(
+    client: &crate::Client,
     info: &RegionInfoReply,
     forced: Option<Transport>,
     timeout: Duration,
@@ -218,7 +226,7 @@ pub async fn attach(
     let mut errors = Vec::new();
     let candidates: &[Transport] = match forced {
         Some(t) => &[t][..],
-        None => &[Transport::Shm, Transport::Tcp],
+        None => &[Transport::Rdma, Transport::Shm, Transport::Tcp],
     };
     for &t in candidates {
         let attempt = match t {
@@ -235,9 +243,7 @@ pub async fn attach(
             Transport::Tcp => {
                 engine::EngineConn::connect(&info.engine_addr, desc.rkey, timeout).await.map(Backend::Engine)
             }
-            Transport::Rdma => {
-                Err(BackendError::Attach("this client was built without RDMA support (feature `rdma`)".into()))
-            }
+            Transport::Rdma => attach_rdma(client, info, desc.epoch, timeout).await,
         };
         match attempt {
             Ok(backend) => {
@@ -255,6 +261,24 @@ pub async fn attach(
         }
     }
     Err(BackendError::Attach(errors.join("; ")))
+}
+
+#[cfg(feature = "rdma")]
+async fn attach_rdma(
+    client: &crate::Client,
+    info: &RegionInfoReply,
+    epoch: u64,
+    timeout: Duration,
+) -> Result<Backend, BackendError> {
+    if info.rdma_device.is_empty() {
+        return Err(BackendError::Attach("server offers no RDMA".into()));
+    }
+    rdma::RdmaPath::attach(client, epoch, timeout).await.map(|p| Backend::Rdma(Box::new(p)))
+}
+
+#[cfg(not(feature = "rdma"))]
+async fn attach_rdma(_: &crate::Client, _: &RegionInfoReply, _: u64, _: Duration) -> Result<Backend, BackendError> {
+    Err(BackendError::Attach("this client was built without RDMA support (cargo feature `rdma`)".into()))
 }
 
 fn header_of(d: &RegionDescriptor) -> Result<RegionHeader, BackendError> {
