@@ -1,0 +1,97 @@
+//! Recorded concurrent histories of one-sided GETs racing RPC PUTs, checked
+//! for linearizability with stateright's tester (a register per round).
+//!
+//! Writers PUT unique values; readers GET one-sided over shared memory and
+//! the TCP engine, mostly through cached item addresses. Every invocation
+//! and return is logged under one lock at the moment it happens, so the log
+//! respects real time. A reader that returned an overwritten value after
+//! the overwrite was acknowledged would make the history non-linearizable.
+
+use std::sync::{Arc, Barrier, Mutex};
+
+use dmkv_client::{ClientConfig, ReadPath, Transport, blocking::Client};
+use dmkv_tests::ServerProcess;
+use stateright::semantics::register::{Register, RegisterOp, RegisterRet};
+use stateright::semantics::{ConsistencyTester, LinearizabilityTester};
+
+const ROUNDS: usize = 40;
+const OPS_PER_THREAD: usize = 6;
+
+#[derive(Debug, Clone)]
+enum Event {
+    Invoke(usize, RegisterOp<u64>),
+    Return(usize, RegisterRet<u64>),
+}
+
+fn parse(v: Option<bytes::Bytes>) -> u64 {
+    let v = v.expect("the key exists throughout the round");
+    std::str::from_utf8(&v).unwrap().parse().unwrap()
+}
+
+#[test]
+fn one_sided_gets_racing_puts_are_linearizable() {
+    let srv = ServerProcess::start(&["--memory", "32MiB"]);
+    let rpc = |path| ClientConfig { read_path: path, pool_size: 1, ..Default::default() };
+    let setup = Client::connect_with(&srv.rpc, rpc(ReadPath::Rpc)).unwrap();
+    // Threads 0-1 write over RPC; 2 reads over shm, 3 over the TCP engine.
+    let clients: Vec<Arc<Client>> = vec![
+        Arc::new(Client::connect_with(&srv.rpc, rpc(ReadPath::Rpc)).unwrap()),
+        Arc::new(Client::connect_with(&srv.rpc, rpc(ReadPath::Rpc)).unwrap()),
+        Arc::new(
+            Client::connect_with(&srv.rpc, ClientConfig { transport: Some(Transport::Shm), ..rpc(ReadPath::OneSided) })
+                .unwrap(),
+        ),
+        Arc::new(
+            Client::connect_with(&srv.rpc, ClientConfig { transport: Some(Transport::Tcp), ..rpc(ReadPath::OneSided) })
+                .unwrap(),
+        ),
+    ];
+    let gets_before = setup.stats().unwrap()["gets"];
+    for round in 0..ROUNDS {
+        let key = format!("lin-{round}");
+        setup.put(&key, "0").unwrap();
+        let log: Arc<Mutex<Vec<Event>>> = Arc::default();
+        let barrier = Arc::new(Barrier::new(clients.len()));
+        let handles: Vec<_> = clients
+            .iter()
+            .enumerate()
+            .map(|(t, c)| {
+                let (c, log, barrier, key) = (Arc::clone(c), Arc::clone(&log), Arc::clone(&barrier), key.clone());
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    for i in 0..OPS_PER_THREAD {
+                        if t < 2 {
+                            let v = ((round * 10 + t) * 100 + i + 1) as u64;
+                            log.lock().unwrap().push(Event::Invoke(t, RegisterOp::Write(v)));
+                            c.put(&key, v.to_string()).unwrap();
+                            log.lock().unwrap().push(Event::Return(t, RegisterRet::WriteOk));
+                        } else {
+                            log.lock().unwrap().push(Event::Invoke(t, RegisterOp::Read));
+                            let v = parse(c.get(&key).unwrap());
+                            log.lock().unwrap().push(Event::Return(t, RegisterRet::ReadOk(v)));
+                        }
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+        let log = log.lock().unwrap().clone();
+        let mut tester = LinearizabilityTester::new(Register(0u64));
+        for e in &log {
+            match e.clone() {
+                Event::Invoke(t, op) => tester.on_invoke(t, op).map(|_| ()),
+                Event::Return(t, ret) => tester.on_return(t, ret).map(|_| ()),
+            }
+            .expect("well-formed history");
+        }
+        assert!(tester.is_consistent(), "round {round}: history is not linearizable:\n{log:#?}");
+    }
+    assert_eq!(setup.stats().unwrap()["gets"], gets_before, "reads went over RPC instead of one-sided");
+    for (name, c) in [("shm", &clients[2]), ("tcp", &clients[3])] {
+        let rs = c.read_stats();
+        println!("{name}: {rs:?}");
+        assert!(rs.hint_hits > 0, "{name}: cached addresses were never used: {rs:?}");
+    }
+}
