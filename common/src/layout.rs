@@ -425,6 +425,22 @@ mod tests {
             prop_assert!(RegionHeader::decode(&enc).is_err());
         }
 
+        /// Decoders see torn and arbitrary bytes all the time: they must
+        /// never panic, only refuse.
+        #[test]
+        fn decoders_never_panic_on_arbitrary_bytes(bytes in prop::collection::vec(any::<u8>(), 0..400), lens in any::<(u32, u32)>()) {
+            let _ = decode_item(&bytes);
+            let _ = RegionHeader::decode(&bytes);
+            let mut b = bytes.clone();
+            b.resize(b.len().max(ITEM_HEADER_LEN), 0);
+            b[16..20].copy_from_slice(&lens.0.to_le_bytes());
+            b[20..24].copy_from_slice(&lens.1.to_le_bytes());
+            prop_assert!(decode_item(&b).is_err() || b.len() >= ITEM_HEADER_LEN + lens.0 as usize + lens.1 as usize);
+            for v in bytes.chunks_exact(8) {
+                let _ = Slot::unpack(u64::from_le_bytes(v.try_into().unwrap()));
+            }
+        }
+
         #[test]
         fn key_hash_buckets_are_distinct_and_in_range(key in prop::collection::vec(any::<u8>(), 1..40), seed in any::<u64>(), pow in 1u32..20) {
             let n = 1u64 << pow;

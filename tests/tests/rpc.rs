@@ -329,3 +329,30 @@ fn cli_put_get_del_stats_and_exit_codes() {
     assert_eq!(out.status.code(), Some(2));
     assert_eq!(String::from_utf8_lossy(&out.stderr).lines().count(), 1);
 }
+
+/// A crude fuzzer: random byte streams (and random streams behind a valid
+/// length prefix) on the RPC and engine ports never take the server down.
+#[tokio::test]
+async fn random_garbage_never_breaks_the_server() {
+    use rand::{Rng, SeedableRng, rngs::SmallRng};
+    let srv = ServerProcess::start(&["--memory", "16MiB"]);
+    let seed: u64 = rand::random();
+    println!("garbage seed {seed}");
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let engine = srv.endpoint("engine").expect("engine address").to_string();
+    for i in 0..200 {
+        let addr = if i % 2 == 0 { &srv.rpc } else { &engine };
+        let mut s = raw_conn(addr);
+        let len = rng.random_range(1..2000);
+        let mut bytes: Vec<u8> = (0..len).map(|_| rng.random()).collect();
+        if i % 4 < 2 {
+            let body = (len as u32).saturating_sub(4);
+            bytes[..4].copy_from_slice(&body.to_le_bytes());
+        }
+        let _ = s.write_all(&bytes);
+        let _ = s.shutdown(std::net::Shutdown::Write);
+        let mut sink = Vec::new();
+        let _ = s.read_to_end(&mut sink);
+    }
+    still_serves(&srv.rpc).await;
+}
