@@ -20,7 +20,11 @@ async fn main() {
     let value = bytes::Bytes::from(vec![b'x'; size]);
     let keys: Vec<bytes::Bytes> = (0..10_000).map(|i| format!("key{i:08}").into()).collect();
     for (name, make) in [
-        ("PUT", Box::new(|k: bytes::Bytes| Op::Put(proto::Put { key: k, value: value.clone() })) as Box<dyn Fn(bytes::Bytes) -> Op>),
+        (
+            "PUT",
+            Box::new(|k: bytes::Bytes| Op::Put(proto::Put { key: k, value: value.clone() }))
+                as Box<dyn Fn(bytes::Bytes) -> Op>,
+        ),
         ("GET", Box::new(|k: bytes::Bytes| Op::Get(proto::Get { key: k }))),
     ] {
         let start = Instant::now();
