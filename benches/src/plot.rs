@@ -7,7 +7,7 @@ use std::path::Path;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
-use crate::report::{ALL_OPS, Report, STORE_ORDER, sorted};
+use crate::report::{ALL_OPS, Report, STORE_ORDER, summarise};
 
 /// Size of a chart in pixels.
 pub const CHART_SIZE: (u32, u32) = (1100, 520);
@@ -26,9 +26,11 @@ pub struct Bars {
 }
 
 impl Bars {
-    /// Groups `reports` by workload and concurrency and takes `metric` of each.
+    /// Groups `reports` by workload and concurrency and takes `metric` of
+    /// each (of the median run where a configuration ran more than once).
     pub fn from_reports(reports: &[Report], metric: impl Fn(&Report) -> Option<f64>) -> Bars {
-        let rs = sorted(reports);
+        let sums = summarise(reports);
+        let rs: Vec<&Report> = sums.iter().map(|s| &s.median).collect();
         let key = |r: &Report| format!("{} {}", r.workload.to_uppercase(), r.concurrency());
         let mut groups: Vec<String> = rs.iter().map(|r| key(r)).collect();
         groups.dedup();
@@ -77,7 +79,7 @@ pub fn bar_chart(path: &Path, title: &str, y_desc: &str, bars: &Bars) -> Result<
     let root = SVGBackend::new(path, CHART_SIZE).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
     let n = bars.groups.len().max(1) as f64;
-    let ymax = (bars.max() * 1.2).max(1.0);
+    let ymax = (bars.max() * 1.25).max(1.0);
     let mut chart = ChartBuilder::on(&root)
         .caption(title, (FONT, 22))
         .margin(20)
@@ -90,6 +92,7 @@ pub fn bar_chart(path: &Path, title: &str, y_desc: &str, bars: &Bars) -> Result<
         .disable_x_mesh()
         .x_labels(bars.groups.len() + 1)
         .x_label_formatter(&|_| String::new())
+        .y_label_formatter(&|y| format!("{y:.0}"))
         .y_desc(y_desc)
         .label_style((FONT, 13))
         .draw()
@@ -115,7 +118,7 @@ pub fn bar_chart(path: &Path, title: &str, y_desc: &str, bars: &Bars) -> Result<
     }
     chart
         .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
+        .position(SeriesLabelPosition::UpperLeft)
         .background_style(WHITE.mix(0.9))
         .border_style(BLACK)
         .label_font((FONT, 14))

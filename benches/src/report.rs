@@ -210,10 +210,38 @@ fn store_rank(s: &str) -> usize {
     STORE_ORDER.iter().position(|x| *x == s).unwrap_or(STORE_ORDER.len())
 }
 
-/// Reports sorted by workload, concurrency, then store.
-pub fn sorted(reports: &[Report]) -> Vec<&Report> {
-    let mut v: Vec<&Report> = reports.iter().collect();
-    v.sort_by(|a, b| {
+/// Repeated runs of one configuration, represented by the run of median
+/// throughput (an actual run, so its latencies belong to it).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Summary {
+    pub median: Report,
+    /// Throughput of every run, ascending.
+    pub runs: Vec<f64>,
+}
+
+/// Groups reports of the same store, workload, distribution and
+/// concurrency; sorted by workload, concurrency, then store.
+pub fn summarise(reports: &[Report]) -> Vec<Summary> {
+    let same = |a: &Report, b: &Report| {
+        (&a.store, &a.workload, &a.distribution, a.threads, a.in_flight)
+            == (&b.store, &b.workload, &b.distribution, b.threads, b.in_flight)
+    };
+    let mut groups: Vec<Vec<&Report>> = Vec::new();
+    for r in reports {
+        match groups.iter_mut().find(|g| same(g[0], r)) {
+            Some(g) => g.push(r),
+            None => groups.push(vec![r]),
+        }
+    }
+    let mut out: Vec<Summary> = groups
+        .into_iter()
+        .map(|mut g| {
+            g.sort_by(|a, b| a.run.ops_per_sec.total_cmp(&b.run.ops_per_sec));
+            Summary { median: g[(g.len() - 1) / 2].clone(), runs: g.iter().map(|r| r.run.ops_per_sec).collect() }
+        })
+        .collect();
+    out.sort_by(|a, b| {
+        let (a, b) = (&a.median, &b.median);
         (a.workload.as_str(), a.threads * a.in_flight, a.threads, store_rank(&a.store)).cmp(&(
             b.workload.as_str(),
             b.threads * b.in_flight,
@@ -221,7 +249,7 @@ pub fn sorted(reports: &[Report]) -> Vec<&Report> {
             store_rank(&b.store),
         ))
     });
-    v
+    out
 }
 
 fn us(o: Option<&OpStats>, f: impl Fn(&OpStats) -> f64) -> String {
@@ -229,27 +257,37 @@ fn us(o: Option<&OpStats>, f: impl Fn(&OpStats) -> f64) -> String {
 }
 
 /// Markdown: one table per workload, then how dmkv compares with the better
-/// of the other stores at each concurrency.
+/// of the other stores at each concurrency. Repeated runs are shown by
+/// their median (by throughput) and the range of their throughputs.
 pub fn markdown(reports: &[Report]) -> String {
     let mut out = String::new();
-    let rs = sorted(reports);
+    let sums = summarise(reports);
+    let rs: Vec<&Report> = sums.iter().map(|s| &s.median).collect();
+    let runs = |r: &Report| {
+        let s = sums.iter().find(|s| std::ptr::eq(&s.median, r)).expect("summary of its median");
+        match s.runs.as_slice() {
+            [_] => "1".to_string(),
+            v => format!("{}: {:.0}–{:.0}", v.len(), v[0], v[v.len() - 1]),
+        }
+    };
     let mut workloads: Vec<&str> = rs.iter().map(|r| r.workload.as_str()).collect();
     workloads.dedup();
     for w in &workloads {
         let _ = writeln!(out, "### Workload {}\n", w.to_uppercase());
         let _ = writeln!(
             out,
-            "| store | threads × in flight | ops/s | READ p50 µs | READ p99 µs | UPDATE p50 µs | UPDATE p99 µs | all p99.9 µs | all max µs | failures |"
+            "| store | threads × in flight | ops/s | runs: ops/s range | READ p50 µs | READ p99 µs | UPDATE p50 µs | UPDATE p99 µs | all p99.9 µs | all max µs | failures |"
         );
-        let _ = writeln!(out, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+        let _ = writeln!(out, "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|");
         for r in rs.iter().filter(|r| r.workload == *w) {
             let (read, update, all) = (r.run.op("READ"), r.run.op("UPDATE"), r.run.op(ALL_OPS));
             let _ = writeln!(
                 out,
-                "| {} | {} | {:.0} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {:.0} | {} | {} | {} | {} | {} | {} | {} | {} |",
                 r.store,
                 r.concurrency(),
                 r.run.ops_per_sec,
+                runs(r),
                 us(read, |o| o.p50_us),
                 us(read, |o| o.p99_us),
                 us(update, |o| o.p50_us),
@@ -357,6 +395,24 @@ mod tests {
     }
 
     #[test]
+    fn repeated_runs_are_shown_by_their_median() {
+        let rs = vec![
+            report("dmkv", "c", 1, 1, 300.0),
+            report("dmkv", "c", 1, 1, 100.0),
+            report("redis", "c", 1, 1, 50.0),
+            report("dmkv", "c", 1, 1, 200.0),
+        ];
+        let s = summarise(&rs);
+        assert_eq!(s.len(), 2);
+        assert_eq!(s[0].median.store, "dmkv");
+        assert_eq!(s[0].median.run.ops_per_sec, 200.0);
+        assert_eq!(s[0].runs, vec![100.0, 200.0, 300.0]);
+        let md = markdown(&rs);
+        assert!(md.contains("| dmkv | 1×1 | 200 | 3: 100–300 |"), "{md}");
+        assert!(md.contains("| C | 1×1 | 200 | redis | 50 | 4.00× | yes |"), "{md}");
+    }
+
+    #[test]
     fn markdown_compares_dmkv_with_the_better_rival() {
         let rs = vec![
             report("redis", "a", 1, 1, 100.0),
@@ -368,6 +424,7 @@ mod tests {
         let md = markdown(&rs);
         assert!(md.contains("| A | 1×1 | 330 | memcached | 200 | 1.65× | yes |"), "{md}");
         assert!(md.contains("| A | 2×16 | 100 | memcached | 300 | 0.33× | no |"), "{md}");
+        assert!(md.contains("| dmkv | 1×1 | 330 | 1 |"), "{md}");
         let dmkv_row = md.find("| dmkv | 1×1").unwrap();
         let redis_row = md.find("| redis | 1×1").unwrap();
         assert!(dmkv_row < redis_row);
