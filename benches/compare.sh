@@ -14,6 +14,7 @@
 # benches/results/<time>/ (git-ignored); plots and the page go to docs/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+INVOCATION="benches/compare.sh${*:+ $*}"
 
 WORKLOADS="a b c"
 CONFIGS="1x1 2x16"          # client threads x operations in flight per thread
@@ -234,12 +235,19 @@ mem="$(awk '/^MemTotal/ { printf "%.1f GiB", $2 / 1048576 }' /proc/meminfo)"
     echo "- Redis without persistence (\`--save '' --appendonly no\`); memcached and dmkvd with $MEMORY_MIB MiB."
     echo "- dmkv is measured on the RPC path (\`--path rpc\`), the path the goal below is about."
     echo "- Latency is from the start of an operation to its reply, in µs; failures are counted, not timed."
+    echo "- At 1×1 every store waits one loopback round trip per operation, so throughput there mostly measures"
+    echo "  how fast the kernel (and, on a virtual machine, the hypervisor) wakes an idle client or server thread."
+    echo "  That depends on what else runs on the machine and can vary several-fold between runs (see the range"
+    echo "  column). 2×16 keeps the servers busy and says more about the stores themselves."
+    echo '- Plots are SVG from `dmkv-ycsb-plot` (plotters'"'"' SVG backend: no system fonts needed, the viewer draws the text).'
     echo
     echo "## Commands"
     echo
     [ "$ROUNDS" = 1 ] || echo "Round 1 of $ROUNDS; the other rounds ran the same commands on other ports (files -r2, -r3, ...)."
     [ "$ROUNDS" = 1 ] || echo
     echo '```sh'
+    echo "$INVOCATION"
+    echo "# which ran:"
     cat "$COMMANDS"
     echo '```'
     echo
