@@ -1,0 +1,262 @@
+#!/usr/bin/env bash
+# Runs the same YCSB workloads against dmkv, memcached and Redis on this
+# machine, one store at a time, and writes docs/benchmarks.md with the
+# machine, the exact commands, a table per workload and SVG plots.
+#
+#   benches/compare.sh [--workloads "a b c"] [--configs "1x1 2x16"]
+#                      [--records N] [--value-size B] [--duration S] [--warmup W]
+#                      [--server-threads N] [--memory-mib N] [--seed N]
+#                      [--stores "dmkv memcached redis"] [--runs N] [--no-install]
+#
+# With --runs N every store is measured N times, rounds interleaved (each
+# round restarts the stores and reloads the records); tables and plots show
+# the median run and the range. Defaults (one round) take about two minutes. Raw reports (JSON, CSV, logs) go to
+# benches/results/<time>/ (git-ignored); plots and the page go to docs/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+INVOCATION="benches/compare.sh${*:+ $*}"
+
+WORKLOADS="a b c"
+CONFIGS="1x1 2x16"          # client threads x operations in flight per thread
+RECORDS=100000
+VALUE_SIZE=1000
+DURATION=5                  # measured seconds per run
+WARMUP=1s                   # unmeasured start of each run
+SERVER_THREADS=2            # dmkvd --threads, memcached -t
+MEMORY_MIB=1024             # dmkvd --memory, memcached -m
+SEED=1
+STORES="dmkv memcached redis"
+ROUNDS=1
+INSTALL=1
+START_TRIES=100             # x 0.1 s: how long a server gets to start
+PORT_TRIES=50
+
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --workloads) WORKLOADS="$2"; shift 2 ;;
+        --configs) CONFIGS="$2"; shift 2 ;;
+        --records) RECORDS="$2"; shift 2 ;;
+        --value-size) VALUE_SIZE="$2"; shift 2 ;;
+        --duration) DURATION="$2"; shift 2 ;;
+        --warmup) WARMUP="$2"; shift 2 ;;
+        --server-threads) SERVER_THREADS="$2"; shift 2 ;;
+        --memory-mib) MEMORY_MIB="$2"; shift 2 ;;
+        --seed) SEED="$2"; shift 2 ;;
+        --stores) STORES="$2"; shift 2 ;;
+        --runs) ROUNDS="$2"; shift 2 ;;
+        --no-install) INSTALL=0; shift ;;
+        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+        *) echo "compare.sh: unknown flag $1" >&2; exit 2 ;;
+    esac
+done
+
+log() { echo "== $*" >&2; }
+
+# --- memcached and redis-server from Debian packages, if missing.
+missing=""
+for b in memcached redis-server; do command -v "$b" >/dev/null || missing="$missing $b"; done
+if [ -n "$missing" ]; then
+    [ "$INSTALL" = 1 ] || { echo "compare.sh: missing$missing (and --no-install)" >&2; exit 2; }
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+    log "installing$missing"
+    $SUDO apt-get update
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y memcached redis-server
+fi
+
+log "building (release)"
+cargo build --release -p dmkv-server -p dmkv-benches --bins
+BIN="${CARGO_TARGET_DIR:-target}/release"
+
+STAMP="$(date -u +%Y%m%d-%H%M%S)"
+RESULTS="benches/results/$STAMP"
+mkdir -p "$RESULTS"
+COMMANDS="$RESULTS/commands.txt"
+: > "$COMMANDS"
+
+PIDS=()
+cleanup() {
+    for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+    for p in "${PIDS[@]}"; do wait "$p" 2>/dev/null || true; done
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# Prints the command as the docs show it: binaries by their path in the
+# repository, whatever target directory was used.
+# Later rounds repeat the first one's commands (on other ports): only the
+# first round's go into the page.
+SHOW=1
+record() {
+    local shown="$*"
+    shown="${shown//$BIN/target/release}"
+    [ "$SHOW" = 1 ] && echo "$shown" >> "$COMMANDS"
+    echo "\$ $shown" >&2
+}
+
+port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+free_port() {
+    local p i
+    for ((i = 0; i < PORT_TRIES; i++)); do
+        p=$((20000 + RANDOM % 40000))
+        port_open "$p" || { echo "$p"; return 0; }
+    done
+    echo "compare.sh: no free port found" >&2
+    return 1
+}
+
+wait_port() { # port pid
+    local i
+    for ((i = 0; i < START_TRIES; i++)); do
+        port_open "$1" && return 0
+        kill -0 "$2" 2>/dev/null || return 1
+        sleep 0.1
+    done
+    return 1
+}
+
+# Starts a store; sets ADDR and SERVER_PID.
+start_store() {
+    local store="$1" port i
+    case "$store" in
+        dmkv)
+            record "$BIN/dmkvd" --listen 127.0.0.1:0 --threads "$SERVER_THREADS" --memory "${MEMORY_MIB}MiB" --log warn
+            "$BIN/dmkvd" --listen 127.0.0.1:0 --threads "$SERVER_THREADS" --memory "${MEMORY_MIB}MiB" --log warn \
+                > "$RESULTS/dmkvd.out" 2> "$RESULTS/dmkvd.err" &
+            SERVER_PID=$!
+            PIDS+=("$SERVER_PID")
+            ADDR=""
+            for ((i = 0; i < START_TRIES; i++)); do
+                ADDR="$(sed -n 's/^dmkvd listening.*rpc=\([^ ]*\).*/\1/p' "$RESULTS/dmkvd.out")"
+                [ -n "$ADDR" ] && break
+                kill -0 "$SERVER_PID" 2>/dev/null || break
+                sleep 0.1
+            done
+            [ -n "$ADDR" ] || { echo "compare.sh: dmkvd did not start" >&2; cat "$RESULTS/dmkvd.err" >&2; exit 1; }
+            ;;
+        memcached)
+            port="$(free_port)"
+            local user=(); [ "$(id -u)" = 0 ] && user=(-u root)
+            record memcached "${user[@]}" -l 127.0.0.1 -p "$port" -U 0 -t "$SERVER_THREADS" -m "$MEMORY_MIB" -c 4096
+            memcached "${user[@]}" -l 127.0.0.1 -p "$port" -U 0 -t "$SERVER_THREADS" -m "$MEMORY_MIB" -c 4096 \
+                > "$RESULTS/memcached.log" 2>&1 &
+            SERVER_PID=$!
+            PIDS+=("$SERVER_PID")
+            ADDR="127.0.0.1:$port"
+            wait_port "$port" "$SERVER_PID" || { echo "compare.sh: memcached did not start" >&2; exit 1; }
+            ;;
+        redis)
+            port="$(free_port)"
+            record redis-server --port "$port" --bind 127.0.0.1 --save "''" --appendonly no --maxmemory 0
+            redis-server --port "$port" --bind 127.0.0.1 --save '' --appendonly no --maxmemory 0 \
+                --logfile "$RESULTS/redis.log" &
+            SERVER_PID=$!
+            PIDS+=("$SERVER_PID")
+            ADDR="127.0.0.1:$port"
+            wait_port "$port" "$SERVER_PID" || { echo "compare.sh: redis-server did not start" >&2; exit 1; }
+            ;;
+        *) echo "compare.sh: unknown store $store" >&2; exit 2 ;;
+    esac
+}
+
+stop_store() {
+    kill "$SERVER_PID" 2>/dev/null || true
+    wait "$SERVER_PID" 2>/dev/null || true
+}
+
+LOAD_BEFORE="$(cut -d' ' -f1-3 /proc/loadavg)"
+RUNS=0
+for ((round = 1; round <= ROUNDS; round++)); do
+[ "$round" = 1 ] && SHOW=1 || SHOW=0
+for store in $STORES; do
+    log "$store, round $round of $ROUNDS"
+    start_store "$store"
+    loaded=0
+    for cfg in $CONFIGS; do
+        threads="${cfg%x*}"
+        inflight="${cfg#*x}"
+        for w in $WORKLOADS; do
+            name="$store-$w-${threads}x$inflight-r$round"
+            args=(--backend "$store" --server "$ADDR" --workload "$w" --records "$RECORDS" --value-size "$VALUE_SIZE"
+                --threads "$threads" --in-flight "$inflight" --duration "$DURATION" --warmup "$WARMUP" --seed "$SEED"
+                --json "$RESULTS/$name.json" --csv "$RESULTS/$name.csv")
+            [ "$store" = dmkv ] && args+=(--path rpc)
+            # The first run of a store loads the records; the others reuse them.
+            [ "$loaded" = 1 ] && args+=(--skip-load)
+            record "$BIN/dmkv-ycsb" "${args[@]}"
+            "$BIN/dmkv-ycsb" "${args[@]}" | tee "$RESULTS/$name.txt"
+            loaded=1
+            RUNS=$((RUNS + 1))
+        done
+    done
+    stop_store
+done
+done
+SHOW=1
+LOAD_AFTER="$(cut -d' ' -f1-3 /proc/loadavg)"
+
+log "plots and tables"
+record "$BIN/dmkv-ycsb-plot" --out-dir docs --markdown "$RESULTS/tables.md" "$RESULTS/*.json"
+"$BIN/dmkv-ycsb-plot" --out-dir docs --markdown "$RESULTS/tables.md" "$RESULTS"/*.json
+
+cpu="$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)"
+mem="$(awk '/^MemTotal/ { printf "%.1f GiB", $2 / 1048576 }' /proc/meminfo)"
+{
+    echo "# Benchmarks: dmkv, memcached and Redis under YCSB"
+    echo
+    echo "Generated by \`benches/compare.sh\` on $(date -u '+%Y-%m-%d %H:%M UTC') from commit \`$(git rev-parse --short HEAD)\`."
+    echo "Raw reports (JSON, CSV, text) were written to \`benches/results/$STAMP/\` (not committed)."
+    echo
+    echo "## Machine"
+    echo
+    echo "| | |"
+    echo "|---|---|"
+    echo "| CPU | $cpu |"
+    echo "| cores | $(nproc) |"
+    echo "| memory | $mem |"
+    echo "| kernel | $(uname -sr) |"
+    echo "| memcached | $(memcached --version) |"
+    echo "| Redis | $(redis-server --version | sed 's/ sha=.*//') |"
+    echo "| rustc | $(rustc --version) |"
+    echo "| load average (1, 5, 15 min) | before: $LOAD_BEFORE; after: $LOAD_AFTER |"
+    echo
+    echo "Clients and servers share these cores, over loopback. The machine is shared with"
+    echo "other work (builds), so absolute numbers are noisy. Each configuration ran $ROUNDS time(s), in"
+    echo "interleaved rounds ($RUNS runs in all); tables and plots show the run of median throughput."
+    echo
+    echo "## Setup"
+    echo
+    echo "- $RECORDS records of $VALUE_SIZE B, keys chosen as YCSB does (scrambled zipfian, 0.99)."
+    echo "- Each run: $WARMUP warm-up, then $DURATION s measured; closed loop (a new operation starts when one completes)."
+    echo "- Concurrency (client threads × operations in flight per thread): $CONFIGS. Each thread has one connection;"
+    echo "  every store gets the same threads, connections and depth."
+    echo "- One store runs at a time. Server threads: dmkvd \`--threads $SERVER_THREADS\`, memcached \`-t $SERVER_THREADS\`;"
+    echo "  Redis executes commands on one thread (its I/O threads are off by default), so it gets one core's worth."
+    echo "- Redis without persistence (\`--save '' --appendonly no\`); memcached and dmkvd with $MEMORY_MIB MiB."
+    echo "- dmkv is measured on the RPC path (\`--path rpc\`), the path the goal below is about."
+    echo "- Latency is from the start of an operation to its reply, in µs; failures are counted, not timed."
+    echo "- At 1×1 every store waits one loopback round trip per operation, so throughput there mostly measures"
+    echo "  how fast the kernel (and, on a virtual machine, the hypervisor) wakes an idle client or server thread."
+    echo "  That depends on what else runs on the machine and can vary several-fold between runs (see the range"
+    echo "  column). 2×16 keeps the servers busy and says more about the stores themselves."
+    echo '- Plots are SVG from `dmkv-ycsb-plot` (plotters'"'"' SVG backend: no system fonts needed, the viewer draws the text).'
+    echo
+    echo "## Commands"
+    echo
+    [ "$ROUNDS" = 1 ] || echo "Round 1 of $ROUNDS; the other rounds ran the same commands on other ports (files -r2, -r3, ...)."
+    [ "$ROUNDS" = 1 ] || echo
+    echo '```sh'
+    echo "$INVOCATION"
+    echo "# which ran:"
+    cat "$COMMANDS"
+    echo '```'
+    echo
+    echo "## Results"
+    echo
+    echo "![throughput](ycsb-throughput.svg)"
+    echo
+    echo "![p99 latency](ycsb-p99.svg)"
+    echo
+    cat "$RESULTS/tables.md"
+} > docs/benchmarks.md
+log "wrote docs/benchmarks.md ($RUNS runs)"

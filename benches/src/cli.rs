@@ -1,0 +1,155 @@
+//! Command line of `dmkv-ycsb`.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+use dmkv_client::{ReadPath, Transport};
+
+use crate::backend::{BackendKind, DmkvOptions};
+use crate::driver::{DEFAULT_OPERATIONS, Settings, Warmup};
+use crate::workload::{Distribution, Workload};
+
+/// Flags of `dmkv-ycsb`.
+#[derive(Debug, Parser)]
+#[command(
+    name = "dmkv-ycsb",
+    version,
+    about = "YCSB core workloads against dmkv, memcached or Redis",
+    after_help = "Workload E (scans) is refused: a hash store has no ordered key space."
+)]
+pub struct Args {
+    /// YCSB core workload.
+    #[arg(long, value_enum, default_value = "a")]
+    pub workload: Workload,
+    /// Records loaded (and read, updated) by the workload.
+    #[arg(long, default_value_t = 100_000)]
+    pub records: u64,
+    /// Measured operations of the run phase [default: 100000 unless --duration].
+    #[arg(long, conflicts_with = "duration")]
+    pub operations: Option<u64>,
+    /// Measured seconds of the run phase, instead of --operations.
+    #[arg(long, value_name = "S")]
+    pub duration: Option<f64>,
+    /// Bytes per value (YCSB: 10 fields × 100 B).
+    #[arg(long, default_value_t = 1000)]
+    pub value_size: usize,
+    /// Key distribution [default: latest for D, zipfian otherwise].
+    #[arg(long, value_enum)]
+    pub distribution: Option<Distribution>,
+    /// Client threads, each with one connection.
+    #[arg(long, default_value_t = 1)]
+    pub threads: usize,
+    /// Operations outstanding per thread (pipelining depth).
+    #[arg(long, default_value_t = 1)]
+    pub in_flight: usize,
+    /// Open loop at this many operations per second in all; latency counts
+    /// from each operation's intended start.
+    #[arg(long, value_name = "OPS")]
+    pub target_rate: Option<f64>,
+    /// Not measured at the start: seconds ("5s", "500ms") or operations ("1000").
+    #[arg(long, default_value = "0")]
+    pub warmup: Warmup,
+    /// Seed of every random choice (keys, operations, values).
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Store to measure.
+    #[arg(long, value_enum, default_value = "dmkv")]
+    pub backend: BackendKind,
+    /// Server address [default: the store's usual port on 127.0.0.1].
+    #[arg(long, value_name = "ADDR")]
+    pub server: Option<String>,
+    /// dmkv: which way GETs go (auto, one-sided, rpc).
+    #[arg(long, default_value = "auto")]
+    pub path: ReadPath,
+    /// dmkv: one-sided transport (shm, tcp, rdma) [default: the best available].
+    #[arg(long)]
+    pub transport: Option<Transport>,
+    /// Write the report as JSON to this file.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// Write the report as CSV to this file.
+    #[arg(long, value_name = "FILE")]
+    pub csv: Option<PathBuf>,
+    /// Do not load records (they were loaded by an earlier run with the same seed).
+    #[arg(long)]
+    pub skip_load: bool,
+}
+
+impl Args {
+    /// The run these flags describe.
+    pub fn settings(&self) -> Result<Settings, String> {
+        let duration = match self.duration {
+            Some(d) if d.is_finite() && d > 0.0 => Some(Duration::from_secs_f64(d)),
+            Some(_) => return Err("--duration must be a positive number of seconds".into()),
+            None => None,
+        };
+        let operations = match (self.operations, duration) {
+            (None, None) => Some(DEFAULT_OPERATIONS),
+            (o, _) => o,
+        };
+        Ok(Settings {
+            backend: self.backend,
+            server: self.server.clone().unwrap_or_else(|| self.backend.default_server().to_string()),
+            dmkv: DmkvOptions { read_path: self.path, transport: self.transport },
+            workload: self.workload,
+            distribution: self.distribution.unwrap_or(self.workload.default_distribution()),
+            records: self.records,
+            operations,
+            duration,
+            value_size: self.value_size,
+            threads: self.threads,
+            in_flight: self.in_flight,
+            target_rate: self.target_rate,
+            warmup: self.warmup,
+            seed: self.seed,
+            skip_load: self.skip_load,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_map_to_settings() {
+        let a = Args::parse_from([
+            "dmkv-ycsb",
+            "--workload",
+            "d",
+            "--backend",
+            "redis",
+            "--threads",
+            "2",
+            "--in-flight",
+            "16",
+            "--warmup",
+            "2s",
+            "--duration",
+            "3",
+            "--path",
+            "rpc",
+            "--transport",
+            "tcp",
+        ]);
+        let s = a.settings().unwrap();
+        assert_eq!(s.distribution, Distribution::Latest);
+        assert_eq!(s.server, "127.0.0.1:6379");
+        assert_eq!(s.operations, None);
+        assert_eq!(s.duration, Some(Duration::from_secs(3)));
+        assert_eq!(s.warmup, Warmup::Time(Duration::from_secs(2)));
+        assert_eq!(s.dmkv.read_path, ReadPath::Rpc);
+        assert_eq!(s.dmkv.transport, Some(Transport::Tcp));
+        let d = Args::parse_from(["dmkv-ycsb"]).settings().unwrap();
+        assert_eq!(d.operations, Some(DEFAULT_OPERATIONS));
+        assert_eq!(d.value_size, 1000);
+        assert_eq!(d.distribution, Distribution::Zipfian);
+        assert!(Args::try_parse_from(["dmkv-ycsb", "--operations", "5", "--duration", "1"]).is_err());
+        assert!(Args::try_parse_from(["dmkv-ycsb", "--workload", "g"]).is_err());
+        let e = Args::parse_from(["dmkv-ycsb", "--workload", "e"]).settings().unwrap();
+        assert!(e.validate().unwrap_err().contains("not supported"));
+        let z = Args::parse_from(["dmkv-ycsb", "--threads", "0"]).settings().unwrap();
+        assert!(z.validate().is_err());
+    }
+}
