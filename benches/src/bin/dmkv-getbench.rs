@@ -1,0 +1,158 @@
+//! GET throughput of one client core against a running dmkvd, over a chosen
+//! path: one-sided (shm, tcp engine, rdma) or RPC; single GETs or batched
+//! multi-GETs; uniform or zipfian keys. Also reports the server's CPU time
+//! during the run (from /proc), which is about zero for shm and rdma.
+//!
+//! ```sh
+//! dmkv-getbench --server 127.0.0.1:7070 --load --keys 1000000 --value-size 1000
+//! dmkv-getbench --server 127.0.0.1:7070 --keys 1000000 --transport shm --distribution zipfian --server-pid PID
+//! ```
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use clap::Parser;
+use dmkv_benches::generator::{Rng, ScrambledZipfian};
+use dmkv_client::{Client, ClientConfig, ReadPath, Transport};
+use dmkv_common::proto::{self, request::Op};
+
+/// Puts in flight while loading.
+const LOAD_DEPTH: usize = 64;
+const LOAD_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(Parser)]
+#[command(name = "dmkv-getbench", about = "GETs per second of one client core")]
+struct Args {
+    #[arg(long, default_value = "127.0.0.1:7070")]
+    server: String,
+    /// Number of keys (loaded with --load, read otherwise).
+    #[arg(long, default_value_t = 100_000)]
+    keys: u64,
+    #[arg(long, default_value_t = 1000)]
+    value_size: usize,
+    /// Load the keys first.
+    #[arg(long)]
+    load: bool,
+    /// shm, tcp, rdma, or rpc.
+    #[arg(long, default_value = "shm")]
+    transport: String,
+    /// uniform or zipfian (0.99, scrambled as in YCSB).
+    #[arg(long, default_value = "uniform")]
+    distribution: String,
+    /// Keys per multi-GET; 1 means single GETs.
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
+    /// Run time in seconds.
+    #[arg(long, default_value_t = 5.0)]
+    secs: f64,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// dmkvd's process id, to report its CPU time during the run.
+    #[arg(long)]
+    server_pid: Option<u32>,
+}
+
+fn key(i: u64) -> Bytes {
+    Bytes::from(format!("user{i:012}"))
+}
+
+/// utime + stime of a process in milliseconds (clock ticks of 10 ms).
+fn cpu_ms(pid: &str) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let after = stat.rsplit_once(')')?.1;
+    let f: Vec<&str> = after.split_whitespace().collect();
+    let ticks: u64 = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+    Some(ticks * 10)
+}
+
+fn main() {
+    let a = Args::parse();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+    rt.block_on(run(a));
+}
+
+async fn run(a: Args) {
+    let (path, transport) = match a.transport.as_str() {
+        "rpc" => (ReadPath::Rpc, None),
+        t => (ReadPath::OneSided, Some(t.parse::<Transport>().unwrap_or_else(|e| panic!("{e}")))),
+    };
+    let cfg = ClientConfig { read_path: path, transport, pool_size: 1, ..Default::default() };
+    let c = Client::connect_with(a.server.clone(), cfg).await.unwrap_or_else(|e| panic!("connect: {e}"));
+    if a.load {
+        let start = Instant::now();
+        let value = Bytes::from(vec![b'v'; a.value_size]);
+        let mut window = VecDeque::new();
+        for i in 0..a.keys {
+            if window.len() == LOAD_DEPTH {
+                let f: dmkv_client::conn::InFlight = window.pop_front().expect("non-empty");
+                let r = f.wait(LOAD_TIMEOUT).await.expect("put reply");
+                assert!(matches!(r.result, Some(proto::response::Result::Put(_))), "put failed: {r:?}");
+            }
+            window.push_back(c.send(Op::Put(proto::Put { key: key(i), value: value.clone() })).await.expect("send"));
+        }
+        for f in window {
+            f.wait(LOAD_TIMEOUT).await.expect("put reply");
+        }
+        println!("loaded {} keys of {} B in {:.1}s", a.keys, a.value_size, start.elapsed().as_secs_f64());
+    }
+    let zipf = ScrambledZipfian::new(0, a.keys - 1);
+    let uniform = a.distribution == "uniform";
+    assert!(uniform || a.distribution == "zipfian", "distribution must be uniform or zipfian");
+    let mut rng = Rng::new(a.seed);
+    let mut pick = move || if uniform { rng.below(a.keys) } else { zipf.next(&mut rng) };
+    // Warm up: attach, touch the cache.
+    for _ in 0..1000 {
+        c.get(key(pick())).await.expect("get");
+    }
+    let before = c.read_stats();
+    let pid = a.server_pid.map(|p| p.to_string());
+    let server_cpu0 = pid.as_deref().and_then(cpu_ms);
+    let client_cpu0 = cpu_ms("self");
+    let deadline = Instant::now() + Duration::from_secs_f64(a.secs);
+    let start = Instant::now();
+    let (mut gets, mut bad) = (0u64, 0u64);
+    let mut keys = Vec::with_capacity(a.batch);
+    while Instant::now() < deadline {
+        if a.batch <= 1 {
+            match c.get(key(pick())).await.expect("get") {
+                Some(v) if v.len() == a.value_size => {}
+                _ => bad += 1,
+            }
+            gets += 1;
+        } else {
+            keys.clear();
+            keys.extend((0..a.batch).map(|_| key(pick())));
+            for v in c.multi_get(&keys).await.expect("multi-get") {
+                if v.is_none_or(|v| v.len() != a.value_size) {
+                    bad += 1;
+                }
+                gets += 1;
+            }
+        }
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let server_cpu = pid.as_deref().and_then(cpu_ms).zip(server_cpu0).map(|(b, a)| b - a);
+    let client_cpu = cpu_ms("self").zip(client_cpu0).map(|(b, a)| b - a);
+    let rs = c.read_stats();
+    println!(
+        "transport={} distribution={} batch={} keys={} value={}B: {:.0} GETs/s ({:.2} us/GET), {} GETs in {:.1}s, \
+         wrong/missing={} client_cpu_ms={} server_cpu_ms={} one_sided_gets={} hint_hits={} retries={} fallbacks={}",
+        a.transport,
+        a.distribution,
+        a.batch,
+        a.keys,
+        a.value_size,
+        gets as f64 / secs,
+        secs * 1e6 / gets.max(1) as f64,
+        gets,
+        secs,
+        bad,
+        client_cpu.map_or("?".into(), |v| v.to_string()),
+        server_cpu.map_or("?".into(), |v| v.to_string()),
+        rs.gets - before.gets,
+        rs.hint_hits - before.hint_hits,
+        (rs.torn + rs.other_key + rs.slow) - (before.torn + before.other_key + before.slow),
+        rs.fallbacks - before.fallbacks,
+    );
+}
