@@ -6,7 +6,7 @@
 #   benches/compare.sh [--workloads "a b c"] [--configs "1x1 2x16"]
 #                      [--records N] [--value-size B] [--duration S] [--warmup W]
 #                      [--server-threads N] [--memory-mib N] [--seed N]
-#                      [--stores "dmkv memcached redis"] [--runs N] [--no-install]
+#                      [--stores "dmkv dmkv-onesided memcached redis"] [--runs N] [--no-install]
 #
 # With --runs N every store is measured N times, rounds interleaved (each
 # round restarts the stores and reloads the records); tables and plots show
@@ -25,7 +25,7 @@ WARMUP=1s                   # unmeasured start of each run
 SERVER_THREADS=2            # dmkvd --threads, memcached -t
 MEMORY_MIB=1024             # dmkvd --memory, memcached -m
 SEED=1
-STORES="dmkv memcached redis"
+STORES="dmkv dmkv-onesided memcached redis"
 ROUNDS=1
 INSTALL=1
 START_TRIES=100             # x 0.1 s: how long a server gets to start
@@ -119,7 +119,7 @@ wait_port() { # port pid
 start_store() {
     local store="$1" port i
     case "$store" in
-        dmkv)
+        dmkv|dmkv-onesided)
             record "$BIN/dmkvd" --listen 127.0.0.1:0 --threads "$SERVER_THREADS" --memory "${MEMORY_MIB}MiB" --log warn
             "$BIN/dmkvd" --listen 127.0.0.1:0 --threads "$SERVER_THREADS" --memory "${MEMORY_MIB}MiB" --log warn \
                 > "$RESULTS/dmkvd.out" 2> "$RESULTS/dmkvd.err" &
@@ -177,10 +177,13 @@ for store in $STORES; do
         inflight="${cfg#*x}"
         for w in $WORKLOADS; do
             name="$store-$w-${threads}x$inflight-r$round"
-            args=(--backend "$store" --server "$ADDR" --workload "$w" --records "$RECORDS" --value-size "$VALUE_SIZE"
+            backend="$store"
+            [ "$store" = dmkv-onesided ] && backend=dmkv
+            args=(--backend "$backend" --label "$store" --server "$ADDR" --workload "$w" --records "$RECORDS" --value-size "$VALUE_SIZE"
                 --threads "$threads" --in-flight "$inflight" --duration "$DURATION" --warmup "$WARMUP" --seed "$SEED"
                 --json "$RESULTS/$name.json" --csv "$RESULTS/$name.csv")
             [ "$store" = dmkv ] && args+=(--path rpc)
+            [ "$store" = dmkv-onesided ] && args+=(--path one-sided)
             # The first run of a store loads the records; the others reuse them.
             [ "$loaded" = 1 ] && args+=(--skip-load)
             record "$BIN/dmkv-ycsb" "${args[@]}"
@@ -233,7 +236,9 @@ mem="$(awk '/^MemTotal/ { printf "%.1f GiB", $2 / 1048576 }' /proc/meminfo)"
     echo "- One store runs at a time. Server threads: dmkvd \`--threads $SERVER_THREADS\`, memcached \`-t $SERVER_THREADS\`;"
     echo "  Redis executes commands on one thread (its I/O threads are off by default), so it gets one core's worth."
     echo "- Redis without persistence (\`--save '' --appendonly no\`); memcached and dmkvd with $MEMORY_MIB MiB."
-    echo "- dmkv is measured on the RPC path (\`--path rpc\`), the path the goal below is about."
+    echo "- dmkv is measured twice: \`dmkv\` on the RPC path (\`--path rpc\`), the path the goal below is about, and"
+    echo "  \`dmkv-onesided\` with GETs as one-sided reads (\`--path one-sided\`: shared memory, since client and"
+    echo "  server share this host; PUTs still go over RPC)."
     echo "- Latency is from the start of an operation to its reply, in µs; failures are counted, not timed."
     echo "- At 1×1 every store waits one loopback round trip per operation, so throughput there mostly measures"
     echo "  how fast the kernel (and, on a virtual machine, the hypervisor) wakes an idle client or server thread."

@@ -74,6 +74,10 @@ pub struct Args {
     /// Do not load records (they were loaded by an earlier run with the same seed).
     #[arg(long)]
     pub skip_load: bool,
+    /// Name of the store in reports [default: the backend's name], e.g. to
+    /// tell dmkv's read paths apart.
+    #[arg(long)]
+    pub label: Option<String>,
 }
 
 impl Args {
@@ -89,6 +93,7 @@ impl Args {
             (o, _) => o,
         };
         Ok(Settings {
+            label: self.label.clone().unwrap_or_else(|| self.backend.name().to_string()),
             backend: self.backend,
             server: self.server.clone().unwrap_or_else(|| self.backend.default_server().to_string()),
             dmkv: DmkvOptions { read_path: self.path, transport: self.transport },

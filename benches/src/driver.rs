@@ -69,6 +69,8 @@ impl FromStr for Warmup {
 /// Everything that defines a run.
 #[derive(Debug, Clone)]
 pub struct Settings {
+    /// The store's name in reports.
+    pub label: String,
     pub backend: BackendKind,
     pub server: String,
     pub dmkv: DmkvOptions,
@@ -289,7 +291,7 @@ pub fn run(s: &Settings) -> Result<Report, String> {
     let run = phase(s, mix, false)?;
     let dmkv = s.backend == BackendKind::Dmkv;
     Ok(Report {
-        store: s.backend.name().into(),
+        store: s.label.clone(),
         server: s.server.clone(),
         workload: s.workload.name().into(),
         distribution: s.distribution.name().into(),

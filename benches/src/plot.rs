@@ -13,8 +13,13 @@ use crate::report::{ALL_OPS, Report, STORE_ORDER, summarise};
 pub const CHART_SIZE: (u32, u32) = (1100, 520);
 const FONT: &str = "sans-serif";
 /// Colours of the stores, in [`STORE_ORDER`]; others get the last.
-const COLOURS: [RGBColor; 4] =
-    [RGBColor(31, 119, 180), RGBColor(44, 160, 44), RGBColor(214, 39, 40), RGBColor(127, 127, 127)];
+const COLOURS: [RGBColor; 5] = [
+    RGBColor(31, 119, 180),
+    RGBColor(23, 190, 207),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(127, 127, 127),
+];
 
 /// Bars grouped by run configuration, one series per store.
 #[derive(Debug, Clone, PartialEq)]

@@ -20,6 +20,7 @@ const START_DEADLINE: Duration = Duration::from_secs(10);
 
 fn settings(backend: BackendKind, server: &str, workload: Workload) -> Settings {
     Settings {
+        label: backend.name().to_string(),
         backend,
         server: server.to_string(),
         dmkv: DmkvOptions { read_path: ReadPath::Rpc, transport: None },

@@ -45,6 +45,12 @@ enum Cmd {
     Del { key: String },
     /// Print the server's counters.
     Stats,
+    /// Run the YCSB driver (`dmkv-ycsb`) against the server; arguments
+    /// after `bench` go to it (try `dmkv bench --help`).
+    Bench {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -58,7 +64,25 @@ fn main() -> ExitCode {
     }
 }
 
+/// Runs `dmkv-ycsb` from next to this binary (or from PATH).
+fn bench(server: &str, args: &[String]) -> Result<ExitCode, String> {
+    let sibling = std::env::current_exe().ok().and_then(|e| Some(e.parent()?.join("dmkv-ycsb"))).filter(|p| p.exists());
+    let exe = sibling.unwrap_or_else(|| "dmkv-ycsb".into());
+    let mut cmd = std::process::Command::new(&exe);
+    let wants_help = args.iter().any(|a| a == "--help" || a == "-h");
+    if !wants_help && !args.iter().any(|a| a == "--server" || a.starts_with("--server=")) {
+        cmd.args(["--server", server]);
+    }
+    let status = cmd.args(args).status().map_err(|e| {
+        format!("cannot run {}: {e} (build it with `cargo build --release --bin dmkv-ycsb`)", exe.display())
+    })?;
+    Ok(ExitCode::from(status.code().unwrap_or(2).clamp(0, 255) as u8))
+}
+
 fn run(cli: Cli) -> Result<ExitCode, String> {
+    if let Cmd::Bench { args } = &cli.cmd {
+        return bench(&cli.server, args);
+    }
     let cfg = ClientConfig {
         pool_size: 1,
         request_timeout: Duration::from_millis(cli.timeout_ms),
@@ -110,5 +134,6 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
             }
             Ok(ExitCode::SUCCESS)
         }
+        Cmd::Bench { .. } => unreachable!("handled before connecting"),
     }
 }

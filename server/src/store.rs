@@ -124,12 +124,32 @@ impl Store {
         }
     }
 
-    /// Finds the slot holding `key`: (bucket, index, slot).
-    fn find(&self, kh: &KeyHash, key: &[u8], buf: &mut Vec<u8>) -> Option<(u64, usize, Slot)> {
+    /// Whether the item of `slot` is `key`'s, reading only its header and
+    /// key. Only for the writer: it holds the writer lock, and published
+    /// items never change, so what it reads cannot be torn.
+    fn item_has_key(&self, slot: Slot, key: &[u8], buf: &mut Vec<u8>) -> bool {
+        let len = (layout::ITEM_HEADER_LEN + key.len()).min(slot.len());
+        buf.resize(len, 0);
+        self.region.read(slot.offset(), buf);
+        let key_len = u32::from_le_bytes(buf[16..20].try_into().expect("4 bytes")) as usize;
+        key_len == key.len()
+            && buf.len() == layout::ITEM_HEADER_LEN + key.len()
+            && &buf[layout::ITEM_HEADER_LEN..] == key
+    }
+
+    /// Finds the slot holding `key`: (bucket, index, slot). With `whole`,
+    /// `buf` ends up holding the verified item; otherwise (writers only)
+    /// just its header and key are read.
+    fn find(&self, kh: &KeyHash, key: &[u8], buf: &mut Vec<u8>, whole: bool) -> Option<(u64, usize, Slot)> {
         for &b in &kh.buckets {
             for i in 0..SLOTS_PER_BUCKET {
                 let Some(slot) = Slot::unpack(self.region.load_slot(self.slot_offset(b, i))) else { continue };
-                if slot.fingerprint == kh.fingerprint && self.read_item_if_key(slot, key, buf) {
+                if slot.fingerprint != kh.fingerprint {
+                    continue;
+                }
+                let found =
+                    if whole { self.read_item_if_key(slot, key, buf) } else { self.item_has_key(slot, key, buf) };
+                if found {
                     return Some((b, i, slot));
                 }
             }
@@ -144,7 +164,7 @@ impl Store {
         let kh = key_hash(key, self.header.hash_seed, self.header.bucket_count);
         let _guard = epoch::pin();
         let mut buf = Vec::new();
-        let Some(_) = self.find(&kh, key, &mut buf) else { return Ok(None) };
+        let Some(_) = self.find(&kh, key, &mut buf, true) else { return Ok(None) };
         self.counters.get_hits.fetch_add(1, Ordering::Relaxed);
         let item = decode_item(&buf).expect("verified in find");
         let (version, start, len) = (item.version, layout::ITEM_HEADER_LEN + item.key.len(), item.value.len());
@@ -163,7 +183,7 @@ impl Store {
         let mut w = self.writer.lock().expect("writer lock poisoned");
         let w = &mut *w;
         let mut probe = Vec::new();
-        let existing = self.find(&kh, key, &mut probe);
+        let existing = self.find(&kh, key, &mut probe, false);
         let target = match existing {
             Some((b, i, _)) => (b, i),
             None => match self.free_slot(&kh) {
@@ -205,7 +225,7 @@ impl Store {
         let guard = epoch::pin();
         let _w = self.writer.lock().expect("writer lock poisoned");
         let mut probe = Vec::new();
-        let Some((b, i, old)) = self.find(&kh, key, &mut probe) else { return Ok(false) };
+        let Some((b, i, old)) = self.find(&kh, key, &mut probe, false) else { return Ok(false) };
         self.region.store_slot(self.slot_offset(b, i), Slot::EMPTY);
         self.counters.deletes.fetch_add(1, Ordering::Relaxed);
         self.counters.items.fetch_sub(1, Ordering::Relaxed);

@@ -34,5 +34,21 @@ if [ "${bench:-0}" = 1 ] && [ -x ./readbench ]; then
     wait
   done
 fi
+if [ "${bench:-0}" = 1 ] && [ -x ./release/dmkv-getbench ]; then
+  # One dmkvd (release, RDMA), 10k keys of 1000 B, then GETs/s of one client core per path.
+  ./release/dmkvd --listen 127.0.0.1:0 --memory 256MiB --log warn > /tmp/dmkvd.out 2>&1 &
+  DPID=$!
+  for _ in $(seq 100); do grep -q 'rpc=' /tmp/dmkvd.out && break; sleep 0.1; done
+  ADDR=$(sed -n 's/.*rpc=\([^ ]*\).*/\1/p' /tmp/dmkvd.out)
+  echo "=== getbench against $(cat /tmp/dmkvd.out)"
+  $T ./release/dmkv-getbench --server "$ADDR" --load --keys 10000 --transport rpc --secs 1 > /dev/null
+  for path in rdma tcp rpc; do
+    for batch in 1 16; do
+      $T ./release/dmkv-getbench --server "$ADDR" --keys 10000 --transport $path --batch $batch \
+        --secs "${bench_secs:-5}" --server-pid "$DPID" || echo "=== getbench $path FAILED"
+    done
+  done
+  kill "$DPID"
+fi
 [ "$failed" -gt 100 ] && failed=100
 exit "$failed"

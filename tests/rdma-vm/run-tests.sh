@@ -57,6 +57,9 @@ if [ "$BENCH" = 1 ]; then
   else
     cargo build -q -p dmkv-verbs --example readbench
   fi
+  # GETs/s over rdma beside tcp and rpc in the same VM: release dmkvd and getbench.
+  cargo build -q --release -p dmkv-server --features rdma --bin dmkvd
+  cargo build -q --release -p dmkv-benches --features dmkv-client/rdma --bin dmkv-getbench
 fi
 
 # Share only a staging copy: the guest sees the binaries and nothing else of the host.
@@ -70,7 +73,11 @@ for b in "${BINS[@]}"; do
 done
 cp "$TARGET/debug/dmkvd" "$STAGE/"
 cp "$HERE/guest-run-tests.sh" "$STAGE/"
-if [ "$BENCH" = 1 ]; then cp "$BENCH_BIN" "$STAGE/readbench"; fi
+if [ "$BENCH" = 1 ]; then
+  cp "$BENCH_BIN" "$STAGE/readbench"
+  mkdir -p "$STAGE/release"
+  cp "$TARGET/release/dmkvd" "$TARGET/release/dmkv-getbench" "$STAGE/release/"
+fi
 
 t1=$(date +%s)
 log "booting the VM ($((t1 - t0)) s of preparation)"
