@@ -18,7 +18,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::error::ClientError;
 
 /// Requests queued for the writer task before senders wait.
-const SEND_QUEUE: usize = 1024;
+pub(crate) const SEND_QUEUE: usize = 1024;
 /// Most bytes the writer gathers into one write.
 const MAX_COALESCE: usize = 256 * 1024;
 const READ_BUF: usize = 64 * 1024;
@@ -107,7 +107,10 @@ impl Conn {
     }
 }
 
-async fn write_loop(mut wr: OwnedWriteHalf, mut rx: mpsc::Receiver<BytesMut>, closed: Arc<AtomicBool>) {
+/// Writes queued frames until the queue closes or a write fails, gathering
+/// whatever is queued (up to [`MAX_COALESCE`] bytes) into one write; then
+/// marks the connection closed. Shared by every pipelined connection.
+pub(crate) async fn write_loop(mut wr: OwnedWriteHalf, mut rx: mpsc::Receiver<BytesMut>, closed: Arc<AtomicBool>) {
     while let Some(mut batch) = rx.recv().await {
         while batch.len() < MAX_COALESCE {
             match rx.try_recv() {

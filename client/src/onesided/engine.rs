@@ -10,14 +10,13 @@ use std::time::Duration;
 use bytes::BytesMut;
 use dmkv_common::onesided::{MAX_REPLY_FRAME, ReadStatus, ReadWr, decode_reply, encode_request, next_frame};
 use dmkv_common::read::ReadSpec;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
 
 use super::{BackendError, Reads};
+use crate::conn::{SEND_QUEUE, write_loop};
 
-const SEND_QUEUE: usize = 1024;
-const MAX_COALESCE: usize = 256 * 1024;
 const READ_BUF: usize = 256 * 1024;
 
 type Pending = Arc<Mutex<HashMap<u64, oneshot::Sender<BytesMut>>>>;
@@ -41,25 +40,11 @@ impl EngineConn {
             Err(_) => return Err(BackendError::Attach(format!("engine {addr}: connect timed out"))),
         };
         let _ = stream.set_nodelay(true);
-        let (mut rd, mut wr) = stream.into_split();
-        let (tx, mut rx) = mpsc::channel::<BytesMut>(SEND_QUEUE);
+        let (mut rd, wr) = stream.into_split();
+        let (tx, rx) = mpsc::channel::<BytesMut>(SEND_QUEUE);
         let pending: Pending = Arc::default();
         let closed = Arc::new(AtomicBool::new(false));
-        let c = Arc::clone(&closed);
-        tokio::spawn(async move {
-            while let Some(mut batch) = rx.recv().await {
-                while batch.len() < MAX_COALESCE {
-                    match rx.try_recv() {
-                        Ok(more) => batch.extend_from_slice(&more),
-                        Err(_) => break,
-                    }
-                }
-                if wr.write_all(&batch).await.is_err() {
-                    break;
-                }
-            }
-            c.store(true, Ordering::Release);
-        });
+        tokio::spawn(write_loop(wr, rx, Arc::clone(&closed)));
         let (p, c) = (Arc::clone(&pending), Arc::clone(&closed));
         tokio::spawn(async move {
             let mut buf = BytesMut::with_capacity(READ_BUF);
