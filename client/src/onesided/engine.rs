@@ -17,7 +17,7 @@ use tokio::sync::{mpsc, oneshot};
 use super::{BackendError, Reads};
 use crate::conn::{SEND_QUEUE, write_loop};
 
-const READ_BUF: usize = 256 * 1024;
+const READ_BUF: usize = 64 * 1024;
 
 type Pending = Arc<Mutex<HashMap<u64, oneshot::Sender<BytesMut>>>>;
 
