@@ -114,6 +114,12 @@ async fn serve_conn(
             counters.batches.fetch_add(1, Ordering::Relaxed);
             counters.reads.fetch_add(wrs.len() as u64, Ordering::Relaxed);
             counters.bytes.fetch_add(bytes, Ordering::Relaxed);
+            if out.len() >= crate::service::MAX_PENDING_REPLY_BYTES {
+                if wr.write_all(&out).await.is_err() {
+                    return;
+                }
+                out.clear();
+            }
         }
         if !out.is_empty() {
             if wr.write_all(&out).await.is_err() {

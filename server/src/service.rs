@@ -24,6 +24,9 @@ use crate::store::Store;
 
 /// Read buffer size per connection; frames larger than this grow it.
 const READ_BUF: usize = 64 * 1024;
+/// Reply bytes a connection gathers before it writes them, even in the
+/// middle of a batch of requests.
+pub const MAX_PENDING_REPLY_BYTES: usize = 4 * 1024 * 1024;
 /// Most times a PUT waits for space that is finishing its grace period.
 const OOM_RETRIES: usize = 2;
 
@@ -82,6 +85,15 @@ pub async fn serve_connection(stream: TcpStream, shared: Arc<Shared>, mut shutdo
                 Ok(Some(req)) => {
                     let resp = handle(&shared, &mut state, req).await;
                     encode_reply(&resp, shared.max_frame, &mut out);
+                    // Many small requests can ask for many large values:
+                    // bound what one connection holds before writing.
+                    if out.len() >= MAX_PENDING_REPLY_BYTES {
+                        if let Err(e) = wr.write_all(&out).await {
+                            debug!(?peer, "write error: {e}");
+                            return;
+                        }
+                        out.clear();
+                    }
                 }
                 Ok(None) => break,
                 Err(e) => {

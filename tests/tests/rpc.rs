@@ -356,3 +356,22 @@ async fn random_garbage_never_breaks_the_server() {
     }
     still_serves(&srv.rpc).await;
 }
+
+/// Hundreds of small pipelined GETs of a 1 MiB value: the server writes
+/// replies as they pile up instead of holding them all, and answers each.
+#[tokio::test]
+async fn pipelined_gets_of_large_values_are_all_answered() {
+    let srv = ServerProcess::start(&["--memory", "32MiB"]);
+    let c = Client::connect_with(&srv.rpc, ClientConfig { pool_size: 1, ..Default::default() }).await.unwrap();
+    c.put("big", vec![3u8; MAX_VALUE_LEN]).await.unwrap();
+    let mut inflight = Vec::new();
+    for _ in 0..200 {
+        inflight.push(c.send(Op::Get(proto::Get { key: "big".into() })).await.unwrap());
+    }
+    for f in inflight {
+        match f.wait(Duration::from_secs(60)).await.unwrap().result {
+            Some(R::Get(g)) => assert!(g.value.len() == MAX_VALUE_LEN && g.value.iter().all(|&b| b == 3)),
+            other => panic!("{other:?}"),
+        }
+    }
+}
