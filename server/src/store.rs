@@ -18,7 +18,7 @@ use bytes::Bytes;
 use crossbeam_epoch as epoch;
 use dmkv_common::error::{Error, check_key, check_value};
 use dmkv_common::layout::{self, KeyHash, RegionHeader, Slot, decode_item, encode_item, item_units, key_hash};
-use dmkv_common::limits::{BUCKET_LEN, SLOTS_PER_BUCKET, UNIT};
+use dmkv_common::limits::{SLOTS_PER_BUCKET, UNIT};
 
 use crate::alloc::{Allocator, class_units};
 use crate::region::Region;
@@ -306,11 +306,6 @@ impl Store {
     /// Number of index slots.
     pub fn slot_count(&self) -> u64 {
         self.header.bucket_count * SLOTS_PER_BUCKET as u64
-    }
-
-    /// Bucket size in bytes (for STATS).
-    pub fn bucket_len(&self) -> usize {
-        BUCKET_LEN
     }
 }
 
