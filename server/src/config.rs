@@ -249,6 +249,23 @@ mod tests {
         assert_eq!(c.grace, Duration::from_millis(5));
     }
 
+    /// The example in deploy/ stays a valid config, with every commented
+    /// setting too.
+    #[test]
+    fn deploy_example_parses() {
+        let text = include_str!("../../deploy/dmkvd.toml");
+        let file: FileConfig = toml::from_str(text).unwrap();
+        let c = Config::resolve(file, Flags::default()).unwrap();
+        assert_eq!(c.listen.to_string(), DEFAULT_LISTEN);
+        let uncommented: String = text
+            .lines()
+            .map(|l| l.strip_prefix("# ").filter(|r| r.contains(" = ")).unwrap_or(l))
+            .collect::<Vec<_>>()
+            .join("\n");
+        let all: FileConfig = toml::from_str(&uncommented).unwrap();
+        assert!(all.buckets.is_some() && all.engine_listen.is_some() && all.shm_socket.is_some());
+    }
+
     #[test]
     fn defaults_and_rejections() {
         let c = Config::default();
