@@ -206,3 +206,22 @@ async fn a_dead_server_region_is_never_served() {
     .unwrap();
     assert!(refused, "GETs kept being served from a dead server's region");
 }
+
+/// Shared-memory GETs never wait, so a loop of them never yields to other
+/// tasks: liveness must be checked by the reads themselves.
+#[tokio::test]
+async fn a_get_loop_that_never_yields_notices_a_dead_server() {
+    let mut srv = ServerProcess::start(&["--memory", "16MiB"]);
+    let c = Client::connect_with(&srv.rpc, cfg(ReadPath::OneSided, Some(Transport::Shm))).await.unwrap();
+    c.put("k", "v").await.unwrap();
+    assert_eq!(c.get("k").await.unwrap().unwrap(), "v".as_bytes());
+    // Blocking on purpose: no task of this runtime runs meanwhile.
+    srv.stop();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    for i in 0u64.. {
+        match c.get("k").await {
+            Err(_) => return,
+            Ok(_) => assert!(std::time::Instant::now() < deadline, "{i} GETs served from a dead server's region"),
+        }
+    }
+}

@@ -4,27 +4,33 @@
 //!
 //! The mapping is valid only while the handoff connection is open: the
 //! server closes it when it stops or registers the region anew, and a
-//! crashed server's socket reports EOF. A task watches it; once it closes,
-//! every read fails with [`BackendError::Closed`] and the client attaches
-//! again. This module holds the client's only `unsafe` (the mapping).
+//! crashed server's socket reports EOF. Reads check the connection
+//! themselves, with a non-blocking peek at most every
+//! [`LIVENESS_CHECK_INTERVAL`]: a task watching it would not run while a
+//! caller GETs in a loop that never yields (shm reads never wait). Once it
+//! has closed, every read fails with [`BackendError::Closed`] and the client
+//! attaches again. This module holds the client's only `unsafe` (the
+//! mapping).
 
 use std::fs::File;
 use std::io::{self, IoSliceMut};
 use std::mem::MaybeUninit;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use dmkv_common::layout::EPOCH_OFFSET;
 use dmkv_common::racy;
 use dmkv_common::read::ReadSpec;
 use memmap2::{MmapOptions, MmapRaw};
 use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, recvmsg};
-use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
+use tokio::io::{AsyncWriteExt, Interest};
 use tokio::net::UnixStream;
 
 use super::{BackendError, Reads};
 
+/// How stale the liveness of the handoff connection may be: a server that
+/// went away is noticed by the first read this long after it did.
+pub const LIVENESS_CHECK_INTERVAL: Duration = Duration::from_millis(1);
 /// Handoff reply: status byte, region length.
 const REPLY_LEN: usize = 9;
 const STATUS_OK: u8 = 0;
@@ -34,8 +40,12 @@ pub struct ShmRegion {
     map: MmapRaw,
     len: usize,
     epoch: u64,
-    alive: Arc<AtomicBool>,
-    watcher: tokio::task::JoinHandle<()>,
+    alive: AtomicBool,
+    /// The handoff connection, non-blocking, only ever peeked at.
+    control: std::os::unix::net::UnixStream,
+    clock: Instant,
+    /// When the connection was last seen open, in ns since `clock`.
+    checked_at: AtomicU64,
 }
 
 // SAFETY: the mapping is only read through atomic loads (`racy`), which
@@ -43,12 +53,6 @@ pub struct ShmRegion {
 unsafe impl Send for ShmRegion {}
 // SAFETY: as above.
 unsafe impl Sync for ShmRegion {}
-
-impl Drop for ShmRegion {
-    fn drop(&mut self) {
-        self.watcher.abort();
-    }
-}
 
 impl ShmRegion {
     /// Asks the server at `socket` for its region, presenting `rkey` and
@@ -63,7 +67,7 @@ impl ShmRegion {
             let (reply, fd) = recv_with_fd(&stream).await?;
             Ok::<_, io::Error>((stream, reply, fd))
         };
-        let (mut stream, reply, fd) = match tokio::time::timeout(timeout, work).await {
+        let (stream, reply, fd) = match tokio::time::timeout(timeout, work).await {
             Ok(Ok(x)) => x,
             Ok(Err(e)) => return Err(BackendError::Attach(format!("shared-memory handoff via {socket}: {e}"))),
             Err(_) => return Err(BackendError::Attach(format!("shared-memory handoff via {socket} timed out"))),
@@ -79,20 +83,45 @@ impl ShmRegion {
             .len(len)
             .map_raw_read_only(&file)
             .map_err(|e| BackendError::Attach(format!("cannot map the region: {e}")))?;
-        let alive = Arc::new(AtomicBool::new(true));
-        let flag = Arc::clone(&alive);
-        let watcher = tokio::spawn(async move {
-            let mut b = [0u8; 1];
-            let _ = stream.read(&mut b).await;
-            flag.store(false, Ordering::Release);
-        });
-        Ok(ShmRegion { map, len, epoch, alive, watcher })
+        let control = stream.into_std().map_err(|e| BackendError::Attach(format!("handoff socket: {e}")))?;
+        Ok(ShmRegion {
+            map,
+            len,
+            epoch,
+            alive: AtomicBool::new(true),
+            control,
+            clock: Instant::now(),
+            checked_at: AtomicU64::new(0),
+        })
+    }
+
+    /// Whether the handoff connection is still open, peeking at it if it was
+    /// not checked within [`LIVENESS_CHECK_INTERVAL`].
+    fn is_alive(&self) -> bool {
+        if !self.alive.load(Ordering::Acquire) {
+            return false;
+        }
+        let now = self.clock.elapsed().as_nanos() as u64;
+        if now.saturating_sub(self.checked_at.load(Ordering::Relaxed)) < LIVENESS_CHECK_INTERVAL.as_nanos() as u64 {
+            return true;
+        }
+        // The server never sends on this connection: any byte, EOF or error
+        // means it is gone or has registered the region anew.
+        let mut b = [0u8; 1];
+        let peek = rustix::net::recv(&self.control, &mut b[..], RecvFlags::PEEK | RecvFlags::DONTWAIT);
+        let open = matches!(peek, Err(rustix::io::Errno::AGAIN));
+        if open {
+            self.checked_at.store(now, Ordering::Relaxed);
+        } else {
+            self.alive.store(false, Ordering::Release);
+        }
+        open
     }
 
     /// Reads every spec, concatenated in order. A spec past the mapping's
     /// end (from a torn or reused slot) yields `None`, never a fault.
     pub fn read(&self, specs: &[ReadSpec], out: &mut Reads) -> Result<(), BackendError> {
-        if !self.alive.load(Ordering::Acquire) {
+        if !self.is_alive() {
             return Err(BackendError::Closed);
         }
         let base = self.map.as_ptr();
