@@ -23,7 +23,9 @@ pub(crate) const SEND_QUEUE: usize = 1024;
 const MAX_COALESCE: usize = 256 * 1024;
 const READ_BUF: usize = 64 * 1024;
 
-type Pending = Arc<Mutex<HashMap<u64, oneshot::Sender<Response>>>>;
+/// Waiters for replies, by request id.
+pub(crate) type PendingMap<T> = Arc<Mutex<HashMap<u64, oneshot::Sender<T>>>>;
+type Pending = PendingMap<Response>;
 
 /// A connection to a server's RPC port.
 pub struct Conn {
@@ -71,7 +73,10 @@ impl Conn {
         let pending: Pending = Arc::default();
         let closed = Arc::new(AtomicBool::new(false));
         tokio::spawn(write_loop(wr, rx, Arc::clone(&closed)));
-        tokio::spawn(read_loop(rd, Arc::clone(&pending), Arc::clone(&closed), max_frame));
+        let decoder = Decoder::new(max_frame);
+        tokio::spawn(read_loop(rd, Arc::clone(&pending), Arc::clone(&closed), move |buf: &mut BytesMut| {
+            Ok(decoder.next_message::<Response>(buf).map_err(|e| e.to_string())?.map(|r| (r.id, r)))
+        }));
         Ok(Arc::new(Conn { tx, pending, next_id: AtomicU64::new(1), closed, max_frame }))
     }
 
@@ -125,8 +130,16 @@ pub(crate) async fn write_loop(mut wr: OwnedWriteHalf, mut rx: mpsc::Receiver<By
     closed.store(true, Ordering::Release);
 }
 
-async fn read_loop(mut rd: OwnedReadHalf, pending: Pending, closed: Arc<AtomicBool>, max_frame: usize) {
-    let decoder = Decoder::new(max_frame);
+/// Reads replies until the peer closes or sends something `next` rejects,
+/// handing each `(id, reply)` to whoever waits for that id; then marks the
+/// connection closed and wakes every waiter. Shared by every pipelined
+/// connection; `next` takes one complete reply off the buffer, if any.
+pub(crate) async fn read_loop<T>(
+    mut rd: OwnedReadHalf,
+    pending: PendingMap<T>,
+    closed: Arc<AtomicBool>,
+    mut next: impl FnMut(&mut BytesMut) -> Result<Option<(u64, T)>, String>,
+) {
     let mut buf = BytesMut::with_capacity(READ_BUF);
     'outer: loop {
         if buf.capacity() - buf.len() < READ_BUF / 4 {
@@ -137,12 +150,12 @@ async fn read_loop(mut rd: OwnedReadHalf, pending: Pending, closed: Arc<AtomicBo
             Ok(_) => {}
         }
         loop {
-            match decoder.next_message::<Response>(&mut buf) {
-                Ok(Some(resp)) => {
-                    let tx = pending.lock().expect("pending poisoned").remove(&resp.id);
+            match next(&mut buf) {
+                Ok(Some((id, reply))) => {
+                    let tx = pending.lock().expect("pending poisoned").remove(&id);
                     // A reply nobody waits for (timed out) is dropped.
                     if let Some(tx) = tx {
-                        let _ = tx.send(resp);
+                        let _ = tx.send(reply);
                     }
                 }
                 Ok(None) => break,

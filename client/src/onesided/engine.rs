@@ -2,24 +2,20 @@
 //! one-sided engine, many batches in flight on one connection, replies
 //! matched by batch id.
 
-use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::BytesMut;
 use dmkv_common::onesided::{MAX_REPLY_FRAME, ReadStatus, ReadWr, decode_reply, encode_request, next_frame};
 use dmkv_common::read::ReadSpec;
-use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
 
 use super::{BackendError, Reads};
-use crate::conn::{SEND_QUEUE, write_loop};
+use crate::conn::{PendingMap, SEND_QUEUE, read_loop, write_loop};
 
-const READ_BUF: usize = 64 * 1024;
-
-type Pending = Arc<Mutex<HashMap<u64, oneshot::Sender<BytesMut>>>>;
+type Pending = PendingMap<BytesMut>;
 
 /// A connection to a server's one-sided engine.
 pub struct EngineConn {
@@ -40,38 +36,23 @@ impl EngineConn {
             Err(_) => return Err(BackendError::Attach(format!("engine {addr}: connect timed out"))),
         };
         let _ = stream.set_nodelay(true);
-        let (mut rd, wr) = stream.into_split();
+        let (rd, wr) = stream.into_split();
         let (tx, rx) = mpsc::channel::<BytesMut>(SEND_QUEUE);
         let pending: Pending = Arc::default();
         let closed = Arc::new(AtomicBool::new(false));
         tokio::spawn(write_loop(wr, rx, Arc::clone(&closed)));
-        let (p, c) = (Arc::clone(&pending), Arc::clone(&closed));
-        tokio::spawn(async move {
-            let mut buf = BytesMut::with_capacity(READ_BUF);
-            'outer: loop {
-                if buf.capacity() - buf.len() < READ_BUF / 4 {
-                    buf.reserve(READ_BUF);
-                }
-                match rd.read_buf(&mut buf).await {
-                    Ok(0) | Err(_) => break,
-                    Ok(_) => {}
-                }
-                loop {
-                    match next_frame(&mut buf, MAX_REPLY_FRAME) {
-                        Ok(Some(body)) if body.len() >= 8 => {
-                            let id = u64::from_le_bytes(body[..8].try_into().expect("8 bytes"));
-                            if let Some(tx) = p.lock().expect("pending poisoned").remove(&id) {
-                                let _ = tx.send(body);
-                            }
-                        }
-                        Ok(None) => break,
-                        _ => break 'outer,
-                    }
-                }
+        tokio::spawn(read_loop(rd, Arc::clone(&pending), Arc::clone(&closed), |buf: &mut BytesMut| match next_frame(
+            buf,
+            MAX_REPLY_FRAME,
+        )
+        .map_err(|e| e.to_string())?
+        {
+            Some(body) if body.len() >= 8 => {
+                Ok(Some((u64::from_le_bytes(body[..8].try_into().expect("8 bytes")), body)))
             }
-            c.store(true, Ordering::Release);
-            p.lock().expect("pending poisoned").clear();
-        });
+            Some(_) => Err("engine reply shorter than its batch id".into()),
+            None => Ok(None),
+        }));
         Ok(EngineConn { tx, pending, next: AtomicU64::new(1), closed, rkey, timeout })
     }
 
