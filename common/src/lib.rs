@@ -10,6 +10,7 @@ pub mod frame;
 pub mod layout;
 pub mod limits;
 pub mod onesided;
+pub mod path;
 pub mod racy;
 pub mod read;
 

@@ -32,6 +32,33 @@ pub struct EngineCounters {
     pub rejected: AtomicU64,
 }
 
+/// Runs [`serve`] on a thread of its own with a single-threaded runtime, as a
+/// NIC would serve reads beside the host's CPUs: RPC load on the server's
+/// workers then never queues one-sided reads behind it. The returned
+/// receiver resolves when the thread has stopped.
+pub fn spawn_thread(
+    listener: TcpListener,
+    region: Arc<Region>,
+    reg: Arc<Registration>,
+    counters: Arc<EngineCounters>,
+    shutdown: watch::Receiver<bool>,
+) -> std::io::Result<tokio::sync::oneshot::Receiver<()>> {
+    // The listener is registered with the caller's runtime; move it over.
+    let listener = listener.into_std()?;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new().name("dmkvd-engine".into()).spawn(move || {
+        rt.block_on(async move {
+            match TcpListener::from_std(listener) {
+                Ok(l) => serve(l, region, reg, counters, shutdown).await,
+                Err(e) => warn!("one-sided engine stopped: {e}"),
+            }
+        });
+        let _ = done_tx.send(());
+    })?;
+    Ok(done_rx)
+}
+
 /// Accepts engine connections until shutdown.
 pub async fn serve(
     listener: TcpListener,

@@ -115,7 +115,14 @@ impl Server {
         if let Some(l) = self.engine {
             let (r, reg, c) =
                 (Arc::clone(&region), Arc::clone(&self.shared.registration), Arc::clone(&self.shared.engine_counters));
-            side.spawn(engine::serve(l, r, reg, c, stop_rx.clone()));
+            match engine::spawn_thread(l, r, reg, c, stop_rx.clone()) {
+                Ok(done) => {
+                    side.spawn(async move {
+                        let _ = done.await;
+                    });
+                }
+                Err(e) => warn!("one-sided engine not started: {e}"),
+            }
         }
         if let Some(l) = self.shm {
             let (r, reg, rx) = (Arc::clone(&region), Arc::clone(&self.shared.registration), stop_rx.clone());
