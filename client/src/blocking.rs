@@ -67,6 +67,11 @@ impl Client {
         self.inner.read_stats()
     }
 
+    /// See [`AsyncClient::path_stats`].
+    pub fn path_stats(&self) -> crate::PathStats {
+        self.inner.path_stats()
+    }
+
     /// See [`AsyncClient::one_sided_transport`].
     pub fn one_sided_transport(&self) -> Option<crate::Transport> {
         self.inner.one_sided_transport()

@@ -2,24 +2,27 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use dmkv_common::PROTOCOL_VERSION;
 use dmkv_common::error::{check_key, check_value};
 use dmkv_common::limits::{DEFAULT_MAX_FRAME_LEN, MAX_MULTI_GET_KEYS};
+use dmkv_common::path::{ControllerStats, Path, PathConfig};
 use dmkv_common::proto::{self, ErrorCode, Response, request::Op, response::Result as R};
 use tokio::sync::Mutex;
 
 use crate::conn::{Conn, InFlight};
 use crate::error::ClientError;
-use crate::onesided::{self, BackendError, OneSided, OneSidedGet, ReadCounters, ReadStats};
+use crate::onesided::{self, AttachOptions, BackendError, OneSided, OneSidedGet, ReadCounters, ReadStats};
+use crate::path::{Admission, ConnHealth, PathSelector, key_hash};
 
 /// Which way GETs go.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ReadPath {
-    /// One-sided reads where the server offers them, else RPC.
+    /// Chosen per GET from measured delay, window and retries (see
+    /// [`crate::path`]): one-sided where that is cheaper, else RPC.
     #[default]
     Auto,
     /// One-sided reads only; fail if none is possible.
@@ -70,8 +73,13 @@ pub struct ClientConfig {
     pub read_path: ReadPath,
     /// Force one one-sided backend (default: the best one available).
     pub transport: Option<Transport>,
-    /// Connections kept to the server; requests are spread over them.
+    /// RPC connections kept to the server; requests are spread over them,
+    /// and one that stays congested is replaced.
     pub pool_size: usize,
+    /// Connections to the server's one-sided engine (TCP transport).
+    pub engine_connections: usize,
+    /// Congestion control and path selection settings.
+    pub path: PathConfig,
     /// Longest wait for a reply.
     pub request_timeout: Duration,
     /// Longest wait for a TCP connection.
@@ -92,6 +100,8 @@ impl Default for ClientConfig {
             read_path: ReadPath::Auto,
             transport: None,
             pool_size: 2,
+            engine_connections: 2,
+            path: PathConfig::default(),
             request_timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(3),
             max_frame: DEFAULT_MAX_FRAME_LEN,
@@ -121,6 +131,69 @@ struct Inner {
     next: AtomicUsize,
     path: std::sync::Mutex<PathState>,
     read_counters: Arc<ReadCounters>,
+    selector: Arc<PathSelector>,
+    rpc_health: ConnHealth,
+    rpc_repaths: Arc<AtomicU64>,
+    engine_repaths: Arc<AtomicU64>,
+}
+
+/// How this client's GETs have been routed (see [`Client::path_stats`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PathStats {
+    /// Windows, delays and counters of both paths, and the switches
+    /// between them.
+    pub controller: ControllerStats,
+    /// The one-sided backend attached now, if any.
+    pub transport: Option<Transport>,
+    /// Congested RPC connections replaced by fresh ones.
+    pub rpc_repaths: u64,
+    /// Congested engine connections replaced by fresh ones.
+    pub engine_repaths: u64,
+}
+
+impl std::fmt::Display for PathStats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let c = &self.controller;
+        let transport = self.transport.map_or("none".to_string(), |t| format!("{t:?}").to_lowercase());
+        writeln!(f, "preferred {} switches {} transport {transport}", c.preferred.name(), c.switches)?;
+        writeln!(
+            f,
+            "{:<10} {:>9} {:>7} {:>8} {:>8} {:>8} {:>8} {:>9} {:>9} {:>9} {:>6} {:>7}",
+            "path",
+            "requests",
+            "probes",
+            "failures",
+            "retries",
+            "diverted",
+            "window",
+            "base_us",
+            "delay_us",
+            "target_us",
+            "rounds",
+            "repaths"
+        )?;
+        for (p, s, repaths) in
+            [(Path::OneSided, &c.one_sided, self.engine_repaths), (Path::Rpc, &c.rpc, self.rpc_repaths)]
+        {
+            writeln!(
+                f,
+                "{:<10} {:>9} {:>7} {:>8} {:>8} {:>8} {:>8.1} {:>9.1} {:>9.1} {:>9.1} {:>6.2} {:>7}",
+                p.name(),
+                s.requests,
+                s.probes,
+                s.failures,
+                s.retries,
+                s.diverted,
+                s.window,
+                s.base_delay_ns as f64 / 1e3,
+                s.delay_ns as f64 / 1e3,
+                s.target_ns as f64 / 1e3,
+                s.round_trips,
+                repaths
+            )?;
+        }
+        Ok(())
+    }
 }
 
 /// The one-sided path, if attached, and when attaching was last tried.
@@ -143,14 +216,21 @@ impl Client {
     /// Connects with the given settings. Opens one connection now (so a
     /// wrong address fails here) and checks the protocol version.
     pub async fn connect_with(addr: impl Into<String>, cfg: ClientConfig) -> Result<Client, ClientError> {
-        let pool = (0..cfg.pool_size.max(1)).map(|_| Mutex::new(None)).collect();
+        let pool: Vec<_> = (0..cfg.pool_size.max(1)).map(|_| Mutex::new(None)).collect();
+        let selector = PathSelector::new(cfg.path);
+        selector.set_usable(Path::Rpc, true);
+        let rpc_repaths = Arc::new(AtomicU64::new(0));
         let inner = Inner {
             addr: addr.into(),
+            rpc_health: ConnHealth::new(pool.len(), cfg.path, Arc::clone(&rpc_repaths)),
             cfg,
             pool,
             next: AtomicUsize::new(0),
             path: Default::default(),
             read_counters: Arc::default(),
+            selector,
+            rpc_repaths,
+            engine_repaths: Arc::default(),
         };
         let client = Client { inner: Arc::new(inner) };
         client.conn_at(0).await?;
@@ -202,20 +282,23 @@ impl Client {
         }
         let cfg = &self.inner.cfg;
         let info = self.region_info_full().await?;
-        let path = onesided::attach(
-            self,
-            &info,
-            cfg.transport,
-            cfg.connect_timeout,
-            cfg.hint_cache_entries,
-            Arc::clone(&self.inner.read_counters),
-            cfg.enforce_grace,
-        )
-        .await
-        .map_err(|e| ClientError::OneSidedUnavailable(e.to_string()))?;
+        let opts = AttachOptions {
+            forced: cfg.transport,
+            timeout: cfg.connect_timeout,
+            hint_entries: cfg.hint_cache_entries,
+            counters: Arc::clone(&self.inner.read_counters),
+            enforce_grace: cfg.enforce_grace,
+            engine_connections: cfg.engine_connections,
+            path_config: cfg.path,
+            repaths: Arc::clone(&self.inner.engine_repaths),
+        };
+        let path =
+            onesided::attach(self, &info, opts).await.map_err(|e| ClientError::OneSidedUnavailable(e.to_string()))?;
         let path = Arc::new(path);
         let mut st = self.inner.path.lock().expect("path lock poisoned");
-        Ok(Arc::clone(st.attached.get_or_insert(path)))
+        let path = Arc::clone(st.attached.get_or_insert(path));
+        self.inner.selector.set_usable(Path::OneSided, true);
+        Ok(path)
     }
 
     /// Forgets a path that failed, so the next GET attaches anew.
@@ -225,6 +308,7 @@ impl Client {
         if st.attached.as_ref().is_some_and(|p| Arc::ptr_eq(p, failed)) {
             st.attached = None;
             st.last_try = None;
+            self.inner.selector.set_usable(Path::OneSided, false);
         }
     }
 
@@ -236,6 +320,17 @@ impl Client {
     /// Counters of this client's one-sided reads.
     pub fn read_stats(&self) -> ReadStats {
         self.inner.read_counters.snapshot()
+    }
+
+    /// How this client's GETs have been routed: per path the requests,
+    /// retries, window and delay estimates, and the switches and repaths.
+    pub fn path_stats(&self) -> PathStats {
+        PathStats {
+            controller: self.inner.selector.stats(),
+            transport: self.one_sided_transport(),
+            rpc_repaths: self.inner.rpc_repaths.load(Ordering::Relaxed),
+            engine_repaths: self.inner.engine_repaths.load(Ordering::Relaxed),
+        }
     }
 
     /// The server address.
@@ -285,26 +380,161 @@ impl Client {
         Ok(self.get_versioned(key).await?.map(|v| v.value))
     }
 
-    /// Reads `key` with its version: one-sided where possible, else RPC.
+    /// Reads `key` with its version, down the path [`ReadPath`] says: in
+    /// `Auto`, the one the path controller prices cheaper for this key now.
     pub async fn get_versioned(&self, key: impl AsRef<[u8]>) -> Result<Option<Versioned>, ClientError> {
         let key = key.as_ref();
         check_key(key)?;
-        // A forced one-sided GET gets one more try on a fresh path.
-        for _ in 0..2 {
-            let Some(path) = self.one_sided().await? else { break };
-            match path.get(key).await {
-                Ok(OneSidedGet::Found(v)) => return Ok(Some(v)),
-                Ok(OneSidedGet::Missing) => return Ok(None),
-                Ok(OneSidedGet::GiveUp) => break,
-                Err(e) => {
-                    self.detach(&path, &e);
-                    if self.inner.cfg.read_path != ReadPath::OneSided {
-                        break;
+        let sel = &self.inner.selector;
+        match self.inner.cfg.read_path {
+            ReadPath::Rpc => self.measured_rpc_get(key, sel.admit_fixed(Path::Rpc, key_hash(key))).await,
+            ReadPath::Auto => self.auto_get(key).await,
+            ReadPath::OneSided => {
+                // A forced one-sided GET gets one more try on a fresh path.
+                for _ in 0..2 {
+                    let Some(path) = self.one_sided().await? else { break };
+                    let adm = sel.admit_fixed(Path::OneSided, key_hash(key));
+                    match self.measured_one_sided_get(&path, key, adm).await {
+                        Ok(r) => return Ok(r),
+                        Err(e) => self.detach(&path, &e),
                     }
+                }
+                self.rpc_get(key).await
+            }
+        }
+    }
+
+    async fn auto_get(&self, key: &[u8]) -> Result<Option<Versioned>, ClientError> {
+        let h = key_hash(key);
+        let attached = self.one_sided().await?;
+        let deadline = tokio::time::Instant::now() + self.inner.cfg.request_timeout;
+        let Some((adm, probes)) = self.inner.selector.admit(h, deadline).await else {
+            return Err(ClientError::Timeout(self.inner.cfg.request_timeout));
+        };
+        for p in probes {
+            self.spawn_probe(p, key);
+        }
+        match (adm.path, attached) {
+            (Path::OneSided, Some(path)) => match self.measured_one_sided_get(&path, key, adm).await {
+                Ok(r) => Ok(r),
+                Err(e) => {
+                    // The failure moved traffic to RPC; this GET goes there too.
+                    self.detach(&path, &e);
+                    self.rpc_get(key).await
+                }
+            },
+            (Path::Rpc, None) => self.measured_rpc_get(key, adm).await,
+            // Detached since the choice: dropping the admission cancels it.
+            (Path::OneSided, None) => {
+                drop(adm);
+                self.rpc_get(key).await
+            }
+            (Path::Rpc, Some(path)) => match self.measured_rpc_get(key, adm).await {
+                // The RPC path broke under this GET: answer it one-sided.
+                Err(e) if e.is_transport() => match path.get(key).await {
+                    Ok(OneSidedGet::Found(v)) => Ok(Some(v)),
+                    Ok(OneSidedGet::Missing) => Ok(None),
+                    Ok(OneSidedGet::GiveUp) => Err(e),
+                    Err(be) => {
+                        self.detach(&path, &be);
+                        Err(e)
+                    }
+                },
+                r => r,
+            },
+        }
+    }
+
+    /// A one-sided GET whose cost is reported to the path controller. A
+    /// backend failure is reported and returned; verification that keeps
+    /// failing falls back to RPC here.
+    async fn measured_one_sided_get(
+        &self,
+        path: &Arc<OneSided>,
+        key: &[u8],
+        adm: Admission,
+    ) -> Result<Option<Versioned>, BackendError> {
+        match path.get_traced(key).await {
+            Ok((OneSidedGet::Found(v), t)) => {
+                adm.complete(t.round_trips, t.retries);
+                Ok(Some(v))
+            }
+            Ok((OneSidedGet::Missing, t)) => {
+                adm.complete(t.round_trips, t.retries);
+                Ok(None)
+            }
+            Ok((OneSidedGet::GiveUp, t)) => {
+                let r = self.rpc_get(key).await;
+                // The RPC it ended with counts as one more round trip.
+                adm.complete(t.round_trips + 1, t.retries);
+                r.map_err(|e| BackendError::Protocol(format!("fallback RPC failed: {e}")))
+            }
+            Err(e) => {
+                adm.fail();
+                Err(e)
+            }
+        }
+    }
+
+    /// An RPC GET on the next pooled connection whose delay is reported to
+    /// the path controller and to that connection's congestion detector.
+    async fn measured_rpc_get(&self, key: &[u8], adm: Admission) -> Result<Option<Versioned>, ClientError> {
+        let i = self.inner.next.fetch_add(1, Ordering::Relaxed) % self.inner.pool.len();
+        let start = Instant::now();
+        let op = Op::Get(proto::Get { key: Bytes::copy_from_slice(key) });
+        let sent = match self.conn_at(i).await {
+            Ok(conn) => conn.send(op).await,
+            Err(e) => Err(e),
+        };
+        let resp = match sent {
+            Ok(inflight) => inflight.wait(self.inner.cfg.request_timeout).await,
+            Err(e) => Err(e),
+        };
+        let result = resp.and_then(unwrap);
+        match &result {
+            Err(e) if e.is_transport() => adm.fail(),
+            _ => {
+                adm.complete(1, 0);
+                if self.inner.rpc_health.record(i, start.elapsed().as_nanos() as u64) {
+                    // Congested for several rounds: later requests of this
+                    // slot open a fresh connection; this one drains.
+                    tracing::debug!(conn = i, "RPC connection congested: moving to a new one");
+                    *self.inner.pool[i].lock().await = None;
                 }
             }
         }
-        self.rpc_get(key).await
+        match result? {
+            R::Get(g) => Ok(g.found.then_some(Versioned { value: g.value, version: g.version })),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Sends a background copy of a GET down the path of `probe`, to keep
+    /// that path's estimates fresh; its answer is dropped.
+    fn spawn_probe(&self, probe: Admission, key: &[u8]) {
+        let client = self.clone();
+        let key = Bytes::copy_from_slice(key);
+        tokio::spawn(async move {
+            let timeout = client.inner.cfg.request_timeout;
+            match probe.path {
+                Path::Rpc => {
+                    let _ = client.measured_rpc_get(&key, probe).await;
+                }
+                Path::OneSided => {
+                    let attached = client.inner.path.lock().expect("path lock poisoned").attached.clone();
+                    // Not attached any more: dropping the probe cancels it.
+                    let Some(path) = attached else { return };
+                    match tokio::time::timeout(timeout, path.get_traced(&key)).await {
+                        Ok(Ok((_, t))) => probe.complete(t.round_trips, t.retries),
+                        Ok(Err(e)) => {
+                            probe.fail();
+                            client.detach(&path, &e);
+                        }
+                        Err(_) => probe.fail(),
+                    }
+                }
+            }
+        });
     }
 
     /// Reads `key` over RPC, whatever the read path.
@@ -345,7 +575,9 @@ impl Client {
         for k in keys {
             check_key(k.as_ref())?;
         }
-        if let Some(path) = self.one_sided().await? {
+        // A batch follows the path single GETs prefer now.
+        let rpc_preferred = self.inner.cfg.read_path == ReadPath::Auto && self.inner.selector.preferred() == Path::Rpc;
+        if !rpc_preferred && let Some(path) = self.one_sided().await? {
             match path.multi_get(keys).await {
                 Ok(res) => {
                     let mut out = Vec::with_capacity(keys.len());

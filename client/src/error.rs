@@ -40,4 +40,10 @@ impl ClientError {
             _ => None,
         }
     }
+
+    /// Whether the way to the server failed (no connection, connection
+    /// lost, no reply in time) rather than the request itself.
+    pub fn is_transport(&self) -> bool {
+        matches!(self, ClientError::Connect { .. } | ClientError::ConnectionClosed | ClientError::Timeout(_))
+    }
 }

@@ -19,8 +19,10 @@ pub mod client;
 pub mod conn;
 pub mod error;
 pub mod onesided;
+pub mod path;
 
-pub use client::{Client, ClientConfig, ReadPath, Transport, Versioned};
+pub use client::{Client, ClientConfig, PathStats, ReadPath, Transport, Versioned};
+pub use dmkv_common::path::{Path, PathConfig};
 pub use dmkv_common::proto::ErrorCode;
 pub use error::ClientError;
 pub use onesided::ReadStats;

@@ -19,7 +19,8 @@ struct Cli {
     /// Request timeout in milliseconds.
     #[arg(long, default_value_t = 5000)]
     timeout_ms: u64,
-    /// How GETs go: auto (one-sided where possible), one-sided, or rpc.
+    /// How GETs go: auto (per GET, the cheaper of one-sided and RPC right
+    /// now), one-sided, or rpc.
     #[arg(long, default_value = "auto")]
     path: ReadPath,
     /// Force a one-sided backend: shm or tcp (default: the best available).
@@ -45,6 +46,15 @@ enum Cmd {
     Del { key: String },
     /// Print the server's counters.
     Stats,
+    /// GET KEY repeatedly, then print how this client routed the GETs: per
+    /// path the requests, probes, failures, retries, window, delays and
+    /// repaths, and the switches between paths.
+    Paths {
+        key: String,
+        /// GETs to issue.
+        #[arg(long, default_value_t = 1000)]
+        gets: u32,
+    },
     /// Run the YCSB driver (`dmkv-ycsb`) against the server; arguments
     /// after `bench` go to it (try `dmkv bench --help`).
     Bench {
@@ -132,6 +142,16 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
             for (k, v) in stats {
                 writeln!(stdout, "{k} {v}").map_err(|e| e.to_string())?;
             }
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Paths { key, gets } => {
+            let (mut found, start) = (0u32, std::time::Instant::now());
+            for _ in 0..gets {
+                found += u32::from(client.get(&key).map_err(|e| e.to_string())?.is_some());
+            }
+            let secs = start.elapsed().as_secs_f64();
+            writeln!(stdout, "{gets} GETs of {key:?} ({found} found) in {secs:.3} s").map_err(|e| e.to_string())?;
+            write!(stdout, "{}", client.path_stats()).map_err(|e| e.to_string())?;
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Bench { .. } => unreachable!("handled before connecting"),

@@ -33,6 +33,7 @@ async fn gets_go_one_sided_by_default_and_never_reach_kv_code() {
         ("tcp", Client::connect_with(&srv.rpc, cfg(ReadPath::OneSided, Some(Transport::Tcp))).await.unwrap()),
     ] {
         let before = server_gets(&auto).await;
+        let probes_before = c.path_stats().controller.rpc.probes;
         for round in 0..2 {
             for i in 0..500u32 {
                 let want = format!("value-{i}").repeat(i as usize % 7 + 1);
@@ -46,7 +47,13 @@ async fn gets_go_one_sided_by_default_and_never_reach_kv_code() {
             let want = (i < 500).then(|| format!("value-{i}").repeat(i % 7 + 1));
             assert_eq!(v.as_deref(), want.as_deref().map(str::as_bytes), "{name} multi-get k{i}");
         }
-        assert_eq!(server_gets(&auto).await, before, "{name}: the server's KV code ran for a one-sided GET");
+        // Only auto probes the RPC path, in the background (at most one
+        // probe in flight); no caller's GET may reach the KV code.
+        let ps = c.path_stats().controller;
+        assert_eq!(ps.rpc.requests, 0, "{name}: {ps:?}");
+        let probes = ps.rpc.probes - probes_before + u64::from(name == "auto");
+        let ran = server_gets(&auto).await - before;
+        assert!(ran <= probes, "{name}: the server's KV code ran {ran} times for one-sided GETs ({probes} probes)");
         let rs = c.read_stats();
         assert!(rs.gets >= 1000 + 700, "{name}: {rs:?}");
         assert!(rs.hint_hits >= 500, "{name}: the second round should hit cached addresses: {rs:?}");
@@ -57,8 +64,12 @@ async fn gets_go_one_sided_by_default_and_never_reach_kv_code() {
     // The RPC path still works when asked for.
     let rpc = Client::connect_with(&srv.rpc, cfg(ReadPath::Rpc, None)).await.unwrap();
     assert_eq!(rpc.one_sided_transport(), None);
+    let probes = auto.path_stats().controller.rpc.probes;
     assert_eq!(rpc.get("k1").await.unwrap().unwrap(), "value-1value-1".as_bytes());
-    assert_eq!(server_gets(&auto).await, stats["gets"] + 1);
+    let probes = auto.path_stats().controller.rpc.probes - probes + 1;
+    let ran = server_gets(&auto).await - stats["gets"];
+    assert!((1..=1 + probes).contains(&ran), "{ran} RPC GETs for 1 GET and {probes} probes");
+    assert_eq!(rpc.path_stats().controller.rpc.requests, 1);
 }
 
 #[tokio::test]

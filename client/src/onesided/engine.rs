@@ -1,10 +1,10 @@
 //! The TCP backend: batches of reads sent to the server's software
 //! one-sided engine, many batches in flight on one connection, replies
-//! matched by batch id.
+//! matched by batch id; a pool of such connections, repathed when congested.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
 use dmkv_common::onesided::{MAX_REPLY_FRAME, ReadStatus, ReadWr, decode_reply, encode_request, next_frame};
@@ -14,6 +14,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::{BackendError, Reads};
 use crate::conn::{PendingMap, SEND_QUEUE, read_loop, write_loop};
+use crate::path::ConnHealth;
 
 type Pending = PendingMap<BytesMut>;
 
@@ -92,5 +93,73 @@ impl EngineConn {
             }
         }
         Ok(())
+    }
+}
+
+/// Several connections to one engine, used in turn. A connection whose
+/// round trips stay congested is replaced by a fresh one in the background
+/// (PLB-style; see [`ConnHealth`]); reads go on over the old one meanwhile.
+pub struct EnginePool {
+    shared: Arc<PoolShared>,
+}
+
+struct PoolShared {
+    addr: String,
+    rkey: u64,
+    timeout: Duration,
+    conns: Vec<std::sync::Mutex<Arc<EngineConn>>>,
+    replacing: Vec<AtomicBool>,
+    next: AtomicUsize,
+    health: ConnHealth,
+}
+
+impl EnginePool {
+    /// Opens `n` (at least one) connections to the engine at `addr`.
+    pub async fn connect(
+        addr: &str,
+        rkey: u64,
+        timeout: Duration,
+        n: usize,
+        health: ConnHealth,
+    ) -> Result<EnginePool, BackendError> {
+        let mut conns = Vec::new();
+        for _ in 0..n.max(1) {
+            conns.push(std::sync::Mutex::new(Arc::new(EngineConn::connect(addr, rkey, timeout).await?)));
+        }
+        let replacing = conns.iter().map(|_| AtomicBool::new(false)).collect();
+        let shared =
+            PoolShared { addr: addr.to_string(), rkey, timeout, conns, replacing, next: AtomicUsize::new(0), health };
+        Ok(EnginePool { shared: Arc::new(shared) })
+    }
+
+    /// Posts `specs` as one batch on the next connection.
+    pub async fn read(&self, specs: &[ReadSpec], out: &mut Reads) -> Result<(), BackendError> {
+        let s = &self.shared;
+        let i = s.next.fetch_add(1, Ordering::Relaxed) % s.conns.len();
+        let conn = Arc::clone(&s.conns[i].lock().expect("engine pool poisoned"));
+        let start = Instant::now();
+        conn.read(specs, out).await?;
+        if s.health.record(i, start.elapsed().as_nanos() as u64) {
+            self.replace(i);
+        }
+        Ok(())
+    }
+
+    /// Opens a fresh connection for slot `i` and swaps it in when ready.
+    fn replace(&self, i: usize) {
+        let s = Arc::clone(&self.shared);
+        if s.replacing[i].swap(true, Ordering::AcqRel) {
+            return;
+        }
+        tokio::spawn(async move {
+            match EngineConn::connect(&s.addr, s.rkey, s.timeout).await {
+                Ok(c) => {
+                    tracing::debug!(conn = i, "engine connection congested: moved to a new one");
+                    *s.conns[i].lock().expect("engine pool poisoned") = Arc::new(c);
+                }
+                Err(e) => tracing::debug!("engine repath failed: {e}"),
+            }
+            s.replacing[i].store(false, Ordering::Release);
+        });
     }
 }

@@ -79,7 +79,7 @@ impl Reads {
 
 enum Backend {
     Shm(shm::ShmRegion),
-    Engine(engine::EngineConn),
+    Engine(engine::EnginePool),
     #[cfg(feature = "rdma")]
     Rdma(Box<rdma::RdmaPath>),
 }
@@ -187,6 +187,15 @@ impl HintCache {
     }
 }
 
+/// The cost of a one-sided (multi-)GET, for path selection.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Trace {
+    /// Batches of reads posted, each one round trip.
+    pub round_trips: u32,
+    /// Of those, round trips of attempts that had to be retried.
+    pub retries: u32,
+}
+
 /// Result of a one-sided GET.
 pub enum OneSidedGet {
     Found(Versioned),
@@ -206,20 +215,46 @@ pub struct OneSided {
     enforce_grace: bool,
 }
 
+/// How to attach a one-sided path.
+pub struct AttachOptions {
+    /// Only this transport (default: the best one available).
+    pub forced: Option<Transport>,
+    /// Longest wait for connections and reads.
+    pub timeout: Duration,
+    /// Keys whose item address is cached.
+    pub hint_entries: usize,
+    /// Where reads are counted.
+    pub counters: std::sync::Arc<ReadCounters>,
+    /// Abandon attempts that outlast the grace period.
+    pub enforce_grace: bool,
+    /// Connections to the engine (TCP transport).
+    pub engine_connections: usize,
+    /// Settings of congestion detection for engine connections.
+    pub path_config: dmkv_common::path::PathConfig,
+    /// Where replacements of congested engine connections are counted.
+    pub repaths: std::sync::Arc<AtomicU64>,
+}
+
 /// Picks and attaches a backend for the server described by `info`.
 ///
-/// `forced` limits the choice to one transport; otherwise RDMA is tried
-/// first (when the server offers it and this host has a device), then
+/// `opts.forced` limits the choice to one transport; otherwise RDMA is
+/// tried first (when the server offers it and this host has a device), then
 /// shared memory (only when the server runs on this host), then the engine.
 pub async fn attach(
     client: &crate::Client,
     info: &RegionInfoReply,
-    forced: Option<Transport>,
-    timeout: Duration,
-    hint_entries: usize,
-    counters: std::sync::Arc<ReadCounters>,
-    enforce_grace: bool,
+    opts: AttachOptions,
 ) -> Result<OneSided, BackendError> {
+    let AttachOptions {
+        forced,
+        timeout,
+        hint_entries,
+        counters,
+        enforce_grace,
+        engine_connections,
+        path_config,
+        repaths,
+    } = opts;
     let desc = info.regions.first().ok_or_else(|| BackendError::Attach("server has no region".into()))?;
     let header = header_of(desc)?;
     let same_host = !info.host_id.is_empty() && info.host_id == local_host_id();
@@ -241,7 +276,11 @@ pub async fn attach(
                 Err(BackendError::Attach("server offers no one-sided engine".into()))
             }
             Transport::Tcp => {
-                engine::EngineConn::connect(&info.engine_addr, desc.rkey, timeout).await.map(Backend::Engine)
+                let health =
+                    crate::path::ConnHealth::new(engine_connections, path_config, std::sync::Arc::clone(&repaths));
+                engine::EnginePool::connect(&info.engine_addr, desc.rkey, timeout, engine_connections, health)
+                    .await
+                    .map(Backend::Engine)
             }
             Transport::Rdma => attach_rdma(client, info, desc.epoch, timeout).await,
         };
@@ -333,14 +372,28 @@ impl OneSided {
 
     /// GETs `key` with one-sided reads, at most [`MAX_ATTEMPTS`] attempts.
     pub async fn get(&self, key: &[u8]) -> Result<OneSidedGet, BackendError> {
-        let mut out = self.multi_get(&[key]).await?;
-        Ok(out.pop().expect("one result per key"))
+        Ok(self.get_traced(key).await?.0)
+    }
+
+    /// [`OneSided::get`], also saying how many round trips it took.
+    pub async fn get_traced(&self, key: &[u8]) -> Result<(OneSidedGet, Trace), BackendError> {
+        let (mut out, trace) = self.multi_get_traced(&[key]).await?;
+        Ok((out.pop().expect("one result per key"), trace))
     }
 
     /// GETs many keys: all bucket reads in one batch, then all item reads in
     /// one batch, repeated for the keys that must retry.
     pub async fn multi_get<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<OneSidedGet>, BackendError> {
+        Ok(self.multi_get_traced(keys).await?.0)
+    }
+
+    /// [`OneSided::multi_get`], also saying how many round trips it took.
+    pub async fn multi_get_traced<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+    ) -> Result<(Vec<OneSidedGet>, Trace), BackendError> {
         let mut results: Vec<Option<OneSidedGet>> = (0..keys.len()).map(|_| None).collect();
+        let mut trace = Trace::default();
         for (chunk_no, chunk) in keys.chunks(MULTI_GET_CHUNK).enumerate() {
             let base = chunk_no * MULTI_GET_CHUNK;
             let mut todo: Vec<usize> = (0..chunk.len()).collect();
@@ -348,23 +401,29 @@ impl OneSided {
                 if todo.is_empty() {
                     break;
                 }
-                todo = self.attempt(chunk, &todo, &mut results[base..base + chunk.len()]).await?;
+                let (retry, rounds) = self.attempt(chunk, &todo, &mut results[base..base + chunk.len()]).await?;
+                trace.round_trips += rounds;
+                if !retry.is_empty() {
+                    trace.retries += rounds;
+                }
+                todo = retry;
             }
             for i in todo {
                 self.counters.fallbacks.fetch_add(1, Ordering::Relaxed);
                 results[base + i] = Some(OneSidedGet::GiveUp);
             }
         }
-        Ok(results.into_iter().map(|r| r.expect("every key resolved")).collect())
+        Ok((results.into_iter().map(|r| r.expect("every key resolved")).collect(), trace))
     }
 
-    /// One attempt for keys `todo` of `keys`; returns those that must retry.
+    /// One attempt for keys `todo` of `keys`; returns those that must retry
+    /// and the round trips (batches of reads) the attempt took.
     async fn attempt<K: AsRef<[u8]>>(
         &self,
         keys: &[K],
         todo: &[usize],
         results: &mut [Option<OneSidedGet>],
-    ) -> Result<Vec<usize>, BackendError> {
+    ) -> Result<(Vec<usize>, u32), BackendError> {
         let mut specs = Vec::with_capacity(todo.len() * 3);
         let mut pend: Vec<(usize, Pending)> = Vec::with_capacity(todo.len());
         for &i in todo {
@@ -407,7 +466,7 @@ impl OneSided {
             }
         }
         if second.is_empty() {
-            return Ok(retry);
+            return Ok((retry, 1));
         }
         let mut items = Reads::default();
         self.backend.read(&item_specs, &mut items).await?;
@@ -422,7 +481,7 @@ impl OneSided {
                 }
             }
         }
-        Ok(retry)
+        Ok((retry, 2))
     }
 
     fn found(&self, key: &[u8], item: &[u8], h: &dmkv_common::read::Hit) -> OneSidedGet {

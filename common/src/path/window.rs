@@ -27,12 +27,16 @@ impl Default for WindowConfig {
     fn default() -> Self {
         WindowConfig {
             min: 1.0,
-            max: 256.0,
+            max: 1024.0,
             initial: 16.0,
             additive_increase: 1.0,
             beta: 0.8,
             max_decrease: 0.5,
-            target_margin_ns: 100 * super::MICROS,
+            // Generous for a datacenter fabric (Swift targets tens of µs)
+            // because loopback and VM scheduling add hundreds of µs of
+            // noise; real congestion (a queue at a bottleneck, a saturated
+            // server) shows up as milliseconds and is caught all the same.
+            target_margin_ns: 500 * super::MICROS,
             target_ratio: 1.0,
         }
     }

@@ -1,0 +1,217 @@
+//! Path selection in the client: which way each GET goes, and which
+//! connection carries it.
+//!
+//! The decisions are made by the pure [`Controller`] of
+//! `dmkv_common::path`; this module feeds it real time and real
+//! completions, makes GETs wait when a path's window is full, and replaces
+//! connections that stay congested ([`ConnHealth`], PLB-style).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use dmkv_common::path::{Choice, Completion, Controller, ControllerStats, DelayEstimator, Path, PathConfig, Repath};
+use tokio::sync::Notify;
+
+/// Most times one GET goes back to waiting for a window slot before it is
+/// let through regardless; waiting is also bounded by the request timeout.
+pub const MAX_ADMISSION_WAITS: u32 = 1024;
+
+/// A stable hash of a key, to remember its one-sided round trips.
+pub fn key_hash(key: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(key)
+}
+
+/// The controller of one client, with a clock and wake-ups for GETs that
+/// wait for a window slot.
+pub struct PathSelector {
+    ctl: Mutex<Controller>,
+    clock: Instant,
+    wake: [Notify; 2],
+}
+
+/// A GET that holds a window slot on [`Admission::path`]. Dropping it
+/// without [`Admission::complete`] or [`Admission::fail`] (the caller gave
+/// up) frees the slot and teaches the controller nothing.
+pub struct Admission {
+    sel: Arc<PathSelector>,
+    /// The path the GET takes.
+    pub path: Path,
+    key: u64,
+    probe: bool,
+    start: Instant,
+    done: bool,
+}
+
+fn idx(p: Path) -> usize {
+    match p {
+        Path::OneSided => 0,
+        Path::Rpc => 1,
+    }
+}
+
+impl PathSelector {
+    /// A selector with neither path usable yet.
+    pub fn new(cfg: PathConfig) -> Arc<Self> {
+        Arc::new(PathSelector {
+            ctl: Mutex::new(Controller::new(cfg)),
+            clock: Instant::now(),
+            wake: [Notify::new(), Notify::new()],
+        })
+    }
+
+    fn now(&self) -> u64 {
+        self.clock.elapsed().as_nanos() as u64
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Controller> {
+        self.ctl.lock().expect("path controller poisoned")
+    }
+
+    /// Says whether `path` exists (one-sided reads attached, say).
+    pub fn set_usable(&self, path: Path, usable: bool) {
+        self.lock().set_usable(path, usable);
+        self.wake[idx(path.other())].notify_waiters();
+    }
+
+    /// Picks a path for a GET of `key` and takes a slot in its window,
+    /// waiting while the chosen path's window is full (and choosing again
+    /// after each wait: the other path may have become cheaper). Returns
+    /// the admission and the probes to send in the background; `None` when
+    /// `deadline` passed first.
+    pub async fn admit(
+        self: &Arc<Self>,
+        key: u64,
+        deadline: tokio::time::Instant,
+    ) -> Option<(Admission, Vec<Admission>)> {
+        let mut probes = Vec::new();
+        for _ in 0..MAX_ADMISSION_WAITS {
+            let (path, wait) = {
+                let mut ctl = self.lock();
+                let Choice { path, probe } = ctl.choose(self.now(), key);
+                if let Some(p) = probe {
+                    probes.push(self.ticket(p, key, true));
+                }
+                if ctl.try_admit(path) {
+                    return Some((self.ticket(path, key, false), probes));
+                }
+                ctl.enqueue(path);
+                // Registered before the lock is released, so a completion
+                // between here and the await still wakes this GET.
+                (path, self.wake[idx(path)].notified())
+            };
+            let woke = tokio::time::timeout_at(deadline, wait).await.is_ok();
+            self.lock().dequeue(path);
+            if !woke {
+                return None;
+            }
+        }
+        let mut ctl = self.lock();
+        let path = ctl.choose(self.now(), key).path;
+        ctl.start(path);
+        Some((self.ticket(path, key, false), probes))
+    }
+
+    /// Admits a GET on `path` whatever its window says: for clients whose
+    /// read path is fixed, which are measured but not steered.
+    pub fn admit_fixed(self: &Arc<Self>, path: Path, key: u64) -> Admission {
+        self.lock().start(path);
+        self.ticket(path, key, false)
+    }
+
+    fn ticket(self: &Arc<Self>, path: Path, key: u64, probe: bool) -> Admission {
+        Admission { sel: Arc::clone(self), path, key, probe, start: Instant::now(), done: false }
+    }
+
+    /// The path GETs go by default now.
+    pub fn preferred(&self) -> Path {
+        self.lock().preferred()
+    }
+
+    /// The target delay and smoothed delay of `path`, once measured.
+    pub fn target_and_delay(&self, path: Path) -> Option<(u64, f64)> {
+        let ctl = self.lock();
+        Some((ctl.target(path)?, ctl.delay(path)?))
+    }
+
+    /// Counters and state of the controller.
+    pub fn stats(&self) -> ControllerStats {
+        self.lock().stats()
+    }
+}
+
+impl Admission {
+    /// Whether this is a background probe rather than a caller's GET.
+    pub fn is_probe(&self) -> bool {
+        self.probe
+    }
+
+    /// The GET was answered after `round_trips`, of which `retries` were
+    /// spent on attempts that had to be retried.
+    pub fn complete(mut self, round_trips: u32, retries: u32) {
+        self.done = true;
+        let c = Completion { latency_ns: self.start.elapsed().as_nanos() as u64, round_trips, retries };
+        let now = self.sel.now();
+        self.sel.lock().on_complete(now, self.path, self.key, self.probe, c);
+        self.sel.wake[idx(self.path)].notify_waiters();
+    }
+
+    /// The path failed under this GET (connection lost, timeout).
+    pub fn fail(mut self) {
+        self.done = true;
+        let now = self.sel.now();
+        self.sel.lock().on_failure(now, self.path, self.probe);
+        self.sel.wake[0].notify_waiters();
+        self.sel.wake[1].notify_waiters();
+    }
+}
+
+impl Drop for Admission {
+    fn drop(&mut self) {
+        if !self.done {
+            self.sel.lock().on_cancel(self.path, self.probe);
+            self.sel.wake[idx(self.path)].notify_waiters();
+        }
+    }
+}
+
+/// Congestion of each connection of a pool, for PLB-style repathing: a
+/// connection whose round trips stay above the pool's target delay for
+/// several rounds is replaced by a fresh one (new ports: on a real fabric,
+/// a new ECMP path).
+pub struct ConnHealth {
+    state: Mutex<(DelayEstimator, Vec<Repath>)>,
+    cfg: PathConfig,
+    clock: Instant,
+    repaths: Arc<AtomicU64>,
+}
+
+impl ConnHealth {
+    /// Health of a pool of `conns` connections; repaths are counted in
+    /// `repaths`.
+    pub fn new(conns: usize, cfg: PathConfig, repaths: Arc<AtomicU64>) -> Self {
+        ConnHealth {
+            state: Mutex::new((DelayEstimator::new(), vec![Repath::new(); conns])),
+            cfg,
+            clock: Instant::now(),
+            repaths,
+        }
+    }
+
+    /// Records a round trip of `delay_ns` on connection `conn`; true when
+    /// that connection should be replaced now.
+    pub fn record(&self, conn: usize, delay_ns: u64) -> bool {
+        let now = self.clock.elapsed().as_nanos() as u64;
+        let mut st = self.state.lock().expect("conn health poisoned");
+        let (delay, conns) = &mut *st;
+        delay.on_sample(now, delay_ns);
+        let (Some(base), Some(srtt)) = (delay.base(), delay.smoothed()) else { return false };
+        let target = self.cfg.window.target(base);
+        let Some(r) = conns.get_mut(conn) else { return false };
+        let repath = r.on_sample(now, delay_ns, target, srtt as u64, self.cfg.repath_rounds);
+        if repath {
+            self.repaths.fetch_add(1, Ordering::Relaxed);
+        }
+        repath
+    }
+}
