@@ -78,6 +78,16 @@ impl DmkvConn {
     }
 }
 
+impl Drop for DmkvConn {
+    /// With `DMKV_PATH_STATS=1`, each thread's client prints how it routed
+    /// its GETs (see `Client::path_stats`).
+    fn drop(&mut self) {
+        if std::env::var_os("DMKV_PATH_STATS").is_some_and(|v| v == "1") {
+            eprint!("{}", self.client.path_stats());
+        }
+    }
+}
+
 impl KvConn for DmkvConn {
     async fn get(&self, key: Bytes) -> Result<Option<Bytes>, String> {
         self.client.get(&key).await.map_err(|e| e.to_string())
