@@ -25,7 +25,7 @@ pub mod window;
 
 pub use delay::DelayEstimator;
 pub use repath::Repath;
-pub use select::{Choice, Controller, ControllerStats, Path, PathConfig, PathSnapshot};
+pub use select::{Choice, Completion, Controller, ControllerStats, Path, PathConfig, PathSnapshot};
 pub use window::Window;
 
 /// Nanoseconds in a microsecond, for readable constants.

@@ -1,0 +1,545 @@
+//! Deterministic simulations of `dmkv_common::path::Controller` on a virtual
+//! clock: two queueing paths, a closed loop of callers, background load and
+//! failures switched on and off at given times. Every run is a function of
+//! its seed; a failing assertion prints the seed, and `PATH_SIM_SEED=<n>`
+//! reruns every simulation with that seed alone.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+
+use dmkv_common::path::{Choice, Completion, Controller, MICROS, MILLIS, Path, PathConfig};
+
+
+// ---------------------------------------------------------------- PRNG
+
+/// splitmix64: tiny, seedable, good enough for noise and key choice.
+#[derive(Debug, Clone)]
+struct Rng(u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [0, 1).
+    fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n.max(1)
+    }
+
+    /// Exponentially distributed with the given mean.
+    fn exp(&mut self, mean: f64) -> f64 {
+        -mean * (1.0 - self.unit()).ln()
+    }
+}
+
+/// Seeds each simulation runs with, or the one in `PATH_SIM_SEED`.
+fn seeds(defaults: &[u64]) -> Vec<u64> {
+    match std::env::var("PATH_SIM_SEED") {
+        Ok(s) => vec![s.trim().parse().expect("PATH_SIM_SEED must be an integer")],
+        Err(_) => defaults.to_vec(),
+    }
+}
+
+fn idx(p: Path) -> usize {
+    match p {
+        Path::OneSided => 0,
+        Path::Rpc => 1,
+    }
+}
+
+// ---------------------------------------------------------------- model
+
+/// A path as a FIFO server with `workers` parallel workers behind a
+/// propagation delay that carries the noise (scheduling, the network).
+#[derive(Debug, Clone, Copy)]
+struct PathModel {
+    /// Round-trip propagation, split evenly around the server.
+    prop_ns: u64,
+    service_ns: u64,
+    workers: usize,
+    /// Propagation is scaled by a uniform factor in [1 - noise, 1 + noise]...
+    noise: f64,
+    /// ...and with this probability by `outlier_factor` on top.
+    outlier_p: f64,
+    outlier_factor: f64,
+}
+
+impl PathModel {
+    fn new(prop_ns: u64, service_ns: u64, workers: usize) -> Self {
+        PathModel { prop_ns, service_ns, workers, noise: 0.0, outlier_p: 0.0, outlier_factor: 1.0 }
+    }
+
+    fn noisy(self, noise: f64, outlier_p: f64, outlier_factor: f64) -> Self {
+        PathModel { noise, outlier_p, outlier_factor, ..self }
+    }
+
+    /// Loopback TCP-like: tens of microseconds, a few server workers.
+    fn loopback() -> Self {
+        Self::new(40 * MICROS, 8 * MICROS, 2)
+    }
+}
+
+/// What is happening to a path now; tests change it between steps.
+#[derive(Debug, Clone, Copy)]
+struct Cond {
+    /// Service time multiplier (a slower server, a busy NIC).
+    slowdown: f64,
+    /// Background jobs per millisecond competing in the same FIFO.
+    bg_per_ms: f64,
+    /// Everything sent fails after `fail_ns`.
+    down: bool,
+}
+
+impl Default for Cond {
+    fn default() -> Self {
+        Cond { slowdown: 1.0, bg_per_ms: 0.0, down: false }
+    }
+}
+
+/// Key hashes: index 0 is the hot key.
+fn key_hash(i: u64) -> u64 {
+    Rng(i ^ 0x5eed).next_u64()
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Ev {
+    /// A caller starts a GET (or retries a failed one).
+    Issue(usize),
+    /// An op's request reaches the path's server.
+    Arrive(usize),
+    /// An op's round trip ends back at the client.
+    Return(usize),
+    /// An op fails (down path).
+    Fail(usize),
+    /// A background job arrives at a path's server.
+    Bg(usize),
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Op {
+    caller: Option<usize>,
+    path: Path,
+    key: u64,
+    start: u64,
+    rounds: u32,
+    done: u32,
+}
+
+/// One served GET: when it was admitted and where.
+#[derive(Debug, Clone, Copy)]
+struct Served {
+    at: u64,
+    path: Path,
+    key: u64,
+}
+
+/// The controller's view after one completion on a path.
+#[derive(Debug, Clone, Copy)]
+struct Ack {
+    at: u64,
+    path: Path,
+    probe: bool,
+    per_round: u64,
+    cwnd: f64,
+    srtt: f64,
+}
+
+struct Sim {
+    seed: u64,
+    rng: Rng,
+    now: u64,
+    seq: u64,
+    events: BinaryHeap<Reverse<(u64, u64, Ev)>>,
+    budget: u64,
+    ctl: Controller,
+    model: [PathModel; 2],
+    cond: [Cond; 2],
+    /// When each worker of each path's server is next free.
+    free_at: [Vec<u64>; 2],
+    bg_pending: [bool; 2],
+    ops: Vec<Op>,
+    free_ops: Vec<usize>,
+    /// Callers waiting for a window slot, with the key they want.
+    waiters: [VecDeque<(usize, u64)>; 2],
+    in_flight: [u32; 2],
+    probes_out: [bool; 2],
+    /// Callers, think time between GETs, distinct keys, hot key share.
+    callers: usize,
+    think_ns: u64,
+    keys: u64,
+    hot_share: f64,
+    /// One-sided round trips of the hot key: uniform in this range.
+    hot_rounds: (u32, u32),
+    fail_ns: u64,
+    served: Vec<Served>,
+    acks: Vec<Ack>,
+    probes: Vec<(u64, Path)>,
+    record_acks: bool,
+}
+
+impl Sim {
+    fn new(seed: u64, cfg: PathConfig, os: PathModel, rpc: PathModel, callers: usize) -> Self {
+        let mut ctl = Controller::new(cfg);
+        ctl.set_usable(Path::OneSided, true);
+        ctl.set_usable(Path::Rpc, true);
+        let mut sim = Sim {
+            seed,
+            rng: Rng(seed),
+            now: 0,
+            seq: 0,
+            events: BinaryHeap::new(),
+            budget: 3_000_000,
+            ctl,
+            model: [os, rpc],
+            cond: [Cond::default(); 2],
+            free_at: [vec![0; os.workers], vec![0; rpc.workers]],
+            bg_pending: [false; 2],
+            ops: Vec::new(),
+            free_ops: Vec::new(),
+            waiters: [VecDeque::new(), VecDeque::new()],
+            in_flight: [0; 2],
+            probes_out: [false; 2],
+            callers,
+            think_ns: 0,
+            keys: 1_000,
+            hot_share: 0.0,
+            hot_rounds: (2, 4),
+            fail_ns: 200 * MICROS,
+            served: Vec::new(),
+            acks: Vec::new(),
+            probes: Vec::new(),
+            record_acks: false,
+        };
+        for c in 0..callers {
+            // Staggered starts so callers do not move in lockstep.
+            let at = sim.rng.below(10 * MICROS);
+            sim.push(at, Ev::Issue(c));
+        }
+        sim
+    }
+
+    fn push(&mut self, at: u64, ev: Ev) {
+        self.seq += 1;
+        self.events.push(Reverse((at, self.seq, ev)));
+    }
+
+    fn set_cond(&mut self, p: Path, c: Cond) {
+        self.cond[idx(p)] = c;
+        if c.bg_per_ms > 0.0 && !self.bg_pending[idx(p)] {
+            self.bg_pending[idx(p)] = true;
+            self.push(self.now, Ev::Bg(idx(p)));
+        }
+    }
+
+    /// Processes every event up to `until`, within the event budget.
+    fn run_until(&mut self, until: u64) {
+        while let Some(&Reverse((at, _, ev))) = self.events.peek() {
+            if at > until {
+                break;
+            }
+            self.events.pop();
+            assert!(self.budget > 0, "seed {}: event budget exhausted at {} ns", self.seed, self.now);
+            self.budget -= 1;
+            assert!(at >= self.now, "seed {}: time went backwards", self.seed);
+            self.now = at;
+            match ev {
+                Ev::Issue(c) => self.issue(c),
+                Ev::Arrive(o) => self.arrive(o),
+                Ev::Return(o) => self.round_trip_back(o),
+                Ev::Fail(o) => self.fail(o),
+                Ev::Bg(p) => self.background(p),
+            }
+        }
+        self.now = self.now.max(until);
+    }
+
+    fn pick_key(&mut self) -> u64 {
+        if self.hot_share > 0.0 && self.rng.unit() < self.hot_share {
+            0
+        } else {
+            1 + self.rng.below(self.keys)
+        }
+    }
+
+    fn issue(&mut self, caller: usize) {
+        let key = self.pick_key();
+        self.route(caller, key);
+    }
+
+    /// choose → probe → try_admit, or queue behind the path's window.
+    fn route(&mut self, caller: usize, key: u64) {
+        let Choice { path, probe } = self.ctl.choose(self.now, key_hash(key));
+        if let Some(p) = probe {
+            assert!(!self.probes_out[idx(p)], "seed {}: second probe on {p:?} at {}", self.seed, self.now);
+            assert_ne!(p, path, "seed {}: probe of the chosen path", self.seed);
+            self.probes_out[idx(p)] = true;
+            self.probes.push((self.now, p));
+            self.start(None, p, key);
+        }
+        if self.ctl.try_admit(path) {
+            self.in_flight[idx(path)] += 1;
+            self.served.push(Served { at: self.now, path, key });
+            self.start(Some(caller), path, key);
+        } else {
+            self.ctl.enqueue(path);
+            self.waiters[idx(path)].push_back((caller, key));
+        }
+    }
+
+    fn start(&mut self, caller: Option<usize>, path: Path, key: u64) {
+        let rounds = match path {
+            Path::Rpc => 1,
+            Path::OneSided if key == 0 && self.hot_share > 0.0 => {
+                let (lo, hi) = self.hot_rounds;
+                lo + self.rng.below(u64::from(hi - lo + 1)) as u32
+            }
+            Path::OneSided => 1,
+        };
+        let op = Op { caller, path, key, start: self.now, rounds, done: 0 };
+        let o = match self.free_ops.pop() {
+            Some(o) => {
+                self.ops[o] = op;
+                o
+            }
+            None => {
+                self.ops.push(op);
+                self.ops.len() - 1
+            }
+        };
+        self.send(o);
+    }
+
+    /// Sends one round trip of op `o`.
+    fn send(&mut self, o: usize) {
+        let p = idx(self.ops[o].path);
+        if self.cond[p].down {
+            self.push(self.now + self.fail_ns, Ev::Fail(o));
+            return;
+        }
+        let half = self.noisy_prop(p) / 2;
+        self.push(self.now + half, Ev::Arrive(o));
+    }
+
+    fn noisy_prop(&mut self, p: usize) -> u64 {
+        let m = self.model[p];
+        let mut f = 1.0 + m.noise * (2.0 * self.rng.unit() - 1.0);
+        if m.outlier_p > 0.0 && self.rng.unit() < m.outlier_p {
+            f *= m.outlier_factor;
+        }
+        (m.prop_ns as f64 * f) as u64
+    }
+
+    /// Queues a job at path `p`'s server; returns when its service ends.
+    fn serve(&mut self, p: usize) -> u64 {
+        let service = (self.model[p].service_ns as f64 * self.cond[p].slowdown) as u64;
+        let (w, &free) = self.free_at[p].iter().enumerate().min_by_key(|&(_, t)| *t).expect("a worker");
+        let end = free.max(self.now) + service;
+        self.free_at[p][w] = end;
+        end
+    }
+
+    fn arrive(&mut self, o: usize) {
+        let p = idx(self.ops[o].path);
+        let end = self.serve(p);
+        let half = self.noisy_prop(p) / 2;
+        self.push(end + half, Ev::Return(o));
+    }
+
+    fn background(&mut self, p: usize) {
+        let rate = self.cond[p].bg_per_ms;
+        if rate <= 0.0 {
+            self.bg_pending[p] = false;
+            return;
+        }
+        self.serve(p);
+        let gap = self.rng.exp(MILLIS as f64 / rate) as u64;
+        self.push(self.now + gap.max(1), Ev::Bg(p));
+    }
+
+    fn round_trip_back(&mut self, o: usize) {
+        let path = self.ops[o].path;
+        if self.cond[idx(path)].down {
+            // The connection broke while the round trip was out.
+            return self.fail(o);
+        }
+        self.ops[o].done += 1;
+        let op = self.ops[o];
+        if op.done < op.rounds {
+            return self.send(o);
+        }
+        let c = Completion {
+            latency_ns: self.now - op.start,
+            round_trips: op.rounds,
+            retries: op.rounds.saturating_sub(2),
+        };
+        let probe = op.caller.is_none();
+        self.ctl.on_complete(self.now, path, key_hash(op.key), probe, c);
+        if self.record_acks {
+            let p = self.ctl.stats();
+            let snap = if path == Path::OneSided { p.one_sided } else { p.rpc };
+            self.acks.push(Ack {
+                at: self.now,
+                path,
+                probe,
+                per_round: c.latency_ns / u64::from(op.rounds),
+                cwnd: snap.window,
+                srtt: self.ctl.delay(path).unwrap_or(0.0),
+            });
+        }
+        self.finish(o, op, true);
+    }
+
+    fn fail(&mut self, o: usize) {
+        let op = self.ops[o];
+        self.ctl.on_failure(self.now, op.path, op.caller.is_none());
+        self.finish(o, op, false);
+    }
+
+    fn finish(&mut self, o: usize, op: Op, ok: bool) {
+        self.free_ops.push(o);
+        let p = idx(op.path);
+        match op.caller {
+            None => self.probes_out[p] = false,
+            Some(c) => {
+                self.in_flight[p] -= 1;
+                if ok {
+                    self.push(self.now + self.think_ns, Ev::Issue(c));
+                } else {
+                    // The caller retries the same key; the controller decides where.
+                    self.route(c, op.key);
+                }
+                self.wake(op.path);
+            }
+        }
+        self.check_counts();
+    }
+
+    /// A slot may have freed on `path`: waiters choose again, in order,
+    /// until one has to queue again.
+    fn wake(&mut self, path: Path) {
+        for _ in 0..self.waiters[idx(path)].len() {
+            let Some((c, key)) = self.waiters[idx(path)].pop_front() else { break };
+            self.ctl.dequeue(path);
+            let queued_before = self.waiters[0].len() + self.waiters[1].len();
+            self.route(c, key);
+            if self.waiters[0].len() + self.waiters[1].len() > queued_before {
+                break;
+            }
+        }
+    }
+
+    fn check_counts(&self) {
+        let s = self.ctl.stats();
+        for (p, snap) in [(Path::OneSided, s.one_sided), (Path::Rpc, s.rpc)] {
+            let i = idx(p);
+            assert_eq!(snap.in_flight, self.in_flight[i], "seed {}: in_flight of {p:?}", self.seed);
+            assert_eq!(snap.queued as usize, self.waiters[i].len(), "seed {}: queued of {p:?}", self.seed);
+            assert!(
+                snap.window.is_finite() && snap.window >= self.ctl.config().window.min,
+                "seed {}: window {}",
+                self.seed,
+                snap.window
+            );
+        }
+    }
+
+    /// Share of GETs served in [from, to) that went `path`, and how many.
+    fn share(&self, from: u64, to: u64, path: Path) -> (f64, usize) {
+        let sel = self.served.iter().filter(|s| s.at >= from && s.at < to);
+        let (n, hit) = sel.fold((0, 0), |(n, h), s| (n + 1, h + usize::from(s.path == path)));
+        (if n == 0 { 0.0 } else { hit as f64 / n as f64 }, n)
+    }
+}
+
+fn mean(xs: impl IntoIterator<Item = f64>) -> f64 {
+    let (n, s) = xs.into_iter().fold((0usize, 0.0), |(n, s), x| (n + 1, s + x));
+    if n == 0 { f64::NAN } else { s / n as f64 }
+}
+
+// ---------------------------------------------------------------- tests
+
+/// A bottleneck of 4 µs per GET behind 40 µs of propagation: the target
+/// (base + 100 µs) is reached at about 36 GETs in flight.
+fn bottleneck() -> PathModel {
+    PathModel::new(40 * MICROS, 4 * MICROS, 1).noisy(0.1, 0.0, 1.0)
+}
+
+fn one_path_sim(seed: u64, callers: usize) -> Sim {
+    let m = bottleneck();
+    let mut sim = Sim::new(seed, PathConfig::default(), m, m, callers);
+    sim.ctl.set_usable(Path::Rpc, false);
+    sim.record_acks = true;
+    sim
+}
+
+#[test]
+fn window_converges_to_target_under_steady_load() {
+    for seed in seeds(&[1, 2]) {
+        let mut sim = one_path_sim(seed, 128);
+        sim.run_until(150 * MILLIS);
+        let cfg = sim.ctl.config().window;
+        let target = sim.ctl.target(Path::OneSided).expect("measured") as f64;
+        let late: Vec<&Ack> = sim.acks.iter().filter(|a| a.at >= 75 * MILLIS).collect();
+        let delay = mean(late.iter().map(|a| a.per_round as f64));
+        let cwnd = mean(late.iter().map(|a| a.cwnd));
+        let sd = mean(late.iter().map(|a| (a.cwnd - cwnd).powi(2))).sqrt();
+        let (lo, hi) = late.iter().fold((f64::MAX, 0.0f64), |(lo, hi), a| (lo.min(a.cwnd), hi.max(a.cwnd)));
+        eprintln!("seed {seed}: target {target} delay {delay:.0} cwnd {cwnd:.1} sd {sd:.2} [{lo:.1}, {hi:.1}]");
+        assert!(delay > 0.7 * target && delay < 1.3 * target, "seed {seed}: delay {delay:.0} vs target {target}");
+        assert!(lo > cfg.min && hi < cfg.max, "seed {seed}: window pinned, [{lo}, {hi}]");
+        assert!(sd < 0.2 * cwnd, "seed {seed}: window oscillates: mean {cwnd:.1}, sd {sd:.1}");
+    }
+}
+
+#[test]
+fn window_backs_off_under_a_delay_spike_and_recovers() {
+    for seed in seeds(&[3, 4]) {
+        let mut sim = one_path_sim(seed, 128);
+        let cfg = sim.ctl.config().window;
+        sim.run_until(60 * MILLIS);
+        let before = mean(sim.acks.iter().filter(|a| a.at >= 40 * MILLIS).map(|a| a.cwnd));
+        let rtt = sim.ctl.delay(Path::OneSided).expect("measured");
+        // Background jobs take ~75 % of the server.
+        let spike = 60 * MILLIS;
+        sim.set_cond(Path::OneSided, Cond { bg_per_ms: 190.0, ..Cond::default() });
+        sim.run_until(100 * MILLIS);
+        let end = 100 * MILLIS;
+        sim.set_cond(Path::OneSided, Cond::default());
+        sim.run_until(130 * MILLIS);
+
+        let cwnd_at = |t: u64| sim.acks.iter().take_while(|a| a.at <= t).last().map_or(f64::NAN, |a| a.cwnd);
+        let soon = spike + (10.0 * rtt) as u64;
+        let during = mean(sim.acks.iter().filter(|a| a.at >= spike + 20 * MILLIS && a.at < end).map(|a| a.cwnd));
+        let after = mean(sim.acks.iter().filter(|a| a.at >= end + 10 * MILLIS).map(|a| a.cwnd));
+        eprintln!(
+            "seed {seed}: rtt {rtt:.0} before {before:.1} at+10rtt {:.1} during {during:.1} after {after:.1}",
+            cwnd_at(soon)
+        );
+        assert!(cwnd_at(soon) < 0.6 * before, "seed {seed}: window {} 10 RTTs into the spike", cwnd_at(soon));
+        assert!(during < 0.5 * before && during > cfg.min, "seed {seed}: window {during:.1} during the spike");
+        assert!(after > 0.8 * before, "seed {seed}: window {after:.1} after the spike, {before:.1} before");
+
+        // Every decrease is at most max_decrease, and at least an RTT
+        // (the smoothed delay the controller passed) after the last one.
+        let mut last_decrease: Option<u64> = None;
+        for w in sim.acks.windows(2) {
+            if w[1].cwnd < w[0].cwnd {
+                let f = w[1].cwnd / w[0].cwnd;
+                assert!(f >= 1.0 - cfg.max_decrease - 1e-9, "seed {seed}: decrease by {f} at {}", w[1].at);
+                if let Some(t) = last_decrease {
+                    let gap = w[1].at - t;
+                    assert!(gap >= w[1].srtt as u64, "seed {seed}: decreases {gap} ns apart at {}, rtt {}", t, w[1].srtt);
+                }
+                last_decrease = Some(w[1].at);
+            }
+        }
+    }
+}
