@@ -8,7 +8,8 @@ use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 
 use dmkv_common::path::{Choice, Completion, Controller, MICROS, MILLIS, Path, PathConfig};
-
+#[allow(unused_imports)]
+use proptest::prelude::*;
 
 // ---------------------------------------------------------------- PRNG
 
@@ -262,11 +263,7 @@ impl Sim {
     }
 
     fn pick_key(&mut self) -> u64 {
-        if self.hot_share > 0.0 && self.rng.unit() < self.hot_share {
-            0
-        } else {
-            1 + self.rng.below(self.keys)
-        }
+        if self.hot_share > 0.0 && self.rng.unit() < self.hot_share { 0 } else { 1 + self.rng.below(self.keys) }
     }
 
     fn issue(&mut self, caller: usize) {
@@ -536,10 +533,125 @@ fn window_backs_off_under_a_delay_spike_and_recovers() {
                 assert!(f >= 1.0 - cfg.max_decrease - 1e-9, "seed {seed}: decrease by {f} at {}", w[1].at);
                 if let Some(t) = last_decrease {
                     let gap = w[1].at - t;
-                    assert!(gap >= w[1].srtt as u64, "seed {seed}: decreases {gap} ns apart at {}, rtt {}", t, w[1].srtt);
+                    assert!(
+                        gap >= w[1].srtt as u64,
+                        "seed {seed}: decreases {gap} ns apart at {}, rtt {}",
+                        t,
+                        w[1].srtt
+                    );
                 }
                 last_decrease = Some(w[1].at);
             }
+        }
+    }
+}
+
+/// Share of one-sided GETs per `bucket` of virtual time, for failure output.
+fn timeline(sim: &Sim, bucket: u64) -> String {
+    let end = sim.now;
+    (0..end.div_ceil(bucket))
+        .map(|i| {
+            let (s, n) = sim.share(i * bucket, (i + 1) * bucket, Path::OneSided);
+            if n == 0 { "  -".to_string() } else { format!("{:3.0}", s * 100.0) }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn equal_paths(seed: u64) -> Sim {
+    let m = PathModel::loopback().noisy(0.1, 0.0, 1.0);
+    let mut sim = Sim::new(seed, PathConfig::default(), m, m, 8);
+    sim.think_ns = 50 * MICROS;
+    sim
+}
+
+#[test]
+fn prefers_the_cheaper_path_and_comes_back() {
+    for seed in seeds(&[5, 6]) {
+        let mut sim = equal_paths(seed);
+        let congested = Cond { slowdown: 20.0, ..Cond::default() };
+        sim.run_until(200 * MILLIS);
+        sim.set_cond(Path::OneSided, congested);
+        sim.run_until(500 * MILLIS);
+        sim.set_cond(Path::OneSided, Cond::default());
+        sim.run_until(800 * MILLIS);
+        let tl = timeline(&sim, 20 * MILLIS);
+        eprintln!("seed {seed}: one-sided % per 20 ms: {tl}\n{:?}", sim.ctl.stats());
+        let os = |from: u64, to: u64| sim.share(from * MILLIS, to * MILLIS, Path::OneSided).0;
+        assert!(os(100, 200) > 0.95, "seed {seed}: equal paths should stay one-sided: {tl}");
+        assert!(os(220, 500) < 0.05, "seed {seed}: congested one-sided still used after 20 ms: {tl}");
+        assert!(os(600, 800) > 0.95, "seed {seed}: one-sided not taken back within 100 ms: {tl}");
+        assert!(sim.ctl.stats().switches <= 4, "seed {seed}: {} switches: {tl}", sim.ctl.stats().switches);
+    }
+}
+
+#[test]
+fn a_slow_rpc_server_leaves_or_gives_the_traffic_to_one_sided() {
+    for seed in seeds(&[7, 8]) {
+        // RPC's server queues from the start: one-sided keeps the traffic.
+        let mut sim = equal_paths(seed);
+        sim.set_cond(Path::Rpc, Cond { slowdown: 10.0, ..Cond::default() });
+        sim.run_until(200 * MILLIS);
+        let tl = timeline(&sim, 20 * MILLIS);
+        assert!(sim.share(0, 200 * MILLIS, Path::OneSided).0 > 0.99, "seed {seed}: {tl}");
+        assert_eq!(sim.ctl.stats().switches, 0, "seed {seed}: {tl}");
+
+        // RPC has the traffic (one-sided congested), then its server slows
+        // as one-sided recovers: one-sided gets the traffic back.
+        let mut sim = equal_paths(seed);
+        sim.set_cond(Path::OneSided, Cond { slowdown: 20.0, ..Cond::default() });
+        sim.run_until(200 * MILLIS);
+        sim.set_cond(Path::OneSided, Cond::default());
+        sim.set_cond(Path::Rpc, Cond { slowdown: 10.0, ..Cond::default() });
+        sim.run_until(400 * MILLIS);
+        let tl = timeline(&sim, 20 * MILLIS);
+        eprintln!("seed {seed}: one-sided % per 20 ms: {tl}");
+        let os = |from: u64, to: u64| sim.share(from * MILLIS, to * MILLIS, Path::OneSided).0;
+        assert!(os(100, 200) < 0.05, "seed {seed}: {tl}");
+        assert!(os(260, 400) > 0.95, "seed {seed}: one-sided not back 60 ms after RPC slowed: {tl}");
+    }
+}
+
+/// Runs `callers` closed-loop callers until `gets` GETs were served.
+fn run_gets(sim: &mut Sim, gets: usize) {
+    let mut t = 0;
+    while sim.served.len() < gets {
+        t += 10 * MILLIS;
+        sim.run_until(t);
+    }
+}
+
+fn noisy(prop_ns: u64) -> PathModel {
+    PathModel::new(prop_ns, 4 * MICROS, 4).noisy(0.3, 0.002, 10.0)
+}
+
+#[test]
+fn does_not_flap_under_noise() {
+    for seed in seeds(&[9, 10]) {
+        let mut sim = Sim::new(seed, PathConfig::default(), noisy(40 * MICROS), noisy(40 * MICROS), 8);
+        sim.think_ns = 50 * MICROS;
+        run_gets(&mut sim, 100_000);
+        let s = sim.ctl.stats();
+        let (os, n) = sim.share(0, sim.now, Path::OneSided);
+        eprintln!("seed {seed}: {} switches in {n} GETs over {} ms, one-sided {os:.3}", s.switches, sim.now / MILLIS);
+        assert!(s.switches <= 6, "seed {seed}: {} switches in {n} GETs: {}", s.switches, timeline(&sim, 50 * MILLIS));
+    }
+}
+
+#[test]
+fn picks_the_path_twice_as_fast_under_noise() {
+    for seed in seeds(&[11, 12]) {
+        for better in Path::ALL {
+            let (fast, slow) = (noisy(25 * MICROS), noisy(50 * MICROS));
+            let (os, rpc) = if better == Path::OneSided { (fast, slow) } else { (slow, fast) };
+            let mut sim = Sim::new(seed, PathConfig::default(), os, rpc, 8);
+            sim.think_ns = 50 * MICROS;
+            run_gets(&mut sim, 50_000);
+            let (share, n) = sim.share(0, sim.now, better);
+            let s = sim.ctl.stats();
+            eprintln!("seed {seed}: {better:?} better: share {share:.3} of {n}, {} switches", s.switches);
+            assert!(share > 0.95, "seed {seed}: {better:?} got {share:.3}: {}", timeline(&sim, 50 * MILLIS));
+            assert!(s.switches <= 3, "seed {seed}: {better:?} better, {} switches", s.switches);
         }
     }
 }
