@@ -172,8 +172,7 @@ struct Sim {
     waiters: [VecDeque<(usize, u64)>; 2],
     in_flight: [u32; 2],
     probes_out: [bool; 2],
-    /// Callers, think time between GETs, distinct keys, hot key share.
-    callers: usize,
+    /// Think time between GETs, distinct keys, hot key share.
     think_ns: u64,
     keys: u64,
     hot_share: f64,
@@ -183,6 +182,8 @@ struct Sim {
     served: Vec<Served>,
     acks: Vec<Ack>,
     probes: Vec<(u64, Path)>,
+    /// Failures: when, where, whether of a probe.
+    failures: Vec<(u64, Path, bool)>,
     record_acks: bool,
 }
 
@@ -208,7 +209,6 @@ impl Sim {
             waiters: [VecDeque::new(), VecDeque::new()],
             in_flight: [0; 2],
             probes_out: [false; 2],
-            callers,
             think_ns: 0,
             keys: 1_000,
             hot_share: 0.0,
@@ -217,6 +217,7 @@ impl Sim {
             served: Vec::new(),
             acks: Vec::new(),
             probes: Vec::new(),
+            failures: Vec::new(),
             record_acks: false,
         };
         for c in 0..callers {
@@ -397,6 +398,7 @@ impl Sim {
     fn fail(&mut self, o: usize) {
         let op = self.ops[o];
         self.ctl.on_failure(self.now, op.path, op.caller.is_none());
+        self.failures.push((self.now, op.path, op.caller.is_none()));
         self.finish(o, op, false);
     }
 
@@ -484,7 +486,8 @@ fn window_converges_to_target_under_steady_load() {
         sim.run_until(150 * MILLIS);
         let cfg = sim.ctl.config().window;
         let target = sim.ctl.target(Path::OneSided).expect("measured") as f64;
-        let late: Vec<&Ack> = sim.acks.iter().filter(|a| a.at >= 75 * MILLIS).collect();
+        let late: Vec<&Ack> =
+            sim.acks.iter().filter(|a| a.path == Path::OneSided && !a.probe && a.at >= 75 * MILLIS).collect();
         let delay = mean(late.iter().map(|a| a.per_round as f64));
         let cwnd = mean(late.iter().map(|a| a.cwnd));
         let sd = mean(late.iter().map(|a| (a.cwnd - cwnd).powi(2))).sqrt();
@@ -612,7 +615,7 @@ fn a_slow_rpc_server_leaves_or_gives_the_traffic_to_one_sided() {
     }
 }
 
-/// Runs `callers` closed-loop callers until `gets` GETs were served.
+/// Runs the simulation until `gets` GETs were served.
 fn run_gets(sim: &mut Sim, gets: usize) {
     let mut t = 0;
     while sim.served.len() < gets {
@@ -652,6 +655,247 @@ fn picks_the_path_twice_as_fast_under_noise() {
             eprintln!("seed {seed}: {better:?} better: share {share:.3} of {n}, {} switches", s.switches);
             assert!(share > 0.95, "seed {seed}: {better:?} got {share:.3}: {}", timeline(&sim, 50 * MILLIS));
             assert!(s.switches <= 3, "seed {seed}: {better:?} better, {} switches", s.switches);
+        }
+    }
+}
+
+#[test]
+fn a_hot_key_goes_rpc_while_the_others_stay_one_sided() {
+    for seed in seeds(&[13, 14]) {
+        let mut sim = equal_paths(seed);
+        sim.hot_share = 0.05;
+        sim.hot_rounds = (2, 4);
+        sim.run_until(300 * MILLIS);
+        let late = sim.served.iter().filter(|s| s.at >= 50 * MILLIS);
+        let (mut hot, mut hot_rpc, mut cold, mut cold_os) = (0, 0, 0, 0);
+        for s in late {
+            if s.key == 0 {
+                hot += 1;
+                hot_rpc += usize::from(s.path == Path::Rpc);
+            } else {
+                cold += 1;
+                cold_os += usize::from(s.path == Path::OneSided);
+            }
+        }
+        let (h, c) = (hot_rpc as f64 / hot as f64, cold_os as f64 / cold as f64);
+        eprintln!("seed {seed}: hot key on rpc {h:.3} of {hot}, others one-sided {c:.3} of {cold}");
+        assert!(hot > 500 && h > 0.9, "seed {seed}: hot key on RPC for {h:.3} of {hot} GETs");
+        assert!(c > 0.98, "seed {seed}: other keys one-sided for only {c:.3}");
+        assert_eq!(sim.ctl.preferred(), Path::OneSided, "seed {seed}");
+    }
+}
+
+#[test]
+fn a_failed_path_is_left_at_once_probed_with_backoff_and_taken_back() {
+    for seed in seeds(&[15, 16]) {
+        let cfg = PathConfig { backoff_ns: 2 * MILLIS, max_backoff_ns: 20 * MILLIS, ..PathConfig::default() };
+        let (os, rpc) = (PathModel::new(20 * MICROS, 4 * MICROS, 4), PathModel::new(50 * MICROS, 4 * MICROS, 4));
+        let mut sim = Sim::new(seed, cfg, os, rpc, 8);
+        sim.think_ns = 50 * MICROS;
+        sim.run_until(100 * MILLIS);
+        assert_eq!(sim.ctl.preferred(), Path::OneSided, "seed {seed}");
+        let (down, up) = (100 * MILLIS, 300 * MILLIS);
+        sim.set_cond(Path::OneSided, Cond { down: true, ..Cond::default() });
+        // The first failures come fail_ns after the path went down.
+        sim.run_until(down + sim.fail_ns + 10 * MICROS);
+        assert_eq!(sim.ctl.preferred(), Path::Rpc, "seed {seed}: still one-sided right after a failure");
+        sim.run_until(up);
+        sim.set_cond(Path::OneSided, Cond::default());
+        sim.run_until(400 * MILLIS);
+
+        let tl = timeline(&sim, 10 * MILLIS);
+        let os_share = |from: u64, to: u64| sim.share(from, to, Path::OneSided).0;
+        assert!(os_share(down + MILLIS, up) == 0.0, "seed {seed}: GETs sent to a failed path: {tl}");
+
+        // Probes of the failed path: the first a backoff after its first
+        // failure, then each a doubled backoff after the last one failed,
+        // up to the cap.
+        let probes: Vec<u64> = sim.probes.iter().filter(|p| p.1 == Path::OneSided && p.0 > down).map(|p| p.0).collect();
+        let failed_at =
+            |probe: bool| sim.failures.iter().filter(move |f| f.1 == Path::OneSided && f.2 == probe).map(|f| f.0);
+        let mut last = failed_at(false).next().expect("GETs failed");
+        let mut backoff = cfg.backoff_ns;
+        let slack = MILLIS;
+        let probe_failures: Vec<u64> = failed_at(true).collect();
+        for (i, &t) in probes.iter().take_while(|&&t| t < up).enumerate() {
+            let gap = t - last;
+            assert!(
+                gap >= backoff && gap <= backoff + slack,
+                "seed {seed}: probe {gap} ns after the last failure, backoff {backoff}: {probes:?}"
+            );
+            last = probe_failures[i];
+            backoff = (backoff * 2).min(cfg.max_backoff_ns);
+        }
+        assert_eq!(backoff, cfg.max_backoff_ns, "seed {seed}: backoff never reached its cap");
+        // A successful probe revives it; one-sided is cheaper, so it returns.
+        let back = up + cfg.max_backoff_ns + slack;
+        assert!(os_share(back, 400 * MILLIS) > 0.95, "seed {seed}: one-sided not back: {tl}");
+        assert!(sim.ctl.stats().one_sided.usable, "seed {seed}");
+    }
+}
+
+#[test]
+fn the_same_seed_gives_the_same_run() {
+    let run = |seed: u64| {
+        let mut sim = Sim::new(seed, PathConfig::default(), noisy(40 * MICROS), noisy(45 * MICROS), 8);
+        sim.think_ns = 20 * MICROS;
+        sim.hot_share = 0.02;
+        sim.run_until(30 * MILLIS);
+        sim.set_cond(Path::OneSided, Cond { slowdown: 8.0, bg_per_ms: 50.0, down: false });
+        sim.run_until(60 * MILLIS);
+        (sim.ctl.stats(), sim.served.len(), sim.probes.clone())
+    };
+    for seed in seeds(&[17]) {
+        let a = run(seed);
+        assert_eq!(a, run(seed), "seed {seed}: two runs differ");
+        assert_ne!(a.0, run(seed + 1).0, "seed {seed}: the seed changes nothing");
+    }
+}
+
+// ---------------------------------------------------------------- proptest
+
+#[derive(Debug, Clone)]
+enum Step {
+    /// Advance the clock, then choose and admit a GET (queueing it if full).
+    Get {
+        dt: u64,
+        key: u64,
+    },
+    /// Advance the clock, then end the n-th outstanding GET or probe.
+    Complete {
+        dt: u64,
+        n: usize,
+        latency: u64,
+        rounds: u32,
+        retries: u32,
+    },
+    Fail {
+        dt: u64,
+        n: usize,
+    },
+    Cancel {
+        n: usize,
+    },
+    /// The n-th queued GET stops waiting and tries to get admitted again.
+    Retry {
+        n: usize,
+    },
+    SetUsable {
+        one_sided: bool,
+        usable: bool,
+    },
+}
+
+fn dt() -> impl Strategy<Value = u64> {
+    prop_oneof![Just(0u64), 0..10 * MICROS, 0..200 * MILLIS, 0..u64::MAX / 1024]
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    let latency = prop_oneof![Just(0u64), 0..MILLIS, Just(u64::MAX), any::<u64>()];
+    prop_oneof![
+        4 => (dt(), 0..8u64).prop_map(|(dt, key)| Step::Get { dt, key }),
+        4 => (dt(), any::<usize>(), latency, 0..6u32, 0..6u32)
+            .prop_map(|(dt, n, latency, rounds, retries)| Step::Complete { dt, n, latency, rounds, retries }),
+        1 => (dt(), any::<usize>()).prop_map(|(dt, n)| Step::Fail { dt, n }),
+        1 => any::<usize>().prop_map(|n| Step::Cancel { n }),
+        1 => any::<usize>().prop_map(|n| Step::Retry { n }),
+        1 => (any::<bool>(), any::<bool>()).prop_map(|(one_sided, usable)| Step::SetUsable { one_sided, usable }),
+    ]
+}
+
+/// What the driver believes is outstanding: (path, probe, key).
+struct Driver {
+    ctl: Controller,
+    now: u64,
+    out: Vec<(Path, bool, u64)>,
+    queued: Vec<(Path, u64)>,
+    usable: [bool; 2],
+}
+
+impl Driver {
+    fn route(&mut self, key: u64) {
+        let Choice { path, probe } = self.ctl.choose(self.now, key);
+        if let Some(p) = probe {
+            assert!(self.usable[idx(p)], "probe of unusable {p:?}");
+            assert!(!self.out.iter().any(|o| o.0 == p && o.1), "second probe in flight on {p:?}");
+            self.out.push((p, true, key));
+        }
+        if self.ctl.try_admit(path) {
+            self.out.push((path, false, key));
+        } else {
+            self.ctl.enqueue(path);
+            self.queued.push((path, key));
+        }
+    }
+
+    fn check(&self) {
+        let s = self.ctl.stats();
+        let cfg = self.ctl.config().window;
+        for (p, snap) in [(Path::OneSided, s.one_sided), (Path::Rpc, s.rpc)] {
+            let n = |probe: bool| self.out.iter().filter(|o| o.0 == p && o.1 == probe).count();
+            assert_eq!(snap.in_flight as usize, n(false), "in_flight of {p:?}");
+            assert_eq!(snap.queued as usize, self.queued.iter().filter(|q| q.0 == p).count(), "queued of {p:?}");
+            assert!(n(true) <= 1, "probes in flight on {p:?}");
+            assert!(snap.window.is_finite() && snap.window >= cfg.min && snap.window <= cfg.max, "{snap:?}");
+            assert!(snap.round_trips.is_finite() && snap.round_trips >= 1.0, "{snap:?}");
+            let delay = self.ctl.delay(p);
+            assert!(delay.is_none_or(|d| d.is_finite() && d >= 0.0), "delay {delay:?}");
+            for key in [None, Some(0), Some(3)] {
+                let c = self.ctl.cost(p, key, self.now);
+                assert!(c.is_none_or(|c| c.is_finite() && c >= 0.0), "cost {c:?}");
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    #[test]
+    fn any_sequence_keeps_the_controller_consistent(steps in prop::collection::vec(step(), 1..300)) {
+        let mut d = Driver {
+            ctl: Controller::new(PathConfig::default()),
+            now: 0,
+            out: Vec::new(),
+            queued: Vec::new(),
+            usable: [true; 2],
+        };
+        d.ctl.set_usable(Path::OneSided, true);
+        d.ctl.set_usable(Path::Rpc, true);
+        for s in steps {
+            match s {
+                Step::Get { dt, key } => {
+                    d.now = d.now.saturating_add(dt);
+                    d.route(key);
+                }
+                Step::Complete { dt, n, latency, rounds, retries } if !d.out.is_empty() => {
+                    d.now = d.now.saturating_add(dt);
+                    let (p, probe, key) = d.out.swap_remove(n % d.out.len());
+                    let c = Completion { latency_ns: latency, round_trips: rounds, retries };
+                    d.ctl.on_complete(d.now, p, key, probe, c);
+                }
+                Step::Fail { dt, n } if !d.out.is_empty() => {
+                    d.now = d.now.saturating_add(dt);
+                    let (p, probe, _) = d.out.swap_remove(n % d.out.len());
+                    d.ctl.on_failure(d.now, p, probe);
+                }
+                Step::Cancel { n } if !d.out.is_empty() => {
+                    let (p, probe, _) = d.out.swap_remove(n % d.out.len());
+                    d.ctl.on_cancel(p, probe);
+                }
+                Step::Retry { n } if !d.queued.is_empty() => {
+                    let (p, key) = d.queued.swap_remove(n % d.queued.len());
+                    d.ctl.dequeue(p);
+                    d.route(key);
+                }
+                Step::SetUsable { one_sided, usable } => {
+                    let p = if one_sided { Path::OneSided } else { Path::Rpc };
+                    d.usable[idx(p)] = usable;
+                    d.ctl.set_usable(p, usable);
+                }
+                _ => {}
+            }
+            d.check();
         }
     }
 }

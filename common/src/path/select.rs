@@ -426,13 +426,17 @@ impl Controller {
         st.failures += 1;
         let srtt = st.delay.smoothed().unwrap_or(0.0) as u64;
         st.window.on_failure(now, srtt);
+        // The backoff doubles per failed probe only: the other GETs that
+        // were out when the path broke fail too, and counting them would
+        // put the first probe at the cap instead of after one backoff.
         if !st.down {
             st.down = true;
             st.backoff = self.cfg.backoff_ns;
-        } else {
-            st.backoff = (st.backoff * 2).min(self.cfg.max_backoff_ns);
+            st.retry_at = now.saturating_add(st.backoff);
+        } else if probe {
+            st.backoff = st.backoff.saturating_mul(2).min(self.cfg.max_backoff_ns);
+            st.retry_at = now.saturating_add(st.backoff);
         }
-        st.retry_at = now + st.backoff;
         if self.preferred == path && self.serving(path.other()) {
             self.switch_to(path.other(), now);
         }
