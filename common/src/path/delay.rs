@@ -11,6 +11,21 @@ pub const BASE_WINDOW_NS: u64 = 10_000 * MILLIS;
 pub const SMOOTHING: f64 = 1.0 / 8.0;
 /// Weight of a new deviation in the delay variation (as TCP's RTTVAR: 1/4).
 pub const VARIATION_SMOOTHING: f64 = 1.0 / 4.0;
+/// Weight of a sample that comes after a silence of more than
+/// [`SPARSE_GAP_RTTS`] smoothed delays: on a path known only by occasional
+/// probes each sample is the only news for a long while, and at 1/8 the
+/// estimate would lag the path by dozens of probe intervals.
+pub const SPARSE_SMOOTHING: f64 = 1.0 / 4.0;
+/// See [`SPARSE_SMOOTHING`].
+pub const SPARSE_GAP_RTTS: f64 = 8.0;
+/// A sample enters the smoothed delay capped at this many variations above
+/// it, so a rare outlier (a descheduled thread, a retransmit) moves it a
+/// little instead of doubling it; a lasting rise still gets through within
+/// a few more samples, as each capped sample widens the variation.
+pub const OUTLIER_VARIATIONS: f64 = 4.0;
+/// Floor of the variation in that cap, as a fraction of the smoothed delay,
+/// so a path that was steady for long can still rise.
+pub const MIN_VARIATION: f64 = 1.0 / 8.0;
 
 /// Base and smoothed delay of one path or connection.
 #[derive(Debug, Clone, Default)]
@@ -23,6 +38,7 @@ pub struct DelayEstimator {
     smoothed: Option<f64>,
     variation: f64,
     latest: Option<u64>,
+    latest_at: u64,
     samples: u64,
 }
 
@@ -48,11 +64,15 @@ impl DelayEstimator {
                 self.variation = d / 2.0;
             }
             Some(s) => {
+                let gap = now.saturating_sub(self.latest_at) as f64;
+                let weight = if gap > SPARSE_GAP_RTTS * *s { SPARSE_SMOOTHING } else { SMOOTHING };
+                let d = d.min(*s + OUTLIER_VARIATIONS * self.variation.max(MIN_VARIATION * *s));
                 self.variation += VARIATION_SMOOTHING * ((*s - d).abs() - self.variation);
-                *s += SMOOTHING * (d - *s);
+                *s += weight * (d - *s);
             }
         }
         self.latest = Some(delay);
+        self.latest_at = now;
         self.samples += 1;
     }
 
@@ -117,5 +137,23 @@ mod tests {
         let s = d.smoothed().unwrap();
         assert!(s > 990.0 && s <= 1_000.0, "{s}");
         assert_eq!(d.base(), Some(100));
+    }
+
+    #[test]
+    fn an_outlier_moves_the_mean_a_little_and_sparse_samples_count_more() {
+        let mut d = DelayEstimator::new();
+        for i in 0..100 {
+            d.on_sample(i, 100 + i % 7);
+        }
+        let before = d.smoothed().unwrap();
+        d.on_sample(100, 10_000);
+        let after = d.smoothed().unwrap();
+        assert!(after < before * 1.1, "{before} -> {after}");
+
+        let mut busy = d.clone();
+        let mut idle = d;
+        busy.on_sample(101, 50);
+        idle.on_sample(100 + 100 * 1_000, 50);
+        assert!(idle.smoothed().unwrap() < busy.smoothed().unwrap());
     }
 }

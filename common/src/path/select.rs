@@ -7,10 +7,12 @@
 //! is inside the RPC delay; verification retries are inside the one-sided
 //! round trips. The cheaper path wins, with two brakes against flapping:
 //! the preferred path changes only when the other is cheaper by a margin
-//! ([`PathConfig::hysteresis`]) and not more often than once per
-//! [`PathConfig::min_dwell_ns`]. The path not in use is kept measured by
-//! background probes: copies of a real GET whose answers are thrown away,
-//! so a probe down a congested path never adds to a caller's latency.
+//! ([`PathConfig::hysteresis`]; one-sided, which costs the server no CPU,
+//! takes the traffic back already when within half that margin of RPC) and
+//! not more often than once per [`PathConfig::min_dwell_ns`]. The path not
+//! in use is kept measured by background probes: copies of a real GET whose
+//! answers are thrown away, so a probe down a congested path never adds to
+//! a caller's latency.
 
 use super::delay::DelayEstimator;
 use super::keys::{DEFAULT_KEY_ENTRIES, KeyRounds};
@@ -58,7 +60,9 @@ impl Path {
 pub struct PathConfig {
     /// Each path's congestion window.
     pub window: WindowConfig,
-    /// The other path must be cheaper by this fraction to take over.
+    /// RPC must be cheaper by this fraction to take the traffic from
+    /// one-sided; one-sided takes it back once within half of it. A single
+    /// GET is diverted to the other path when cheaper by this fraction.
     pub hysteresis: f64,
     /// Least time between two changes of the preferred path.
     pub min_dwell_ns: u64,
@@ -83,7 +87,7 @@ impl Default for PathConfig {
             window: WindowConfig::default(),
             hysteresis: 0.25,
             min_dwell_ns: 50 * MILLIS,
-            probe_interval_ns: 10 * MILLIS,
+            probe_interval_ns: 5 * MILLIS,
             backoff_ns: 100 * MILLIS,
             max_backoff_ns: 5_000 * MILLIS,
             key_entries: DEFAULT_KEY_ENTRIES,
@@ -127,6 +131,7 @@ struct PathState {
     delay: DelayEstimator,
     window: Window,
     rounds: f64,
+    round_samples: u32,
     in_flight: u32,
     queued: u32,
     usable: bool,
@@ -202,6 +207,7 @@ impl Controller {
             delay: DelayEstimator::new(),
             window: Window::new(cfg.window),
             rounds: 1.0,
+            round_samples: 0,
             in_flight: 0,
             queued: 0,
             usable: false,
@@ -286,7 +292,15 @@ impl Controller {
             return;
         };
         let rested = self.last_switch.is_none_or(|t| now.saturating_sub(t) >= self.cfg.min_dwell_ns);
-        if ca < cp * (1.0 - self.cfg.hysteresis) && rested {
+        // One-sided is the home path (it costs the server no CPU): RPC takes
+        // over when cheaper by the hysteresis margin, and keeps the traffic
+        // only while one-sided stays dearer by half that margin. A symmetric
+        // band would leave equal paths on RPC for good after one congestion.
+        let leave = match pref {
+            Path::OneSided => ca < cp * (1.0 - self.cfg.hysteresis),
+            Path::Rpc => ca < cp * (1.0 + self.cfg.hysteresis / 2.0),
+        };
+        if leave && rested {
             self.switch_to(pref.other(), now);
         }
     }
@@ -388,7 +402,11 @@ impl Controller {
             st.backoff = self.cfg.backoff_ns;
         }
         if path == Path::OneSided {
-            st.rounds += ROUNDS_SMOOTHING * (f64::from(rounds) - st.rounds);
+            // A plain mean until there are enough samples, so the prior
+            // does not outweigh the first measurements for long.
+            st.round_samples = st.round_samples.saturating_add(1);
+            let weight = (1.0 / f64::from(st.round_samples)).max(ROUNDS_SMOOTHING);
+            st.rounds += weight * (f64::from(rounds) - st.rounds);
             self.keys.record(key, f64::from(rounds), now);
         }
     }
@@ -408,13 +426,17 @@ impl Controller {
         st.failures += 1;
         let srtt = st.delay.smoothed().unwrap_or(0.0) as u64;
         st.window.on_failure(now, srtt);
+        // The backoff doubles per failed probe only: the other GETs that
+        // were out when the path broke fail too, and counting them would
+        // put the first probe at the cap instead of after one backoff.
         if !st.down {
             st.down = true;
             st.backoff = self.cfg.backoff_ns;
-        } else {
-            st.backoff = (st.backoff * 2).min(self.cfg.max_backoff_ns);
+            st.retry_at = now.saturating_add(st.backoff);
+        } else if probe {
+            st.backoff = st.backoff.saturating_mul(2).min(self.cfg.max_backoff_ns);
+            st.retry_at = now.saturating_add(st.backoff);
         }
-        st.retry_at = now + st.backoff;
         if self.preferred == path && self.serving(path.other()) {
             self.switch_to(path.other(), now);
         }

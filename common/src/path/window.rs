@@ -45,7 +45,8 @@ impl Default for WindowConfig {
 impl WindowConfig {
     /// The target delay for a path whose base delay is `base`.
     pub fn target(&self, base: u64) -> u64 {
-        base + self.target_margin_ns.max((base as f64 * self.target_ratio) as u64)
+        // Saturating: a sample may be any u64 (a stuck request, a clock jump).
+        base.saturating_add(self.target_margin_ns.max((base as f64 * self.target_ratio) as u64))
     }
 }
 
