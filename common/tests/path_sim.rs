@@ -471,9 +471,19 @@ fn bottleneck() -> PathModel {
     PathModel::new(40 * MICROS, 4 * MICROS, 1).noisy(0.1, 0.0, 1.0)
 }
 
+/// A datacenter-fabric profile: Swift-like target of base + 100 µs. The
+/// defaults allow 500 µs for the scheduling noise of loopback and VMs; the
+/// window's dynamics are the same, only the operating point moves.
+fn fabric() -> PathConfig {
+    let mut cfg = PathConfig::default();
+    cfg.window.target_margin_ns = 100 * MICROS;
+    cfg.window.max = 256.0;
+    cfg
+}
+
 fn one_path_sim(seed: u64, callers: usize) -> Sim {
     let m = bottleneck();
-    let mut sim = Sim::new(seed, PathConfig::default(), m, m, callers);
+    let mut sim = Sim::new(seed, fabric(), m, m, callers);
     sim.ctl.set_usable(Path::Rpc, false);
     sim.record_acks = true;
     sim
