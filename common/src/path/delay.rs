@@ -27,6 +27,12 @@ pub const OUTLIER_VARIATIONS: f64 = 4.0;
 /// so a path that was steady for long can still rise.
 pub const MIN_VARIATION: f64 = 1.0 / 8.0;
 
+/// Weight of a sample below half the smoothed delay. Queues drain at once
+/// and noise cannot push a delay below the base, so such good news is
+/// believed fast: a path that was congested looks usable again within a few
+/// probes instead of dozens.
+pub const DRAIN_SMOOTHING: f64 = 1.0 / 2.0;
+
 /// Base and smoothed delay of one path or connection.
 #[derive(Debug, Clone, Default)]
 pub struct DelayEstimator {
@@ -65,7 +71,13 @@ impl DelayEstimator {
             }
             Some(s) => {
                 let gap = now.saturating_sub(self.latest_at) as f64;
-                let weight = if gap > SPARSE_GAP_RTTS * *s { SPARSE_SMOOTHING } else { SMOOTHING };
+                let weight = if d < *s / 2.0 {
+                    DRAIN_SMOOTHING
+                } else if gap > SPARSE_GAP_RTTS * *s {
+                    SPARSE_SMOOTHING
+                } else {
+                    SMOOTHING
+                };
                 let d = d.min(*s + OUTLIER_VARIATIONS * self.variation.max(MIN_VARIATION * *s));
                 self.variation += VARIATION_SMOOTHING * ((*s - d).abs() - self.variation);
                 *s += weight * (d - *s);
@@ -152,8 +164,21 @@ mod tests {
 
         let mut busy = d.clone();
         let mut idle = d;
-        busy.on_sample(101, 50);
-        idle.on_sample(100 + 100 * 1_000, 50);
+        busy.on_sample(101, 70);
+        idle.on_sample(100 + 100 * 1_000, 70);
         assert!(idle.smoothed().unwrap() < busy.smoothed().unwrap());
+    }
+
+    #[test]
+    fn a_drained_queue_is_believed_within_a_few_samples() {
+        let mut d = DelayEstimator::new();
+        for i in 0..100 {
+            d.on_sample(i, 50_000);
+        }
+        for i in 100..110 {
+            d.on_sample(i, 100);
+        }
+        let s = d.smoothed().unwrap();
+        assert!(s < 200.0, "{s}");
     }
 }

@@ -68,6 +68,11 @@ pub struct PathConfig {
     pub min_dwell_ns: u64,
     /// Least time between two background probes of one path.
     pub probe_interval_ns: u64,
+    /// Least time between probes of a path priced far above the one in use
+    /// ([`FAR_RATIO`]): it would take a large change to matter, and every
+    /// RPC probe costs the server CPU. Good news from a probe (a delay under
+    /// half the estimate) brings back the short interval.
+    pub far_probe_interval_ns: u64,
     /// First wait before a failed path is probed again; doubles per failed
     /// probe up to `max_backoff_ns`.
     pub backoff_ns: u64,
@@ -88,6 +93,7 @@ impl Default for PathConfig {
             hysteresis: 0.25,
             min_dwell_ns: 50 * MILLIS,
             probe_interval_ns: 5 * MILLIS,
+            far_probe_interval_ns: 50 * MILLIS,
             backoff_ns: 100 * MILLIS,
             max_backoff_ns: 5_000 * MILLIS,
             key_entries: DEFAULT_KEY_ENTRIES,
@@ -97,6 +103,9 @@ impl Default for PathConfig {
     }
 }
 
+/// A path priced this many times above the one in use is probed at
+/// [`PathConfig::far_probe_interval_ns`].
+pub const FAR_RATIO: f64 = 4.0;
 /// Round trips a one-sided GET is assumed to take before any is measured:
 /// a bucket read and an item read.
 const INITIAL_ROUNDS: f64 = 2.0;
@@ -140,6 +149,8 @@ struct PathState {
     backoff: u64,
     probe_in_flight: bool,
     last_probe: Option<u64>,
+    /// The last probe came back well under the estimate.
+    good_news: bool,
     requests: u64,
     probes: u64,
     failures: u64,
@@ -216,6 +227,7 @@ impl Controller {
             backoff: cfg.backoff_ns,
             probe_in_flight: false,
             last_probe: None,
+            good_news: false,
             requests: 0,
             probes: 0,
             failures: 0,
@@ -277,7 +289,11 @@ impl Controller {
                 }
             }
         };
-        let probe = self.probe_due(now, path.other());
+        let far = match (self.cost(path, None, now), self.cost(path.other(), None, now)) {
+            (Some(c), Some(o)) => o > FAR_RATIO * c,
+            _ => false,
+        };
+        let probe = self.probe_due(now, path.other(), far);
         if let Some(p) = probe {
             let st = &mut self.paths[p.idx()];
             st.probe_in_flight = true;
@@ -313,7 +329,7 @@ impl Controller {
         }
     }
 
-    fn probe_due(&self, now: u64, p: Path) -> Option<Path> {
+    fn probe_due(&self, now: u64, p: Path, far: bool) -> Option<Path> {
         let st = &self.paths[p.idx()];
         if !st.usable || st.probe_in_flight {
             return None;
@@ -321,7 +337,8 @@ impl Controller {
         if st.down {
             return (now >= st.retry_at).then_some(p);
         }
-        st.last_probe.is_none_or(|t| now.saturating_sub(t) >= self.cfg.probe_interval_ns).then_some(p)
+        let interval = if far && !st.good_news { self.cfg.far_probe_interval_ns } else { self.cfg.probe_interval_ns };
+        st.last_probe.is_none_or(|t| now.saturating_sub(t) >= interval).then_some(p)
     }
 
     /// Expected completion time of a GET on `path`, in ns; `None` before
@@ -392,6 +409,9 @@ impl Controller {
         let per_round = c.latency_ns / u64::from(rounds);
         let window_cfg = self.cfg.window;
         let st = &mut self.paths[path.idx()];
+        if probe {
+            st.good_news = st.delay.smoothed().is_some_and(|s| (per_round as f64) < s / 2.0);
+        }
         st.delay.on_sample(now, per_round);
         let base = st.delay.base().unwrap_or(per_round);
         let srtt = st.delay.smoothed().unwrap_or(per_round as f64) as u64;
