@@ -8,11 +8,12 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Where a GET goes: [`Client`] tries [`onesided`] first — the server's
-//! region read directly (shared memory on the same host, the server's
-//! software engine over TCP elsewhere), every item verified — and falls
-//! back to RPC: a pooled [`conn::Conn`] sends a framed request and matches
-//! the reply by id. PUTs and DELETEs always go over RPC.
+//! Where a GET goes: [`Client`] asks [`path`] which way is cheaper right
+//! now. [`onesided`] reads the server's region directly (RDMA, shared
+//! memory on the same host, the server's software engine over TCP
+//! elsewhere), every item verified; RPC sends a framed request on a pooled
+//! [`conn::Conn`] and matches the reply by id. PUTs and DELETEs always go
+//! over RPC.
 
 pub mod blocking;
 pub mod client;
