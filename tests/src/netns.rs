@@ -17,7 +17,8 @@
 //! block already in use in the root namespace is skipped. Dropping a
 //! [`Netns`] deletes the veth pair and the namespace, also while a test
 //! panics. Namespaces left behind by processes that no longer exist
-//! (killed with SIGKILL) are deleted by the next [`Netns::new`].
+//! (killed with SIGKILL) are deleted, with any process still inside, by
+//! the next [`Netns::new`].
 
 use std::ffi::{OsStr, OsString};
 use std::net::Ipv4Addr;
@@ -268,6 +269,10 @@ fn remove_stale() {
             continue;
         };
         if pid != std::process::id() && !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            // A server its owner started there outlives a SIGKILLed owner.
+            for p in run("ip", &["netns", "pids", name]).unwrap_or_default().split_whitespace() {
+                let _ = Command::new("kill").args(["-KILL", p]).status();
+            }
             let _ = run("ip", &["link", "del", &format!("{name}h")]);
             let _ = run("ip", &["netns", "del", name]);
         }
