@@ -476,7 +476,12 @@ impl Window {
     }
 
     /// The split of the probe's GETs by every source available; the server's
-    /// first. (A client-side path counter, when the SDK has one, goes here.)
+    /// first. Each source has its bias once a selector probes the path it
+    /// does not prefer: the server also counts RPC probes, `read_stats`
+    /// also counts one-sided probes. A selector's own per-path request
+    /// counters (`Client::path_stats()` on main: Δ `controller.rpc.requests`
+    /// and Δ `controller.one_sided.requests`, snapshotted in `window` like
+    /// `read_stats`) go here as a third source, and are the exact one.
     pub fn splits(&self) -> Vec<Split> {
         let server_rpc = self.server_rpc_gets.min(self.gets);
         let client_os = self.client_one_sided.min(self.gets);

@@ -3,9 +3,10 @@
 //! behind a veth pair, `--no-shm`, one-sided reads over its TCP engine).
 //!
 //! Each test runs a short version of one scenario and polls windows of the
-//! probe's GETs until the share that went RPC (counted by the server's
-//! STATS, see `Window::splits`) meets the expectation in [`CONSECUTIVE`]
-//! windows in a row, or fails at a deadline:
+//! probe's GETs until the share that went RPC, added up over the last
+//! [`JUDGED`] windows, meets the expectation by every source of the split
+//! (the server's STATS and the probe's own counters, see
+//! `Window::splits`), or fails at a deadline:
 //!
 //! 1. the engine's link congested by a bulk reader: most GETs go RPC; once
 //!    the bulk stops, most go one-sided again;
@@ -20,17 +21,18 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use dmkv_benches::scenario::{Load, Params, Scenario, Setup, Window};
+use dmkv_benches::scenario::{Load, Params, Scenario, Setup, Split};
 use dmkv_client::{Client, ReadPath};
 use dmkv_tests::netns::Netns;
 use tokio::runtime::Runtime;
 
 /// Length of one polled window.
-const WINDOW: Duration = Duration::from_millis(400);
-/// Consecutive windows that must meet a condition.
-const CONSECUTIVE: usize = 2;
+const WINDOW: Duration = Duration::from_millis(500);
+/// Windows a condition is judged over: their GETs are added up, so one
+/// window's wobble neither makes nor breaks it.
+const JUDGED: usize = 3;
 /// How long the selector gets to meet a condition.
-const DEADLINE: Duration = Duration::from_secs(8);
+const DEADLINE: Duration = Duration::from_secs(10);
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
@@ -41,7 +43,11 @@ static SERIAL: Mutex<()> = Mutex::new(());
 /// of replies) and its bulk readers fill 300 Mbit/s; release builds use the
 /// driver's defaults (2 Gbit/s).
 fn params() -> Params {
-    if cfg!(debug_assertions) { Params { rate: "300mbit".into(), ..Params::default() } } else { Params::default() }
+    if cfg!(debug_assertions) {
+        Params { rate: "300mbit".into(), hot_in_flight: 4, ..Params::default() }
+    } else {
+        Params::default()
+    }
 }
 
 /// The scenario's server, a probe in `Auto` and an admin client; `None`
@@ -72,12 +78,14 @@ fn start(name: &str, scenario: Scenario) -> Option<Run> {
 }
 
 impl Run {
-    /// Polls windows until `cond` holds in [`CONSECUTIVE`] windows in a row;
-    /// panics with every window's numbers at the deadline.
-    fn expect(&self, what: &str, load: Option<&Load>, cond: impl Fn(&Window) -> bool) {
+    /// Polls windows until the last [`JUDGED`] windows together meet
+    /// `cond` by every source of the split (the server's counters include
+    /// the selector's background probes of RPC, the client's its probes of
+    /// one-sided reads: requiring both keeps either bias from passing a
+    /// test); panics with every window's numbers at the deadline.
+    fn expect(&self, what: &str, load: Option<&Load>, cond: impl Fn(&Split) -> bool) {
         let deadline = Instant::now() + DEADLINE;
-        let mut seen = Vec::new();
-        let mut run = 0;
+        let mut seen: Vec<(String, Vec<Split>)> = Vec::new();
         while Instant::now() < deadline {
             let w = self
                 .rt
@@ -86,25 +94,34 @@ impl Run {
             let line = w.summary();
             eprintln!("  {what}: {line}");
             assert!(w.errors == 0 && w.wrong == 0, "{what}: probe GETs failed: {line} ({:?})", w.first_error);
-            run = if w.gets > 0 && cond(&w) { run + 1 } else { 0 };
-            seen.push(line);
-            if run >= CONSECUTIVE {
-                return;
+            seen.push((line, w.splits()));
+            if seen.len() >= JUDGED {
+                let last = &seen[seen.len() - JUDGED..];
+                let sources = last[0].1.len();
+                let met = (0..sources).all(|i| {
+                    let (rpc, one_sided) =
+                        last.iter().fold((0, 0), |(r, o), (_, s)| (r + s[i].rpc, o + s[i].one_sided));
+                    rpc + one_sided > 0 && cond(&Split { source: last[0].1[i].source, rpc, one_sided })
+                });
+                if met {
+                    return;
+                }
             }
         }
+        let lines: Vec<&str> = seen.iter().map(|(l, _)| l.as_str()).collect();
         panic!(
-            "{what}: not met in {CONSECUTIVE} consecutive windows of {WINDOW:?} within {DEADLINE:?}; windows:\n  {}",
-            seen.join("\n  ")
+            "{what}: not met over {JUDGED} consecutive windows of {WINDOW:?} within {DEADLINE:?}; windows:\n  {}",
+            lines.join("\n  ")
         );
     }
 }
 
-fn most_rpc(w: &Window) -> bool {
-    w.server_split().rpc_share() > 0.5
+fn most_rpc(s: &Split) -> bool {
+    s.rpc_share() > 0.5
 }
 
-fn most_one_sided(w: &Window) -> bool {
-    w.server_split().rpc_share() < 0.5
+fn most_one_sided(s: &Split) -> bool {
+    s.rpc_share() < 0.5
 }
 
 #[test]
