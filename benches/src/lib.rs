@@ -6,6 +6,10 @@
 //! the records and runs the workload over a [`backend::KvConn`] per thread,
 //! choosing keys with [`generator`]'s YCSB generators; [`report`] turns the
 //! histograms into tables, JSON and CSV, and [`plot`] into SVG charts.
+//!
+//! [`scenario`] holds the read-path selection scenarios (network namespace,
+//! shaped engine port, load generators, probe windows) shared by
+//! `dmkv-pathbench` and the end-to-end test `tests/pathsel.rs`.
 
 pub mod backend;
 pub mod cli;
@@ -16,4 +20,5 @@ pub mod pipe;
 pub mod plot;
 pub mod redis;
 pub mod report;
+pub mod scenario;
 pub mod workload;

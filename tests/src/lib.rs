@@ -1,11 +1,14 @@
 //! Helpers for end-to-end tests: start real `dmkvd` processes on ports
 //! picked at run time, wait for conditions with deadlines, clean up.
 
+use std::ffi::OsString;
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
+
+pub mod netns;
 
 /// How long a server gets to start and print its address.
 pub const START_DEADLINE: Duration = Duration::from_secs(20);
@@ -14,19 +17,26 @@ pub const STOP_DEADLINE: Duration = Duration::from_secs(10);
 
 /// Path of a binary built from this workspace (`dmkvd`, `dmkv`).
 ///
-/// `cargo test --workspace` builds them next to the test executables;
-/// `DMKV_BIN_DIR` overrides the directory.
+/// `cargo test --workspace` builds them next to the test executables (one
+/// directory up from `deps/`); a binary finds its siblings in its own
+/// directory. `DMKV_BIN_DIR` overrides the directory.
 pub fn bin_path(name: &str) -> PathBuf {
-    let dir = match std::env::var_os("DMKV_BIN_DIR") {
-        Some(d) => PathBuf::from(d),
+    find_bin(name).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// [`bin_path`] without the panic.
+pub fn find_bin(name: &str) -> Result<PathBuf, String> {
+    let dirs = match std::env::var_os("DMKV_BIN_DIR") {
+        Some(d) => vec![PathBuf::from(d)],
         None => {
-            let exe = std::env::current_exe().expect("current exe");
-            exe.parent().and_then(|deps| deps.parent()).expect("target dir").to_path_buf()
+            let exe = std::env::current_exe().map_err(|e| format!("current exe: {e}"))?;
+            exe.ancestors().skip(1).take(2).map(PathBuf::from).collect()
         }
     };
-    let p = dir.join(name);
-    assert!(p.exists(), "{} not found: run the tests with `cargo test --workspace`, which builds it", p.display());
-    p
+    dirs.iter().map(|d| d.join(name)).find(|p| p.exists()).ok_or_else(|| {
+        let looked: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
+        format!("{name} not found in {}: build it (`cargo test --workspace` does)", looked.join(" or "))
+    })
 }
 
 /// A running `dmkvd`, stopped (SIGTERM, then SIGKILL) when dropped.
@@ -41,13 +51,30 @@ pub struct ServerProcess {
 impl ServerProcess {
     /// Starts `dmkvd --listen 127.0.0.1:0 ARGS...` and waits for its address.
     pub fn start(args: &[&str]) -> ServerProcess {
-        let mut child = Command::new(bin_path("dmkvd"))
-            .args(["--listen", "127.0.0.1:0", "--log", "warn"])
+        ServerProcess::start_with(&[], "127.0.0.1:0", args).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Starts `PREFIX... dmkvd --listen LISTEN --log warn ARGS...` and waits
+    /// for its address. The prefix runs dmkvd elsewhere, e.g.
+    /// [`netns::Netns::exec_prefix`]; it must exec dmkvd (not fork it), so
+    /// that stopping the child stops the server.
+    pub fn start_with(prefix: &[OsString], listen: &str, args: &[&str]) -> Result<ServerProcess, String> {
+        let dmkvd = find_bin("dmkvd")?;
+        let mut cmd = match prefix.split_first() {
+            Some((prog, rest)) => {
+                let mut c = Command::new(prog);
+                c.args(rest).arg(&dmkvd);
+                c
+            }
+            None => Command::new(&dmkvd),
+        };
+        let mut child = cmd
+            .args(["--listen", listen, "--log", "warn"])
             .args(args)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
-            .expect("spawn dmkvd");
+            .map_err(|e| format!("spawn {}: {e}", dmkvd.display()))?;
         let stdout = child.stdout.take().expect("piped stdout");
         let (tx, rx) = mpsc::channel();
         std::thread::spawn(move || {
@@ -64,9 +91,14 @@ impl ServerProcess {
             match rx.recv_timeout(left) {
                 Ok(line) if line.starts_with("dmkvd listening") => break line,
                 Ok(_) => continue,
-                Err(_) => {
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    let status = child.wait().map_or("unknown status".to_string(), |s| s.to_string());
+                    return Err(format!("dmkvd exited ({status}) before reporting its address; see its stderr"));
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {
                     let _ = child.kill();
-                    panic!("dmkvd did not report its address within {START_DEADLINE:?}");
+                    let _ = child.wait();
+                    return Err(format!("dmkvd did not report its address within {START_DEADLINE:?}"));
                 }
             }
         };
@@ -74,8 +106,9 @@ impl ServerProcess {
             .split_whitespace()
             .filter_map(|kv| kv.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())))
             .collect();
-        let rpc = endpoints.iter().find(|(k, _)| k == "rpc").expect("rpc address").1.clone();
-        ServerProcess { child: Some(child), rpc, endpoints }
+        let mut server = ServerProcess { child: Some(child), rpc: String::new(), endpoints };
+        server.rpc = server.endpoint("rpc").ok_or_else(|| format!("no rpc address in {line:?}"))?.to_string();
+        Ok(server)
     }
 
     /// The address printed for `name` (e.g. "rpc").

@@ -1,0 +1,151 @@
+//! End-to-end checks of `ReadPath::Auto`'s path selection over a real
+//! network path (`dmkv_benches::scenario`: dmkvd in a network namespace
+//! behind a veth pair, `--no-shm`, one-sided reads over its TCP engine).
+//!
+//! Each test runs a short version of one scenario and polls windows of the
+//! probe's GETs until the share that went RPC, added up over the last
+//! [`JUDGED`] windows, meets the expectation by every source of the split
+//! (the server's STATS and the probe's own counters, see
+//! `Window::splits`), or fails at a deadline:
+//!
+//! 1. the engine's link congested by a bulk reader: most GETs go RPC; once
+//!    the bulk stops, most go one-sided again;
+//! 2. the RPC workers saturated by PUTs: most GETs go one-sided;
+//! 3. the probe's key rewritten continuously: most of its GETs go RPC.
+//!
+//! They need root, `ip` and `tc`; where namespaces cannot be made they
+//! print why and pass without checking anything. They run one at a time
+//! (a lock), since each scenario loads both cores of a small machine.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use dmkv_benches::scenario::{Load, Params, Scenario, Setup, Split};
+use dmkv_client::{Client, ReadPath};
+use dmkv_tests::netns::Netns;
+use tokio::runtime::Runtime;
+
+/// Length of one polled window.
+const WINDOW: Duration = Duration::from_millis(500);
+/// Windows a condition is judged over: their GETs are added up, so one
+/// window's wobble neither makes nor breaks it.
+const JUDGED: usize = 3;
+/// How long the selector gets to meet a condition.
+const DEADLINE: Duration = Duration::from_secs(10);
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// Parameters of the short scenarios. The engine link must be fast enough
+/// that the probe alone leaves room (otherwise RPC is rightly better even
+/// without the bulk) and slow enough that the bulk readers fill it: a
+/// debug build's probe makes about 15 k one-sided GETs/s (about 150 Mbit/s
+/// of replies) and its bulk readers fill 300 Mbit/s; release builds use the
+/// driver's defaults (2 Gbit/s).
+fn params() -> Params {
+    if cfg!(debug_assertions) {
+        Params { rate: "300mbit".into(), hot_in_flight: 4, ..Params::default() }
+    } else {
+        Params::default()
+    }
+}
+
+/// The scenario's server, a probe in `Auto` and an admin client; `None`
+/// (after saying why) where network namespaces cannot be made.
+/// (Fields drop in order: clients, then the server and namespace, then the
+/// runtime the clients' connections belong to.)
+struct Run {
+    probe: Client,
+    admin: Client,
+    keys: Arc<Vec<Bytes>>,
+    setup: Setup,
+    rt: Runtime,
+}
+
+fn start(name: &str, scenario: Scenario) -> Option<Run> {
+    if let Err(e) = Netns::available() {
+        eprintln!("skipping {name}: network namespaces unavailable here: {e}");
+        return None;
+    }
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+    let setup = Setup::start(scenario, params()).unwrap_or_else(|e| panic!("{name}: setup: {e}"));
+    rt.block_on(setup.preload()).unwrap_or_else(|e| panic!("{name}: preload: {e}"));
+    let admin = rt.block_on(setup.client(ReadPath::Rpc)).expect("admin client");
+    let probe = rt.block_on(setup.client(ReadPath::Auto)).expect("probe client");
+    let keys = setup.probe_keys();
+    rt.block_on(setup.warm(&probe, &keys)).expect("warm-up");
+    Some(Run { probe, admin, keys, setup, rt })
+}
+
+impl Run {
+    /// Polls windows until the last [`JUDGED`] windows together meet
+    /// `cond` by every source of the split (the server's counters include
+    /// the selector's background probes of RPC, the client's its probes of
+    /// one-sided reads: requiring both keeps either bias from passing a
+    /// test); panics with every window's numbers at the deadline.
+    fn expect(&self, what: &str, load: Option<&Load>, cond: impl Fn(&Split) -> bool) {
+        let deadline = Instant::now() + DEADLINE;
+        let mut seen: Vec<(String, Vec<Split>)> = Vec::new();
+        while Instant::now() < deadline {
+            let w = self
+                .rt
+                .block_on(self.setup.window(&self.probe, &self.admin, &self.keys, WINDOW, load))
+                .unwrap_or_else(|e| panic!("{what}: window: {e}"));
+            let line = w.summary();
+            eprintln!("  {what}: {line}");
+            assert!(w.errors == 0 && w.wrong == 0, "{what}: probe GETs failed: {line} ({:?})", w.first_error);
+            seen.push((line, w.splits()));
+            if seen.len() >= JUDGED {
+                let last = &seen[seen.len() - JUDGED..];
+                let sources = last[0].1.len();
+                let met = (0..sources).all(|i| {
+                    let (rpc, one_sided) =
+                        last.iter().fold((0, 0), |(r, o), (_, s)| (r + s[i].rpc, o + s[i].one_sided));
+                    rpc + one_sided > 0 && cond(&Split { source: last[0].1[i].source, rpc, one_sided })
+                });
+                if met {
+                    return;
+                }
+            }
+        }
+        let lines: Vec<&str> = seen.iter().map(|(l, _)| l.as_str()).collect();
+        panic!(
+            "{what}: not met over {JUDGED} consecutive windows of {WINDOW:?} within {DEADLINE:?}; windows:\n  {}",
+            lines.join("\n  ")
+        );
+    }
+}
+
+fn most_rpc(s: &Split) -> bool {
+    s.rpc_share() > 0.5
+}
+
+fn most_one_sided(s: &Split) -> bool {
+    s.rpc_share() < 0.5
+}
+
+#[test]
+fn engine_congested_auto_moves_to_rpc_and_back() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(run) = start("engine_congested_auto_moves_to_rpc_and_back", Scenario::EngineCongested) else { return };
+    let mut bulk = run.setup.start_load().expect("bulk reader");
+    run.expect("bulk on: most GETs go RPC", Some(&bulk), most_rpc);
+    bulk.stop().expect("bulk reader");
+    run.expect("bulk off: most GETs go one-sided again", None, most_one_sided);
+}
+
+#[test]
+fn rpc_saturated_auto_prefers_one_sided() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(run) = start("rpc_saturated_auto_prefers_one_sided", Scenario::RpcSaturated) else { return };
+    let puts = run.setup.start_load().expect("PUT load");
+    run.expect("PUT load: most GETs go one-sided", Some(&puts), most_one_sided);
+}
+
+#[test]
+fn hot_key_auto_prefers_rpc() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(run) = start("hot_key_auto_prefers_rpc", Scenario::HotKey) else { return };
+    let writer = run.setup.start_load().expect("hot-key writer");
+    run.expect("hot key rewritten: most of its GETs go RPC", Some(&writer), most_rpc);
+}
