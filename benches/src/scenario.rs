@@ -324,6 +324,7 @@ impl Setup {
         let stats = |m: &HashMap<String, u64>, k: &str| m.get(k).copied().unwrap_or(0);
         let s0 = admin.stats().await.map_err(|e| format!("STATS: {e}"))?;
         let r0 = probe.read_stats();
+        let p0 = probe.path_stats().controller;
         let l0 = load.map(|l| l.snapshot()).unwrap_or_default();
         let c0 = self.slow_class();
         let start = Instant::now();
@@ -368,6 +369,7 @@ impl Setup {
         w.secs = start.elapsed().as_secs_f64();
         let s1 = admin.stats().await.map_err(|e| format!("STATS: {e}"))?;
         let r1 = probe.read_stats();
+        let p1 = probe.path_stats().controller;
         let l1 = load.map(|l| l.snapshot()).unwrap_or_default();
         w.gets = w.hist.len();
         w.load_rpc_gets = l1.rpc_gets - l0.rpc_gets;
@@ -375,6 +377,10 @@ impl Setup {
         w.engine_batches = stats(&s1, "engine_batches") - stats(&s0, "engine_batches");
         w.engine_reads = stats(&s1, "engine_reads") - stats(&s0, "engine_reads");
         w.client_one_sided = r1.gets - r0.gets;
+        w.selector_rpc = p1.rpc.requests - p0.rpc.requests;
+        w.selector_one_sided = p1.one_sided.requests - p0.one_sided.requests;
+        w.switches = p1.switches - p0.switches;
+        w.selector = Some(p1);
         w.client_fallbacks = r1.fallbacks - r0.fallbacks;
         w.client_retries = (r1.torn + r1.other_key + r1.slow) - (r0.torn + r0.other_key + r0.slow);
         w.hint_hits = r1.hint_hits - r0.hint_hits;
@@ -409,6 +415,14 @@ pub struct Window {
     pub engine_reads: u64,
     /// The probe's one-sided GETs, counted by its client (`read_stats`).
     pub client_one_sided: u64,
+    /// The probe's GETs per path by its path controller (`path_stats`):
+    /// callers' GETs only, no background probes.
+    pub selector_rpc: u64,
+    pub selector_one_sided: u64,
+    /// Changes of the preferred path during the window.
+    pub switches: u64,
+    /// The controller's state at the end of the window.
+    pub selector: Option<dmkv_common::path::ControllerStats>,
     pub client_fallbacks: u64,
     pub client_retries: u64,
     pub hint_hits: u64,
@@ -435,6 +449,10 @@ impl Default for Window {
             engine_batches: 0,
             engine_reads: 0,
             client_one_sided: 0,
+            selector_rpc: 0,
+            selector_one_sided: 0,
+            switches: 0,
+            selector: None,
             client_fallbacks: 0,
             client_retries: 0,
             hint_hits: 0,
@@ -475,19 +493,20 @@ impl Window {
         if self.hist.is_empty() { 0.0 } else { self.hist.value_at_quantile(q) as f64 / 1000.0 }
     }
 
-    /// The split of the probe's GETs by every source available; the server's
-    /// first. Each source has its bias once a selector probes the path it
-    /// does not prefer: the server also counts RPC probes, `read_stats`
-    /// also counts one-sided probes. A selector's own per-path request
-    /// counters (`Client::path_stats()` on main: Δ `controller.rpc.requests`
-    /// and Δ `controller.one_sided.requests`, snapshotted in `window` like
-    /// `read_stats`) go here as a third source, and are the exact one.
+    /// The split of the probe's GETs by every source available: the
+    /// server's first, then the probe's `read_stats`, then its path
+    /// controller's. The first two have a bias once the controller probes
+    /// the path it does not prefer: the server also counts RPC probes,
+    /// `read_stats` also counts one-sided probes. The controller's own
+    /// per-path request counters leave probes out and are exact, but they
+    /// are the client's word; the server's count checks it.
     pub fn splits(&self) -> Vec<Split> {
         let server_rpc = self.server_rpc_gets.min(self.gets);
         let client_os = self.client_one_sided.min(self.gets);
         vec![
             Split { source: "server", rpc: server_rpc, one_sided: self.gets - server_rpc },
             Split { source: "client", rpc: self.gets - client_os, one_sided: client_os },
+            Split { source: "selector", rpc: self.selector_rpc, one_sided: self.selector_one_sided },
         ]
     }
 
@@ -500,12 +519,14 @@ impl Window {
     pub fn summary(&self) -> String {
         let s = self.server_split();
         let mut line = format!(
-            "{:.0} GETs/s p50 {:.0}us p99 {:.0}us rpc {:.0}% (server) {:.0}% (client) errors {} wrong {} load {:.0} ops/s",
+            "{:.0} GETs/s p50 {:.0}us p99 {:.0}us rpc {:.0}% (server) {:.0}% (client) {:.0}% (selector) switches {} errors {} wrong {} load {:.0} ops/s",
             self.rate(),
             self.quantile_us(0.5),
             self.quantile_us(0.99),
             100.0 * s.rpc_share(),
             100.0 * self.splits()[1].rpc_share(),
+            100.0 * self.splits()[2].rpc_share(),
+            self.switches,
             self.errors,
             self.wrong,
             self.load_ops as f64 / self.secs.max(1e-9),
@@ -761,10 +782,18 @@ mod tests {
 
     #[test]
     fn splits_never_exceed_the_gets() {
-        let w = Window { gets: 10, server_rpc_gets: 12, client_one_sided: 4, ..Default::default() };
+        let w = Window {
+            gets: 10,
+            server_rpc_gets: 12,
+            client_one_sided: 4,
+            selector_rpc: 7,
+            selector_one_sided: 3,
+            ..Default::default()
+        };
         let s = w.splits();
         assert_eq!(s[0], Split { source: "server", rpc: 10, one_sided: 0 });
         assert_eq!(s[1], Split { source: "client", rpc: 6, one_sided: 4 });
+        assert_eq!(s[2], Split { source: "selector", rpc: 7, one_sided: 3 });
         assert_eq!(Split { source: "x", rpc: 0, one_sided: 0 }.rpc_share(), 0.0);
     }
 }

@@ -4,9 +4,9 @@
 //!
 //! Each test runs a short version of one scenario and polls windows of the
 //! probe's GETs until the share that went RPC, added up over the last
-//! [`JUDGED`] windows, meets the expectation by every source of the split
-//! (the server's STATS and the probe's own counters, see
-//! `Window::splits`), or fails at a deadline:
+//! [`JUDGED`] windows, meets the expectation by the probe's path controller
+//! (exact) and by the server's STATS (which checks the client's word), see
+//! `Window::splits`, or fails at a deadline:
 //!
 //! 1. the engine's link congested by a bulk reader: most GETs go RPC; once
 //!    the bulk stops, most go one-sided again;
@@ -79,10 +79,9 @@ fn start(name: &str, scenario: Scenario) -> Option<Run> {
 
 impl Run {
     /// Polls windows until the last [`JUDGED`] windows together meet
-    /// `cond` by every source of the split (the server's counters include
-    /// the selector's background probes of RPC, the client's its probes of
-    /// one-sided reads: requiring both keeps either bias from passing a
-    /// test); panics with every window's numbers at the deadline.
+    /// `cond` by the controller's split and by the server's (which also
+    /// counts the controller's background RPC probes); panics with every
+    /// window's numbers at the deadline.
     fn expect(&self, what: &str, load: Option<&Load>, cond: impl Fn(&Split) -> bool) {
         let deadline = Instant::now() + DEADLINE;
         let mut seen: Vec<(String, Vec<Split>)> = Vec::new();
@@ -97,8 +96,10 @@ impl Run {
             seen.push((line, w.splits()));
             if seen.len() >= JUDGED {
                 let last = &seen[seen.len() - JUDGED..];
-                let sources = last[0].1.len();
-                let met = (0..sources).all(|i| {
+                // The controller's own split is exact; the server's count
+                // checks it. (The probe's read_stats count one-sided probes
+                // as GETs: printed, not judged.)
+                let met = [0, 2].into_iter().all(|i| {
                     let (rpc, one_sided) =
                         last.iter().fold((0, 0), |(r, o), (_, s)| (r + s[i].rpc, o + s[i].one_sided));
                     rpc + one_sided > 0 && cond(&Split { source: last[0].1[i].source, rpc, one_sided })

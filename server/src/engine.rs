@@ -22,6 +22,9 @@ use crate::region::Region;
 use crate::registration::Registration;
 
 const READ_BUF: usize = 64 * 1024;
+/// Threads of the engine's runtime: like a NIC's several read engines, so
+/// one busy connection does not hold up the others.
+pub const ENGINE_THREADS: usize = 2;
 
 /// What the engine counts (exported by STATS).
 #[derive(Debug, Default)]
@@ -32,10 +35,10 @@ pub struct EngineCounters {
     pub rejected: AtomicU64,
 }
 
-/// Runs [`serve`] on a thread of its own with a single-threaded runtime, as a
-/// NIC would serve reads beside the host's CPUs: RPC load on the server's
-/// workers then never queues one-sided reads behind it. The returned
-/// receiver resolves when the thread has stopped.
+/// Runs [`serve`] on threads of its own ([`ENGINE_THREADS`], with their
+/// own runtime), as a NIC serves reads beside the host's CPUs: RPC load on
+/// the server's workers then never queues one-sided reads behind it. The
+/// returned receiver resolves when the engine has stopped.
 pub fn spawn_thread(
     listener: TcpListener,
     region: Arc<Region>,
@@ -45,7 +48,11 @@ pub fn spawn_thread(
 ) -> std::io::Result<tokio::sync::oneshot::Receiver<()>> {
     // The listener is registered with the caller's runtime; move it over.
     let listener = listener.into_std()?;
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(ENGINE_THREADS)
+        .thread_name("dmkvd-engine")
+        .enable_all()
+        .build()?;
     let (done_tx, done_rx) = tokio::sync::oneshot::channel();
     std::thread::Builder::new().name("dmkvd-engine".into()).spawn(move || {
         rt.block_on(async move {

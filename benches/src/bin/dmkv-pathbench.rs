@@ -110,10 +110,14 @@ struct Row {
     max_us: f64,
     errors: u64,
     wrong: u64,
-    /// The probe's GETs by path, one entry per source ("server", "client").
+    /// The probe's GETs by path, one entry per source ("server", "client",
+    /// "selector").
     splits: Vec<Split>,
-    /// Share of the probe's GETs that went RPC, by the server's counters.
+    /// Share of the probe's GETs that went RPC, by the path controller's
+    /// counters (exact; the server's count is in `splits`).
     rpc_share: f64,
+    /// Changes of the preferred path.
+    switches: u64,
     client_retries: u64,
     client_fallbacks: u64,
     hint_hits: u64,
@@ -145,7 +149,8 @@ impl Row {
             max_us: us(w.hist.max()),
             errors: w.errors,
             wrong: w.wrong,
-            rpc_share: splits[0].rpc_share(),
+            rpc_share: splits[2].rpc_share(),
+            switches: w.switches,
             splits,
             client_retries: w.client_retries,
             client_fallbacks: w.client_fallbacks,
@@ -179,6 +184,9 @@ impl Merged {
         m.engine_batches += w.engine_batches;
         m.engine_reads += w.engine_reads;
         m.client_one_sided += w.client_one_sided;
+        m.selector_rpc += w.selector_rpc;
+        m.selector_one_sided += w.selector_one_sided;
+        m.switches += w.switches;
         m.client_fallbacks += w.client_fallbacks;
         m.client_retries += w.client_retries;
         m.hint_hits += w.hint_hits;
@@ -331,7 +339,7 @@ fn print_summary(rows: &[Row], rounds: usize) {
     println!();
     println!("summary over {rounds} round(s): probe GETs; rpc% = share of the probe's GETs served by RPC");
     println!(
-        "{:<16} {:<6} {:<9} {:>9} {:>9} {:>9} {:>11} {:>11} {:>10} {:>10} {:>7}",
+        "{:<16} {:<6} {:<9} {:>9} {:>9} {:>9} {:>11} {:>11} {:>9} {:>8} {:>10} {:>10} {:>7}",
         "scenario",
         "phase",
         "path",
@@ -340,6 +348,8 @@ fn print_summary(rows: &[Row], rounds: usize) {
         "p99 us",
         "rpc% server",
         "rpc% client",
+        "rpc% sel",
+        "switches",
         "load op/s",
         "shaped Mb",
         "errors"
@@ -347,7 +357,7 @@ fn print_summary(rows: &[Row], rounds: usize) {
     let share = |s: &[Split], src: &str| s.iter().find(|x| x.source == src).map_or(f64::NAN, |x| 100.0 * x.rpc_share());
     for r in rows {
         println!(
-            "{:<16} {:<6} {:<9} {:>9.0} {:>9.0} {:>9.0} {:>11.1} {:>11.1} {:>10.0} {:>10} {:>7}",
+            "{:<16} {:<6} {:<9} {:>9.0} {:>9.0} {:>9.0} {:>11.1} {:>11.1} {:>9.1} {:>8} {:>10.0} {:>10} {:>7}",
             r.scenario,
             r.phase,
             r.path,
@@ -356,6 +366,8 @@ fn print_summary(rows: &[Row], rounds: usize) {
             r.p99_us,
             share(&r.splits, "server"),
             share(&r.splits, "client"),
+            share(&r.splits, "selector"),
+            r.switches,
             r.load_ops_per_sec,
             r.shaped_mbit_per_sec.map_or("-".into(), |m| format!("{m:.1}")),
             r.errors + r.wrong,

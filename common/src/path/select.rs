@@ -64,6 +64,10 @@ pub struct PathConfig {
     /// one-sided; one-sided takes it back once within half of it. A single
     /// GET is diverted to the other path when cheaper by this fraction.
     pub hysteresis: f64,
+    /// How long the other path must stay cheaper before the preferred path
+    /// changes: a real change persists, a noise spike of the estimate
+    /// decays within a few samples.
+    pub confirm_ns: u64,
     /// Least time between two changes of the preferred path.
     pub min_dwell_ns: u64,
     /// Least time between two background probes of one path.
@@ -90,7 +94,8 @@ impl Default for PathConfig {
     fn default() -> Self {
         PathConfig {
             window: WindowConfig::default(),
-            hysteresis: 0.25,
+            hysteresis: 0.10,
+            confirm_ns: 10 * MILLIS,
             min_dwell_ns: 50 * MILLIS,
             probe_interval_ns: 5 * MILLIS,
             far_probe_interval_ns: 50 * MILLIS,
@@ -206,6 +211,8 @@ pub struct Controller {
     keys: KeyRounds,
     preferred: Path,
     last_switch: Option<u64>,
+    /// Since when the other path has been cheaper enough to take over.
+    leave_since: Option<u64>,
     switches: u64,
 }
 
@@ -242,6 +249,7 @@ impl Controller {
             keys: KeyRounds::new(cfg.key_entries, cfg.key_memory_ns),
             preferred: Path::OneSided,
             last_switch: None,
+            leave_since: None,
             switches: 0,
         }
     }
@@ -281,7 +289,7 @@ impl Controller {
                 let alt = pref.other();
                 let priced = |p| self.cost(p, Some(key), now);
                 match (priced(pref), priced(alt)) {
-                    (Some(cp), Some(ca)) if ca < cp * (1.0 - self.cfg.hysteresis) => {
+                    (Some(cp), Some(ca)) if self.leaves(pref, cp, ca) => {
                         self.paths[alt.idx()].diverted += 1;
                         alt
                     }
@@ -302,21 +310,32 @@ impl Controller {
         Choice { path, probe }
     }
 
+    /// Whether traffic priced `c_from` on `from` should move to the other
+    /// path priced `c_to`. One-sided is the home path (it costs the server
+    /// no CPU): RPC takes over when cheaper by the hysteresis margin, and
+    /// keeps the traffic only while one-sided stays dearer by half that
+    /// margin. A symmetric band would leave equal paths on RPC for good
+    /// after one congestion.
+    fn leaves(&self, from: Path, c_from: f64, c_to: f64) -> bool {
+        match from {
+            Path::OneSided => c_to < c_from * (1.0 - self.cfg.hysteresis),
+            Path::Rpc => c_to < c_from * (1.0 + self.cfg.hysteresis / 2.0),
+        }
+    }
+
     fn update_preferred(&mut self, now: u64) {
         let pref = self.preferred;
         let (Some(cp), Some(ca)) = (self.cost(pref, None, now), self.cost(pref.other(), None, now)) else {
             return;
         };
+        if !self.leaves(pref, cp, ca) {
+            self.leave_since = None;
+            return;
+        }
+        let since = *self.leave_since.get_or_insert(now);
+        let confirmed = now.saturating_sub(since) >= self.cfg.confirm_ns;
         let rested = self.last_switch.is_none_or(|t| now.saturating_sub(t) >= self.cfg.min_dwell_ns);
-        // One-sided is the home path (it costs the server no CPU): RPC takes
-        // over when cheaper by the hysteresis margin, and keeps the traffic
-        // only while one-sided stays dearer by half that margin. A symmetric
-        // band would leave equal paths on RPC for good after one congestion.
-        let leave = match pref {
-            Path::OneSided => ca < cp * (1.0 - self.cfg.hysteresis),
-            Path::Rpc => ca < cp * (1.0 + self.cfg.hysteresis / 2.0),
-        };
-        if leave && rested {
+        if confirmed && rested {
             self.switch_to(pref.other(), now);
         }
     }
@@ -325,6 +344,7 @@ impl Controller {
         if self.preferred != p {
             self.preferred = p;
             self.last_switch = Some(now);
+            self.leave_since = None;
             self.switches += 1;
         }
     }
