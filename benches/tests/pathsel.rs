@@ -11,7 +11,9 @@
 //! 1. the engine's link congested by a bulk reader: most GETs go RPC; once
 //!    the bulk stops, most go one-sided again;
 //! 2. the RPC workers saturated by PUTs: most GETs go one-sided;
-//! 3. the probe's key rewritten continuously: most of its GETs go RPC.
+//! 3. the probe's key rewritten continuously: most of its GETs go RPC;
+//! 4. the engine's replies dropped: every GET is still answered, most go
+//!    RPC; once replies flow again, most go one-sided again.
 //!
 //! They need root, `ip` and `tc`; where namespaces cannot be made they
 //! print why and pass without checking anything. They run one at a time
@@ -22,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use dmkv_benches::scenario::{Load, Params, Scenario, Setup, Split};
-use dmkv_client::{Client, ReadPath};
+use dmkv_client::{Client, ClientConfig, ReadPath, Transport};
 use dmkv_tests::netns::Netns;
 use tokio::runtime::Runtime;
 
@@ -149,4 +151,45 @@ fn hot_key_auto_prefers_rpc() {
     let Some(run) = start("hot_key_auto_prefers_rpc", Scenario::HotKey) else { return };
     let writer = run.setup.start_load().expect("hot-key writer");
     run.expect("hot key rewritten: most of its GETs go RPC", Some(&writer), most_rpc);
+}
+
+/// The engine's replies are dropped (a bfifo of one byte lets nothing
+/// through): its reads time out, every GET is still answered (the ones
+/// caught on the engine over RPC), traffic moves to RPC, and once the
+/// engine's replies flow again the client attaches anew and goes back.
+#[test]
+fn a_failed_one_sided_path_moves_gets_to_rpc_and_back() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let name = "a_failed_one_sided_path_moves_gets_to_rpc_and_back";
+    if let Err(e) = Netns::available() {
+        eprintln!("skipping {name}: network namespaces unavailable here: {e}");
+        return;
+    }
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+    let setup = Setup::start(Scenario::RpcSaturated, params()).unwrap_or_else(|e| panic!("{name}: setup: {e}"));
+    rt.block_on(setup.preload()).unwrap_or_else(|e| panic!("{name}: preload: {e}"));
+    let admin = rt.block_on(setup.client(ReadPath::Rpc)).expect("admin client");
+    // Short timeouts, so a dead engine is noticed within the test.
+    let cfg = ClientConfig {
+        read_path: ReadPath::Auto,
+        transport: Some(Transport::Tcp),
+        connect_timeout: Duration::from_millis(300),
+        request_timeout: Duration::from_secs(2),
+        ..ClientConfig::default()
+    };
+    let probe = rt.block_on(Client::connect_with(setup.rpc.clone(), cfg)).expect("probe client");
+    let keys = setup.probe_keys();
+    rt.block_on(setup.warm(&probe, &keys)).expect("warm-up");
+    let run = Run { probe, admin, keys, setup, rt };
+    run.expect("engine up: most GETs go one-sided", None, most_one_sided);
+
+    let port: u16 = run.setup.engine.rsplit_once(':').and_then(|(_, p)| p.parse().ok()).expect("engine port");
+    run.setup.netns().shape_sport(port, "8bit", Some(1)).expect("drop the engine's replies");
+    let before = run.probe.path_stats().controller.one_sided.failures;
+    run.expect("engine down: GETs go RPC", None, most_rpc);
+    let failures = run.probe.path_stats().controller.one_sided.failures - before;
+    assert!(failures >= 1, "no one-sided failure was recorded");
+
+    run.setup.netns().unshape().expect("let the engine's replies through");
+    run.expect("engine up again: most GETs go one-sided", None, most_one_sided);
 }

@@ -201,6 +201,8 @@ impl std::fmt::Display for PathStats {
 struct PathState {
     attached: Option<Arc<OneSided>>,
     last_try: Option<Instant>,
+    /// A background attach is under way.
+    attaching: bool,
 }
 
 /// How often a client in `ReadPath::Auto` retries attaching one-sided reads
@@ -237,7 +239,9 @@ impl Client {
         match client.inner.cfg.read_path {
             ReadPath::Rpc => {}
             ReadPath::Auto => {
-                let _ = client.one_sided().await;
+                if let Err(e) = client.attach().await {
+                    tracing::debug!("one-sided reads unavailable, using RPC: {e}");
+                }
             }
             ReadPath::OneSided => {
                 client.attach().await?;
@@ -253,21 +257,26 @@ impl Client {
             ReadPath::OneSided => self.attach().await.map(Some),
             ReadPath::Auto => {
                 {
-                    let st = self.inner.path.lock().expect("path lock poisoned");
+                    let mut st = self.inner.path.lock().expect("path lock poisoned");
                     if let Some(p) = &st.attached {
                         return Ok(Some(Arc::clone(p)));
                     }
-                    if st.last_try.is_some_and(|t| t.elapsed() < REATTACH_INTERVAL) {
+                    if st.attaching || st.last_try.is_some_and(|t| t.elapsed() < REATTACH_INTERVAL) {
                         return Ok(None);
                     }
+                    st.last_try = Some(Instant::now());
+                    st.attaching = true;
                 }
-                match self.attach().await {
-                    Ok(p) => Ok(Some(p)),
-                    Err(e) => {
+                // Attach in the background: a GET must not wait for a
+                // connect that may time out; it goes over RPC meanwhile.
+                let client = self.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = client.attach().await {
                         tracing::debug!("one-sided reads unavailable, using RPC: {e}");
-                        Ok(None)
                     }
-                }
+                    client.inner.path.lock().expect("path lock poisoned").attaching = false;
+                });
+                Ok(None)
             }
         }
     }
