@@ -417,7 +417,8 @@ impl Client {
         let h = key_hash(key);
         let attached = self.one_sided().await?;
         let deadline = tokio::time::Instant::now() + self.inner.cfg.request_timeout;
-        let Some((adm, probes)) = self.inner.selector.admit(h, deadline).await else {
+        let rounds = attached.as_ref().map(|p| if p.has_hint(key) { 1.0 } else { 2.0 });
+        let Some((adm, probes)) = self.inner.selector.admit(h, rounds, deadline).await else {
             return Err(ClientError::Timeout(self.inner.cfg.request_timeout));
         };
         for p in probes {
@@ -513,9 +514,24 @@ impl Client {
             }
         }
         match result? {
-            R::Get(g) => Ok(g.found.then_some(Versioned { value: g.value, version: g.version })),
+            R::Get(g) => Ok(self.learn(key, g)),
             other => Err(unexpected(&other)),
         }
+    }
+
+    /// The value of an RPC GET's reply; where the server says the key's
+    /// slot is, the one-sided path caches it for its next GET of the key.
+    fn learn(&self, key: &[u8], g: proto::GetReply) -> Option<Versioned> {
+        if !g.found {
+            return None;
+        }
+        if g.hint_slot != 0 {
+            let attached = self.inner.path.lock().expect("path lock poisoned").attached.clone();
+            if let Some(p) = attached {
+                p.learn_hint(key, g.hint_bucket, g.hint_index, g.hint_slot);
+            }
+        }
+        Some(Versioned { value: g.value, version: g.version })
     }
 
     /// Sends a background copy of a GET down the path of `probe`, to keep
@@ -550,7 +566,7 @@ impl Client {
     pub async fn rpc_get(&self, key: &[u8]) -> Result<Option<Versioned>, ClientError> {
         check_key(key)?;
         match self.call(Op::Get(proto::Get { key: Bytes::copy_from_slice(key) })).await? {
-            R::Get(g) => Ok(g.found.then_some(Versioned { value: g.value, version: g.version })),
+            R::Get(g) => Ok(self.learn(key, g)),
             other => Err(unexpected(&other)),
         }
     }
@@ -631,7 +647,9 @@ impl Client {
         for (chunk, inflight) in sent {
             match unwrap(inflight.wait(self.inner.cfg.request_timeout).await?) {
                 Ok(R::MultiGet(m)) if m.values.len() == chunk.len() => {
-                    out.extend(m.values.into_iter().map(|g| g.found.then_some(g.value)));
+                    for (k, g) in chunk.iter().zip(m.values) {
+                        out.push(self.learn(k.as_ref(), g).map(|v| v.value));
+                    }
                 }
                 Ok(other) => return Err(unexpected(&other)),
                 // Too many large values for one reply: fetch them one by one.

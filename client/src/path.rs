@@ -76,19 +76,21 @@ impl PathSelector {
 
     /// Picks a path for a GET of `key` and takes a slot in its window,
     /// waiting while the chosen path's window is full (and choosing again
-    /// after each wait: the other path may have become cheaper). Returns
-    /// the admission and the probes to send in the background; `None` when
-    /// `deadline` passed first.
+    /// after each wait: the other path may have become cheaper). `rounds`
+    /// is what a one-sided GET of this key is expected to take (1 with its
+    /// address cached, else 2). Returns the admission and the probes to
+    /// send in the background; `None` when `deadline` passed first.
     pub async fn admit(
         self: &Arc<Self>,
         key: u64,
+        rounds: Option<f64>,
         deadline: tokio::time::Instant,
     ) -> Option<(Admission, Vec<Admission>)> {
         let mut probes = Vec::new();
         for _ in 0..MAX_ADMISSION_WAITS {
             let (path, wait) = {
                 let mut ctl = self.lock();
-                let Choice { path, probe } = ctl.choose(self.now(), key);
+                let Choice { path, probe } = ctl.choose_priced(self.now(), key, rounds);
                 if let Some(p) = probe {
                     probes.push(self.ticket(p, key, true));
                 }
@@ -107,7 +109,7 @@ impl PathSelector {
             }
         }
         let mut ctl = self.lock();
-        let path = ctl.choose(self.now(), key).path;
+        let path = ctl.choose_priced(self.now(), key, rounds).path;
         ctl.start(path);
         Some((self.ticket(path, key, false), probes))
     }

@@ -142,6 +142,18 @@ fn store_error(id: u64, e: StoreError) -> Response {
     error(id, code, e.to_string())
 }
 
+/// A GET's reply with the value and where its slot is (see `GetReply`).
+fn found(value: bytes::Bytes, version: u64, at: crate::store::Location) -> proto::GetReply {
+    proto::GetReply {
+        found: true,
+        value,
+        version,
+        hint_slot: at.slot,
+        hint_bucket: u32::from(at.which),
+        hint_index: u32::from(at.index),
+    }
+}
+
 async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response {
     let id = req.id;
     let store = &shared.store;
@@ -180,8 +192,8 @@ async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response
                 }
             }
         }
-        Some(Op::Get(g)) => match store.get(&g.key) {
-            Ok(Some((value, version))) => R::Get(proto::GetReply { found: true, value, version }),
+        Some(Op::Get(g)) => match store.get_located(&g.key) {
+            Ok(Some((value, version, at))) => R::Get(found(value, version, at)),
             Ok(None) => R::Get(proto::GetReply::default()),
             Err(e) => return store_error(id, e),
         },
@@ -199,8 +211,8 @@ async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response
             }
             let mut values = Vec::with_capacity(m.keys.len());
             for k in &m.keys {
-                match store.get(k) {
-                    Ok(Some((value, version))) => values.push(proto::GetReply { found: true, value, version }),
+                match store.get_located(k) {
+                    Ok(Some((value, version, at))) => values.push(found(value, version, at)),
                     Ok(None) => values.push(proto::GetReply::default()),
                     Err(e) => return store_error(id, e),
                 }

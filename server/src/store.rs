@@ -54,6 +54,15 @@ struct Writer {
     scratch: Vec<u8>,
 }
 
+/// Where a key's slot was found: which of its two buckets, the slot's
+/// index there and the packed slot word (a one-sided reader's hint).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Location {
+    pub which: u8,
+    pub index: u8,
+    pub slot: u64,
+}
+
 /// The store: a region laid out per [`RegionHeader`], and its writer.
 pub struct Store {
     region: Arc<Region>,
@@ -159,16 +168,23 @@ impl Store {
 
     /// Looks `key` up; returns (value, version).
     pub fn get(&self, key: &[u8]) -> Result<Option<(Bytes, u64)>, Error> {
+        Ok(self.get_located(key)?.map(|(v, version, _)| (v, version)))
+    }
+
+    /// Looks `key` up; returns (value, version, where its slot is).
+    pub fn get_located(&self, key: &[u8]) -> Result<Option<(Bytes, u64, Location)>, Error> {
         check_key(key)?;
         self.counters.gets.fetch_add(1, Ordering::Relaxed);
         let kh = key_hash(key, self.header.hash_seed, self.header.bucket_count);
         let _guard = epoch::pin();
         let mut buf = Vec::new();
-        let Some(_) = self.find(&kh, key, &mut buf, true) else { return Ok(None) };
+        let Some((b, index, slot)) = self.find(&kh, key, &mut buf, true) else { return Ok(None) };
         self.counters.get_hits.fetch_add(1, Ordering::Relaxed);
         let item = decode_item(&buf).expect("verified in find");
         let (version, start, len) = (item.version, layout::ITEM_HEADER_LEN + item.key.len(), item.value.len());
-        Ok(Some((Bytes::from(buf).slice(start..start + len), version)))
+        let which = if b == kh.buckets[0] { 0 } else { 1 };
+        let at = Location { which, index: index as u8, slot: slot.pack() };
+        Ok(Some((Bytes::from(buf).slice(start..start + len), version, at)))
     }
 
     /// Stores `value` under `key`; returns the write's version.

@@ -236,3 +236,22 @@ async fn a_get_loop_that_never_yields_notices_a_dead_server() {
         }
     }
 }
+
+#[tokio::test]
+async fn an_rpc_get_teaches_the_one_sided_path_where_the_item_is() {
+    let srv = ServerProcess::start(&["--memory", "64MiB"]);
+    let c = Client::connect_with(&srv.rpc, cfg(ReadPath::OneSided, Some(Transport::Tcp))).await.unwrap();
+    c.put("taught", "v1").await.unwrap();
+    let before = c.read_stats();
+    assert_eq!(c.rpc_get(b"taught").await.unwrap().unwrap().value, "v1".as_bytes());
+    assert_eq!(c.get("taught").await.unwrap().unwrap(), "v1".as_bytes());
+    let after = c.read_stats();
+    assert_eq!(after.hint_hits, before.hint_hits + 1, "the RPC reply's slot was not used: {after:?}");
+    // A rewrite moves the item: the taught slot is stale, the GET still
+    // finds the new value (two round trips) and caches the new slot.
+    c.put("taught", "v2").await.unwrap();
+    assert_eq!(c.get("taught").await.unwrap().unwrap(), "v2".as_bytes());
+    assert_eq!(c.read_stats().hint_hits, after.hint_hits);
+    let keys = ["taught", "absent"];
+    assert_eq!(c.rpc_multi_get(&keys).await.unwrap(), vec![Some("v2".into()), None]);
+}

@@ -360,6 +360,25 @@ impl OneSided {
         self.transport
     }
 
+    /// Caches where the server said `key`'s slot is (an RPC GET's reply),
+    /// so its next one-sided GET reads bucket and item in one round trip.
+    /// Nonsense is ignored; a stale hint costs one round trip, never a
+    /// wrong value (it is trusted only while the bucket holds its slot).
+    pub fn learn_hint(&self, key: &[u8], which: u32, index: u32, slot: u64) {
+        let (Ok(which), Ok(index)) = (u8::try_from(which), u8::try_from(index)) else { return };
+        if which > 1 || usize::from(index) >= dmkv_common::limits::SLOTS_PER_BUCKET {
+            return;
+        }
+        let Some(slot) = dmkv_common::layout::Slot::unpack(slot) else { return };
+        self.hints.lock().expect("hints poisoned").put(key, Hint { which, index, slot });
+    }
+
+    /// Whether `key`'s item address is cached (its GET can take one round
+    /// trip).
+    pub fn has_hint(&self, key: &[u8]) -> bool {
+        self.hints.lock().expect("hints poisoned").get(key).is_some()
+    }
+
     fn now(&self) -> u64 {
         self.clock.elapsed().as_nanos() as u64
     }

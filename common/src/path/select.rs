@@ -277,6 +277,14 @@ impl Controller {
 
     /// Picks the path for a GET of the key hashing to `key`.
     pub fn choose(&mut self, now: u64, key: u64) -> Choice {
+        self.choose_priced(now, key, None)
+    }
+
+    /// [`Controller::choose`] for a key whose one-sided GET is expected to
+    /// take `rounds` round trips (1 when the client has its item's address
+    /// cached, 2 otherwise). The key's own recent history, if any, still
+    /// wins: it knows about retries and stale addresses.
+    pub fn choose_priced(&mut self, now: u64, key: u64, rounds: Option<f64>) -> Choice {
         let (os, rpc) = (self.serving(Path::OneSided), self.serving(Path::Rpc));
         let path = match (os, rpc) {
             (true, false) => Path::OneSided,
@@ -287,7 +295,7 @@ impl Controller {
                 self.update_preferred(now);
                 let pref = self.preferred;
                 let alt = pref.other();
-                let priced = |p| self.cost(p, Some(key), now);
+                let priced = |p| self.cost_with(p, Some(key), rounds, now);
                 match (priced(pref), priced(alt)) {
                     (Some(cp), Some(ca)) if self.leaves(pref, cp, ca) => {
                         self.paths[alt.idx()].diverted += 1;
@@ -364,11 +372,15 @@ impl Controller {
     /// Expected completion time of a GET on `path`, in ns; `None` before
     /// the path has been measured. `key` prices that key's own history.
     pub fn cost(&self, path: Path, key: Option<u64>, now: u64) -> Option<f64> {
+        self.cost_with(path, key, None, now)
+    }
+
+    fn cost_with(&self, path: Path, key: Option<u64>, expected: Option<f64>, now: u64) -> Option<f64> {
         let st = &self.paths[path.idx()];
         let delay = st.delay.smoothed()?;
         let rounds = match path {
             Path::Rpc => 1.0,
-            Path::OneSided => key.and_then(|k| self.keys.get(k, now)).unwrap_or(st.rounds),
+            Path::OneSided => key.and_then(|k| self.keys.get(k, now)).or(expected).unwrap_or(st.rounds),
         };
         Some(delay * rounds + self.queue_wait(st, rounds))
     }
