@@ -111,6 +111,10 @@ impl Default for PathConfig {
 /// A path priced this many times above the one in use is probed at
 /// [`PathConfig::far_probe_interval_ns`].
 pub const FAR_RATIO: f64 = 4.0;
+/// Most that this client's load is assumed to lift an idle path's delay
+/// above its base (see `Controller::loaded`): past it, the preferred path is
+/// congested by more than this client's load.
+pub const MAX_LIFT: f64 = 2.0;
 /// Round trips a one-sided GET is assumed to take before any is measured:
 /// a bucket read and an item read.
 const INITIAL_ROUNDS: f64 = 2.0;
@@ -377,12 +381,28 @@ impl Controller {
 
     fn cost_with(&self, path: Path, key: Option<u64>, expected: Option<f64>, now: u64) -> Option<f64> {
         let st = &self.paths[path.idx()];
-        let delay = st.delay.smoothed()?;
+        let mut delay = st.delay.smoothed()?;
+        if path != self.preferred {
+            delay = delay.max(self.loaded(path).unwrap_or(0.0));
+        }
         let rounds = match path {
             Path::Rpc => 1.0,
             Path::OneSided => key.and_then(|k| self.keys.get(k, now)).or(expected).unwrap_or(st.rounds),
         };
         Some(delay * rounds + self.queue_wait(st, rounds))
+    }
+
+    /// What `path`, now measured only by probes (one GET at a time, none
+    /// of this client's load), would show if it carried this client's
+    /// GETs: its base delay scaled by how far this client's load lifts the
+    /// preferred path above its own base. Without it an idle path always
+    /// looks cheaper than the loaded one, and a client moves its load back
+    /// and forth. A path congested by others still shows its probes' delay
+    /// (the larger of the two counts).
+    fn loaded(&self, path: Path) -> Option<f64> {
+        let cur = &self.paths[self.preferred.idx()];
+        let lift = cur.delay.smoothed()? / cur.delay.base()?.max(1) as f64;
+        Some(self.paths[path.idx()].delay.base()? as f64 * lift.clamp(1.0, MAX_LIFT))
     }
 
     /// How long a new GET would wait for a window slot: the GETs ahead of
