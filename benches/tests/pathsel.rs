@@ -131,8 +131,16 @@ fn most_one_sided(s: &Split) -> bool {
 fn engine_congested_auto_moves_to_rpc_and_back() {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let Some(run) = start("engine_congested_auto_moves_to_rpc_and_back", Scenario::EngineCongested) else { return };
+    let repaths = run.probe.path_stats().engine_repaths;
     let mut bulk = run.setup.start_load().expect("bulk reader");
     run.expect("bulk on: most GETs go RPC", Some(&bulk), most_rpc);
+    // The probe's engine connections (probed in the background) sat
+    // behind the full queue for many rounds: PLB replaced at least one.
+    let deadline = Instant::now() + DEADLINE;
+    while run.probe.path_stats().engine_repaths == repaths && Instant::now() < deadline {
+        run.rt.block_on(run.setup.window(&run.probe, &run.admin, &run.keys, WINDOW, Some(&bulk))).expect("window");
+    }
+    assert!(run.probe.path_stats().engine_repaths > repaths, "no congested engine connection was replaced");
     bulk.stop().expect("bulk reader");
     run.expect("bulk off: most GETs go one-sided again", None, most_one_sided);
 }
