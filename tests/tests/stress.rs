@@ -13,8 +13,9 @@
 //! verification alone must catch every tear; `default` runs the shipped
 //! settings and also checks that no reader sees a key's values go
 //! backwards. `DMKV_STRESS_SECS` sets each reader's run time (default 6);
-//! `DMKV_STRESS_TRANSPORTS` the readers' transports (default `shm,tcp`;
-//! the RDMA VM stage runs `rdma`).
+//! `DMKV_STRESS_TRANSPORTS` the readers' transports (default
+//! `shm,tcp,auto`, where `auto` lets the path controller mix RPC GETs and
+//! engine reads; the RDMA VM stage runs `rdma`).
 
 use std::collections::HashMap;
 use std::process::{Command, Stdio};
@@ -122,14 +123,19 @@ impl ReaderResult {
 #[ignore = "child process of racing_writers_and_reader_processes"]
 fn stress_reader_child() {
     let rpc = std::env::var("DMKV_STRESS_RPC").expect("run by the stress test");
-    let transport: Transport = std::env::var("DMKV_STRESS_TRANSPORT").unwrap().parse().unwrap();
+    // "auto": the path controller mixes RPC GETs (whose replies teach the
+    // one-sided path where items are) with one-sided reads over the engine.
+    let (read_path, transport) = match std::env::var("DMKV_STRESS_TRANSPORT").unwrap().as_str() {
+        "auto" => (ReadPath::Auto, Transport::Tcp),
+        t => (ReadPath::OneSided, t.parse::<Transport>().unwrap()),
+    };
     let secs: f64 = std::env::var("DMKV_STRESS_SECS").unwrap().parse().unwrap();
     let enforce = std::env::var("DMKV_STRESS_ENFORCE").unwrap() == "1";
     let seed: u64 = std::env::var("DMKV_STRESS_SEED").unwrap().parse().unwrap();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let res = rt.block_on(async move {
         let cfg = ClientConfig {
-            read_path: ReadPath::OneSided,
+            read_path,
             transport: Some(transport),
             pool_size: 1,
             enforce_grace: enforce,
@@ -286,13 +292,14 @@ fn racing_writers_and_reader_processes() {
     let secs: f64 = std::env::var("DMKV_STRESS_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(6.0);
     let seed: u64 = std::env::var("DMKV_STRESS_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(rand::random);
     println!("stress seed {seed} (set DMKV_STRESS_SEED to repeat)");
-    let transports_env = std::env::var("DMKV_STRESS_TRANSPORTS").unwrap_or_else(|_| "shm,tcp".into());
+    let transports_env = std::env::var("DMKV_STRESS_TRANSPORTS").unwrap_or_else(|_| "shm,tcp,auto".into());
     let transports: Vec<&'static str> = transports_env
         .split(',')
         .map(|t| match t.trim() {
             "shm" => "shm",
             "tcp" => "tcp",
             "rdma" => "rdma",
+            "auto" => "auto",
             other => panic!("unknown transport {other:?} in DMKV_STRESS_TRANSPORTS"),
         })
         .collect();
