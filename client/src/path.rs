@@ -154,8 +154,15 @@ impl Admission {
         self.done = true;
         let c = Completion { latency_ns: self.start.elapsed().as_nanos() as u64, round_trips, retries };
         let now = self.sel.now();
-        self.sel.lock().on_complete(now, self.path, self.key, self.probe, c);
-        self.sel.wake[idx(self.path)].notify_waiters();
+        let waiting = {
+            let mut ctl = self.sel.lock();
+            ctl.on_complete(now, self.path, self.key, self.probe, c);
+            ctl.queued(self.path) > 0
+        };
+        // Waking is a lock of its own: skip it when nobody waits.
+        if waiting {
+            self.sel.wake[idx(self.path)].notify_waiters();
+        }
     }
 
     /// The path failed under this GET (connection lost, timeout).
@@ -171,8 +178,14 @@ impl Admission {
 impl Drop for Admission {
     fn drop(&mut self) {
         if !self.done {
-            self.sel.lock().on_cancel(self.path, self.probe);
-            self.sel.wake[idx(self.path)].notify_waiters();
+            let waiting = {
+                let mut ctl = self.sel.lock();
+                ctl.on_cancel(self.path, self.probe);
+                ctl.queued(self.path) > 0
+            };
+            if waiting {
+                self.sel.wake[idx(self.path)].notify_waiters();
+            }
         }
     }
 }

@@ -290,17 +290,23 @@ impl Controller {
     /// wins: it knows about retries and stale addresses.
     pub fn choose_priced(&mut self, now: u64, key: u64, rounds: Option<f64>) -> Choice {
         let (os, rpc) = (self.serving(Path::OneSided), self.serving(Path::Rpc));
+        let mut global = [Path::OneSided, Path::Rpc].map(|p| self.cost(p, None, now));
         let path = match (os, rpc) {
             (true, false) => Path::OneSided,
             (false, true) => Path::Rpc,
             // Nothing is healthy: the caller's RPC will fail or revive it.
             (false, false) => Path::Rpc,
             (true, true) => {
-                self.update_preferred(now);
+                if self.update_preferred(now, &global) {
+                    // The path not in use is priced differently (see `loaded`).
+                    global = [Path::OneSided, Path::Rpc].map(|p| self.cost(p, None, now));
+                }
                 let pref = self.preferred;
                 let alt = pref.other();
-                let priced = |p| self.cost_with(p, Some(key), rounds, now);
-                match (priced(pref), priced(alt)) {
+                // Only one-sided costs differ per key; an RPC is one round trip.
+                let mut keyed = global;
+                keyed[Path::OneSided.idx()] = self.cost_with(Path::OneSided, Some(key), rounds, now);
+                match (keyed[pref.idx()], keyed[alt.idx()]) {
                     (Some(cp), Some(ca)) if self.leaves(pref, cp, ca) => {
                         self.paths[alt.idx()].diverted += 1;
                         alt
@@ -309,7 +315,7 @@ impl Controller {
                 }
             }
         };
-        let far = match (self.cost(path, None, now), self.cost(path.other(), None, now)) {
+        let far = match (global[path.idx()], global[path.other().idx()]) {
             (Some(c), Some(o)) => o > FAR_RATIO * c,
             _ => false,
         };
@@ -335,21 +341,25 @@ impl Controller {
         }
     }
 
-    fn update_preferred(&mut self, now: u64) {
+    /// Changes the preferred path if the other has been cheaper long enough;
+    /// `global` holds both paths' costs for a typical key. True on a change.
+    fn update_preferred(&mut self, now: u64, global: &[Option<f64>; 2]) -> bool {
         let pref = self.preferred;
-        let (Some(cp), Some(ca)) = (self.cost(pref, None, now), self.cost(pref.other(), None, now)) else {
-            return;
+        let (Some(cp), Some(ca)) = (global[pref.idx()], global[pref.other().idx()]) else {
+            return false;
         };
         if !self.leaves(pref, cp, ca) {
             self.leave_since = None;
-            return;
+            return false;
         }
         let since = *self.leave_since.get_or_insert(now);
         let confirmed = now.saturating_sub(since) >= self.cfg.confirm_ns;
         let rested = self.last_switch.is_none_or(|t| now.saturating_sub(t) >= self.cfg.min_dwell_ns);
         if confirmed && rested {
             self.switch_to(pref.other(), now);
+            return true;
         }
+        false
     }
 
     fn switch_to(&mut self, p: Path, now: u64) {
@@ -432,6 +442,11 @@ impl Controller {
     /// A GET starts waiting for a window slot on `path`.
     pub fn enqueue(&mut self, path: Path) {
         self.paths[path.idx()].queued += 1;
+    }
+
+    /// GETs waiting for a window slot on `path`.
+    pub fn queued(&self, path: Path) -> u32 {
+        self.paths[path.idx()].queued
     }
 
     /// A GET stops waiting for a window slot on `path`.
