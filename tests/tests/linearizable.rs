@@ -2,7 +2,8 @@
 //! for linearizability with stateright's tester (a register per round).
 //!
 //! Writers PUT unique values; readers GET one-sided over shared memory and
-//! the TCP engine, mostly through cached item addresses. Every invocation
+//! the TCP engine, mostly through cached item addresses, and one reader in
+//! `auto` mixes RPC GETs and engine reads as its path controller decides. Every invocation
 //! and return is logged under one lock at the moment it happens, so the log
 //! respects real time. A reader that returned an overwritten value after
 //! the overwrite was acknowledged would make the history non-linearizable.
@@ -33,7 +34,8 @@ fn one_sided_gets_racing_puts_are_linearizable() {
     let srv = ServerProcess::start(&["--memory", "32MiB"]);
     let rpc = |path| ClientConfig { read_path: path, pool_size: 1, ..Default::default() };
     let setup = Client::connect_with(&srv.rpc, rpc(ReadPath::Rpc)).unwrap();
-    // Threads 0-1 write over RPC; 2 reads over shm, 3 over the TCP engine.
+    // Threads 0-1 write over RPC; 2 reads over shm, 3 over the TCP engine,
+    // 4 in auto (RPC or the engine, per GET).
     let clients: Vec<Arc<Client>> = vec![
         Arc::new(Client::connect_with(&srv.rpc, rpc(ReadPath::Rpc)).unwrap()),
         Arc::new(Client::connect_with(&srv.rpc, rpc(ReadPath::Rpc)).unwrap()),
@@ -43,6 +45,10 @@ fn one_sided_gets_racing_puts_are_linearizable() {
         ),
         Arc::new(
             Client::connect_with(&srv.rpc, ClientConfig { transport: Some(Transport::Tcp), ..rpc(ReadPath::OneSided) })
+                .unwrap(),
+        ),
+        Arc::new(
+            Client::connect_with(&srv.rpc, ClientConfig { transport: Some(Transport::Tcp), ..rpc(ReadPath::Auto) })
                 .unwrap(),
         ),
     ];
@@ -88,7 +94,21 @@ fn one_sided_gets_racing_puts_are_linearizable() {
         }
         assert!(tester.is_consistent(), "round {round}: history is not linearizable:\n{log:#?}");
     }
-    assert_eq!(setup.stats().unwrap()["gets"], gets_before, "reads went over RPC instead of one-sided");
+    // Only the auto reader's GETs (and its background probes, at most one
+    // still in flight) reach the server's KV code.
+    let ran = setup.stats().unwrap()["gets"] - gets_before;
+    let auto = clients[4].path_stats().controller.rpc;
+    assert!(
+        ran >= auto.requests && ran <= auto.requests + auto.probes + 1,
+        "{ran} RPC GETs, the auto reader sent {} and {} probes: forced one-sided reads went over RPC",
+        auto.requests,
+        auto.probes
+    );
+    println!(
+        "auto reader: {} GETs over RPC, {} one-sided",
+        auto.requests,
+        clients[4].path_stats().controller.one_sided.requests
+    );
     for (name, c) in [("shm", &clients[2]), ("tcp", &clients[3])] {
         let rs = c.read_stats();
         println!("{name}: {rs:?}");
