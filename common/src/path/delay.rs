@@ -106,11 +106,6 @@ impl DelayEstimator {
         self.variation
     }
 
-    /// When the last sample arrived (0 before any).
-    pub fn latest_at(&self) -> u64 {
-        self.latest_at
-    }
-
     /// The last sample.
     pub fn latest(&self) -> Option<u64> {
         self.latest
