@@ -113,20 +113,7 @@ impl Protocol for Memcached {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Feeds `stream` split at `cut` and collects every reply.
-    fn parse_split(stream: &[u8], cut: usize) -> Result<Vec<Reply>, String> {
-        let mut buf = BytesMut::new();
-        let mut out = Vec::new();
-        for part in [&stream[..cut], &stream[cut..]] {
-            buf.extend_from_slice(part);
-            while let Some(r) = Memcached::parse(&mut buf)? {
-                out.push(r);
-            }
-        }
-        assert!(buf.is_empty(), "bytes left over: {buf:?}");
-        Ok(out)
-    }
+    use crate::pipe::parse_split;
 
     #[test]
     fn replies_parse_at_every_split() {
@@ -142,7 +129,7 @@ mod tests {
             Reply::Error("ERROR".into()),
         ];
         for cut in 0..=stream.len() {
-            assert_eq!(parse_split(stream, cut).unwrap(), want, "split at {cut}");
+            assert_eq!(parse_split::<Memcached>(stream, cut).unwrap(), want, "split at {cut}");
         }
     }
 

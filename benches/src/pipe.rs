@@ -33,6 +33,22 @@ pub trait Protocol: Send + Sync + 'static {
     fn parse(buf: &mut BytesMut) -> Result<Option<Self::Reply>, String>;
 }
 
+/// Feeds `stream` to `P`'s parser in two parts split at `cut` and collects
+/// every reply, as a socket may deliver it; no bytes may be left over.
+#[cfg(test)]
+pub(crate) fn parse_split<P: Protocol>(stream: &[u8], cut: usize) -> Result<Vec<P::Reply>, String> {
+    let mut buf = BytesMut::new();
+    let mut out = Vec::new();
+    for part in [&stream[..cut], &stream[cut..]] {
+        buf.extend_from_slice(part);
+        while let Some(r) = P::parse(&mut buf)? {
+            out.push(r);
+        }
+    }
+    assert!(buf.is_empty(), "bytes left over: {buf:?}");
+    Ok(out)
+}
+
 type Waiters<R> = Arc<Mutex<Queue<R>>>;
 
 struct Queue<R> {

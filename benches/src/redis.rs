@@ -128,19 +128,7 @@ impl Protocol for Resp {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn parse_split(stream: &[u8], cut: usize) -> Result<Vec<Value>, String> {
-        let mut buf = BytesMut::new();
-        let mut out = Vec::new();
-        for part in [&stream[..cut], &stream[cut..]] {
-            buf.extend_from_slice(part);
-            while let Some(v) = Resp::parse(&mut buf)? {
-                out.push(v);
-            }
-        }
-        assert!(buf.is_empty(), "bytes left over: {buf:?}");
-        Ok(out)
-    }
+    use crate::pipe::parse_split;
 
     #[test]
     fn replies_parse_at_every_split() {
@@ -161,7 +149,7 @@ mod tests {
             Value::Array(Some(vec![])),
         ];
         for cut in 0..=stream.len() {
-            assert_eq!(parse_split(stream, cut).unwrap(), want, "split at {cut}");
+            assert_eq!(parse_split::<Resp>(stream, cut).unwrap(), want, "split at {cut}");
         }
     }
 

@@ -216,11 +216,7 @@ impl Setup {
         let rpc = server.rpc.clone();
         let setup = Setup { server, ns, scenario, params, rpc, engine };
         if scenario == Scenario::EngineCongested {
-            let port: u16 = setup
-                .engine
-                .rsplit_once(':')
-                .and_then(|(_, p)| p.parse().ok())
-                .ok_or_else(|| format!("bad engine address {:?}", setup.engine))?;
+            let port = setup.engine_port()?;
             let p = &setup.params;
             let bps = rate_bytes_per_sec(&p.rate).ok_or_else(|| format!("bad rate {:?}", p.rate))?;
             // About 30 ms of queue, but room for a few 64 KiB GSO packets.
@@ -228,6 +224,14 @@ impl Setup {
             setup.ns.shape_sport(port, &p.rate, Some(limit))?;
         }
         Ok(setup)
+    }
+
+    /// The engine's port (for shaping its replies).
+    pub fn engine_port(&self) -> Result<u16, String> {
+        self.engine
+            .rsplit_once(':')
+            .and_then(|(_, p)| p.parse().ok())
+            .ok_or_else(|| format!("bad engine address {:?}", self.engine))
     }
 
     /// The namespace.
@@ -247,7 +251,12 @@ impl Setup {
 
     /// A client of the given read path (one-sided reads over the engine).
     pub async fn client(&self, path: ReadPath) -> Result<Client, String> {
-        let cfg = ClientConfig { read_path: path, transport: Some(Transport::Tcp), ..Default::default() };
+        self.client_with(ClientConfig { read_path: path, ..Default::default() }).await
+    }
+
+    /// A client with settings of its own; one-sided reads over the engine.
+    pub async fn client_with(&self, cfg: ClientConfig) -> Result<Client, String> {
+        let cfg = ClientConfig { transport: Some(Transport::Tcp), ..cfg };
         Client::connect_with(self.rpc.clone(), cfg).await.map_err(|e| format!("connect to {}: {e}", self.rpc))
     }
 

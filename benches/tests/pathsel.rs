@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use dmkv_benches::scenario::{Load, Params, Scenario, Setup, Split};
-use dmkv_client::{Client, ClientConfig, ReadPath, Transport};
+use dmkv_client::{Client, ClientConfig, ReadPath};
 use dmkv_tests::netns::Netns;
 use tokio::runtime::Runtime;
 
@@ -65,6 +65,11 @@ struct Run {
 }
 
 fn start(name: &str, scenario: Scenario) -> Option<Run> {
+    start_with(name, scenario, ClientConfig { read_path: ReadPath::Auto, ..ClientConfig::default() })
+}
+
+/// [`start`] with the probe's settings given.
+fn start_with(name: &str, scenario: Scenario, probe: ClientConfig) -> Option<Run> {
     if let Err(e) = Netns::available() {
         eprintln!("skipping {name}: network namespaces unavailable here: {e}");
         return None;
@@ -73,7 +78,7 @@ fn start(name: &str, scenario: Scenario) -> Option<Run> {
     let setup = Setup::start(scenario, params()).unwrap_or_else(|e| panic!("{name}: setup: {e}"));
     rt.block_on(setup.preload()).unwrap_or_else(|e| panic!("{name}: preload: {e}"));
     let admin = rt.block_on(setup.client(ReadPath::Rpc)).expect("admin client");
-    let probe = rt.block_on(setup.client(ReadPath::Auto)).expect("probe client");
+    let probe = rt.block_on(setup.client_with(probe)).expect("probe client");
     let keys = setup.probe_keys();
     rt.block_on(setup.warm(&probe, &keys)).expect("warm-up");
     Some(Run { probe, admin, keys, setup, rt })
@@ -168,30 +173,18 @@ fn hot_key_auto_prefers_rpc() {
 #[test]
 fn a_failed_one_sided_path_moves_gets_to_rpc_and_back() {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let name = "a_failed_one_sided_path_moves_gets_to_rpc_and_back";
-    if let Err(e) = Netns::available() {
-        eprintln!("skipping {name}: network namespaces unavailable here: {e}");
-        return;
-    }
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
-    let setup = Setup::start(Scenario::RpcSaturated, params()).unwrap_or_else(|e| panic!("{name}: setup: {e}"));
-    rt.block_on(setup.preload()).unwrap_or_else(|e| panic!("{name}: preload: {e}"));
-    let admin = rt.block_on(setup.client(ReadPath::Rpc)).expect("admin client");
     // Short timeouts, so a dead engine is noticed within the test.
     let cfg = ClientConfig {
         read_path: ReadPath::Auto,
-        transport: Some(Transport::Tcp),
         connect_timeout: Duration::from_millis(300),
         request_timeout: Duration::from_secs(2),
         ..ClientConfig::default()
     };
-    let probe = rt.block_on(Client::connect_with(setup.rpc.clone(), cfg)).expect("probe client");
-    let keys = setup.probe_keys();
-    rt.block_on(setup.warm(&probe, &keys)).expect("warm-up");
-    let run = Run { probe, admin, keys, setup, rt };
+    let name = "a_failed_one_sided_path_moves_gets_to_rpc_and_back";
+    let Some(run) = start_with(name, Scenario::RpcSaturated, cfg) else { return };
     run.expect("engine up: most GETs go one-sided", None, most_one_sided);
 
-    let port: u16 = run.setup.engine.rsplit_once(':').and_then(|(_, p)| p.parse().ok()).expect("engine port");
+    let port = run.setup.engine_port().expect("engine port");
     run.setup.netns().shape_sport(port, "8bit", Some(1)).expect("drop the engine's replies");
     let before = run.probe.path_stats().controller.one_sided.failures;
     run.expect("engine down: GETs go RPC", None, most_rpc);

@@ -374,14 +374,25 @@ impl Client {
     /// Sends a request on the next pooled connection without waiting for
     /// its reply: the building block of pipelining.
     pub async fn send(&self, op: Op) -> Result<InFlight, ClientError> {
-        let i = self.inner.next.fetch_add(1, Ordering::Relaxed) % self.inner.pool.len();
-        let conn = self.conn_at(i).await?;
-        conn.send(op).await
+        self.send_on(self.next_slot(), op).await
+    }
+
+    /// The pooled connection the next request goes on.
+    fn next_slot(&self) -> usize {
+        self.inner.next.fetch_add(1, Ordering::Relaxed) % self.inner.pool.len()
+    }
+
+    async fn send_on(&self, slot: usize, op: Op) -> Result<InFlight, ClientError> {
+        self.conn_at(slot).await?.send(op).await
+    }
+
+    /// Sends `op` on connection `slot` and waits for its result.
+    async fn call_on(&self, slot: usize, op: Op) -> Result<R, ClientError> {
+        unwrap(self.send_on(slot, op).await?.wait(self.inner.cfg.request_timeout).await?)
     }
 
     async fn call(&self, op: Op) -> Result<R, ClientError> {
-        let resp = self.send(op).await?.wait(self.inner.cfg.request_timeout).await?;
-        unwrap(resp)
+        self.call_on(self.next_slot(), op).await
     }
 
     /// Reads `key`; `None` if it is not stored.
@@ -489,18 +500,9 @@ impl Client {
     /// An RPC GET on the next pooled connection whose delay is reported to
     /// the path controller and to that connection's congestion detector.
     async fn measured_rpc_get(&self, key: &[u8], adm: Admission) -> Result<Option<Versioned>, ClientError> {
-        let i = self.inner.next.fetch_add(1, Ordering::Relaxed) % self.inner.pool.len();
+        let i = self.next_slot();
         let start = Instant::now();
-        let op = Op::Get(proto::Get { key: Bytes::copy_from_slice(key) });
-        let sent = match self.conn_at(i).await {
-            Ok(conn) => conn.send(op).await,
-            Err(e) => Err(e),
-        };
-        let resp = match sent {
-            Ok(inflight) => inflight.wait(self.inner.cfg.request_timeout).await,
-            Err(e) => Err(e),
-        };
-        let result = resp.and_then(unwrap);
+        let result = self.call_on(i, Op::Get(proto::Get { key: Bytes::copy_from_slice(key) })).await;
         match &result {
             Err(e) if e.is_transport() => adm.fail(),
             _ => {

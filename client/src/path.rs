@@ -43,13 +43,6 @@ pub struct Admission {
     done: bool,
 }
 
-fn idx(p: Path) -> usize {
-    match p {
-        Path::OneSided => 0,
-        Path::Rpc => 1,
-    }
-}
-
 impl PathSelector {
     /// A selector with neither path usable yet.
     pub fn new(cfg: PathConfig) -> Arc<Self> {
@@ -71,7 +64,7 @@ impl PathSelector {
     /// Says whether `path` exists (one-sided reads attached, say).
     pub fn set_usable(&self, path: Path, usable: bool) {
         self.lock().set_usable(path, usable);
-        self.wake[idx(path.other())].notify_waiters();
+        self.wake[path.other().idx()].notify_waiters();
     }
 
     /// Picks a path for a GET of `key` and takes a slot in its window,
@@ -100,7 +93,7 @@ impl PathSelector {
                 ctl.enqueue(path);
                 // Registered before the lock is released, so a completion
                 // between here and the await still wakes this GET.
-                (path, self.wake[idx(path)].notified())
+                (path, self.wake[path.idx()].notified())
             };
             let woke = tokio::time::timeout_at(deadline, wait).await.is_ok();
             self.lock().dequeue(path);
@@ -130,12 +123,6 @@ impl PathSelector {
         self.lock().preferred()
     }
 
-    /// The target delay and smoothed delay of `path`, once measured.
-    pub fn target_and_delay(&self, path: Path) -> Option<(u64, f64)> {
-        let ctl = self.lock();
-        Some((ctl.target(path)?, ctl.delay(path)?))
-    }
-
     /// Counters and state of the controller.
     pub fn stats(&self) -> ControllerStats {
         self.lock().stats()
@@ -143,11 +130,6 @@ impl PathSelector {
 }
 
 impl Admission {
-    /// Whether this is a background probe rather than a caller's GET.
-    pub fn is_probe(&self) -> bool {
-        self.probe
-    }
-
     /// The GET was answered after `round_trips`, of which `retries` were
     /// spent on attempts that had to be retried.
     pub fn complete(mut self, round_trips: u32, retries: u32) {
@@ -161,7 +143,7 @@ impl Admission {
         };
         // Waking is a lock of its own: skip it when nobody waits.
         if waiting {
-            self.sel.wake[idx(self.path)].notify_waiters();
+            self.sel.wake[self.path.idx()].notify_waiters();
         }
     }
 
@@ -184,7 +166,7 @@ impl Drop for Admission {
                 ctl.queued(self.path) > 0
             };
             if waiting {
-                self.sel.wake[idx(self.path)].notify_waiters();
+                self.sel.wake[self.path.idx()].notify_waiters();
             }
         }
     }

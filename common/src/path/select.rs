@@ -41,7 +41,8 @@ impl Path {
         }
     }
 
-    fn idx(self) -> usize {
+    /// Position in [`Path::ALL`], for per-path arrays.
+    pub fn idx(self) -> usize {
         self as usize
     }
 
@@ -290,7 +291,7 @@ impl Controller {
     /// wins: it knows about retries and stale addresses.
     pub fn choose_priced(&mut self, now: u64, key: u64, rounds: Option<f64>) -> Choice {
         let (os, rpc) = (self.serving(Path::OneSided), self.serving(Path::Rpc));
-        let mut global = [Path::OneSided, Path::Rpc].map(|p| self.cost(p, None, now));
+        let mut global = Path::ALL.map(|p| self.cost(p, None, now));
         let path = match (os, rpc) {
             (true, false) => Path::OneSided,
             (false, true) => Path::Rpc,
@@ -299,7 +300,7 @@ impl Controller {
             (true, true) => {
                 if self.update_preferred(now, &global) {
                     // The path not in use is priced differently (see `loaded`).
-                    global = [Path::OneSided, Path::Rpc].map(|p| self.cost(p, None, now));
+                    global = Path::ALL.map(|p| self.cost(p, None, now));
                 }
                 let pref = self.preferred;
                 let alt = pref.other();
