@@ -731,6 +731,7 @@ enum QpState {
 
 type PostSendFn = unsafe extern "C" fn(*mut sys::ibv_qp, *mut sys::ibv_send_wr, *mut *mut sys::ibv_send_wr) -> c_int;
 type PollCqFn = unsafe extern "C" fn(*mut sys::ibv_cq, c_int, *mut sys::ibv_wc) -> c_int;
+type ReqNotifyCqFn = unsafe extern "C" fn(*mut sys::ibv_cq, c_int) -> c_int;
 
 /// A reliable-connected queue pair with its own completion queue, for RDMA READs.
 ///
@@ -742,8 +743,11 @@ pub struct QueuePair {
     ctx: Arc<Context>,
     qp: *mut sys::ibv_qp,
     cq: *mut sys::ibv_cq,
+    /// Completion channel of `cq` (null unless made by [`QueuePair::create_with_events`]).
+    channel: *mut sys::ibv_comp_channel,
     post_send: PostSendFn,
     poll_cq: PollCqFn,
+    req_notify_cq: Option<ReqNotifyCqFn>,
     psn: u32,
     state: QpState,
     sq_capacity: u32,
@@ -770,6 +774,19 @@ impl QueuePair {
     /// Creates an RC QP whose send queue holds `max_outstanding` READ work requests
     /// (1..=[`MAX_SEND_QUEUE_DEPTH`], lowered to the device limit) and moves it to INIT.
     pub fn create(ctx: &Arc<Context>, max_outstanding: u32) -> Result<QueuePair, VerbsError> {
+        Self::create_inner(ctx, max_outstanding, false)
+    }
+
+    /// Like [`QueuePair::create`], with a completion channel: a caller can sleep on
+    /// [`QueuePair::event_fd`] (non-blocking, e.g. in an async reactor) instead of busy-polling.
+    /// The protocol: [`arm_events`](QueuePair::arm_events), poll once more (a completion that
+    /// came before arming raises no event), wait until the fd is readable, then
+    /// [`take_events`](QueuePair::take_events) and poll.
+    pub fn create_with_events(ctx: &Arc<Context>, max_outstanding: u32) -> Result<QueuePair, VerbsError> {
+        Self::create_inner(ctx, max_outstanding, true)
+    }
+
+    fn create_inner(ctx: &Arc<Context>, max_outstanding: u32, events: bool) -> Result<QueuePair, VerbsError> {
         if !(1..=MAX_SEND_QUEUE_DEPTH).contains(&max_outstanding) {
             return Err(VerbsError::InvalidRequest(format!(
                 "max_outstanding {max_outstanding} outside 1..={MAX_SEND_QUEUE_DEPTH}"
@@ -779,10 +796,13 @@ impl QueuePair {
         // Every WR can produce a completion when the QP fails (flushes are reported even for
         // unsignaled WRs), so the CQ holds the whole send queue to never overflow.
         let cqe = depth.min(ctx.max_cqe);
-        // SAFETY: the context is open; no completion channel, so no events to consume.
-        let cq = unsafe { sys::ibv_create_cq(ctx.ctx, cqe as c_int, ptr::null_mut(), ptr::null_mut(), 0) };
+        let channel = if events { create_channel(ctx)? } else { ptr::null_mut() };
+        // SAFETY: the context is open; `channel` is null or a live channel of this context.
+        let cq = unsafe { sys::ibv_create_cq(ctx.ctx, cqe as c_int, ptr::null_mut(), channel, 0) };
         if cq.is_null() {
-            return Err(VerbsError::Verb { verb: "ibv_create_cq", errno: last_errno() });
+            let errno = last_errno();
+            destroy_channel(channel);
+            return Err(VerbsError::Verb { verb: "ibv_create_cq", errno });
         }
         let mut init = sys::ibv_qp_init_attr {
             send_cq: cq,
@@ -805,6 +825,7 @@ impl QueuePair {
             let errno = last_errno();
             // SAFETY: cq was created above and is not used by any QP.
             unsafe { sys::ibv_destroy_cq(cq) };
+            destroy_channel(channel);
             return Err(VerbsError::Verb { verb: "ibv_create_qp", errno });
         }
         // SAFETY: qp is live; its context pointer is our open context.
@@ -815,14 +836,18 @@ impl QueuePair {
                 sys::ibv_destroy_qp(qp);
                 sys::ibv_destroy_cq(cq);
             }
+            destroy_channel(channel);
             return Err(VerbsError::Verb { verb: "ibv_post_send", errno: libc::ENOSYS });
         };
+        // From here `this` owns qp, cq and channel: its Drop releases them on every error path.
         let mut this = QueuePair {
             ctx: Arc::clone(ctx),
             qp,
             cq,
+            channel,
             post_send,
             poll_cq,
+            req_notify_cq: ops.req_notify_cq,
             psn: random_psn(),
             state: QpState::Init,
             // The provider may round the queue up; never plan with more than we asked for.
@@ -1107,8 +1132,77 @@ impl QueuePair {
         Ok(n)
     }
 
+    /// Says, without blocking, whether batch `seq` (from [`QueuePair::post_reads`]) has
+    /// finished: `None` while it is in flight, `Some(Ok(()))` when its data is in the local
+    /// buffer, `Some(Err(Completion))` for its first failed read. Completions of other batches
+    /// seen meanwhile are kept for the next [`QueuePair::poll`].
+    pub fn try_finish(&mut self, seq: u64) -> Result<Option<Result<(), VerbsError>>, VerbsError> {
+        self.drain_cq()?;
+        let Some(pos) = self.finished.iter().position(|f| f.seq == seq) else { return Ok(None) };
+        let f = self.finished.remove(pos).expect("position is in bounds");
+        Ok(Some(match f.error {
+            None => Ok(()),
+            Some((idx, status, status_str)) => Err(VerbsError::Completion { wr_id: f.wr_ids[idx], status, status_str }),
+        }))
+    }
+
+    /// The completion channel's descriptor, non-blocking; `None` without a channel. It is
+    /// readable once an armed CQ has a new completion. Valid as long as this QP.
+    pub fn event_fd(&self) -> Option<std::os::fd::RawFd> {
+        // SAFETY: a non-null channel is live until Drop; `fd` is immutable after creation.
+        (!self.channel.is_null()).then(|| unsafe { (*self.channel).fd })
+    }
+
+    /// Asks for one event on [`QueuePair::event_fd`] at the CQ's next completion
+    /// (`ibv_req_notify_cq`). Poll once more after arming: earlier completions raise none.
+    pub fn arm_events(&mut self) -> Result<(), VerbsError> {
+        let Some(notify) = self.req_notify_cq.filter(|_| !self.channel.is_null()) else {
+            return Err(VerbsError::InvalidState("arm_events needs a QP made by create_with_events"));
+        };
+        // SAFETY: cq is live and bound to our channel; `notify` is the provider's own op.
+        let rc = unsafe { notify(self.cq, 0) };
+        if rc != 0 {
+            return Err(VerbsError::Verb { verb: "ibv_req_notify_cq", errno: if rc > 0 { rc } else { last_errno() } });
+        }
+        Ok(())
+    }
+
+    /// Takes every pending event off the channel without blocking and acknowledges them
+    /// (events must all be acknowledged before the CQ is destroyed). Returns how many.
+    pub fn take_events(&mut self) -> Result<usize, VerbsError> {
+        if self.channel.is_null() {
+            return Err(VerbsError::InvalidState("take_events needs a QP made by create_with_events"));
+        }
+        let mut n = 0u32;
+        // One armed CQ raises at most one event per arming; the bound only guards the loop.
+        for _ in 0..POLL_BATCH {
+            let (mut cq, mut cq_ctx) = (ptr::null_mut(), ptr::null_mut());
+            // SAFETY: the channel is live and non-blocking; both out-pointers are valid.
+            if unsafe { sys::ibv_get_cq_event(self.channel, &mut cq, &mut cq_ctx) } != 0 {
+                let errno = last_errno();
+                if errno == libc::EAGAIN || errno == libc::EWOULDBLOCK {
+                    break;
+                }
+                self.ack(n);
+                return Err(VerbsError::Verb { verb: "ibv_get_cq_event", errno });
+            }
+            n += 1;
+        }
+        self.ack(n);
+        Ok(n as usize)
+    }
+
+    fn ack(&mut self, n: u32) {
+        if n > 0 {
+            // SAFETY: cq is live and these n events came from it (it is the channel's only CQ).
+            unsafe { sys::ibv_ack_cq_events(self.cq, n) };
+        }
+    }
+
     /// Posts `reads` and busy-polls until that batch completes or `deadline` passes. Completions
-    /// of other batches seen meanwhile are kept for the next [`QueuePair::poll`].
+    /// of other batches seen meanwhile are kept for the next [`QueuePair::poll`]. This blocks
+    /// the calling thread: async code should use [`QueuePair::create_with_events`] and sleep on
+    /// [`QueuePair::event_fd`] instead.
     ///
     /// On success the data is in `local`. A failed read returns its [`VerbsError::Completion`]
     /// (the batch's first failed read); on [`VerbsError::Timeout`] the batch stays outstanding.
@@ -1121,15 +1215,8 @@ impl QueuePair {
         let seq = self.post_reads(reads, local)?;
         let mut spins_left = SPINS_PER_YIELD;
         loop {
-            self.drain_cq()?;
-            if let Some(pos) = self.finished.iter().position(|f| f.seq == seq) {
-                let f = self.finished.remove(pos).expect("position is in bounds");
-                return match f.error {
-                    None => Ok(()),
-                    Some((idx, status, status_str)) => {
-                        Err(VerbsError::Completion { wr_id: f.wr_ids[idx], status, status_str })
-                    }
-                };
+            if let Some(done) = self.try_finish(seq)? {
+                return done;
             }
             if Instant::now() >= deadline {
                 return Err(VerbsError::Timeout);
@@ -1145,6 +1232,36 @@ impl QueuePair {
     }
 }
 
+/// A non-blocking completion channel of `ctx`.
+fn create_channel(ctx: &Context) -> Result<*mut sys::ibv_comp_channel, VerbsError> {
+    // SAFETY: the context is open.
+    let ch = unsafe { sys::ibv_create_comp_channel(ctx.ctx) };
+    if ch.is_null() {
+        return Err(VerbsError::Verb { verb: "ibv_create_comp_channel", errno: last_errno() });
+    }
+    // SAFETY: `fd` of a live channel is an open descriptor owned by the channel.
+    let fd = unsafe { (*ch).fd };
+    // SAFETY: fcntl on an open descriptor with valid commands.
+    let ok = unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) == 0
+    };
+    if !ok {
+        let errno = last_errno();
+        destroy_channel(ch);
+        return Err(VerbsError::Verb { verb: "fcntl(O_NONBLOCK)", errno });
+    }
+    Ok(ch)
+}
+
+/// Destroys a channel (no-op for null). Its CQ must be gone first.
+fn destroy_channel(ch: *mut sys::ibv_comp_channel) {
+    if !ch.is_null() {
+        // SAFETY: the channel is live, no CQ uses it any more, and it is destroyed once.
+        unsafe { sys::ibv_destroy_comp_channel(ch) };
+    }
+}
+
 impl Drop for QueuePair {
     fn drop(&mut self) {
         // SAFETY: QP before CQ (a CQ cannot be destroyed while a QP uses it); after
@@ -1152,8 +1269,9 @@ impl Drop for QueuePair {
         // releasing them afterwards is safe.
         unsafe { sys::ibv_destroy_qp(self.qp) };
         self.in_flight.clear();
-        // SAFETY: no QP uses the CQ any more.
+        // SAFETY: no QP uses the CQ any more; take_events acknowledged every event it took.
         unsafe { sys::ibv_destroy_cq(self.cq) };
+        destroy_channel(self.channel);
     }
 }
 
