@@ -51,6 +51,11 @@ struct Args {
     /// dmkvd's process id, to report its CPU time during the run.
     #[arg(long)]
     server_pid: Option<u32>,
+    /// Concurrent callers sharing one client, each doing one GET at a time
+    /// (2 runtime workers; reports GETs/s and p99 over all of them). 0: the
+    /// single-core loop below.
+    #[arg(long, default_value_t = 0)]
+    callers: usize,
 }
 
 fn key(i: u64) -> Bytes {
@@ -66,10 +71,63 @@ fn cpu_ms(pid: &str) -> Option<u64> {
     Some(ticks * 10)
 }
 
+/// Runtime workers of the `--callers` mode.
+const CALLER_WORKERS: usize = 2;
+
 fn main() {
     let a = Args::parse();
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
-    rt.block_on(run(a));
+    let rt = if a.callers > 0 {
+        tokio::runtime::Builder::new_multi_thread().worker_threads(CALLER_WORKERS).enable_all().build()
+    } else {
+        tokio::runtime::Builder::new_current_thread().enable_all().build()
+    };
+    rt.expect("runtime").block_on(run(a));
+}
+
+/// `callers` tasks GET random keys from one shared client until `secs` pass;
+/// prints GETs/s and latency percentiles over all of them.
+async fn run_callers(c: &Client, a: &Args) {
+    let deadline = Instant::now() + Duration::from_secs_f64(a.secs);
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for t in 0..a.callers {
+        let c = c.clone();
+        let (keys, value_size) = (a.keys, a.value_size);
+        let mut rng = Rng::new(a.seed.wrapping_add(t as u64 + 1));
+        tasks.push(tokio::spawn(async move {
+            let mut hist = hdrhistogram::Histogram::<u64>::new(3).expect("histogram");
+            let mut bad = 0u64;
+            while Instant::now() < deadline {
+                let t0 = Instant::now();
+                let v = c.get(key(rng.below(keys))).await.expect("get");
+                hist.saturating_record(t0.elapsed().as_nanos() as u64);
+                bad += u64::from(v.is_none_or(|v| v.len() != value_size));
+            }
+            (hist, bad)
+        }));
+    }
+    let mut all = hdrhistogram::Histogram::<u64>::new(3).expect("histogram");
+    let mut bad = 0;
+    for t in tasks {
+        let (h, b) = t.await.expect("caller");
+        all.add(h).expect("same histogram bounds");
+        bad += b;
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let us = |q: f64| all.value_at_quantile(q) as f64 / 1e3;
+    println!(
+        "transport={} callers={} keys={} value={}B: {:.0} GETs/s, p50 {:.1} us, p99 {:.1} us, max {:.1} us, \
+         wrong/missing={bad} read_stats={:?}",
+        a.transport,
+        a.callers,
+        a.keys,
+        a.value_size,
+        all.len() as f64 / secs,
+        us(0.5),
+        us(0.99),
+        all.max() as f64 / 1e3,
+        c.read_stats(),
+    );
 }
 
 async fn run(a: Args) {
@@ -95,6 +153,10 @@ async fn run(a: Args) {
             f.wait(LOAD_TIMEOUT).await.expect("put reply");
         }
         println!("loaded {} keys of {} B in {:.1}s", a.keys, a.value_size, start.elapsed().as_secs_f64());
+    }
+    if a.callers > 0 {
+        run_callers(&c, &a).await;
+        return;
     }
     let zipf = ScrambledZipfian::new(0, a.keys - 1);
     let uniform = a.distribution == "uniform";
