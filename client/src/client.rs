@@ -25,7 +25,11 @@ pub enum ReadPath {
     /// [`crate::path`]): one-sided where that is cheaper, else RPC.
     #[default]
     Auto,
-    /// One-sided reads only; fail if none is possible.
+    /// One-sided reads only: `get` and `multi_get` fail with
+    /// [`ClientError::OneSidedUnavailable`] when no one-sided path works
+    /// (after one try on a fresh path). Keys whose reads keep failing
+    /// verification (a writer racing the reader) are still answered over
+    /// RPC, never with unverified bytes.
     OneSided,
     /// RPC only.
     Rpc,
@@ -127,7 +131,7 @@ pub struct Client {
 struct Inner {
     addr: String,
     cfg: ClientConfig,
-    pool: Vec<Mutex<Option<Arc<Conn>>>>,
+    pool: Vec<Mutex<PoolSlot>>,
     next: AtomicUsize,
     path: std::sync::Mutex<PathState>,
     read_counters: Arc<ReadCounters>,
@@ -205,9 +209,35 @@ struct PathState {
     attaching: bool,
 }
 
+/// Paths a `ReadPath::OneSided` GET or multi-get tries (the one attached,
+/// then a fresh one) before it fails: it never answers over RPC because its
+/// path broke, only for keys whose reads keep failing verification.
+const FORCED_ONE_SIDED_TRIES: usize = 2;
 /// How often a client in `ReadPath::Auto` retries attaching one-sided reads
 /// after a failure; GETs go over RPC meanwhile.
 const REATTACH_INTERVAL: Duration = Duration::from_millis(500);
+/// First wait after a failed connect before a pool slot tries again; it
+/// doubles per failure up to [`MAX_CONNECT_BACKOFF`]. Meanwhile requests on
+/// that slot fail at once with the connect's error.
+const CONNECT_BACKOFF: Duration = Duration::from_millis(50);
+/// Longest wait between connects of one pool slot.
+const MAX_CONNECT_BACKOFF: Duration = Duration::from_secs(2);
+
+/// One pooled RPC connection, opened on demand. Connects are single-flight:
+/// one caller connects while the others wait for the slot, and after a
+/// failure they get its error at once until the backoff has passed, so no
+/// caller waits for more than one connect (and never past its deadline).
+#[derive(Default)]
+struct PoolSlot {
+    conn: Option<Arc<Conn>>,
+    failure: Option<ConnectFailure>,
+}
+
+struct ConnectFailure {
+    at: Instant,
+    backoff: Duration,
+    error: ClientError,
+}
 
 impl Client {
     /// Connects to a server with default settings.
@@ -218,7 +248,7 @@ impl Client {
     /// Connects with the given settings. Opens one connection now (so a
     /// wrong address fails here) and checks the protocol version.
     pub async fn connect_with(addr: impl Into<String>, cfg: ClientConfig) -> Result<Client, ClientError> {
-        let pool: Vec<_> = (0..cfg.pool_size.max(1)).map(|_| Mutex::new(None)).collect();
+        let pool: Vec<_> = (0..cfg.pool_size.max(1)).map(|_| Mutex::default()).collect();
         let selector = PathSelector::new(cfg.path);
         selector.set_usable(Path::Rpc, true);
         let rpc_repaths = Arc::new(AtomicU64::new(0));
@@ -235,7 +265,7 @@ impl Client {
             engine_repaths: Arc::default(),
         };
         let client = Client { inner: Arc::new(inner) };
-        client.conn_at(0).await?;
+        client.conn_at(0, client.deadline()).await?;
         match client.inner.cfg.read_path {
             ReadPath::Rpc => {}
             ReadPath::Auto => {
@@ -352,29 +382,72 @@ impl Client {
         &self.inner.cfg
     }
 
-    async fn conn_at(&self, i: usize) -> Result<Arc<Conn>, ClientError> {
-        let mut slot = self.inner.pool[i].lock().await;
-        if let Some(c) = slot.as_ref()
+    /// When a request that starts now must have its reply.
+    fn deadline(&self) -> tokio::time::Instant {
+        tokio::time::Instant::now() + self.inner.cfg.request_timeout
+    }
+
+    /// The open connection of pool slot `i`, connecting it if needed (see
+    /// [`PoolSlot`]); gives up at `deadline`.
+    async fn conn_at(&self, i: usize, deadline: tokio::time::Instant) -> Result<Arc<Conn>, ClientError> {
+        let timeout = ClientError::Timeout(self.inner.cfg.request_timeout);
+        let mut slot =
+            tokio::time::timeout_at(deadline, self.inner.pool[i].lock()).await.map_err(|_| timeout.clone())?;
+        if let Some(c) = &slot.conn
             && !c.is_closed()
         {
             return Ok(Arc::clone(c));
         }
+        if let Some(f) = &slot.failure
+            && f.at.elapsed() < f.backoff
+        {
+            return Err(f.error.clone());
+        }
+        let result = tokio::time::timeout_at(deadline, self.open_conn()).await.unwrap_or(Err(timeout));
+        match &result {
+            Ok(conn) => *slot = PoolSlot { conn: Some(Arc::clone(conn)), failure: None },
+            Err(e) => {
+                let backoff =
+                    slot.failure.as_ref().map_or(CONNECT_BACKOFF, |f| (f.backoff * 2).min(MAX_CONNECT_BACKOFF));
+                slot.conn = None;
+                slot.failure = Some(ConnectFailure { at: Instant::now(), backoff, error: e.clone() });
+            }
+        }
+        result
+    }
+
+    /// Connects and says HELLO.
+    async fn open_conn(&self) -> Result<Arc<Conn>, ClientError> {
         let cfg = &self.inner.cfg;
         let conn = Conn::connect(&self.inner.addr, cfg.connect_timeout, cfg.max_frame).await?;
         let hello = Op::Hello(proto::Hello { protocol_version: PROTOCOL_VERSION, client_name: "dmkv-client".into() });
         let resp = conn.send(hello).await?.wait(cfg.request_timeout).await?;
         match unwrap(resp)? {
-            R::Hello(_) => {}
-            other => return Err(unexpected(&other)),
+            R::Hello(_) => Ok(conn),
+            other => Err(unexpected(&other)),
         }
-        *slot = Some(Arc::clone(&conn));
-        Ok(conn)
+    }
+
+    /// A connection outside the pool, for state that must live as long as
+    /// a one-sided path (the server's RDMA queue pairs live as long as the
+    /// connection that set them up, and pooled connections get replaced).
+    pub(crate) async fn dedicated_conn(&self) -> Result<Arc<Conn>, ClientError> {
+        self.open_conn().await
+    }
+
+    /// Closes every pooled RPC connection, as the path controller does to a
+    /// congested one; later requests open fresh ones. For tests.
+    #[doc(hidden)]
+    pub async fn replace_rpc_connections(&self) {
+        for slot in &self.inner.pool {
+            slot.lock().await.conn = None;
+        }
     }
 
     /// Sends a request on the next pooled connection without waiting for
     /// its reply: the building block of pipelining.
     pub async fn send(&self, op: Op) -> Result<InFlight, ClientError> {
-        self.send_on(self.next_slot(), op).await
+        self.send_on(self.next_slot(), op, self.deadline()).await
     }
 
     /// The pooled connection the next request goes on.
@@ -382,13 +455,16 @@ impl Client {
         self.inner.next.fetch_add(1, Ordering::Relaxed) % self.inner.pool.len()
     }
 
-    async fn send_on(&self, slot: usize, op: Op) -> Result<InFlight, ClientError> {
-        self.conn_at(slot).await?.send(op).await
+    async fn send_on(&self, slot: usize, op: Op, deadline: tokio::time::Instant) -> Result<InFlight, ClientError> {
+        self.conn_at(slot, deadline).await?.send(op).await
     }
 
-    /// Sends `op` on connection `slot` and waits for its result.
+    /// Sends `op` on connection `slot` and waits for its result; connecting
+    /// counts against the request's timeout.
     async fn call_on(&self, slot: usize, op: Op) -> Result<R, ClientError> {
-        unwrap(self.send_on(slot, op).await?.wait(self.inner.cfg.request_timeout).await?)
+        let deadline = self.deadline();
+        let sent = self.send_on(slot, op, deadline).await?;
+        unwrap(sent.wait_until(deadline, self.inner.cfg.request_timeout).await?)
     }
 
     async fn call(&self, op: Op) -> Result<R, ClientError> {
@@ -410,16 +486,19 @@ impl Client {
             ReadPath::Rpc => self.measured_rpc_get(key, sel.admit_fixed(Path::Rpc, key_hash(key))).await,
             ReadPath::Auto => self.auto_get(key).await,
             ReadPath::OneSided => {
-                // A forced one-sided GET gets one more try on a fresh path.
-                for _ in 0..2 {
-                    let Some(path) = self.one_sided().await? else { break };
+                let mut failure = None;
+                for _ in 0..FORCED_ONE_SIDED_TRIES {
+                    let path = self.attach().await?;
                     let adm = sel.admit_fixed(Path::OneSided, key_hash(key));
                     match self.measured_one_sided_get(&path, key, adm).await {
                         Ok(r) => return Ok(r),
-                        Err(e) => self.detach(&path, &e),
+                        Err(e) => {
+                            self.detach(&path, &e);
+                            failure = Some(e);
+                        }
                     }
                 }
-                self.rpc_get(key).await
+                Err(ClientError::OneSidedUnavailable(failure.map(|e| e.to_string()).unwrap_or_default()))
             }
         }
     }
@@ -511,7 +590,7 @@ impl Client {
                     // Congested for several rounds: later requests of this
                     // slot open a fresh connection; this one drains.
                     tracing::debug!(conn = i, "RPC connection congested: moving to a new one");
-                    *self.inner.pool[i].lock().await = None;
+                    self.inner.pool[i].lock().await.conn = None;
                 }
             }
         }
@@ -602,40 +681,69 @@ impl Client {
         for k in keys {
             check_key(k.as_ref())?;
         }
-        // A batch follows the path single GETs prefer now.
-        let rpc_preferred = self.inner.cfg.read_path == ReadPath::Auto && self.inner.selector.preferred() == Path::Rpc;
-        if !rpc_preferred && let Some(path) = self.one_sided().await? {
-            match path.multi_get(keys).await {
-                Ok(res) => {
-                    let mut out = Vec::with_capacity(keys.len());
-                    let mut rest = Vec::new();
-                    for (i, r) in res.into_iter().enumerate() {
-                        match r {
-                            OneSidedGet::Found(v) => out.push(Some(v.value)),
-                            OneSidedGet::Missing => out.push(None),
-                            OneSidedGet::GiveUp => {
-                                out.push(None);
-                                rest.push(i);
-                            }
+        match self.inner.cfg.read_path {
+            ReadPath::Rpc => {}
+            ReadPath::OneSided => {
+                let mut failure = None;
+                for _ in 0..FORCED_ONE_SIDED_TRIES {
+                    let path = self.attach().await?;
+                    match self.one_sided_multi_get(&path, keys).await? {
+                        Ok(values) => return Ok(values),
+                        Err(e) => {
+                            self.detach(&path, &e);
+                            failure = Some(e);
                         }
                     }
-                    if !rest.is_empty() {
-                        let rest_keys: Vec<&[u8]> = rest.iter().map(|&i| keys[i].as_ref()).collect();
-                        for (i, v) in rest.into_iter().zip(self.rpc_multi_get(&rest_keys).await?) {
-                            out[i] = v;
-                        }
-                    }
-                    return Ok(out);
                 }
-                Err(e) => {
-                    self.detach(&path, &e);
-                    if self.inner.cfg.read_path == ReadPath::OneSided {
-                        return Err(ClientError::OneSidedUnavailable(e.to_string()));
+                let why = failure.map(|e| e.to_string()).unwrap_or_default();
+                return Err(ClientError::OneSidedUnavailable(why));
+            }
+            // A batch follows the path single GETs prefer now.
+            ReadPath::Auto => {
+                if self.inner.selector.preferred() != Path::Rpc
+                    && let Some(path) = self.one_sided().await?
+                {
+                    match self.one_sided_multi_get(&path, keys).await? {
+                        Ok(values) => return Ok(values),
+                        Err(e) => self.detach(&path, &e),
                     }
                 }
             }
         }
         self.rpc_multi_get(keys).await
+    }
+
+    /// A multi-get over `path`; keys whose reads kept failing verification
+    /// are asked over RPC. The outer error is that RPC's; the inner one, the
+    /// path's failure (nothing returned).
+    async fn one_sided_multi_get<K: AsRef<[u8]>>(
+        &self,
+        path: &OneSided,
+        keys: &[K],
+    ) -> Result<Result<Vec<Option<Bytes>>, BackendError>, ClientError> {
+        let res = match path.multi_get(keys).await {
+            Ok(res) => res,
+            Err(e) => return Ok(Err(e)),
+        };
+        let mut out = Vec::with_capacity(keys.len());
+        let mut rest = Vec::new();
+        for (i, r) in res.into_iter().enumerate() {
+            match r {
+                OneSidedGet::Found(v) => out.push(Some(v.value)),
+                OneSidedGet::Missing => out.push(None),
+                OneSidedGet::GiveUp => {
+                    out.push(None);
+                    rest.push(i);
+                }
+            }
+        }
+        if !rest.is_empty() {
+            let rest_keys: Vec<&[u8]> = rest.iter().map(|&i| keys[i].as_ref()).collect();
+            for (i, v) in rest.into_iter().zip(self.rpc_multi_get(&rest_keys).await?) {
+                out[i] = v;
+            }
+        }
+        Ok(Ok(out))
     }
 
     /// Multi-get over RPC, whatever the read path.

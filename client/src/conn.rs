@@ -46,8 +46,18 @@ pub struct InFlight {
 impl InFlight {
     /// Waits for the reply, at most `timeout`.
     pub async fn wait(self, timeout: Duration) -> Result<Response, ClientError> {
+        self.wait_until(tokio::time::Instant::now() + timeout, timeout).await
+    }
+
+    /// Waits for the reply until `deadline`; a timeout reports `timeout`
+    /// (the request's whole budget, of which this wait is the rest).
+    pub(crate) async fn wait_until(
+        self,
+        deadline: tokio::time::Instant,
+        timeout: Duration,
+    ) -> Result<Response, ClientError> {
         let InFlight { id, rx, pending } = self;
-        match tokio::time::timeout(timeout, rx).await {
+        match tokio::time::timeout_at(deadline, rx).await {
             Ok(Ok(resp)) => Ok(resp),
             Ok(Err(_)) => Err(ClientError::ConnectionClosed),
             Err(_) => {

@@ -28,6 +28,27 @@ use crate::limits::{BUCKET_LEN, SLOTS_PER_BUCKET};
 
 /// Most one-sided attempts of one GET before it goes over RPC.
 pub const MAX_ATTEMPTS: usize = 4;
+/// Most keys in one batch of a one-sided multi-get (up to three reads each).
+pub const MAX_BATCH_KEYS: usize = 256;
+/// A batch should take at most this share of the grace period, so that a
+/// reader's attempt finishes inside it with room for a slower round.
+const BATCH_GRACE_SHARE: u64 = 4;
+
+/// How many keys the next batch of a multi-get should carry, after a batch
+/// of `keys` keys took `elapsed` ns against a grace period of `grace` ns.
+///
+/// An attempt that outlasts the grace period is abandoned ([`Retry::Slow`])
+/// however correct its bytes, so a batch too large for the transport's
+/// speed (an emulated NIC, a congested link) would fail every attempt of
+/// every key in it and send them all over RPC. The batch is sized to take
+/// a quarter of the grace period at the speed just measured, growing back at
+/// most twofold per batch.
+pub fn next_batch_keys(keys: usize, elapsed: u64, grace: u64) -> usize {
+    let keys = keys.clamp(1, MAX_BATCH_KEYS);
+    let budget = grace / BATCH_GRACE_SHARE;
+    let fit = (keys as u64).saturating_mul(budget).checked_div(elapsed).unwrap_or(u64::MAX);
+    (fit.min(2 * keys as u64) as usize).clamp(1, MAX_BATCH_KEYS)
+}
 
 /// One read the protocol needs: `len` bytes at region offset `offset`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -236,6 +257,29 @@ mod tests {
     //! at once (no grace period) and whose reads tear at random offsets.
 
     use super::*;
+
+    #[test]
+    fn batch_size_follows_the_measured_speed() {
+        const MS: u64 = 1_000_000;
+        // 256 keys took 300 ms against a 100 ms grace: the next batch is
+        // sized for 25 ms at that speed.
+        assert_eq!(next_batch_keys(256, 300 * MS, 100 * MS), 21);
+        // Fast batches grow back, at most twofold, up to the limit.
+        assert_eq!(next_batch_keys(21, MS, 100 * MS), 42);
+        assert_eq!(next_batch_keys(200, 0, 100 * MS), MAX_BATCH_KEYS);
+        // Never below one key, whatever the speed; nonsense is clamped.
+        assert_eq!(next_batch_keys(1, 10_000 * MS, 100 * MS), 1);
+        assert_eq!(next_batch_keys(0, u64::MAX, 0), 1);
+        assert_eq!(next_batch_keys(usize::MAX, 1, u64::MAX), MAX_BATCH_KEYS);
+        // Converges: a transport 10x too slow for 256 keys settles at a
+        // batch that takes about a quarter of the grace period.
+        let per_key = 4 * MS;
+        let mut keys = MAX_BATCH_KEYS;
+        for _ in 0..8 {
+            keys = next_batch_keys(keys, keys as u64 * per_key, 100 * MS);
+        }
+        assert!((5..=7).contains(&keys), "{keys}");
+    }
     use crate::layout::{encode_item, item_units};
     use crate::limits::UNIT;
     use proptest::prelude::*;

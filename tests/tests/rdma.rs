@@ -60,10 +60,12 @@ async fn gets_over_rdma_read_never_reach_kv_code() {
     rpc.delete("k2").await.unwrap();
     assert_eq!(c.get("k2").await.unwrap(), None);
     let after = rpc.stats().await.unwrap();
-    assert_eq!(after["gets"], before["gets"], "the server's KV code ran for an RDMA GET");
-    assert_eq!(after["engine_reads"], before["engine_reads"], "GETs went through the TCP engine, not RDMA");
+    // Printed before any assertion, so a failure shows which GETs left the
+    // one-sided path and why (retries by cause, fallbacks).
     let rs = c.read_stats();
-    println!("rdma read stats: {rs:?}");
+    println!("rdma read stats: {rs:?}; server GETs {}", after["gets"] - before["gets"]);
+    assert_eq!(after["gets"], before["gets"], "the server's KV code ran for an RDMA GET: {rs:?}");
+    assert_eq!(after["engine_reads"], before["engine_reads"], "GETs went through the TCP engine, not RDMA");
     assert!(rs.gets >= 600 + 400 + 4 && rs.fallbacks == 0, "{rs:?}");
 }
 
@@ -139,4 +141,67 @@ async fn reregistration_revokes_the_rdma_rkey() {
     let gets = rpc.stats().await.unwrap()["gets"];
     assert_eq!(c.get("k").await.unwrap().unwrap(), "v2".as_bytes(), "client follows the new registration");
     assert_eq!(rpc.stats().await.unwrap()["gets"], gets);
+}
+
+/// The server's queue pairs live as long as the connection that set them
+/// up. The RDMA path has a control connection of its own, so replacing the
+/// client's pooled RPC connections (as the path controller does to congested
+/// ones) must not touch it: GETs go on over RDMA with no failure.
+#[tokio::test]
+async fn replacing_rpc_connections_keeps_the_rdma_path() {
+    if !device_or_skip("replacing_rpc_connections_keeps_the_rdma_path") {
+        return;
+    }
+    let srv = ServerProcess::start(&["--memory", "16MiB"]);
+    let c = Client::connect_with(&srv.rpc, rdma_cfg()).await.unwrap();
+    for i in 0..20 {
+        c.put(format!("k{i}"), format!("v{i}")).await.unwrap();
+    }
+    assert_eq!(c.get("k0").await.unwrap().unwrap(), "v0".as_bytes());
+    let gets = c.stats().await.unwrap()["gets"];
+    c.replace_rpc_connections().await;
+    // A request on a fresh pooled connection; the old one is closed.
+    assert_eq!(c.stats().await.unwrap()["gets"], gets);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    for i in 0..20 {
+        assert_eq!(c.get(format!("k{i}")).await.unwrap().unwrap(), format!("v{i}").as_bytes());
+    }
+    let ps = c.path_stats().controller;
+    println!("after replacing the RPC connections: {ps:?}, {:?}", c.read_stats());
+    assert_eq!(ps.one_sided.failures, 0, "the RDMA path broke with the pooled connection");
+    assert_eq!(c.stats().await.unwrap()["gets"], gets, "GETs left the RDMA path");
+    assert_eq!(c.one_sided_transport(), Some(Transport::Rdma));
+}
+
+/// Many callers on one RDMA path: each read takes a lane (queue pair) and
+/// sleeps on its completion channel, so callers beyond the runtime's
+/// workers make progress and every GET is answered one-sided.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_rdma_gets_share_lanes() {
+    if !device_or_skip("concurrent_rdma_gets_share_lanes") {
+        return;
+    }
+    let srv = ServerProcess::start(&["--memory", "16MiB"]);
+    let c = Client::connect_with(&srv.rpc, rdma_cfg()).await.unwrap();
+    for i in 0..100 {
+        c.put(format!("k{i}"), vec![i as u8; 1000]).await.unwrap();
+    }
+    let gets = c.stats().await.unwrap()["gets"];
+    let mut tasks = Vec::new();
+    for t in 0..8usize {
+        let c = c.clone();
+        tasks.push(tokio::spawn(async move {
+            for n in 0..50usize {
+                let i = (t * 13 + n * 7) % 100;
+                assert_eq!(c.get(format!("k{i}")).await.unwrap().unwrap(), vec![i as u8; 1000]);
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let rs = c.read_stats();
+    println!("8 callers x 50 GETs over RDMA: {rs:?}");
+    assert!(rs.gets >= 400 && rs.fallbacks == 0, "{rs:?}");
+    assert_eq!(c.stats().await.unwrap()["gets"], gets, "GETs left the RDMA path");
 }

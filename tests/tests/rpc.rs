@@ -375,3 +375,78 @@ async fn pipelined_gets_of_large_values_are_all_answered() {
         }
     }
 }
+
+/// A server that answers the first connection's HELLO, then hangs up, and
+/// from then on accepts connections without ever answering: a stalled peer.
+/// Returns its address and a counter of accepted connections.
+async fn stalling_server() -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::Ordering;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = std::sync::Arc::clone(&accepted);
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((mut s, _)) = listener.accept().await {
+            if count.fetch_add(1, Ordering::SeqCst) == 0 {
+                let mut len = [0u8; 4];
+                s.read_exact(&mut len).await.unwrap();
+                let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
+                s.read_exact(&mut body).await.unwrap();
+                let id = Request::decode(&body[..]).unwrap().id;
+                let hello =
+                    proto::HelloReply { protocol_version: dmkv_common::PROTOCOL_VERSION, server_version: "x".into() };
+                let mut out = BytesMut::new();
+                frame::encode(&Response { id, result: Some(R::Hello(hello)) }, 1 << 20, &mut out).unwrap();
+                s.write_all(&out).await.unwrap();
+                // Hang up: the client's pooled connection is gone.
+            } else {
+                held.push(s);
+            }
+        }
+    });
+    (addr, accepted)
+}
+
+/// Many requests waiting for one pool slot whose server stalls: one
+/// connects (single-flight), the others get its failure instead of each
+/// trying again in turn, and every one ends within its own deadline (the
+/// k-th waiter used to wait k connect timeouts).
+#[tokio::test]
+async fn concurrent_requests_share_one_connect_and_keep_their_deadline() {
+    use std::sync::atomic::Ordering;
+    let (addr, accepted) = stalling_server().await;
+    let timeout = Duration::from_millis(400);
+    let cfg = ClientConfig {
+        pool_size: 1,
+        read_path: dmkv_client::ReadPath::Rpc,
+        request_timeout: timeout,
+        connect_timeout: timeout,
+        ..Default::default()
+    };
+    let c = Client::connect_with(&addr, cfg).await.unwrap();
+    // Let the client's reader see the hang-up.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let started = std::time::Instant::now();
+    let mut tasks = Vec::new();
+    for i in 0..8 {
+        let c = c.clone();
+        tasks.push(tokio::spawn(async move {
+            let t0 = std::time::Instant::now();
+            let r = c.get(format!("k{i}")).await;
+            (r, t0.elapsed())
+        }));
+    }
+    let mut slowest = Duration::ZERO;
+    for t in tasks {
+        let (r, took) = t.await.unwrap();
+        assert!(r.as_ref().is_err_and(ClientError::is_transport), "{r:?}");
+        slowest = slowest.max(took);
+    }
+    let connects = accepted.load(Ordering::SeqCst) - 1;
+    println!("8 requests on a stalled slot: {connects} connects, slowest {slowest:?}, all in {:?}", started.elapsed());
+    assert_eq!(connects, 1, "connects must be single-flight with backoff");
+    // A deadline, not a benchmark: the old behaviour took 8 x 400 ms.
+    assert!(slowest < 3 * timeout, "a request waited {slowest:?}, past its {timeout:?} deadline");
+}

@@ -6,28 +6,29 @@
 //! server's software one-sided engine over TCP).
 
 pub mod engine;
+mod hints;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 pub mod shm;
 
-use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use dmkv_common::layout::{LAYOUT_VERSION, RegionHeader};
 use dmkv_common::proto::{RegionDescriptor, RegionInfoReply};
-use dmkv_common::read::{AfterBuckets, Hint, Lookup, MAX_ATTEMPTS, Outcome, ReadSpec, Retry};
+use dmkv_common::read::{
+    AfterBuckets, Hint, Lookup, MAX_ATTEMPTS, MAX_BATCH_KEYS, Outcome, ReadSpec, Retry, next_batch_keys,
+};
 use thiserror::Error;
 
 use crate::client::{Transport, Versioned};
+use hints::HintCache;
 
 /// Most keys whose item address is cached per server.
 pub const DEFAULT_HINT_ENTRIES: usize = 64 * 1024;
-/// Keys per batch in a one-sided multi-get (three reads each at most).
-const MULTI_GET_CHUNK: usize = 256;
 
 /// Why a backend could not serve a batch. Every variant means the path is
 /// unusable until attached again; nothing read is returned.
@@ -90,7 +91,7 @@ impl Backend {
             Backend::Shm(s) => s.read(specs, out),
             Backend::Engine(e) => e.read(specs, out).await,
             #[cfg(feature = "rdma")]
-            Backend::Rdma(r) => r.read(specs, out),
+            Backend::Rdma(r) => r.read(specs, out).await,
         }
     }
 }
@@ -147,46 +148,6 @@ impl ReadCounters {
     }
 }
 
-/// A bounded map from key to the address its item was last read at;
-/// the oldest entries are dropped first.
-struct HintCache {
-    map: HashMap<Bytes, Hint>,
-    order: VecDeque<Bytes>,
-    cap: usize,
-}
-
-impl HintCache {
-    fn get(&self, key: &[u8]) -> Option<Hint> {
-        self.map.get(key).copied()
-    }
-
-    fn put(&mut self, key: &[u8], hint: Hint) {
-        if self.cap == 0 {
-            return;
-        }
-        if let Some(h) = self.map.get_mut(key) {
-            *h = hint;
-            return;
-        }
-        while self.map.len() >= self.cap {
-            match self.order.pop_front() {
-                Some(old) => {
-                    self.map.remove(&old);
-                }
-                None => break,
-            }
-        }
-        let k = Bytes::copy_from_slice(key);
-        self.order.push_back(k.clone());
-        self.map.insert(k, hint);
-    }
-
-    fn remove(&mut self, key: &[u8]) {
-        // The key stays in `order` until it ages out; the map decides.
-        self.map.remove(key);
-    }
-}
-
 /// The cost of a one-sided (multi-)GET, for path selection.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Trace {
@@ -213,6 +174,8 @@ pub struct OneSided {
     counters: std::sync::Arc<ReadCounters>,
     clock: Instant,
     enforce_grace: bool,
+    /// Keys per batch of a multi-get, sized to this path's measured speed.
+    batch_keys: AtomicUsize,
 }
 
 /// How to attach a one-sided path.
@@ -290,10 +253,11 @@ pub async fn attach(
                     header,
                     backend,
                     transport: t,
-                    hints: Mutex::new(HintCache { map: HashMap::new(), order: VecDeque::new(), cap: hint_entries }),
+                    hints: Mutex::new(HintCache::new(hint_entries)),
                     counters,
                     clock: Instant::now(),
                     enforce_grace,
+                    batch_keys: AtomicUsize::new(MAX_BATCH_KEYS),
                 });
             }
             Err(e) => errors.push(format!("{t:?}: {e}")),
@@ -401,7 +365,9 @@ impl OneSided {
     }
 
     /// GETs many keys: all bucket reads in one batch, then all item reads in
-    /// one batch, repeated for the keys that must retry.
+    /// one batch, repeated for the keys that must retry. Batches carry at
+    /// most as many keys as this path reads within a quarter of the grace
+    /// period ([`next_batch_keys`]).
     pub async fn multi_get<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<OneSidedGet>, BackendError> {
         Ok(self.multi_get_traced(keys).await?.0)
     }
@@ -413,24 +379,34 @@ impl OneSided {
     ) -> Result<(Vec<OneSidedGet>, Trace), BackendError> {
         let mut results: Vec<Option<OneSidedGet>> = (0..keys.len()).map(|_| None).collect();
         let mut trace = Trace::default();
-        for (chunk_no, chunk) in keys.chunks(MULTI_GET_CHUNK).enumerate() {
-            let base = chunk_no * MULTI_GET_CHUNK;
-            let mut todo: Vec<usize> = (0..chunk.len()).collect();
-            for _ in 0..MAX_ATTEMPTS {
-                if todo.is_empty() {
-                    break;
-                }
-                let (retry, rounds) = self.attempt(chunk, &todo, &mut results[base..base + chunk.len()]).await?;
+        let mut todo: Vec<usize> = (0..keys.len()).collect();
+        for _ in 0..MAX_ATTEMPTS {
+            if todo.is_empty() {
+                break;
+            }
+            let mut retry_all = Vec::new();
+            let mut rest = &todo[..];
+            while !rest.is_empty() {
+                let n = self.batch_keys.load(Ordering::Relaxed).clamp(1, rest.len());
+                let (batch, tail) = rest.split_at(n);
+                rest = tail;
+                let start = self.now();
+                let (retry, rounds) = self.attempt(keys, batch, &mut results).await?;
+                let took = self.now().saturating_sub(start);
+                // Without the grace check (tests that provoke tears) no batch is too slow.
+                let grace = if self.enforce_grace { self.header.grace_nanos } else { u64::MAX };
+                self.batch_keys.store(next_batch_keys(n, took, grace), Ordering::Relaxed);
                 trace.round_trips += rounds;
                 if !retry.is_empty() {
                     trace.retries += rounds;
                 }
-                todo = retry;
+                retry_all.extend(retry);
             }
-            for i in todo {
-                self.counters.fallbacks.fetch_add(1, Ordering::Relaxed);
-                results[base + i] = Some(OneSidedGet::GiveUp);
-            }
+            todo = retry_all;
+        }
+        for i in todo {
+            self.counters.fallbacks.fetch_add(1, Ordering::Relaxed);
+            results[i] = Some(OneSidedGet::GiveUp);
         }
         Ok((results.into_iter().map(|r| r.expect("every key resolved")).collect(), trace))
     }
