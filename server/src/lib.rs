@@ -1,14 +1,18 @@
 //! dmkvd, the dmkv server: a memfd-backed region laid out per
 //! `dmkv_common::layout`, the store that writes it, and the RPC service.
 //!
-//! Where a request goes: [`service`] decodes it, [`store`] runs it against
-//! the [`region`], whose space [`alloc`] hands out. One-sided GETs never
-//! reach those: same-host clients map the region after a [`shm`] handoff,
-//! others read it through the [`engine`]; both check the [`registration`].
+//! Where a request goes: [`framed`] reads it off its connection, [`service`]
+//! decodes it, [`store`] runs it against the [`region`], whose space
+//! [`alloc`] hands out. One-sided GETs never reach the service or the
+//! store: same-host clients map the region after a [`shm`] handoff, others
+//! read it through the [`engine`] (served by the same [`framed`] loop);
+//! both check the [`registration`].
 
 pub mod alloc;
 pub mod config;
+pub mod counters;
 pub mod engine;
+pub mod framed;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 pub mod region;
