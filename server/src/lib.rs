@@ -71,7 +71,7 @@ impl Server {
             region_id: 0,
             engine_addr: engine.as_ref().map(|l| l.local_addr()).transpose()?,
             shm_socket: shm.as_ref().map(|s| s.path().to_path_buf()),
-            host_id: host_id(),
+            host_id: dmkv_common::host::host_id(),
             engine_counters: Arc::default(),
             #[cfg(feature = "rdma")]
             rdma,
@@ -170,11 +170,6 @@ impl Server {
         while side.join_next().await.is_some() {}
         info!("stopped");
     }
-}
-
-/// The kernel's boot id: equal for processes on the same host (and kernel).
-fn host_id() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/random/boot_id").map(|s| s.trim().to_string()).unwrap_or_default()
 }
 
 #[cfg(feature = "rdma")]
