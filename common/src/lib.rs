@@ -15,6 +15,7 @@ pub mod onesided;
 pub mod path;
 pub mod racy;
 pub mod read;
+pub mod shm_handoff;
 
 /// Messages generated from `proto/dmkv.proto`.
 pub mod proto {
