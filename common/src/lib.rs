@@ -1,18 +1,21 @@
 //! dmkv-common: the parts of dmkv that client and server share, as pure
 //! logic with no IO: the wire protocol and its framing, the remote-memory
-//! layout (region header, index buckets, items), and the limits.
+//! layout (region header, index buckets, items), and the limits. The one
+//! exception is [`host::host_id`], which reads the kernel's boot id.
 //!
 //! Where a GET goes: [`layout`] says what the bytes in a server's region
 //! mean; [`frame`] and [`proto`] carry requests over TCP.
 
 pub mod error;
 pub mod frame;
+pub mod host;
 pub mod layout;
 pub mod limits;
 pub mod onesided;
 pub mod path;
 pub mod racy;
 pub mod read;
+pub mod shm_handoff;
 
 /// Messages generated from `proto/dmkv.proto`.
 pub mod proto {

@@ -3,37 +3,30 @@
 //!
 //! Like a NIC, it checks each read's rkey and bounds against the region's
 //! registration, copies the bytes, and replies; it never runs key-value
-//! code and never takes the store's locks. Every batch of reads read from
-//! the socket is answered, and all replies to one socket read go out in one
-//! write.
+//! code and never takes the store's locks. Connections are read and
+//! answered by the loop in [`framed`], as the RPC service's are.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 
 use bytes::BytesMut;
-use dmkv_common::onesided::{MAX_REQUEST_FRAME, ReadStatus, ReplyBuilder, check_read, decode_request, next_frame};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use dmkv_common::onesided::{
+    MAX_REQUEST_FRAME, ReadStatus, ReadWr, ReplyBuilder, WireError, check_read, decode_request, next_frame,
+};
+use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tracing::{debug, warn};
 
+use crate::counters::EngineCounters;
+use crate::framed;
 use crate::region::Region;
 use crate::registration::Registration;
 
-const READ_BUF: usize = 64 * 1024;
 /// Threads of the engine's runtime: like a NIC's several read engines, so
 /// one busy connection does not hold up the others.
 pub const ENGINE_THREADS: usize = 2;
-
-/// What the engine counts (exported by STATS).
-#[derive(Debug, Default)]
-pub struct EngineCounters {
-    pub batches: AtomicU64,
-    pub reads: AtomicU64,
-    pub bytes: AtomicU64,
-    pub rejected: AtomicU64,
-}
 
 /// Runs [`serve`] on threads of its own ([`ENGINE_THREADS`], with their
 /// own runtime), as a NIC serves reads beside the host's CPUs: RPC load on
@@ -78,8 +71,15 @@ pub async fn serve(
     loop {
         tokio::select! {
             r = listener.accept() => match r {
-                Ok((stream, _)) => {
-                    conns.spawn(serve_conn(stream, Arc::clone(&region), Arc::clone(&reg), Arc::clone(&counters), shutdown.clone()));
+                Ok((stream, peer)) => {
+                    let reads = Reads {
+                        region: Arc::clone(&region),
+                        reg: Arc::clone(&reg),
+                        counters: Arc::clone(&counters),
+                        peer,
+                        wrs: Vec::new(),
+                    };
+                    conns.spawn(framed::serve_connection(stream, "engine", reads, shutdown.clone()));
                 }
                 Err(e) => warn!("engine accept failed: {e}"),
             },
@@ -90,80 +90,40 @@ pub async fn serve(
     conns.shutdown().await;
 }
 
-async fn serve_conn(
-    stream: TcpStream,
+/// One engine connection's reads: checked against the registration like a
+/// NIC would, then copied out of the region.
+struct Reads {
     region: Arc<Region>,
     reg: Arc<Registration>,
     counters: Arc<EngineCounters>,
-    mut shutdown: watch::Receiver<bool>,
-) {
-    let peer = stream.peer_addr().ok();
-    let _ = stream.set_nodelay(true);
-    let (mut rd, mut wr) = stream.into_split();
-    let mut inbuf = BytesMut::with_capacity(READ_BUF);
-    let mut out = BytesMut::new();
-    let mut wrs = Vec::new();
-    loop {
-        if inbuf.capacity() - inbuf.len() < READ_BUF / 4 {
-            inbuf.reserve(READ_BUF);
-        }
-        let n = tokio::select! {
-            r = rd.read_buf(&mut inbuf) => match r { Ok(n) => n, Err(_) => return },
-            _ = shutdown.changed() => return,
-        };
-        if n == 0 {
-            return;
-        }
-        let mut fatal = None;
-        loop {
-            let body = match next_frame(&mut inbuf, MAX_REQUEST_FRAME) {
-                Ok(Some(b)) => b,
-                Ok(None) => break,
-                Err(e) => {
-                    fatal = Some(e);
-                    break;
-                }
-            };
-            let batch_id = match decode_request(&body, &mut wrs) {
-                Ok(id) => id,
-                Err(e) => {
-                    fatal = Some(e);
-                    break;
-                }
-            };
-            let (rkey, len) = (reg.rkey(), region.len() as u64);
-            let mut reply = ReplyBuilder::new(&mut out, batch_id, wrs.len());
-            let mut bytes = 0u64;
-            for (i, w) in wrs.iter().enumerate() {
-                let status = check_read(w, rkey, len, bytes);
-                if status == ReadStatus::Success {
-                    bytes += w.len as u64;
-                } else {
-                    counters.rejected.fetch_add(1, Ordering::Relaxed);
-                    debug!(?peer, ?status, offset = w.offset, len = w.len, "one-sided read rejected");
-                }
-                reply.push(i, status, w.len, |dst| region.read(w.offset, dst));
+    peer: SocketAddr,
+    /// The batch being answered; kept to reuse its allocation.
+    wrs: Vec<ReadWr>,
+}
+
+impl framed::Handler for Reads {
+    type Error = WireError;
+
+    async fn handle_next(&mut self, inbuf: &mut BytesMut, out: &mut BytesMut) -> Result<bool, WireError> {
+        let Some(body) = next_frame(inbuf, MAX_REQUEST_FRAME)? else { return Ok(false) };
+        let batch_id = decode_request(&body, &mut self.wrs)?;
+        let (rkey, len) = (self.reg.rkey(), self.region.len() as u64);
+        let mut reply = ReplyBuilder::new(out, batch_id, self.wrs.len());
+        let mut bytes = 0u64;
+        for (i, w) in self.wrs.iter().enumerate() {
+            let status = check_read(w, rkey, len, bytes);
+            if status == ReadStatus::Success {
+                bytes += w.len as u64;
+            } else {
+                self.counters.rejected.fetch_add(1, Ordering::Relaxed);
+                debug!(peer = ?self.peer, ?status, offset = w.offset, len = w.len, "one-sided read rejected");
             }
-            reply.finish();
-            counters.batches.fetch_add(1, Ordering::Relaxed);
-            counters.reads.fetch_add(wrs.len() as u64, Ordering::Relaxed);
-            counters.bytes.fetch_add(bytes, Ordering::Relaxed);
-            if out.len() >= crate::service::MAX_PENDING_REPLY_BYTES {
-                if wr.write_all(&out).await.is_err() {
-                    return;
-                }
-                out.clear();
-            }
+            reply.push(i, status, w.len, |dst| self.region.read(w.offset, dst));
         }
-        if !out.is_empty() {
-            if wr.write_all(&out).await.is_err() {
-                return;
-            }
-            out.clear();
-        }
-        if let Some(e) = fatal {
-            warn!(?peer, "closing engine connection: {e}");
-            return;
-        }
+        reply.finish();
+        self.counters.batches.fetch_add(1, Ordering::Relaxed);
+        self.counters.reads.fetch_add(self.wrs.len() as u64, Ordering::Relaxed);
+        self.counters.bytes.fetch_add(bytes, Ordering::Relaxed);
+        Ok(true)
     }
 }

@@ -1,14 +1,18 @@
 //! dmkvd, the dmkv server: a memfd-backed region laid out per
 //! `dmkv_common::layout`, the store that writes it, and the RPC service.
 //!
-//! Where a request goes: [`service`] decodes it, [`store`] runs it against
-//! the [`region`], whose space [`alloc`] hands out. One-sided GETs never
-//! reach those: same-host clients map the region after a [`shm`] handoff,
-//! others read it through the [`engine`]; both check the [`registration`].
+//! Where a request goes: [`framed`] reads it off its connection, [`service`]
+//! decodes it, [`store`] runs it against the [`region`], whose space
+//! [`alloc`] hands out. One-sided GETs never reach the service or the
+//! store: same-host clients map the region after a [`shm`] handoff, others
+//! read it through the [`engine`] (served by the same [`framed`] loop);
+//! both check the [`registration`].
 
 pub mod alloc;
 pub mod config;
+pub mod counters;
 pub mod engine;
+pub mod framed;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 pub mod region;
@@ -67,7 +71,7 @@ impl Server {
             region_id: 0,
             engine_addr: engine.as_ref().map(|l| l.local_addr()).transpose()?,
             shm_socket: shm.as_ref().map(|s| s.path().to_path_buf()),
-            host_id: host_id(),
+            host_id: dmkv_common::host::host_id(),
             engine_counters: Arc::default(),
             #[cfg(feature = "rdma")]
             rdma,
@@ -166,11 +170,6 @@ impl Server {
         while side.join_next().await.is_some() {}
         info!("stopped");
     }
-}
-
-/// The kernel's boot id: equal for processes on the same host (and kernel).
-fn host_id() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/random/boot_id").map(|s| s.trim().to_string()).unwrap_or_default()
 }
 
 #[cfg(feature = "rdma")]

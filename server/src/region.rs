@@ -21,11 +21,14 @@ pub struct Region {
     len: usize,
 }
 
-// SAFETY: the mapping is only accessed through atomic loads and stores (see
-// `racy`), which are sound from any thread.
-unsafe impl Sync for Region {}
-// SAFETY: as above; the raw pointer inside `MmapRaw` is not tied to a thread.
-unsafe impl Send for Region {}
+// Shared between the service, the engine and the handoff threads. That
+// needs no `unsafe impl`: `MmapRaw` is Send + Sync, and sharing is sound
+// because every access goes through `racy`. This fails to build if a field
+// ever changes that.
+const _: fn() = || {
+    fn check<T: Send + Sync>() {}
+    check::<Region>();
+};
 
 impl Region {
     /// Creates a zero-filled region of `len` bytes in a new memfd and maps it

@@ -1,6 +1,5 @@
-//! The RPC service: one task per TCP connection reads frames, runs each
-//! request against the store, and writes all replies to the requests it
-//! read in one batch with a single write (reply coalescing).
+//! The RPC service: one task per TCP connection runs each request against
+//! the store; [`framed`] reads the requests and coalesces the replies.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -9,24 +8,18 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 use dmkv_common::error::Error as StoreError;
-use dmkv_common::frame::{self, Decoder};
+use dmkv_common::frame::{self, Decoder, FrameError};
 use dmkv_common::limits::MAX_MULTI_GET_KEYS;
 use dmkv_common::proto::{self, ErrorCode, Request, Response, request::Op, response::Result as R};
 use dmkv_common::{PROTOCOL_VERSION, layout::LAYOUT_VERSION};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
-use tracing::{debug, warn};
 
-use crate::engine::EngineCounters;
+use crate::counters::EngineCounters;
+use crate::framed;
 use crate::registration::Registration;
 use crate::store::Store;
 
-/// Read buffer size per connection; frames larger than this grow it.
-const READ_BUF: usize = 64 * 1024;
-/// Reply bytes a connection gathers before it writes them, even in the
-/// middle of a batch of requests.
-pub const MAX_PENDING_REPLY_BYTES: usize = 4 * 1024 * 1024;
 /// Most times a PUT waits for space that is finishing its grace period.
 const OOM_RETRIES: usize = 2;
 
@@ -54,65 +47,26 @@ struct ConnState {
 
 /// Serves one connection until the peer closes, sends a malformed frame,
 /// or the server shuts down (after answering every request already read).
-pub async fn serve_connection(stream: TcpStream, shared: Arc<Shared>, mut shutdown: watch::Receiver<bool>) {
-    let peer = stream.peer_addr().ok();
-    let _ = stream.set_nodelay(true);
-    let (mut rd, mut wr) = stream.into_split();
-    let decoder = Decoder::new(shared.max_frame);
-    let mut inbuf = BytesMut::with_capacity(READ_BUF);
-    let mut out = BytesMut::new();
-    let mut state = ConnState::default();
-    loop {
-        if inbuf.capacity() - inbuf.len() < READ_BUF / 4 {
-            inbuf.reserve(READ_BUF);
-        }
-        let n = tokio::select! {
-            r = rd.read_buf(&mut inbuf) => match r {
-                Ok(n) => n,
-                Err(e) => { debug!(?peer, "read error: {e}"); return; }
-            },
-            _ = shutdown.changed() => return,
-        };
-        if n == 0 {
-            if !inbuf.is_empty() {
-                warn!(?peer, bytes = inbuf.len(), "connection closed in the middle of a frame");
-            }
-            return;
-        }
-        let mut close_reason = None;
-        loop {
-            match decoder.next_message::<Request>(&mut inbuf) {
-                Ok(Some(req)) => {
-                    let resp = handle(&shared, &mut state, req).await;
-                    encode_reply(&resp, shared.max_frame, &mut out);
-                    // Many small requests can ask for many large values:
-                    // bound what one connection holds before writing.
-                    if out.len() >= MAX_PENDING_REPLY_BYTES {
-                        if let Err(e) = wr.write_all(&out).await {
-                            debug!(?peer, "write error: {e}");
-                            return;
-                        }
-                        out.clear();
-                    }
-                }
-                Ok(None) => break,
-                Err(e) => {
-                    close_reason = Some(e);
-                    break;
-                }
-            }
-        }
-        if !out.is_empty() {
-            if let Err(e) = wr.write_all(&out).await {
-                debug!(?peer, "write error: {e}");
-                return;
-            }
-            out.clear();
-        }
-        if let Some(e) = close_reason {
-            warn!(?peer, "closing connection: {e}");
-            return;
-        }
+pub async fn serve_connection(stream: TcpStream, shared: Arc<Shared>, shutdown: watch::Receiver<bool>) {
+    let requests = Requests { decoder: Decoder::new(shared.max_frame), shared, state: ConnState::default() };
+    framed::serve_connection(stream, "rpc", requests, shutdown).await;
+}
+
+/// One RPC connection's requests, run against the store.
+struct Requests {
+    decoder: Decoder,
+    shared: Arc<Shared>,
+    state: ConnState,
+}
+
+impl framed::Handler for Requests {
+    type Error = FrameError;
+
+    async fn handle_next(&mut self, inbuf: &mut BytesMut, out: &mut BytesMut) -> Result<bool, FrameError> {
+        let Some(req) = self.decoder.next_message::<Request>(inbuf)? else { return Ok(false) };
+        let resp = handle(&self.shared, &mut self.state, req).await;
+        encode_reply(&resp, self.shared.max_frame, out);
+        Ok(true)
     }
 }
 

@@ -8,7 +8,8 @@
 //! signal the client ties its mapping to. The server closes it on shutdown
 //! and on re-registration; the client then unmaps and asks again. Access
 //! is limited by the socket's file permissions (owner only) and by the
-//! rkey and epoch the client must present.
+//! rkey and epoch the client must present. The messages are in
+//! `dmkv_common::shm_handoff`.
 
 use std::fs::File;
 use std::io::{self, IoSlice};
@@ -18,6 +19,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use dmkv_common::shm_handoff as handoff;
 use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags, sendmsg};
 use tokio::io::{AsyncReadExt, Interest};
 use tokio::net::{UnixListener, UnixStream};
@@ -28,14 +30,6 @@ use tracing::{debug, warn};
 use crate::region::Region;
 use crate::registration::Registration;
 
-/// Bytes of a handoff request: rkey and epoch, u64 little-endian each.
-pub const REQUEST_LEN: usize = 16;
-/// Bytes of the reply: status, then the region length (u64 LE).
-pub const REPLY_LEN: usize = 9;
-/// Reply status: the descriptor is attached.
-pub const STATUS_OK: u8 = 0;
-/// Reply status: rkey or epoch is not current; nothing attached.
-pub const STATUS_REFUSED: u8 = 1;
 /// How long a client gets to send its request.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -106,17 +100,14 @@ async fn handoff(
     mut shutdown: watch::Receiver<bool>,
 ) {
     let mut epoch_rx = reg.subscribe();
-    let mut req = [0u8; REQUEST_LEN];
+    let mut req = [0u8; handoff::REQUEST_LEN];
     match tokio::time::timeout(REQUEST_TIMEOUT, stream.read_exact(&mut req)).await {
         Ok(Ok(_)) => {}
         _ => return,
     }
-    let rkey = u64::from_le_bytes(req[..8].try_into().expect("8 bytes"));
-    let epoch = u64::from_le_bytes(req[8..].try_into().expect("8 bytes"));
+    let (rkey, epoch) = handoff::decode_request(&req);
     let ok = rkey == reg.rkey() && epoch == reg.epoch();
-    let mut reply = [0u8; REPLY_LEN];
-    reply[0] = if ok { STATUS_OK } else { STATUS_REFUSED };
-    reply[1..].copy_from_slice(&len.to_le_bytes());
+    let reply = handoff::encode_reply(if ok { handoff::STATUS_OK } else { handoff::STATUS_REFUSED }, len);
     if let Err(e) = send_with_fd(&stream, &reply, ok.then_some(&*ro)).await {
         debug!("shm handoff failed: {e}");
         return;

@@ -306,7 +306,7 @@ fn header_of(d: &RegionDescriptor) -> Result<RegionHeader, BackendError> {
 }
 
 fn local_host_id() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/random/boot_id").map(|s| s.trim().to_string()).unwrap_or_default()
+    dmkv_common::host::host_id()
 }
 
 /// One key's progress through a (multi-)GET.

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use dmkv_common::layout::EPOCH_OFFSET;
 use dmkv_common::racy;
 use dmkv_common::read::ReadSpec;
+use dmkv_common::shm_handoff as handoff;
 use memmap2::{MmapOptions, MmapRaw};
 use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, recvmsg};
 use tokio::io::{AsyncWriteExt, Interest};
@@ -31,9 +32,6 @@ use super::{BackendError, Reads};
 /// How stale the liveness of the handoff connection may be: a server that
 /// went away is noticed by the first read this long after it did.
 pub const LIVENESS_CHECK_INTERVAL: Duration = Duration::from_millis(1);
-/// Handoff reply: status byte, region length.
-const REPLY_LEN: usize = 9;
-const STATUS_OK: u8 = 0;
 
 /// A mapped region and the connection that keeps it valid.
 pub struct ShmRegion {
@@ -60,10 +58,7 @@ impl ShmRegion {
     pub async fn attach(socket: &str, rkey: u64, epoch: u64, timeout: Duration) -> Result<ShmRegion, BackendError> {
         let work = async {
             let mut stream = UnixStream::connect(socket).await?;
-            let mut req = [0u8; 16];
-            req[..8].copy_from_slice(&rkey.to_le_bytes());
-            req[8..].copy_from_slice(&epoch.to_le_bytes());
-            stream.write_all(&req).await?;
+            stream.write_all(&handoff::encode_request(rkey, epoch)).await?;
             let (reply, fd) = recv_with_fd(&stream).await?;
             Ok::<_, io::Error>((stream, reply, fd))
         };
@@ -72,13 +67,14 @@ impl ShmRegion {
             Ok(Err(e)) => return Err(BackendError::Attach(format!("shared-memory handoff via {socket}: {e}"))),
             Err(_) => return Err(BackendError::Attach(format!("shared-memory handoff via {socket} timed out"))),
         };
-        if reply[0] != STATUS_OK {
+        let (status, region_len) = handoff::decode_reply(&reply);
+        if status != handoff::STATUS_OK {
             return Err(BackendError::Attach(
                 "server refused the shared-memory handoff (rkey or epoch not current)".into(),
             ));
         }
         let file = fd.ok_or_else(|| BackendError::Attach("handoff reply carried no descriptor".into()))?;
-        let len = u64::from_le_bytes(reply[1..9].try_into().expect("8 bytes")) as usize;
+        let len = region_len as usize;
         let map = MmapOptions::new()
             .len(len)
             .map_raw_read_only(&file)
@@ -148,11 +144,11 @@ impl ShmRegion {
     }
 }
 
-async fn recv_with_fd(stream: &UnixStream) -> io::Result<([u8; REPLY_LEN], Option<File>)> {
+async fn recv_with_fd(stream: &UnixStream) -> io::Result<([u8; handoff::REPLY_LEN], Option<File>)> {
     loop {
         stream.readable().await?;
         let r = stream.try_io(Interest::READABLE, || {
-            let mut reply = [0u8; REPLY_LEN];
+            let mut reply = [0u8; handoff::REPLY_LEN];
             let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
             let mut control = RecvAncillaryBuffer::new(&mut space);
             let msg = recvmsg(stream, &mut [IoSliceMut::new(&mut reply)], &mut control, RecvFlags::CMSG_CLOEXEC)
@@ -165,7 +161,7 @@ async fn recv_with_fd(stream: &UnixStream) -> io::Result<([u8; REPLY_LEN], Optio
                     }
                 }
             }
-            if msg.bytes != REPLY_LEN {
+            if msg.bytes != handoff::REPLY_LEN {
                 return Err(io::Error::other(format!("handoff reply of {} bytes", msg.bytes)));
             }
             Ok((reply, file))
