@@ -431,6 +431,7 @@ impl Client {
     /// A connection outside the pool, for state that must live as long as
     /// a one-sided path (the server's RDMA queue pairs live as long as the
     /// connection that set them up, and pooled connections get replaced).
+    #[cfg(feature = "rdma")]
     pub(crate) async fn dedicated_conn(&self) -> Result<Arc<Conn>, ClientError> {
         self.open_conn().await
     }

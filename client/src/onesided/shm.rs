@@ -9,8 +9,8 @@
 //! [`LIVENESS_CHECK_INTERVAL`]: a task watching it would not run while a
 //! caller GETs in a loop that never yields (shm reads never wait). Once it
 //! has closed, every read fails with [`BackendError::Closed`] and the client
-//! attaches again. This module holds the client's only `unsafe` (the
-//! mapping).
+//! attaches again. This module and `rdma` (registering a completion
+//! channel with the reactor) hold the client's `unsafe`.
 
 use std::fs::File;
 use std::io::{self, IoSliceMut};
