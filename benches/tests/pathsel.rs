@@ -16,7 +16,8 @@
 //!    RPC; once replies flow again, most go one-sided again.
 //!
 //! They need root, `ip` and `tc`; where namespaces cannot be made they
-//! print why and pass without checking anything. They run one at a time
+//! print why and pass without checking anything, or fail if
+//! `DMKV_NETNS_TESTS=1` (as in CI). They run one at a time
 //! (a lock), since each scenario loads both cores of a small machine.
 
 use std::sync::{Arc, Mutex};
@@ -53,7 +54,8 @@ fn params() -> Params {
 }
 
 /// The scenario's server, a probe in `Auto` and an admin client; `None`
-/// (after saying why) where network namespaces cannot be made.
+/// (after saying why) where network namespaces cannot be made and need not
+/// be (see `Netns::available_or_skip`).
 /// (Fields drop in order: clients, then the server and namespace, then the
 /// runtime the clients' connections belong to.)
 struct Run {
@@ -70,8 +72,7 @@ fn start(name: &str, scenario: Scenario) -> Option<Run> {
 
 /// [`start`] with the probe's settings given.
 fn start_with(name: &str, scenario: Scenario, probe: ClientConfig) -> Option<Run> {
-    if let Err(e) = Netns::available() {
-        eprintln!("skipping {name}: network namespaces unavailable here: {e}");
+    if !Netns::available_or_skip(name) {
         return None;
     }
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");

@@ -172,6 +172,10 @@ impl Config {
         if memory < MIN_REGION_LEN as u64 * 4 {
             return Err(format!("memory {memory} is below the minimum of {} bytes", MIN_REGION_LEN * 4));
         }
+        // The region is read and written in whole 8-byte words.
+        if !memory.is_multiple_of(8) {
+            return Err(format!("memory {memory} is not a multiple of 8 bytes"));
+        }
         let buckets =
             flags.buckets.or(file.buckets).unwrap_or_else(|| (memory / DEFAULT_BYTES_PER_BUCKET).next_power_of_two());
         if buckets == 0 || !buckets.is_power_of_two() {
@@ -274,5 +278,7 @@ mod tests {
         assert!(toml::from_str::<FileConfig>("bogus = 1").is_err());
         let bad = Flags { buckets: Some(1000), ..Flags::default() };
         assert!(Config::resolve(FileConfig::default(), bad).is_err());
+        let odd = Flags { memory: Some("33554433".into()), ..Flags::default() };
+        assert!(Config::resolve(FileConfig::default(), odd).is_err());
     }
 }

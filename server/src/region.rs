@@ -32,8 +32,17 @@ const _: fn() = || {
 
 impl Region {
     /// Creates a zero-filled region of `len` bytes in a new memfd and maps it
-    /// shared, read-write. Pages are allocated lazily by the kernel.
+    /// shared, read-write. Pages are allocated lazily by the kernel. `len`
+    /// must be a multiple of 8.
     pub fn create(name: &str, len: usize) -> io::Result<Region> {
+        // Reads load the whole words covering a range; with a whole number
+        // of words (and a page-aligned base) those stay inside the region.
+        if !len.is_multiple_of(8) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("region length {len} is not a multiple of 8"),
+            ));
+        }
         let cname = std::ffi::CString::new(name).map_err(|_| io::Error::other("region name has a NUL byte"))?;
         // SAFETY: `cname` is a valid C string; flags are valid for memfd_create.
         let raw = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
@@ -82,24 +91,32 @@ impl Region {
         offset.checked_add(len).is_some_and(|end| end <= self.len as u64)
     }
 
-    /// Copies bytes out of the region; they may be torn by a concurrent
-    /// writer and must be verified. Panics if out of bounds (callers check
-    /// untrusted offsets with [`Region::contains`] first).
+    /// Copies bytes out of the region, from any offset; they may be torn by
+    /// a concurrent writer and must be verified. Panics if out of bounds
+    /// (callers check untrusted offsets with [`Region::contains`] first).
     pub fn read(&self, offset: u64, dst: &mut [u8]) {
         let off = self.check(offset, dst.len());
-        // SAFETY: bounds checked above; the mapping lives as long as `self`;
-        // all writers use atomic stores.
+        // SAFETY: the words covering off..off + len lie inside the mapping:
+        // its base is page-aligned and its length a multiple of 8 (checked
+        // in `create`), so rounding an in-bounds range out to words stays in
+        // bounds. The mapping lives as long as `self`; all writers store
+        // whole aligned words atomically (`write`, `store_slot`).
         unsafe { racy::copy_from_shared(self.map.as_ptr().add(off), dst) }
     }
 
-    /// Writes bytes into the region with atomic stores.
+    /// Writes bytes into the region with atomic stores of whole words, at an
+    /// 8-aligned offset. The last word is padded with zeros, so the bytes up
+    /// to the next multiple of 8 must belong to the caller too.
     pub fn write(&self, offset: u64, src: &[u8]) {
-        let off = self.check(offset, src.len());
-        // SAFETY: bounds checked above; all readers use atomic loads.
+        assert!(offset.is_multiple_of(8), "unaligned region write at {offset}");
+        let off = self.check(offset, src.len().next_multiple_of(8));
+        // SAFETY: 8-aligned (asserted; the base is page-aligned) and in
+        // bounds including the padding; all readers load whole words
+        // atomically.
         unsafe { racy::copy_to_shared(self.map.as_mut_ptr().add(off), src) }
     }
 
-    /// Loads an 8-byte slot with acquire ordering.
+    /// Loads an 8-byte slot, ordered before the reads that follow it.
     pub fn load_slot(&self, offset: u64) -> u64 {
         let off = self.check(offset, 8);
         assert!(off.is_multiple_of(8), "unaligned slot");
@@ -135,9 +152,36 @@ mod tests {
     }
 
     #[test]
+    fn reads_any_range_up_to_the_end() {
+        let r = Region::create("test", 1 << 20).unwrap();
+        let end = 1 << 20;
+        r.write(end - 16, b"0123456789abcdef");
+        for start in end - 16..=end {
+            for len in 0..=(end - start) as usize {
+                let mut b = vec![0u8; len];
+                r.read(start, &mut b);
+                let from = (start - (end - 16)) as usize;
+                assert_eq!(b, b"0123456789abcdef"[from..from + len]);
+            }
+        }
+    }
+
+    #[test]
+    fn rejects_lengths_that_are_not_whole_words() {
+        assert!(Region::create("test", (1 << 20) + 4).is_err());
+    }
+
+    #[test]
     #[should_panic(expected = "out of bounds")]
     fn out_of_bounds_panics() {
         let r = Region::create("test", 1 << 20).unwrap();
-        r.write((1 << 20) - 2, b"abc");
+        r.write((1 << 20) - 8, b"abcdefghi");
+    }
+
+    #[test]
+    #[should_panic(expected = "unaligned")]
+    fn unaligned_write_panics() {
+        let r = Region::create("test", 1 << 20).unwrap();
+        r.write(4097, b"abc");
     }
 }

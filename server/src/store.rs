@@ -220,6 +220,8 @@ impl Store {
         w.scratch.clear();
         encode_item(key, value, version, 0, &mut w.scratch);
         let offset = at * UNIT as u64;
+        // Unit-aligned, and the write's padding to a whole word stays inside
+        // the item's units.
         self.region.write(offset, &w.scratch);
         let new_slot = Slot::new(kh.fingerprint, offset, units);
         self.region.store_slot(self.slot_offset(target.0, target.1), new_slot.pack());

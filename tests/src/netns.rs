@@ -33,6 +33,10 @@ const ATTEMPTS: u32 = 64;
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
 
+/// Environment variable that, set to `1`, makes tests needing namespaces
+/// fail where they cannot be made instead of skipping.
+pub const REQUIRE_ENV: &str = "DMKV_NETNS_TESTS";
+
 /// A network namespace with a veth pair to the root namespace.
 #[derive(Debug)]
 pub struct Netns {
@@ -61,6 +65,26 @@ impl Netns {
     pub fn available() -> Result<(), String> {
         static ANSWER: OnceLock<Result<(), String>> = OnceLock::new();
         ANSWER.get_or_init(probe).clone()
+    }
+
+    /// Whether `test`, which needs namespaces, can run: `true` if they are
+    /// [available](Netns::available). If not, it says why and returns
+    /// `false` so the test skips, unless [`REQUIRE_ENV`] is `1` (as in CI,
+    /// where namespaces work): then a skip would hide a broken setup, so it
+    /// panics.
+    pub fn available_or_skip(test: &str) -> bool {
+        match Netns::available() {
+            Ok(()) => true,
+            Err(e) if std::env::var(REQUIRE_ENV).as_deref() == Ok("1") => {
+                panic!("{test}: {REQUIRE_ENV}=1 but network namespaces are unavailable: {e}")
+            }
+            Err(e) => {
+                eprintln!(
+                    "{test}: skipped, network namespaces unavailable here ({e}); set {REQUIRE_ENV}=1 to make this fail"
+                );
+                false
+            }
+        }
     }
 
     /// Creates a namespace, a veth pair into it, a /30 on the pair, and
@@ -303,8 +327,7 @@ mod tests {
 
     #[test]
     fn creates_and_removes_everything() {
-        if let Err(e) = Netns::available() {
-            eprintln!("skipping creates_and_removes_everything: network namespaces unavailable here: {e}");
+        if !Netns::available_or_skip("creates_and_removes_everything") {
             return;
         }
         let ns = Netns::new().expect("namespace");

@@ -46,11 +46,12 @@ pub struct ShmRegion {
     checked_at: AtomicU64,
 }
 
-// SAFETY: the mapping is only read through atomic loads (`racy`), which
-// are sound from any thread; the pointer is not tied to a thread.
-unsafe impl Send for ShmRegion {}
-// SAFETY: as above.
-unsafe impl Sync for ShmRegion {}
+// Every field is Send and Sync (`MmapRaw` included), so no unsafe impl is
+// needed; this fails to compile if a field ever stops being so.
+const _: () = {
+    fn assert_send_sync<T: Send + Sync>() {}
+    let _ = assert_send_sync::<ShmRegion>;
+};
 
 impl ShmRegion {
     /// Asks the server at `socket` for its region, presenting `rkey` and
@@ -75,6 +76,11 @@ impl ShmRegion {
         }
         let file = fd.ok_or_else(|| BackendError::Attach("handoff reply carried no descriptor".into()))?;
         let len = region_len as usize;
+        // Reads load whole words; a whole number of them keeps every in-bounds
+        // read inside the mapping (the server's regions always are).
+        if !len.is_multiple_of(8) {
+            return Err(BackendError::Attach(format!("region length {len} is not a multiple of 8")));
+        }
         let map = MmapOptions::new()
             .len(len)
             .map_raw_read_only(&file)
@@ -122,7 +128,8 @@ impl ShmRegion {
         }
         let base = self.map.as_ptr();
         // SAFETY: EPOCH_OFFSET + 8 <= header length <= self.len, 8-aligned
-        // (the mapping is page-aligned); the mapping lives as long as self.
+        // (the mapping is page-aligned); the mapping lives as long as self;
+        // the server stores the header as whole words.
         let epoch = unsafe { racy::load_word(base.add(EPOCH_OFFSET as usize)) };
         if epoch != self.epoch {
             return Err(BackendError::Stale);
@@ -133,8 +140,10 @@ impl ShmRegion {
             match (s.offset as usize).checked_add(len) {
                 Some(end) if end <= self.len => {
                     let dst = out.push_slot(len);
-                    // SAFETY: offset..end lies inside the live mapping,
-                    // which is only ever written by the server's atomic stores.
+                    // SAFETY: offset..end lies inside the live mapping, and
+                    // so do the words covering it (page-aligned base, length
+                    // a multiple of 8, checked in `attach`); the server only
+                    // ever stores whole aligned words atomically.
                     unsafe { racy::copy_from_shared(base.add(s.offset as usize), dst) };
                 }
                 _ => out.push_failed(),
