@@ -9,8 +9,8 @@
 //! the tearing mode provoked no torn reads for verification to catch.
 //!
 //! Two modes: `tearing` runs the server with no grace period and readers
-//! that skip the grace check, so space is reused under readers at once and
-//! verification alone must catch every tear; `default` runs the shipped
+//! that skip the grace check, on a few keys, so space is reused under
+//! readers at once and verification alone must catch every tear; `default` runs the shipped
 //! settings and also checks that no reader sees a key's values go
 //! backwards. `DMKV_STRESS_SECS` sets each reader's run time (default 6);
 //! `DMKV_STRESS_TRANSPORTS` the readers' transports (default
@@ -29,6 +29,10 @@ use rand::{Rng, SeedableRng, rngs::SmallRng};
 use xxhash_rust::xxh3::xxh3_64;
 
 const KEYS: usize = 48;
+/// Keys of the tearing mode: few, so a key a reader is between its bucket
+/// and item reads of is often rewritten and its space reused meanwhile, even
+/// where writes are slow (the emulated RDMA VM manages about 70 a second).
+const TEARING_KEYS: usize = 4;
 const WRITERS: usize = 3;
 /// Largest value the writers write: spans many size classes.
 const MAX_VALUE: usize = 20_000;
@@ -131,6 +135,7 @@ fn stress_reader_child() {
     };
     let secs: f64 = std::env::var("DMKV_STRESS_SECS").unwrap().parse().unwrap();
     let enforce = std::env::var("DMKV_STRESS_ENFORCE").unwrap() == "1";
+    let keys: usize = std::env::var("DMKV_STRESS_KEYS").unwrap().parse().unwrap();
     let seed: u64 = std::env::var("DMKV_STRESS_SEED").unwrap().parse().unwrap();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let res = rt.block_on(async move {
@@ -144,7 +149,7 @@ fn stress_reader_child() {
         let c = Client::connect_with(rpc, cfg).await.unwrap();
         let mut rng = SmallRng::seed_from_u64(seed);
         let mut res = ReaderResult::default();
-        let mut last_seq = vec![0u64; KEYS];
+        let mut last_seq = vec![0u64; keys];
         let mut note = |res: &mut ReaderResult, i: usize, v: Option<bytes::Bytes>| {
             res.reads += 1;
             let k = key(i);
@@ -174,14 +179,14 @@ fn stress_reader_child() {
         let deadline = Instant::now() + Duration::from_secs_f64(secs);
         while Instant::now() < deadline {
             if rng.random_ratio(1, 8) {
-                let idx: Vec<usize> = (0..8).map(|_| rng.random_range(0..KEYS)).collect();
+                let idx: Vec<usize> = (0..8).map(|_| rng.random_range(0..keys)).collect();
                 let keys: Vec<String> = idx.iter().map(|&i| key(i)).collect();
                 let vals = c.multi_get(&keys).await.unwrap();
                 for (i, v) in idx.into_iter().zip(vals) {
                     note(&mut res, i, v);
                 }
             } else {
-                let i = rng.random_range(0..KEYS);
+                let i = rng.random_range(0..keys);
                 let v = c.get(key(i)).await.unwrap();
                 note(&mut res, i, v);
             }
@@ -203,7 +208,7 @@ struct Writers {
 }
 
 impl Writers {
-    fn start(rpc: &str, seed: u64) -> Writers {
+    fn start(rpc: &str, seed: u64, keys: usize) -> Writers {
         let stop = Arc::new(AtomicBool::new(false));
         let writes = Arc::new(AtomicU64::new(0));
         let (s, w, rpc) = (Arc::clone(&stop), Arc::clone(&writes), rpc.to_string());
@@ -217,7 +222,7 @@ impl Writers {
                     let (c, s, w) = (c.clone(), Arc::clone(&s), Arc::clone(&w));
                     tasks.push(tokio::spawn(async move {
                         let mut rng = SmallRng::seed_from_u64(seed ^ wi as u64);
-                        let mine: Vec<usize> = (0..KEYS).filter(|k| k % WRITERS == wi).collect();
+                        let mine: Vec<usize> = (0..keys).filter(|k| k % WRITERS == wi).collect();
                         let mut seq = 1u64;
                         while !s.load(Ordering::Relaxed) && seq < MAX_WRITES_PER_WRITER {
                             seq += 1;
@@ -257,7 +262,7 @@ impl Drop for Writers {
     }
 }
 
-fn run_reader(rpc: &str, transport: &str, secs: f64, enforce: bool, seed: u64) -> ReaderResult {
+fn run_reader(rpc: &str, transport: &str, secs: f64, enforce: bool, keys: usize, seed: u64) -> ReaderResult {
     let exe = std::env::current_exe().unwrap();
     let mut child = Command::new(exe)
         .args(["--ignored", "--exact", "stress_reader_child", "--nocapture", "--test-threads=1"])
@@ -265,6 +270,7 @@ fn run_reader(rpc: &str, transport: &str, secs: f64, enforce: bool, seed: u64) -
         .env("DMKV_STRESS_TRANSPORT", transport)
         .env("DMKV_STRESS_SECS", secs.to_string())
         .env("DMKV_STRESS_ENFORCE", if enforce { "1" } else { "0" })
+        .env("DMKV_STRESS_KEYS", keys.to_string())
         .env("DMKV_STRESS_SEED", seed.to_string())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -304,7 +310,7 @@ fn racing_writers_and_reader_processes() {
         })
         .collect();
     let mut caught_tears = 0;
-    for (mode, grace_ms, enforce) in [("tearing", "0", false), ("default", "100", true)] {
+    for (mode, grace_ms, enforce, keys) in [("tearing", "0", false, TEARING_KEYS), ("default", "100", true, KEYS)] {
         let srv = ServerProcess::start(&["--memory", "32MiB", "--grace-ms", grace_ms]);
         // Every key exists before the readers start, so "not found" is always wrong.
         {
@@ -313,17 +319,17 @@ fn racing_writers_and_reader_processes() {
                 let c = Client::connect_with(&srv.rpc, ClientConfig { read_path: ReadPath::Rpc, ..Default::default() })
                     .await
                     .unwrap();
-                for i in 0..KEYS {
+                for i in 0..keys {
                     c.put(key(i), make_value(&key(i), 1, 100)).await.unwrap();
                 }
             });
         }
-        let mut writers = Writers::start(&srv.rpc, seed);
+        let mut writers = Writers::start(&srv.rpc, seed, keys);
         let readers: Vec<_> = transports
             .iter()
             .map(|&t| {
                 let rpc = srv.rpc.clone();
-                std::thread::spawn(move || (t, run_reader(&rpc, t, secs, enforce, seed)))
+                std::thread::spawn(move || (t, run_reader(&rpc, t, secs, enforce, keys, seed)))
             })
             .collect();
         let results: Vec<(&str, ReaderResult)> = readers.into_iter().map(|h| h.join().unwrap()).collect();
