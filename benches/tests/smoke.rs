@@ -1,6 +1,7 @@
 //! The driver against real servers: a few hundred operations of every
 //! workload, so `dmkv-ycsb` cannot rot. memcached and Redis are measured
-//! too when they are installed; without them those parts are skipped.
+//! too when they are installed; without them those parts are skipped,
+//! unless `DMKV_RIVALS_TESTS=1` (set by CI), where that fails.
 
 use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
@@ -127,10 +128,16 @@ fn installed(name: &str) -> bool {
     Command::new("which").arg(name).stdout(Stdio::null()).status().is_ok_and(|s| s.success())
 }
 
-/// Starts `program` on a free loopback port; `None` if it is not installed.
+/// Starts `program` on a free loopback port; `None` if it is not installed,
+/// unless `DMKV_RIVALS_TESTS=1` (as in CI, which installs both): then a
+/// missing program fails the test instead of skipping it.
 fn start(program: &str, args: impl Fn(u16) -> Vec<String>) -> Option<(Killed, String)> {
     if !installed(program) {
-        println!("{program} is not installed: skipping its part of the smoke test");
+        assert!(
+            std::env::var("DMKV_RIVALS_TESTS").as_deref() != Ok("1"),
+            "DMKV_RIVALS_TESTS=1 but {program} is not installed"
+        );
+        println!("{program} is not installed: skipping its part of the smoke test (DMKV_RIVALS_TESTS=1 fails instead)");
         return None;
     }
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
