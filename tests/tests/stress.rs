@@ -31,8 +31,11 @@ use xxhash_rust::xxh3::xxh3_64;
 const KEYS: usize = 48;
 /// Keys of the tearing mode: few, so a key a reader is between its bucket
 /// and item reads of is often rewritten and its space reused meanwhile, even
-/// where writes are slow (the emulated RDMA VM manages about 70 a second).
+/// where writes are slow (the emulated RDMA VM manages about 120 a second).
 const TEARING_KEYS: usize = 4;
+/// Largest value of the tearing mode: items of one or two 64-byte units, so
+/// freed space is reused by the very next writes.
+const TEARING_MAX_VALUE: usize = 64;
 const WRITERS: usize = 3;
 /// Largest value the writers write: spans many size classes.
 const MAX_VALUE: usize = 20_000;
@@ -144,6 +147,11 @@ fn stress_reader_child() {
             transport: Some(transport),
             pool_size: 1,
             enforce_grace: enforce,
+            // Tearing mode: no cached addresses, so every GET reads the bucket,
+            // then the item a round trip later, leaving a window for reuse (a
+            // cached address is read in the same batch as its bucket, which
+            // an NIC serves back to back).
+            hint_cache_entries: if enforce { ClientConfig::default().hint_cache_entries } else { 0 },
             ..Default::default()
         };
         let c = Client::connect_with(rpc, cfg).await.unwrap();
@@ -208,7 +216,7 @@ struct Writers {
 }
 
 impl Writers {
-    fn start(rpc: &str, seed: u64, keys: usize) -> Writers {
+    fn start(rpc: &str, seed: u64, keys: usize, tearing: bool) -> Writers {
         let stop = Arc::new(AtomicBool::new(false));
         let writes = Arc::new(AtomicU64::new(0));
         let (s, w, rpc) = (Arc::clone(&stop), Arc::clone(&writes), rpc.to_string());
@@ -227,7 +235,9 @@ impl Writers {
                         while !s.load(Ordering::Relaxed) && seq < MAX_WRITES_PER_WRITER {
                             seq += 1;
                             let k = mine[rng.random_range(0..mine.len())];
-                            let len = if rng.random_ratio(1, 10) {
+                            let len = if tearing {
+                                rng.random_range(1..TEARING_MAX_VALUE)
+                            } else if rng.random_ratio(1, 10) {
                                 rng.random_range(1..MAX_VALUE)
                             } else {
                                 rng.random_range(1..600)
@@ -324,7 +334,7 @@ fn racing_writers_and_reader_processes() {
                 }
             });
         }
-        let mut writers = Writers::start(&srv.rpc, seed, keys);
+        let mut writers = Writers::start(&srv.rpc, seed, keys, !enforce);
         let readers: Vec<_> = transports
             .iter()
             .map(|&t| {
