@@ -7,7 +7,9 @@
 set -u
 export DMKV_RDMA_TESTS=1 RUST_BACKTRACE=1
 # The end-to-end tests start ./dmkvd (built with RDMA) and read over RDMA only.
-export DMKV_BIN_DIR=$PWD DMKV_STRESS_TRANSPORTS=rdma DMKV_STRESS_SECS=${stress_secs:-4}
+# Two RDMA readers for 10 s: under emulation writes are slow (a few hundred a
+# second), and the tearing mode must still provoke tears for them to catch.
+export DMKV_BIN_DIR=$PWD DMKV_STRESS_TRANSPORTS=rdma,rdma DMKV_STRESS_SECS=${stress_secs:-10}
 # Every step that could hang gets its own limit; a hang would otherwise cost the VM's whole budget.
 T="timeout 600"
 ibv_devinfo -d rxe0 | grep -E 'hca_id|state|active_mtu|link_layer' || true

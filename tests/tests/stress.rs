@@ -33,9 +33,10 @@ const KEYS: usize = 48;
 /// and item reads of is often rewritten and its space reused meanwhile, even
 /// where writes are slow (the emulated RDMA VM manages about 120 a second).
 const TEARING_KEYS: usize = 4;
-/// Largest value of the tearing mode: items of one or two 64-byte units, so
-/// freed space is reused by the very next writes.
-const TEARING_MAX_VALUE: usize = 64;
+/// Values of the tearing mode: with the 32-byte item header and a 14-byte
+/// key, every item takes two 64-byte units, one size class, so freed space
+/// is reused by the very next writes.
+const TEARING_VALUES: std::ops::Range<usize> = 20..64;
 const WRITERS: usize = 3;
 /// Largest value the writers write: spans many size classes.
 const MAX_VALUE: usize = 20_000;
@@ -236,7 +237,7 @@ impl Writers {
                             seq += 1;
                             let k = mine[rng.random_range(0..mine.len())];
                             let len = if tearing {
-                                rng.random_range(1..TEARING_MAX_VALUE)
+                                rng.random_range(TEARING_VALUES)
                             } else if rng.random_ratio(1, 10) {
                                 rng.random_range(1..MAX_VALUE)
                             } else {
