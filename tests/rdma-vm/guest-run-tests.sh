@@ -50,6 +50,9 @@ if [ "${bench:-0}" = 1 ] && [ -x ./release/dmkv-getbench ]; then
         --secs "${bench_secs:-5}" --server-pid "$DPID" || echo "=== getbench $path FAILED"
     done
   done
+  # More callers than the client's 2 runtime workers: GETs/s and p99 of the shared path.
+  $T ./release/dmkv-getbench --server "$ADDR" --keys 10000 --transport rdma --callers 4 \
+    --secs "${bench_secs:-5}" || echo "=== getbench rdma callers FAILED"
   kill "$DPID"
 fi
 [ "$failed" -gt 100 ] && failed=100

@@ -95,7 +95,7 @@ async fn run_callers(c: &Client, a: &Args) {
         let (keys, value_size) = (a.keys, a.value_size);
         let mut rng = Rng::new(a.seed.wrapping_add(t as u64 + 1));
         tasks.push(tokio::spawn(async move {
-            let mut hist = hdrhistogram::Histogram::<u64>::new(3).expect("histogram");
+            let mut hist = dmkv_benches::report::new_histogram();
             let mut bad = 0u64;
             while Instant::now() < deadline {
                 let t0 = Instant::now();
@@ -106,7 +106,7 @@ async fn run_callers(c: &Client, a: &Args) {
             (hist, bad)
         }));
     }
-    let mut all = hdrhistogram::Histogram::<u64>::new(3).expect("histogram");
+    let mut all = dmkv_benches::report::new_histogram();
     let mut bad = 0;
     for t in tasks {
         let (h, b) = t.await.expect("caller");

@@ -156,13 +156,17 @@ impl RdmaPath {
             return Err(BackendError::Stale);
         }
         let deadline = Instant::now() + self.timeout;
-        let _permit = match timeout_at(deadline, self.permits.acquire()).await {
-            Ok(p) => p.expect("the semaphore is never closed"),
+        let permit = match timeout_at(deadline, self.permits.acquire()).await {
+            Ok(Ok(p)) => p,
+            Ok(Err(_)) => return Err(BackendError::Closed),
             Err(_) => return Err(BackendError::Timeout),
         };
-        let lane = self.free.lock().expect("rdma lanes poisoned").pop().expect("a permit means a free lane");
-        let mut held = Held { path: self, lane: Some(lane) };
-        let lane = held.lane.as_mut().expect("just taken");
+        // A permit stands for a free lane: destroyed lanes take theirs along.
+        let Some(lane) = self.free.lock().expect("rdma lanes poisoned").pop() else {
+            return Err(BackendError::Stale);
+        };
+        let mut held = Held { path: self, lane: Some(lane), permit: Some(permit) };
+        let Some(lane) = held.lane.as_mut() else { return Err(BackendError::Stale) };
         out.clear();
         let mut chunk: Vec<ReadRequest> = Vec::new();
         let mut used = 0usize;
@@ -194,19 +198,23 @@ impl RdmaPath {
     }
 }
 
-/// A lane taken from the pool. Returned by [`Held::give_back`] after a
-/// clean batch; a lane dropped with a batch that failed, timed out or was
-/// cancelled may still be written by the NIC, so it is destroyed instead
-/// and the path marked broken.
+/// A lane taken from the pool with its permit. Returned by
+/// [`Held::give_back`] after a clean batch; a lane dropped with a batch that
+/// failed, timed out or was cancelled may still be written by the NIC, so it
+/// is destroyed instead, its permit forgotten (permits stay equal to free
+/// lanes) and the path marked broken.
 struct Held<'p> {
     path: &'p RdmaPath,
     lane: Option<Lane>,
+    permit: Option<tokio::sync::SemaphorePermit<'p>>,
 }
 
 impl Held<'_> {
     fn give_back(mut self) {
-        let lane = self.lane.take().expect("given back once");
-        self.path.free.lock().expect("rdma lanes poisoned").push(lane);
+        if let Some(lane) = self.lane.take() {
+            self.path.free.lock().expect("rdma lanes poisoned").push(lane);
+        }
+        // The permit is released when `self` drops, after the lane is back.
     }
 }
 
@@ -214,6 +222,9 @@ impl Drop for Held<'_> {
     fn drop(&mut self) {
         if self.lane.take().is_some() {
             self.path.broken.store(true, Ordering::Release);
+            if let Some(p) = self.permit.take() {
+                p.forget();
+            }
         }
     }
 }
