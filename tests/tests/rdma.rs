@@ -173,9 +173,8 @@ async fn replacing_rpc_connections_keeps_the_rdma_path() {
     assert_eq!(c.one_sided_transport(), Some(Transport::Rdma));
 }
 
-/// Many callers on one RDMA path: each read takes a lane (queue pair) and
-/// sleeps on its completion channel, so callers beyond the runtime's
-/// workers make progress and every GET is answered one-sided.
+/// More callers than lanes on one RDMA path: reads wait for a free lane
+/// (queue pair) and every GET is still answered one-sided and right.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_rdma_gets_share_lanes() {
     if !device_or_skip("concurrent_rdma_gets_share_lanes") {
