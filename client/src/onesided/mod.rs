@@ -390,12 +390,16 @@ impl OneSided {
                 let n = self.batch_keys.load(Ordering::Relaxed).clamp(1, rest.len());
                 let (batch, tail) = rest.split_at(n);
                 rest = tail;
-                let start = self.now();
+                // Only multi-gets are sized: a single GET (the hot path) is
+                // not timed twice more.
+                let start = (keys.len() > 1).then(|| self.now());
                 let (retry, rounds) = self.attempt(keys, batch, &mut results).await?;
-                let took = self.now().saturating_sub(start);
-                // Without the grace check (tests that provoke tears) no batch is too slow.
-                let grace = if self.enforce_grace { self.header.grace_nanos } else { u64::MAX };
-                self.batch_keys.store(next_batch_keys(n, took, grace), Ordering::Relaxed);
+                if let Some(start) = start {
+                    let took = self.now().saturating_sub(start);
+                    // Without the grace check (tests that provoke tears) no batch is too slow.
+                    let grace = if self.enforce_grace { self.header.grace_nanos } else { u64::MAX };
+                    self.batch_keys.store(next_batch_keys(n, took, grace), Ordering::Relaxed);
+                }
                 trace.round_trips += rounds;
                 if !retry.is_empty() {
                     trace.retries += rounds;
