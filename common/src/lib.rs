@@ -6,6 +6,7 @@
 //! Where a GET goes: [`layout`] says what the bytes in a server's region
 //! mean; [`frame`] and [`proto`] carry requests over TCP.
 
+pub mod auth;
 pub mod error;
 pub mod frame;
 pub mod host;

@@ -13,10 +13,18 @@
 //! request: u64 batch_id | u16 count | count × (u64 rkey | u64 offset | u32 len)
 //! reply:   u64 batch_id | u16 count | count × (u8 status | u32 len) | the bytes of every successful read, in order
 //! ```
+//!
+//! Before any frame, a handshake (after TLS, if the engine speaks it): the
+//! engine sends a greeting (`"DMKVENG1" | u8 flags | nonce`), the client
+//! answers with a proof of its secret for that nonce (`dmkv_common::auth`;
+//! zeros when the greeting says no authentication is needed), and the
+//! engine answers one status byte. Only then does it serve reads.
 
 use bytes::{Buf, BufMut, BytesMut};
+use subtle::ConstantTimeEq;
 use thiserror::Error;
 
+use crate::auth::{NONCE_LEN, PROOF_LEN};
 use crate::limits::FRAME_HEADER_LEN;
 
 /// Most reads in one batch.
@@ -78,10 +86,50 @@ pub enum WireError {
     Malformed(&'static str),
 }
 
+/// Opens every engine greeting.
+pub const ENGINE_MAGIC: [u8; 8] = *b"DMKVENG1";
+/// Bytes of the engine's greeting.
+pub const GREETING_LEN: usize = 8 + 1 + NONCE_LEN;
+/// Greeting flag: the client must prove a `data` (or `admin`) secret.
+pub const GREETING_AUTH_REQUIRED: u8 = 1;
+/// Bytes of the client's answer to the greeting.
+pub const HANDSHAKE_PROOF_LEN: usize = PROOF_LEN;
+/// Handshake status: reads may follow.
+pub const HANDSHAKE_OK: u8 = 0;
+/// Handshake status: the proof was wrong or its role may not read; the
+/// engine closes the connection.
+pub const HANDSHAKE_REFUSED: u8 = 1;
+/// Handshake status: too many failures from this address; not checked.
+pub const HANDSHAKE_RATE_LIMITED: u8 = 2;
+
+/// The greeting an engine sends on a new connection.
+pub fn encode_greeting(auth_required: bool, nonce: &[u8; NONCE_LEN]) -> [u8; GREETING_LEN] {
+    let mut g = [0u8; GREETING_LEN];
+    g[..8].copy_from_slice(&ENGINE_MAGIC);
+    g[8] = if auth_required { GREETING_AUTH_REQUIRED } else { 0 };
+    g[9..].copy_from_slice(nonce);
+    g
+}
+
+/// Whether a greeting asks for authentication, and its nonce.
+pub fn decode_greeting(g: &[u8; GREETING_LEN]) -> Result<(bool, [u8; NONCE_LEN]), WireError> {
+    if g[..8] != ENGINE_MAGIC {
+        return Err(WireError::Malformed("not a dmkv engine (bad greeting)"));
+    }
+    if g[8] & !GREETING_AUTH_REQUIRED != 0 {
+        return Err(WireError::Malformed("greeting has unknown flags"));
+    }
+    let mut nonce = [0u8; NONCE_LEN];
+    nonce.copy_from_slice(&g[9..]);
+    Ok((g[8] & GREETING_AUTH_REQUIRED != 0, nonce))
+}
+
 /// Checks one read against a region of `region_len` bytes and the bytes the
 /// batch has read so far; the engine serves it only on `Success`.
 pub fn check_read(wr: &ReadWr, rkey: u64, region_len: u64, batch_bytes: u64) -> ReadStatus {
-    if wr.rkey != rkey {
+    // Constant time: how long a rejection takes says nothing about how
+    // many bits of a guessed rkey were right.
+    if !bool::from(wr.rkey.ct_eq(&rkey)) {
         return ReadStatus::BadRkey;
     }
     if wr.len > MAX_READ_LEN || batch_bytes + wr.len as u64 > MAX_BATCH_BYTES {
@@ -287,6 +335,19 @@ mod tests {
         assert_eq!(check_read(&ReadWr { offset: u64::MAX, ..ok }, 7, 128, 0), ReadStatus::OutOfBounds);
         assert_eq!(check_read(&ReadWr { len: MAX_READ_LEN + 1, ..ok }, 7, u64::MAX, 0), ReadStatus::TooLong);
         assert_eq!(check_read(&ok, 7, 128, MAX_BATCH_BYTES), ReadStatus::TooLong);
+    }
+
+    #[test]
+    fn greetings_round_trip_and_reject_strangers() {
+        let nonce = [3u8; NONCE_LEN];
+        assert_eq!(decode_greeting(&encode_greeting(true, &nonce)), Ok((true, nonce)));
+        assert_eq!(decode_greeting(&encode_greeting(false, &nonce)), Ok((false, nonce)));
+        let mut bad = encode_greeting(true, &nonce);
+        bad[0] = b'X';
+        assert!(decode_greeting(&bad).is_err());
+        let mut flags = encode_greeting(true, &nonce);
+        flags[8] = 0x80;
+        assert!(decode_greeting(&flags).is_err());
     }
 
     #[test]

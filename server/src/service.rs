@@ -127,7 +127,11 @@ async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response
             R::Hello(proto::HelloReply {
                 protocol_version: PROTOCOL_VERSION,
                 server_version: env!("CARGO_PKG_VERSION").into(),
+                auth_nonce: Default::default(),
             })
+        }
+        Some(Op::Authenticate(_)) => {
+            return error(id, ErrorCode::BadRequest, "this server has no authentication configured".into());
         }
         Some(Op::Put(p)) => {
             let mut attempt = 0;
@@ -250,6 +254,7 @@ fn region_info(shared: &Shared) -> proto::RegionInfoReply {
         rdma_device: shared.rdma.as_ref().map(|r| r.device_name().to_string()).unwrap_or_default(),
         #[cfg(not(feature = "rdma"))]
         rdma_device: String::new(),
+        engine_tls: false,
     }
 }
 

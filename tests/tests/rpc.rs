@@ -395,8 +395,11 @@ async fn stalling_server() -> (String, std::sync::Arc<std::sync::atomic::AtomicU
                 let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
                 s.read_exact(&mut body).await.unwrap();
                 let id = Request::decode(&body[..]).unwrap().id;
-                let hello =
-                    proto::HelloReply { protocol_version: dmkv_common::PROTOCOL_VERSION, server_version: "x".into() };
+                let hello = proto::HelloReply {
+                    protocol_version: dmkv_common::PROTOCOL_VERSION,
+                    server_version: "x".into(),
+                    ..Default::default()
+                };
                 let mut out = BytesMut::new();
                 frame::encode(&Response { id, result: Some(R::Hello(hello)) }, 1 << 20, &mut out).unwrap();
                 s.write_all(&out).await.unwrap();

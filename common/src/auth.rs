@@ -1,0 +1,309 @@
+//! Authentication: roles, shared secrets, and the challenge-response every
+//! listener uses. Pure logic; the caller supplies nonces and the time.
+//!
+//! The server sends a fresh random nonce; the client answers with
+//! `HMAC-SHA256(secret, DOMAIN | purpose | nonce)`. The secret never
+//! crosses the wire, a proof is good for one nonce (one connection) only,
+//! and the purpose keeps a proof for one listener from being replayed at
+//! another. The server checks a proof against every secret it knows, in
+//! constant time, and grants the role of the secret that made it: clients
+//! do not claim a role, they prove one.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::net::IpAddr;
+use std::time::{Duration, Instant};
+
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
+/// Bytes of a server nonce.
+pub const NONCE_LEN: usize = 32;
+/// Bytes of a client's proof (an HMAC-SHA256 tag).
+pub const PROOF_LEN: usize = 32;
+/// Shortest secret accepted: 16 bytes (128 bits if random).
+pub const MIN_TOKEN_LEN: usize = 16;
+/// Longest secret accepted.
+pub const MAX_TOKEN_LEN: usize = 1024;
+/// Most secrets per role (several allow rotating them without downtime).
+pub const MAX_TOKENS_PER_ROLE: usize = 16;
+/// Failed attempts one peer address may make per [`FAILURE_WINDOW`] before
+/// it is refused without a check.
+pub const MAX_FAILURES: u32 = 5;
+/// How long failures are remembered, and how long a blocked peer waits.
+pub const FAILURE_WINDOW: Duration = Duration::from_secs(10);
+/// Most peer addresses whose failures are remembered; beyond it the
+/// oldest are forgotten, so a spoofing flood cannot grow the table.
+pub const MAX_TRACKED_PEERS: usize = 4096;
+
+/// Separates dmkv's proofs from any other use of the same secret.
+const DOMAIN: &[u8] = b"dmkv-auth-v1";
+
+/// What a connection may do. Ordered: a role allows everything the roles
+/// below it allow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Role {
+    /// GET, PUT, DELETE, STATS and one-sided reads.
+    Data,
+    /// Everything `Data` may, and REREGISTER (later: cluster operations).
+    Admin,
+}
+
+impl Role {
+    /// Whether this role may do what `needed` allows.
+    pub fn allows(self, needed: Role) -> bool {
+        self >= needed
+    }
+
+    /// The role's name in config files and replies.
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Data => "data",
+            Role::Admin => "admin",
+        }
+    }
+
+    /// The role named `s`.
+    pub fn parse(s: &str) -> Option<Role> {
+        match s {
+            "data" => Some(Role::Data),
+            "admin" => Some(Role::Admin),
+            _ => None,
+        }
+    }
+}
+
+/// Which listener a proof is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Purpose {
+    Rpc,
+    Engine,
+    Shm,
+}
+
+impl Purpose {
+    fn tag(self) -> &'static [u8] {
+        match self {
+            Purpose::Rpc => b"rpc",
+            Purpose::Engine => b"engine",
+            Purpose::Shm => b"shm",
+        }
+    }
+}
+
+/// A shared secret. Its `Debug` never shows it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Token(Vec<u8>);
+
+impl fmt::Debug for Token {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Token(<{} bytes>)", self.0.len())
+    }
+}
+
+impl Token {
+    /// A secret from its text, surrounding whitespace removed (files end
+    /// in newlines). Refuses secrets too short to resist guessing.
+    pub fn new(text: &str) -> Result<Token, String> {
+        let t = text.trim();
+        if t.len() < MIN_TOKEN_LEN {
+            return Err(format!("a token must be at least {MIN_TOKEN_LEN} characters (got {})", t.len()));
+        }
+        if t.len() > MAX_TOKEN_LEN {
+            return Err(format!("a token must be at most {MAX_TOKEN_LEN} characters (got {})", t.len()));
+        }
+        if t.chars().any(char::is_whitespace) {
+            return Err("a token may not contain whitespace".into());
+        }
+        Ok(Token(t.as_bytes().to_vec()))
+    }
+
+    fn mac(&self, purpose: Purpose, nonce: &[u8]) -> Hmac<Sha256> {
+        let mut m = Hmac::<Sha256>::new_from_slice(&self.0).expect("HMAC takes keys of any length");
+        m.update(DOMAIN);
+        m.update(purpose.tag());
+        m.update(nonce);
+        m
+    }
+
+    /// The proof a client sends for `nonce` on a `purpose` listener.
+    pub fn prove(&self, purpose: Purpose, nonce: &[u8]) -> [u8; PROOF_LEN] {
+        self.mac(purpose, nonce).finalize().into_bytes().into()
+    }
+
+    /// Whether `proof` was made with this secret (constant time).
+    fn verifies(&self, purpose: Purpose, nonce: &[u8], proof: &[u8]) -> bool {
+        self.mac(purpose, nonce).verify_slice(proof).is_ok()
+    }
+}
+
+/// The server's secrets, by role. Empty: authentication is off.
+#[derive(Debug, Clone, Default)]
+pub struct Keys {
+    data: Vec<Token>,
+    admin: Vec<Token>,
+}
+
+impl Keys {
+    /// Keys from the secrets of each role.
+    pub fn new(data: Vec<Token>, admin: Vec<Token>) -> Result<Keys, String> {
+        for (role, list) in [("data", &data), ("admin", &admin)] {
+            if list.len() > MAX_TOKENS_PER_ROLE {
+                return Err(format!("more than {MAX_TOKENS_PER_ROLE} {role} tokens"));
+            }
+        }
+        if data.iter().any(|d| admin.contains(d)) {
+            return Err("a token cannot be both a data and an admin token".into());
+        }
+        Ok(Keys { data, admin })
+    }
+
+    /// Whether authentication is on.
+    pub fn enabled(&self) -> bool {
+        !self.data.is_empty() || !self.admin.is_empty()
+    }
+
+    /// The role whose secret made `proof` for `nonce`, if any. Every secret
+    /// is checked (no early exit), so timing says nothing about which one
+    /// matched or how close a guess came.
+    pub fn verify(&self, purpose: Purpose, nonce: &[u8], proof: &[u8]) -> Option<Role> {
+        let mut role = None;
+        for t in &self.data {
+            if t.verifies(purpose, nonce, proof) {
+                role = role.max(Some(Role::Data));
+            }
+        }
+        for t in &self.admin {
+            if t.verifies(purpose, nonce, proof) {
+                role = role.max(Some(Role::Admin));
+            }
+        }
+        role
+    }
+}
+
+/// What to do about one failed attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    /// Log it.
+    Log,
+    /// The peer just crossed [`MAX_FAILURES`]: log that it is now blocked.
+    Blocked,
+    /// Already blocked: stay quiet (one log line per window, not per try).
+    Quiet,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Record {
+    since: Instant,
+    failures: u32,
+}
+
+/// Failed authentication attempts per peer address, to slow guessing down:
+/// after [`MAX_FAILURES`] failures within [`FAILURE_WINDOW`], the peer is
+/// refused without a check until the window has passed.
+#[derive(Debug, Default)]
+pub struct FailureLimiter {
+    peers: HashMap<IpAddr, Record>,
+}
+
+impl FailureLimiter {
+    /// Whether `peer` may try to authenticate at `now`.
+    pub fn allowed(&self, peer: IpAddr, now: Instant) -> bool {
+        self.peers.get(&peer).is_none_or(|r| r.failures < MAX_FAILURES || now.duration_since(r.since) >= FAILURE_WINDOW)
+    }
+
+    /// Records a failed attempt by `peer` at `now`.
+    pub fn failed(&mut self, peer: IpAddr, now: Instant) -> Failure {
+        if !self.peers.contains_key(&peer) && self.peers.len() >= MAX_TRACKED_PEERS {
+            self.peers.retain(|_, r| now.duration_since(r.since) < FAILURE_WINDOW);
+            if self.peers.len() >= MAX_TRACKED_PEERS
+                && let Some(oldest) = self.peers.iter().min_by_key(|(_, r)| r.since).map(|(ip, _)| *ip)
+            {
+                self.peers.remove(&oldest);
+            }
+        }
+        let r = self.peers.entry(peer).or_insert(Record { since: now, failures: 0 });
+        if now.duration_since(r.since) >= FAILURE_WINDOW {
+            *r = Record { since: now, failures: 0 };
+        }
+        r.failures = r.failures.saturating_add(1);
+        match r.failures.cmp(&MAX_FAILURES) {
+            std::cmp::Ordering::Less => Failure::Log,
+            std::cmp::Ordering::Equal => Failure::Blocked,
+            std::cmp::Ordering::Greater => Failure::Quiet,
+        }
+    }
+
+    /// Peers remembered now.
+    pub fn tracked(&self) -> usize {
+        self.peers.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tok(s: &str) -> Token {
+        Token::new(s).unwrap()
+    }
+
+    #[test]
+    fn proofs_grant_the_role_of_their_secret() {
+        let keys = Keys::new(vec![tok("data-secret-0123456789")], vec![tok("admin-secret-0123456789")]).unwrap();
+        let nonce = [7u8; NONCE_LEN];
+        let d = tok("data-secret-0123456789").prove(Purpose::Rpc, &nonce);
+        let a = tok("admin-secret-0123456789").prove(Purpose::Rpc, &nonce);
+        assert_eq!(keys.verify(Purpose::Rpc, &nonce, &d), Some(Role::Data));
+        assert_eq!(keys.verify(Purpose::Rpc, &nonce, &a), Some(Role::Admin));
+        // Another nonce, another listener, another secret, a cut proof: no.
+        assert_eq!(keys.verify(Purpose::Rpc, &[8u8; NONCE_LEN], &d), None);
+        assert_eq!(keys.verify(Purpose::Engine, &nonce, &d), None);
+        assert_eq!(
+            keys.verify(Purpose::Rpc, &nonce, &tok("wrong-secret-0123456789").prove(Purpose::Rpc, &nonce)),
+            None
+        );
+        assert_eq!(keys.verify(Purpose::Rpc, &nonce, &d[..31]), None);
+        assert_eq!(keys.verify(Purpose::Rpc, &nonce, &[]), None);
+        assert!(Role::Admin.allows(Role::Data) && !Role::Data.allows(Role::Admin));
+    }
+
+    #[test]
+    fn weak_or_odd_tokens_are_refused() {
+        assert!(Token::new("short").is_err());
+        assert!(Token::new("has a space in it 0123").is_err());
+        assert!(Token::new(&"x".repeat(MAX_TOKEN_LEN + 1)).is_err());
+        assert_eq!(Token::new("  0123456789abcdef\n").unwrap(), tok("0123456789abcdef"));
+        assert!(!format!("{:?}", tok("0123456789abcdef")).contains("0123"));
+        assert!(Keys::new(vec![tok("0123456789abcdef")], vec![tok("0123456789abcdef")]).is_err());
+        assert!(!Keys::default().enabled());
+    }
+
+    #[test]
+    fn repeated_failures_block_a_peer_for_a_window() {
+        let mut l = FailureLimiter::default();
+        let (ip, other) = ("10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap());
+        let t0 = Instant::now();
+        for i in 1..MAX_FAILURES {
+            assert!(l.allowed(ip, t0));
+            assert_eq!(l.failed(ip, t0), Failure::Log, "failure {i}");
+        }
+        assert_eq!(l.failed(ip, t0), Failure::Blocked);
+        assert!(!l.allowed(ip, t0 + FAILURE_WINDOW / 2));
+        assert_eq!(l.failed(ip, t0), Failure::Quiet);
+        assert!(l.allowed(other, t0));
+        assert!(l.allowed(ip, t0 + FAILURE_WINDOW));
+        assert_eq!(l.failed(ip, t0 + FAILURE_WINDOW), Failure::Log);
+    }
+
+    #[test]
+    fn the_peer_table_stays_bounded() {
+        let mut l = FailureLimiter::default();
+        let t0 = Instant::now();
+        for i in 0..(MAX_TRACKED_PEERS as u32 + 100) {
+            l.failed(IpAddr::from(i.to_be_bytes()), t0);
+        }
+        assert_eq!(l.tracked(), MAX_TRACKED_PEERS);
+    }
+}
