@@ -17,6 +17,12 @@ use crate::conn::{Conn, InFlight};
 use crate::error::ClientError;
 use crate::onesided::{self, AttachOptions, BackendError, OneSided, OneSidedGet, ReadCounters, ReadStats};
 use crate::path::{Admission, ConnHealth, PathSelector, key_hash};
+use crate::tls::{Connector, TlsOptions};
+use dmkv_common::auth::{Purpose, Token};
+
+/// Environment variable a client takes its secret from when its config
+/// gives none.
+pub const TOKEN_ENV: &str = "DMKV_TOKEN";
 
 /// Which way GETs go.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -96,6 +102,11 @@ pub struct ClientConfig {
     /// Only tests that provoke torn reads turn this off, to show that
     /// verification alone catches them.
     pub enforce_grace: bool,
+    /// The secret to prove when the server requires authentication
+    /// (default: the `DMKV_TOKEN` environment variable, if set).
+    pub token: Option<Arc<Token>>,
+    /// TLS for RPC and engine connections (the server must serve TLS).
+    pub tls: Option<TlsOptions>,
 }
 
 impl Default for ClientConfig {
@@ -111,6 +122,8 @@ impl Default for ClientConfig {
             max_frame: DEFAULT_MAX_FRAME_LEN,
             hint_cache_entries: onesided::DEFAULT_HINT_ENTRIES,
             enforce_grace: true,
+            token: None,
+            tls: None,
         }
     }
 }
@@ -131,6 +144,9 @@ pub struct Client {
 struct Inner {
     addr: String,
     cfg: ClientConfig,
+    /// `cfg.token`, or the one from the environment.
+    token: Option<Arc<Token>>,
+    tls: Option<Connector>,
     pool: Vec<Mutex<PoolSlot>>,
     next: AtomicUsize,
     path: std::sync::Mutex<PathState>,
@@ -252,8 +268,19 @@ impl Client {
         let selector = PathSelector::new(cfg.path);
         selector.set_usable(Path::Rpc, true);
         let rpc_repaths = Arc::new(AtomicU64::new(0));
+        let addr = addr.into();
+        let token = match &cfg.token {
+            Some(t) => Some(Arc::clone(t)),
+            None => match std::env::var(TOKEN_ENV) {
+                Ok(v) => Some(Arc::new(Token::new(&v).map_err(|e| ClientError::Config(format!("{TOKEN_ENV}: {e}")))?)),
+                Err(_) => None,
+            },
+        };
+        let tls = cfg.tls.as_ref().map(|o| Connector::new(o, &addr)).transpose().map_err(ClientError::Config)?;
         let inner = Inner {
-            addr: addr.into(),
+            token,
+            tls,
+            addr,
             rpc_health: ConnHealth::new(pool.len(), cfg.path, Arc::clone(&rpc_repaths)),
             cfg,
             pool,
@@ -416,16 +443,44 @@ impl Client {
         result
     }
 
-    /// Connects and says HELLO.
+    /// Connects, says HELLO, and authenticates if the server asks.
     async fn open_conn(&self) -> Result<Arc<Conn>, ClientError> {
         let cfg = &self.inner.cfg;
-        let conn = Conn::connect(&self.inner.addr, cfg.connect_timeout, cfg.max_frame).await?;
+        let conn = Conn::connect(&self.inner.addr, cfg.connect_timeout, cfg.max_frame, self.inner.tls.as_ref()).await?;
         let hello = Op::Hello(proto::Hello { protocol_version: PROTOCOL_VERSION, client_name: "dmkv-client".into() });
         let resp = conn.send(hello).await?.wait(cfg.request_timeout).await?;
+        let nonce = match unwrap(resp)? {
+            R::Hello(h) => h.auth_nonce,
+            other => return Err(unexpected(&other)),
+        };
+        if nonce.is_empty() {
+            return Ok(conn);
+        }
+        let Some(token) = &self.inner.token else {
+            return Err(ClientError::Server {
+                code: ErrorCode::Unauthenticated,
+                message: format!(
+                    "{} requires authentication: give a token (ClientConfig::token, {TOKEN_ENV}, or --token-file)",
+                    self.inner.addr
+                ),
+            });
+        };
+        let proof = token.prove(Purpose::Rpc, &nonce).to_vec().into();
+        let resp = conn.send(Op::Authenticate(proto::Authenticate { proof })).await?.wait(cfg.request_timeout).await?;
         match unwrap(resp)? {
-            R::Hello(_) => Ok(conn),
+            R::Authenticate(_) => Ok(conn),
             other => Err(unexpected(&other)),
         }
+    }
+
+    /// The secret this client proves, if any.
+    pub(crate) fn token(&self) -> Option<&Arc<Token>> {
+        self.inner.token.as_ref()
+    }
+
+    /// The TLS connector, if this client speaks TLS.
+    pub(crate) fn tls(&self) -> Option<&Connector> {
+        self.inner.tls.as_ref()
     }
 
     /// A connection outside the pool, for state that must live as long as

@@ -10,12 +10,12 @@ use std::time::Duration;
 use bytes::BytesMut;
 use dmkv_common::frame::{self, Decoder};
 use dmkv_common::proto::{Request, Response, request::Op};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::error::ClientError;
+use crate::tls::Connector;
 
 /// Requests queued for the writer task before senders wait.
 pub(crate) const SEND_QUEUE: usize = 1024;
@@ -69,16 +69,35 @@ impl InFlight {
 }
 
 impl Conn {
-    /// Connects and starts the reader and writer tasks.
-    pub async fn connect(addr: &str, connect_timeout: Duration, max_frame: usize) -> Result<Arc<Conn>, ClientError> {
+    /// Connects (over TLS when `tls` is given) and starts the reader and
+    /// writer tasks.
+    pub async fn connect(
+        addr: &str,
+        connect_timeout: Duration,
+        max_frame: usize,
+        tls: Option<&Connector>,
+    ) -> Result<Arc<Conn>, ClientError> {
         let err = |reason: String| ClientError::Connect { addr: addr.to_string(), reason };
-        let stream = match tokio::time::timeout(connect_timeout, TcpStream::connect(addr)).await {
-            Ok(Ok(s)) => s,
-            Ok(Err(e)) => return Err(err(e.to_string())),
-            Err(_) => return Err(err(format!("timed out after {connect_timeout:?}"))),
+        let Some(stream) = dial(addr, connect_timeout, tls).await.map_err(err)? else {
+            return Err(err(format!("timed out after {connect_timeout:?}")));
         };
-        let _ = stream.set_nodelay(true);
-        let (rd, wr) = stream.into_split();
+        Ok(match stream {
+            Dialed::Plain(s) => {
+                let (rd, wr) = s.into_split();
+                Conn::start(rd, wr, max_frame)
+            }
+            Dialed::Tls(s) => {
+                let (rd, wr) = tokio::io::split(*s);
+                Conn::start(rd, wr, max_frame)
+            }
+        })
+    }
+
+    fn start(
+        rd: impl AsyncRead + Unpin + Send + 'static,
+        wr: impl AsyncWrite + Unpin + Send + 'static,
+        max_frame: usize,
+    ) -> Arc<Conn> {
         let (tx, rx) = mpsc::channel(SEND_QUEUE);
         let pending: Pending = Arc::default();
         let closed = Arc::new(AtomicBool::new(false));
@@ -87,7 +106,7 @@ impl Conn {
         tokio::spawn(read_loop(rd, Arc::clone(&pending), Arc::clone(&closed), move |buf: &mut BytesMut| {
             Ok(decoder.next_message::<Response>(buf).map_err(|e| e.to_string())?.map(|r| (r.id, r)))
         }));
-        Ok(Arc::new(Conn { tx, pending, next_id: AtomicU64::new(1), closed, max_frame }))
+        Arc::new(Conn { tx, pending, next_id: AtomicU64::new(1), closed, max_frame })
     }
 
     /// Whether the connection has failed or been closed by the peer.
@@ -122,10 +141,39 @@ impl Conn {
     }
 }
 
+/// A connected stream, plain or TLS.
+pub(crate) enum Dialed {
+    Plain(TcpStream),
+    Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
+}
+
+/// Connects to `addr` and runs the TLS handshake if `tls` is given, all
+/// within `timeout` (`Ok(None)`: it ran out).
+pub(crate) async fn dial(addr: &str, timeout: Duration, tls: Option<&Connector>) -> Result<Option<Dialed>, String> {
+    let work = async {
+        let stream = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+        let _ = stream.set_nodelay(true);
+        match tls {
+            None => Ok(Dialed::Plain(stream)),
+            Some(c) => {
+                c.connect(stream).await.map(|s| Dialed::Tls(Box::new(s))).map_err(|e| format!("TLS handshake: {e}"))
+            }
+        }
+    };
+    match tokio::time::timeout(timeout, work).await {
+        Ok(r) => r.map(Some),
+        Err(_) => Ok(None),
+    }
+}
+
 /// Writes queued frames until the queue closes or a write fails, gathering
 /// whatever is queued (up to [`MAX_COALESCE`] bytes) into one write; then
 /// marks the connection closed. Shared by every pipelined connection.
-pub(crate) async fn write_loop(mut wr: OwnedWriteHalf, mut rx: mpsc::Receiver<BytesMut>, closed: Arc<AtomicBool>) {
+pub(crate) async fn write_loop(
+    mut wr: impl AsyncWrite + Unpin,
+    mut rx: mpsc::Receiver<BytesMut>,
+    closed: Arc<AtomicBool>,
+) {
     while let Some(mut batch) = rx.recv().await {
         while batch.len() < MAX_COALESCE {
             match rx.try_recv() {
@@ -133,7 +181,8 @@ pub(crate) async fn write_loop(mut wr: OwnedWriteHalf, mut rx: mpsc::Receiver<By
                 Err(_) => break,
             }
         }
-        if wr.write_all(&batch).await.is_err() {
+        // Flushing matters for TLS, which holds bytes until flushed.
+        if wr.write_all(&batch).await.is_err() || wr.flush().await.is_err() {
             break;
         }
     }
@@ -145,7 +194,7 @@ pub(crate) async fn write_loop(mut wr: OwnedWriteHalf, mut rx: mpsc::Receiver<By
 /// connection closed and wakes every waiter. Shared by every pipelined
 /// connection; `next` takes one complete reply off the buffer, if any.
 pub(crate) async fn read_loop<T>(
-    mut rd: OwnedReadHalf,
+    mut rd: impl AsyncRead + Unpin,
     pending: PendingMap<T>,
     closed: Arc<AtomicBool>,
     mut next: impl FnMut(&mut BytesMut) -> Result<Option<(u64, T)>, String>,

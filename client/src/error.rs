@@ -27,6 +27,9 @@ pub enum ClientError {
     /// possible with this server.
     #[error("one-sided reads unavailable: {0}")]
     OneSidedUnavailable(String),
+    /// The client's settings cannot be used (a bad token or TLS file).
+    #[error("bad client configuration: {0}")]
+    Config(String),
     /// The request would exceed the maximum frame size.
     #[error("request of {len} bytes exceeds the maximum frame of {max} bytes")]
     RequestTooLarge { len: usize, max: usize },

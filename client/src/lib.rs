@@ -21,9 +21,12 @@ pub mod conn;
 pub mod error;
 pub mod onesided;
 pub mod path;
+pub mod tls;
 
 pub use client::{Client, ClientConfig, PathStats, ReadPath, Transport, Versioned};
+pub use dmkv_common::auth::Token;
 pub use dmkv_common::path::{Path, PathConfig};
 pub use dmkv_common::proto::ErrorCode;
 pub use error::ClientError;
 pub use onesided::ReadStats;
+pub use tls::TlsOptions;

@@ -5,10 +5,11 @@
 
 use std::io::{Read, Write};
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use dmkv_client::{ClientConfig, ReadPath, Transport, blocking::Client};
+use dmkv_client::{ClientConfig, ReadPath, TlsOptions, Token, Transport, blocking::Client};
 
 #[derive(Parser)]
 #[command(name = "dmkv", version, about = "dmkv command-line client")]
@@ -26,6 +27,22 @@ struct Cli {
     /// Force a one-sided backend: shm or tcp (default: the best available).
     #[arg(long)]
     transport: Option<Transport>,
+    /// File holding the secret to prove to a server that requires
+    /// authentication (default: the DMKV_TOKEN environment variable).
+    #[arg(long, value_name = "FILE")]
+    token_file: Option<std::path::PathBuf>,
+    /// Speak TLS, trusting the server certificates this CA (PEM) signs.
+    #[arg(long, value_name = "FILE")]
+    tls_ca: Option<std::path::PathBuf>,
+    /// Name the server's certificate must carry (default: the host of --server).
+    #[arg(long, value_name = "NAME", requires = "tls_ca")]
+    tls_server_name: Option<String>,
+    /// Client certificate (PEM) for servers that require one; needs --tls-key.
+    #[arg(long, value_name = "FILE", requires_all = ["tls_ca", "tls_key"])]
+    tls_cert: Option<std::path::PathBuf>,
+    /// Client certificate's private key (PEM).
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    tls_key: Option<std::path::PathBuf>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -93,11 +110,27 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
     if let Cmd::Bench { args } = &cli.cmd {
         return bench(&cli.server, args);
     }
+    let token = match &cli.token_file {
+        Some(path) => {
+            let text =
+                std::fs::read_to_string(path).map_err(|e| format!("cannot read token file {}: {e}", path.display()))?;
+            Some(Arc::new(Token::new(&text).map_err(|e| format!("token file {}: {e}", path.display()))?))
+        }
+        None => None,
+    };
+    let tls = cli.tls_ca.map(|ca_file| TlsOptions {
+        ca_file,
+        server_name: cli.tls_server_name,
+        client_cert: cli.tls_cert,
+        client_key: cli.tls_key,
+    });
     let cfg = ClientConfig {
         pool_size: 1,
         request_timeout: Duration::from_millis(cli.timeout_ms),
         read_path: cli.path,
         transport: cli.transport,
+        token,
+        tls,
         ..Default::default()
     };
     let client = Client::connect_with(cli.server, cfg).map_err(|e| e.to_string())?;

@@ -3,9 +3,11 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
+use dmkv_common::auth::{Keys, Token};
 use dmkv_common::limits::{DEFAULT_MAX_FRAME_LEN, MIN_MAX_FRAME_LEN, MIN_REGION_LEN};
 use serde::Deserialize;
 
@@ -19,6 +21,13 @@ pub const DEFAULT_GRACE: Duration = Duration::from_millis(100);
 pub const DEFAULT_BYTES_PER_BUCKET: u64 = 1024;
 /// Most client connections served at once; more wait in the accept queue.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
+/// Environment variable holding a `data` secret (besides `--auth-file`).
+pub const DATA_TOKEN_ENV: &str = "DMKVD_DATA_TOKEN";
+/// Environment variable holding an `admin` secret.
+pub const ADMIN_TOKEN_ENV: &str = "DMKVD_ADMIN_TOKEN";
+/// Shortest rkey rotation period: a rotation costs every one-sided client
+/// a re-attach.
+pub const MIN_RKEY_ROTATE: Duration = Duration::from_secs(1);
 /// How long shutdown waits for connections to finish their requests.
 pub const SHUTDOWN_DRAIN: Duration = Duration::from_secs(5);
 
@@ -69,6 +78,27 @@ pub struct Flags {
     /// Log filter, e.g. info or dmkv_server=debug (RUST_LOG also works).
     #[arg(long)]
     pub log: Option<String>,
+    /// Secrets clients must prove, per role: TOML (`data = "..."`,
+    /// `admin = ["...", "..."]`) or lines of `ROLE TOKEN`. DMKVD_DATA_TOKEN
+    /// and DMKVD_ADMIN_TOKEN add one each.
+    #[arg(long, value_name = "FILE")]
+    pub auth_file: Option<PathBuf>,
+    /// Serve a non-loopback address without authentication (anyone who can
+    /// reach it can read, write and re-register).
+    #[arg(long)]
+    pub insecure: bool,
+    /// Register the region anew (new rkey and epoch) this often.
+    #[arg(long, value_name = "SECS")]
+    pub rkey_rotate_secs: Option<u64>,
+    /// TLS certificate chain (PEM) for RPC and the engine; needs --tls-key.
+    #[arg(long, value_name = "FILE")]
+    pub tls_cert: Option<PathBuf>,
+    /// TLS private key (PEM).
+    #[arg(long, value_name = "FILE")]
+    pub tls_key: Option<PathBuf>,
+    /// Require client certificates signed by this CA (PEM).
+    #[arg(long, value_name = "FILE")]
+    pub tls_client_ca: Option<PathBuf>,
 }
 
 /// The TOML file; every field is optional.
@@ -88,6 +118,12 @@ pub struct FileConfig {
     pub shm: Option<bool>,
     pub rdma_device: Option<String>,
     pub rdma: Option<bool>,
+    pub auth_file: Option<PathBuf>,
+    pub insecure: Option<bool>,
+    pub rkey_rotate_secs: Option<u64>,
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
+    pub tls_client_ca: Option<PathBuf>,
 }
 
 /// A byte size written as a number or a string such as "256MiB".
@@ -145,6 +181,24 @@ pub struct Config {
     pub rdma: bool,
     /// A specific RDMA device; an error at start if it cannot be opened.
     pub rdma_device: Option<String>,
+    /// Secrets per role; empty: no authentication (loopback only, unless
+    /// `insecure`).
+    pub auth: Arc<Keys>,
+    /// Serve non-loopback addresses without authentication.
+    pub insecure: bool,
+    /// Re-register the region this often (`None`: only on request).
+    pub rkey_rotate: Option<Duration>,
+    /// TLS for RPC and the engine.
+    pub tls: Option<TlsFiles>,
+}
+
+/// Where the server's TLS material is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    /// Clients must present a certificate signed by this CA.
+    pub client_ca: Option<PathBuf>,
 }
 
 impl Default for Config {
@@ -203,6 +257,44 @@ impl Config {
                 .or(file.shm_socket)
                 .unwrap_or_else(|| std::env::temp_dir().join(format!("dmkvd-{}.sock", std::process::id())))
         });
+        let mut keys = match flags.auth_file.or(file.auth_file) {
+            Some(path) => {
+                let text = std::fs::read_to_string(&path)
+                    .map_err(|e| format!("cannot read auth file {}: {e}", path.display()))?;
+                parse_auth(&text).map_err(|e| format!("auth file {}: {e}", path.display()))?
+            }
+            None => AuthLists::default(),
+        };
+        for (var, list) in [(DATA_TOKEN_ENV, &mut keys.data), (ADMIN_TOKEN_ENV, &mut keys.admin)] {
+            if let Ok(v) = std::env::var(var) {
+                list.push(Token::new(&v).map_err(|e| format!("{var}: {e}"))?);
+            }
+        }
+        let auth = Arc::new(Keys::new(keys.data, keys.admin)?);
+        let insecure = flags.insecure || file.insecure.unwrap_or(false);
+        if !auth.enabled() && !insecure {
+            let exposed = std::iter::once(listen).chain(engine_listen).find(|a| !a.ip().is_loopback());
+            if let Some(a) = exposed {
+                return Err(format!(
+                    "refusing to serve {a} without authentication: give secrets with --auth-file \
+                     (see docs/security.md), listen on loopback, or pass --insecure"
+                ));
+            }
+        }
+        let rkey_rotate = flags.rkey_rotate_secs.or(file.rkey_rotate_secs).map(Duration::from_secs);
+        if rkey_rotate.is_some_and(|d| d < MIN_RKEY_ROTATE) {
+            return Err(format!("rkey_rotate_secs must be at least {}", MIN_RKEY_ROTATE.as_secs()));
+        }
+        let tls = match (flags.tls_cert.or(file.tls_cert), flags.tls_key.or(file.tls_key)) {
+            (Some(cert), Some(key)) => {
+                Some(TlsFiles { cert, key, client_ca: flags.tls_client_ca.or(file.tls_client_ca) })
+            }
+            (None, None) if flags.tls_client_ca.is_some() || file.tls_client_ca.is_some() => {
+                return Err("tls_client_ca needs tls_cert and tls_key".into());
+            }
+            (None, None) => None,
+            _ => return Err("tls_cert and tls_key go together".into()),
+        };
         let rdma_device = flags.rdma_device.or(file.rdma_device);
         if rdma_device.is_some() && !cfg!(feature = "rdma") {
             return Err("this dmkvd was built without RDMA support (cargo feature `rdma`)".into());
@@ -220,8 +312,74 @@ impl Config {
             threads: threads.max(1),
             log: flags.log.or(file.log).unwrap_or_else(|| "info".into()),
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            auth,
+            insecure,
+            rkey_rotate,
+            tls,
         })
     }
+}
+
+/// Secrets per role, as read from an auth file.
+#[derive(Debug, Default)]
+struct AuthLists {
+    data: Vec<Token>,
+    admin: Vec<Token>,
+}
+
+/// Parses an auth file: TOML with `data` and `admin` (a string or a list
+/// of strings each), or plain lines of `ROLE TOKEN` (`#` starts a comment).
+fn parse_auth(text: &str) -> Result<AuthLists, String> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum OneOrMany {
+        One(String),
+        Many(Vec<String>),
+    }
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct AuthToml {
+        data: Option<OneOrMany>,
+        admin: Option<OneOrMany>,
+    }
+    let tokens = |v: Option<OneOrMany>| -> Result<Vec<Token>, String> {
+        match v {
+            None => Ok(Vec::new()),
+            Some(OneOrMany::One(s)) => Ok(vec![Token::new(&s)?]),
+            Some(OneOrMany::Many(v)) => v.iter().map(|s| Token::new(s)).collect(),
+        }
+    };
+    let lists = match toml::from_str::<AuthToml>(text) {
+        Ok(t) => AuthLists { data: tokens(t.data)?, admin: tokens(t.admin)? },
+        Err(toml_err) => {
+            let mut lists = AuthLists::default();
+            for (n, line) in text.lines().enumerate() {
+                let line = line.split('#').next().unwrap_or("").trim();
+                if line.is_empty() {
+                    continue;
+                }
+                let mut parts = line.split_whitespace();
+                let (Some(role), Some(token), None) = (parts.next(), parts.next(), parts.next()) else {
+                    return Err(format!(
+                        "line {}: expected `ROLE TOKEN` (roles: data, admin), and the file is not TOML \
+                         either: {toml_err}",
+                        n + 1
+                    ));
+                };
+                let token = Token::new(token).map_err(|e| format!("line {}: {e}", n + 1))?;
+                match role {
+                    "data" => lists.data.push(token),
+                    "admin" => lists.admin.push(token),
+                    other => return Err(format!("line {}: unknown role {other:?} (roles: data, admin)", n + 1)),
+                }
+            }
+            lists
+        }
+    };
+    if lists.data.is_empty() && lists.admin.is_empty() {
+        return Err("no tokens in it".into());
+    }
+    Ok(lists)
 }
 
 fn read_file(path: &Path) -> Result<FileConfig, String> {
@@ -268,6 +426,39 @@ mod tests {
             .join("\n");
         let all: FileConfig = toml::from_str(&uncommented).unwrap();
         assert!(all.buckets.is_some() && all.engine_listen.is_some() && all.shm_socket.is_some());
+    }
+
+    #[test]
+    fn auth_files_in_both_formats() {
+        let t = parse_auth(
+            "data = \"data-0123456789abcdef\"\nadmin = [\"adm1-0123456789abcdef\", \"adm2-0123456789abcdef\"]",
+        )
+        .unwrap();
+        assert_eq!((t.data.len(), t.admin.len()), (1, 2));
+        let t = parse_auth("# secrets\ndata data-0123456789abcdef\n\nadmin adm1-0123456789abcdef # ops\n").unwrap();
+        assert_eq!((t.data.len(), t.admin.len()), (1, 1));
+        assert!(parse_auth("data short").is_err());
+        assert!(parse_auth("root x-0123456789abcdef").is_err());
+        assert!(parse_auth("# nothing\n").is_err());
+        assert!(parse_auth("data = \"data-0123456789abcdef\"\nroot = \"x\"").is_err());
+    }
+
+    #[test]
+    fn non_loopback_needs_auth_or_insecure() {
+        let open = Flags { listen: Some("0.0.0.0:7070".parse().unwrap()), ..Flags::default() };
+        let err = Config::resolve(FileConfig::default(), open).unwrap_err();
+        assert!(err.contains("without authentication"), "{err}");
+        let engine = Flags { engine_listen: Some("0.0.0.0:0".parse().unwrap()), ..Flags::default() };
+        assert!(Config::resolve(FileConfig::default(), engine).is_err());
+        let insecure = Flags { listen: Some("0.0.0.0:7070".parse().unwrap()), insecure: true, ..Flags::default() };
+        assert!(Config::resolve(FileConfig::default(), insecure).is_ok());
+        let dir = std::env::temp_dir().join(format!("dmkv-auth-test-{}", std::process::id()));
+        std::fs::write(&dir, "data data-0123456789abcdef\n").unwrap();
+        let authed =
+            Flags { listen: Some("0.0.0.0:7070".parse().unwrap()), auth_file: Some(dir.clone()), ..Flags::default() };
+        let c = Config::resolve(FileConfig::default(), authed).unwrap();
+        assert!(c.auth.enabled());
+        let _ = std::fs::remove_file(dir);
     }
 
     #[test]

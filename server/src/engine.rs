@@ -11,14 +11,19 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use bytes::BytesMut;
+use dmkv_common::auth::{Purpose, Role};
 use dmkv_common::onesided::{
-    MAX_REQUEST_FRAME, ReadStatus, ReadWr, ReplyBuilder, WireError, check_read, decode_request, next_frame,
+    HANDSHAKE_OK, HANDSHAKE_PROOF_LEN, HANDSHAKE_RATE_LIMITED, HANDSHAKE_REFUSED, MAX_REQUEST_FRAME, ReadStatus,
+    ReadWr, ReplyBuilder, WireError, check_read, decode_request, encode_greeting, next_frame,
 };
-use tokio::net::TcpListener;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
+use tokio_rustls::TlsAcceptor;
 use tracing::{debug, warn};
 
+use crate::access::{Denied, Gate, HANDSHAKE_TIMEOUT};
 use crate::counters::EngineCounters;
 use crate::framed;
 use crate::region::Region;
@@ -37,6 +42,8 @@ pub fn spawn_thread(
     region: Arc<Region>,
     reg: Arc<Registration>,
     counters: Arc<EngineCounters>,
+    gate: Arc<Gate>,
+    tls: Option<TlsAcceptor>,
     shutdown: watch::Receiver<bool>,
 ) -> std::io::Result<tokio::sync::oneshot::Receiver<()>> {
     // The listener is registered with the caller's runtime; move it over.
@@ -50,7 +57,7 @@ pub fn spawn_thread(
     std::thread::Builder::new().name("dmkvd-engine".into()).spawn(move || {
         rt.block_on(async move {
             match TcpListener::from_std(listener) {
-                Ok(l) => serve(l, region, reg, counters, shutdown).await,
+                Ok(l) => serve(l, region, reg, counters, gate, tls, shutdown).await,
                 Err(e) => warn!("one-sided engine stopped: {e}"),
             }
         });
@@ -65,6 +72,8 @@ pub async fn serve(
     region: Arc<Region>,
     reg: Arc<Registration>,
     counters: Arc<EngineCounters>,
+    gate: Arc<Gate>,
+    tls: Option<TlsAcceptor>,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let mut conns = JoinSet::new();
@@ -79,7 +88,7 @@ pub async fn serve(
                         peer,
                         wrs: Vec::new(),
                     };
-                    conns.spawn(framed::serve_connection(stream, "engine", reads, shutdown.clone()));
+                    conns.spawn(serve_connection(stream, reads, Arc::clone(&gate), tls.clone(), shutdown.clone()));
                 }
                 Err(e) => warn!("engine accept failed: {e}"),
             },
@@ -88,6 +97,67 @@ pub async fn serve(
         while conns.try_join_next().is_some() {}
     }
     conns.shutdown().await;
+}
+
+/// Runs TLS (if on) and the handshake, then serves reads until the peer
+/// closes.
+async fn serve_connection(
+    mut stream: TcpStream,
+    reads: Reads,
+    gate: Arc<Gate>,
+    tls: Option<TlsAcceptor>,
+    shutdown: watch::Receiver<bool>,
+) {
+    let peer = reads.peer;
+    let _ = stream.set_nodelay(true);
+    match tls {
+        None => match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(&mut stream, &gate, peer)).await {
+            Ok(Ok(())) => framed::serve_connection(stream, Some(peer), "engine", reads, shutdown).await,
+            Ok(Err(e)) => debug!(?peer, "engine handshake failed: {e}"),
+            Err(_) => debug!(?peer, "engine handshake timed out"),
+        },
+        Some(acceptor) => {
+            let work = async {
+                let mut s = acceptor.accept(stream).await?;
+                handshake(&mut s, &gate, peer).await?;
+                Ok::<_, std::io::Error>(s)
+            };
+            match tokio::time::timeout(HANDSHAKE_TIMEOUT, work).await {
+                Ok(Ok(s)) => framed::serve_connection(s, Some(peer), "engine", reads, shutdown).await,
+                Ok(Err(e)) => debug!(?peer, "engine TLS or handshake failed: {e}"),
+                Err(_) => debug!(?peer, "engine handshake timed out"),
+            }
+        }
+    }
+}
+
+/// The engine's side of the handshake (see `dmkv_common::onesided`): a
+/// greeting with a fresh nonce, the client's proof, one status byte.
+async fn handshake(
+    stream: &mut (impl tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin),
+    gate: &Gate,
+    peer: SocketAddr,
+) -> std::io::Result<()> {
+    let nonce = gate.nonce();
+    stream.write_all(&encode_greeting(gate.enabled(), &nonce)).await?;
+    stream.flush().await?;
+    let mut proof = [0u8; HANDSHAKE_PROOF_LEN];
+    stream.read_exact(&mut proof).await?;
+    let verdict = match gate.enabled() {
+        false => Ok(Role::Admin),
+        true => gate.check(Purpose::Engine, Some(peer.ip()), &nonce, &proof, Role::Data),
+    };
+    let status = match verdict {
+        Ok(_) => HANDSHAKE_OK,
+        Err(Denied::BadProof) => HANDSHAKE_REFUSED,
+        Err(Denied::RateLimited) => HANDSHAKE_RATE_LIMITED,
+    };
+    stream.write_all(&[status]).await?;
+    stream.flush().await?;
+    match verdict {
+        Ok(_) => Ok(()),
+        Err(d) => Err(std::io::Error::new(std::io::ErrorKind::PermissionDenied, d.to_string())),
+    }
 }
 
 /// One engine connection's reads: checked against the registration like a

@@ -10,8 +10,7 @@ use std::fmt::Display;
 use std::future::Future;
 
 use bytes::BytesMut;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::watch;
 use tracing::{debug, warn};
 
@@ -42,16 +41,15 @@ pub trait Handler: Send {
 
 /// Serves one connection until the peer closes, sends a request `handler`
 /// rejects, or the server shuts down (after answering every request already
-/// read). `kind` names the listener in logs.
+/// read). `kind` names the listener in logs. `stream` is TCP, or TLS over
+/// TCP: reads and writes take turns, so it need not be split.
 pub async fn serve_connection<H: Handler>(
-    stream: TcpStream,
+    mut stream: impl AsyncRead + AsyncWrite + Unpin + Send,
+    peer: Option<std::net::SocketAddr>,
     kind: &str,
     mut handler: H,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let peer = stream.peer_addr().ok();
-    let _ = stream.set_nodelay(true);
-    let (mut rd, mut wr) = stream.into_split();
     let mut inbuf = BytesMut::with_capacity(READ_BUF);
     let mut out = BytesMut::new();
     loop {
@@ -59,7 +57,7 @@ pub async fn serve_connection<H: Handler>(
             inbuf.reserve(READ_BUF);
         }
         let n = tokio::select! {
-            r = rd.read_buf(&mut inbuf) => match r {
+            r = stream.read_buf(&mut inbuf) => match r {
                 Ok(n) => n,
                 Err(e) => { debug!(?peer, "{kind} read error: {e}"); return; }
             },
@@ -82,7 +80,7 @@ pub async fn serve_connection<H: Handler>(
                 }
             }
             if out.len() >= MAX_PENDING_REPLY_BYTES {
-                if let Err(e) = wr.write_all(&out).await {
+                if let Err(e) = write_out(&mut stream, &out).await {
                     debug!(?peer, "{kind} write error: {e}");
                     return;
                 }
@@ -90,7 +88,7 @@ pub async fn serve_connection<H: Handler>(
             }
         }
         if !out.is_empty() {
-            if let Err(e) = wr.write_all(&out).await {
+            if let Err(e) = write_out(&mut stream, &out).await {
                 debug!(?peer, "{kind} write error: {e}");
                 return;
             }
@@ -101,4 +99,11 @@ pub async fn serve_connection<H: Handler>(
             return;
         }
     }
+}
+
+/// Writes `out` and flushes it: TLS holds written bytes in its session
+/// until flushed (a no-op for plain TCP).
+async fn write_out(stream: &mut (impl AsyncWrite + Unpin), out: &[u8]) -> std::io::Result<()> {
+    stream.write_all(out).await?;
+    stream.flush().await
 }

@@ -8,6 +8,7 @@
 //! read it through the [`engine`] (served by the same [`framed`] loop);
 //! both check the [`registration`].
 
+pub mod access;
 pub mod alloc;
 pub mod config;
 pub mod counters;
@@ -20,6 +21,7 @@ pub mod registration;
 pub mod service;
 pub mod shm;
 pub mod store;
+pub mod tls;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -41,6 +43,7 @@ pub struct Server {
     shm: Option<shm::ShmListener>,
     shared: Arc<Shared>,
     max_connections: usize,
+    rkey_rotate: Option<std::time::Duration>,
 }
 
 impl Server {
@@ -61,6 +64,12 @@ impl Server {
             Some(path) => Some(shm::ShmListener::bind(path)?),
             None => None,
         };
+        let tls = match &cfg.tls {
+            Some(files) => {
+                Some(tls::acceptor(files).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?)
+            }
+            None => None,
+        };
         let registration = Arc::new(registration::Registration::new(*store.header()));
         #[cfg(feature = "rdma")]
         let rdma = open_rdma(cfg, store.region())?;
@@ -73,10 +82,13 @@ impl Server {
             shm_socket: shm.as_ref().map(|s| s.path().to_path_buf()),
             host_id: dmkv_common::host::host_id(),
             engine_counters: Arc::default(),
+            gate: Arc::new(access::Gate::new(Arc::clone(&cfg.auth))),
+            engine_tls: tls.is_some() && engine.is_some(),
+            tls,
             #[cfg(feature = "rdma")]
             rdma,
         });
-        Ok(Server { listener, engine, shm, shared, max_connections: cfg.max_connections })
+        Ok(Server { listener, engine, shm, shared, max_connections: cfg.max_connections, rkey_rotate: cfg.rkey_rotate })
     }
 
     /// The one-sided engine's address, if it is on.
@@ -119,7 +131,8 @@ impl Server {
         if let Some(l) = self.engine {
             let (r, reg, c) =
                 (Arc::clone(&region), Arc::clone(&self.shared.registration), Arc::clone(&self.shared.engine_counters));
-            match engine::spawn_thread(l, r, reg, c, stop_rx.clone()) {
+            let (gate, tls) = (Arc::clone(&self.shared.gate), self.shared.tls.clone());
+            match engine::spawn_thread(l, r, reg, c, gate, tls, stop_rx.clone()) {
                 Ok(done) => {
                     side.spawn(async move {
                         let _ = done.await;
@@ -133,6 +146,22 @@ impl Server {
             side.spawn(async move {
                 if let Err(e) = shm::serve(l, r, reg, rx).await {
                     warn!("shared-memory handoff stopped: {e}");
+                }
+            });
+        }
+        if let Some(every) = self.rkey_rotate {
+            let (shared, mut rx) = (Arc::clone(&self.shared), stop_rx.clone());
+            side.spawn(async move {
+                let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+                loop {
+                    tokio::select! {
+                        _ = tick.tick() => {
+                            if let Err(e) = service::reregister(&shared) {
+                                warn!("scheduled rkey rotation failed: {e}");
+                            }
+                        }
+                        _ = rx.changed() => break,
+                    }
                 }
             });
         }

@@ -61,6 +61,7 @@ impl Registration {
 }
 
 fn new_rkey() -> u64 {
-    // 32 bits, like an RDMA rkey, but never zero.
-    rand::random::<u32>().max(1) as u64
+    // 64 random bits: guessing one takes ~2^63 tries, each a round trip
+    // the engine counts. Never zero, which readers treat as "none".
+    rand::random::<u64>().max(1)
 }

@@ -15,6 +15,9 @@ use dmkv_common::{PROTOCOL_VERSION, layout::LAYOUT_VERSION};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
+use dmkv_common::auth::{Purpose, Role};
+
+use crate::access::Gate;
 use crate::counters::EngineCounters;
 use crate::framed;
 use crate::registration::Registration;
@@ -33,23 +36,68 @@ pub struct Shared {
     pub shm_socket: Option<std::path::PathBuf>,
     pub host_id: String,
     pub engine_counters: Arc<EngineCounters>,
+    /// Authentication, shared with the engine.
+    pub gate: Arc<Gate>,
+    /// Whether the engine speaks TLS (clients learn it from REGION_INFO).
+    pub engine_tls: bool,
+    /// TLS for RPC and the engine, when configured.
+    pub tls: Option<tokio_rustls::TlsAcceptor>,
     #[cfg(feature = "rdma")]
     pub rdma: Option<crate::rdma::RdmaRegion>,
 }
 
 /// What a connection owns besides its socket.
-#[derive(Default)]
 struct ConnState {
+    peer: Option<std::net::IpAddr>,
+    /// What the connection may do; `None` until it authenticates.
+    role: Option<Role>,
+    /// The challenge sent in this connection's HELLO reply.
+    nonce: Option<[u8; dmkv_common::auth::NONCE_LEN]>,
     /// RDMA queue pairs set up over this connection; destroyed with it.
     #[cfg(feature = "rdma")]
     qps: Vec<dmkv_verbs::QueuePair>,
 }
 
+/// Why an RPC connection is closed.
+#[derive(Debug)]
+pub enum Close {
+    /// A frame that cannot be decoded.
+    Frame(FrameError),
+    /// A failed or missing authentication (answered, then closed).
+    Unauthenticated,
+}
+
+impl std::fmt::Display for Close {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Close::Frame(e) => e.fmt(f),
+            Close::Unauthenticated => f.write_str("not authenticated"),
+        }
+    }
+}
+
 /// Serves one connection until the peer closes, sends a malformed frame,
 /// or the server shuts down (after answering every request already read).
 pub async fn serve_connection(stream: TcpStream, shared: Arc<Shared>, shutdown: watch::Receiver<bool>) {
-    let requests = Requests { decoder: Decoder::new(shared.max_frame), shared, state: ConnState::default() };
-    framed::serve_connection(stream, "rpc", requests, shutdown).await;
+    let peer = stream.peer_addr().ok();
+    let _ = stream.set_nodelay(true);
+    let state = ConnState {
+        peer: peer.map(|a| a.ip()),
+        role: shared.gate.initial_role(),
+        nonce: None,
+        #[cfg(feature = "rdma")]
+        qps: Vec::new(),
+    };
+    let tls = shared.tls.clone();
+    let requests = Requests { decoder: Decoder::new(shared.max_frame), shared, state };
+    match tls {
+        None => framed::serve_connection(stream, peer, "rpc", requests, shutdown).await,
+        Some(acceptor) => match tokio::time::timeout(crate::access::HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+            Ok(Ok(s)) => framed::serve_connection(s, peer, "rpc", requests, shutdown).await,
+            Ok(Err(e)) => tracing::debug!(?peer, "TLS handshake failed: {e}"),
+            Err(_) => tracing::debug!(?peer, "TLS handshake timed out"),
+        },
+    }
 }
 
 /// One RPC connection's requests, run against the store.
@@ -60,13 +108,70 @@ struct Requests {
 }
 
 impl framed::Handler for Requests {
-    type Error = FrameError;
+    type Error = Close;
 
-    async fn handle_next(&mut self, inbuf: &mut BytesMut, out: &mut BytesMut) -> Result<bool, FrameError> {
-        let Some(req) = self.decoder.next_message::<Request>(inbuf)? else { return Ok(false) };
-        let resp = handle(&self.shared, &mut self.state, req).await;
+    async fn handle_next(&mut self, inbuf: &mut BytesMut, out: &mut BytesMut) -> Result<bool, Close> {
+        let Some(req) = self.decoder.next_message::<Request>(inbuf).map_err(Close::Frame)? else { return Ok(false) };
+        let resp = match admit(&self.shared, &mut self.state, &req) {
+            Ok(()) => handle(&self.shared, &mut self.state, req).await,
+            Err(refusal) => {
+                encode_reply(&refusal, self.shared.max_frame, out);
+                return Err(Close::Unauthenticated);
+            }
+        };
         encode_reply(&resp, self.shared.max_frame, out);
         Ok(true)
+    }
+}
+
+/// The role a request needs.
+fn needed_role(op: &Op) -> Role {
+    match op {
+        Op::Reregister(_) => Role::Admin,
+        _ => Role::Data,
+    }
+}
+
+/// Lets `req` through, or answers it with the refusal after which the
+/// connection is closed: a connection that has not authenticated may only
+/// say HELLO and AUTHENTICATE, and a failed AUTHENTICATE ends it. Wrong-role
+/// requests are answered PERMISSION_DENIED and the connection stays.
+fn admit(shared: &Shared, conn: &mut ConnState, req: &Request) -> Result<(), Response> {
+    let id = req.id;
+    let Some(op) = &req.op else { return Ok(()) };
+    if let Op::Authenticate(a) = op {
+        if !shared.gate.enabled() {
+            return Ok(());
+        }
+        let Some(nonce) = conn.nonce.take() else {
+            return Err(error(
+                id,
+                ErrorCode::Unauthenticated,
+                "say HELLO first: its reply carries the challenge".into(),
+            ));
+        };
+        return match shared.gate.check(Purpose::Rpc, conn.peer, &nonce, &a.proof, Role::Data) {
+            Ok(role) => {
+                conn.role = Some(role);
+                Ok(())
+            }
+            Err(denied) => Err(error(id, ErrorCode::Unauthenticated, denied.to_string())),
+        };
+    }
+    if matches!(op, Op::Hello(_)) {
+        return Ok(());
+    }
+    match conn.role {
+        None => Err(error(
+            id,
+            ErrorCode::Unauthenticated,
+            "this server requires authentication: HELLO, then AUTHENTICATE with a token (see docs/security.md)".into(),
+        )),
+        Some(role) if !role.allows(needed_role(op)) => {
+            // Answered below, without closing: the client is who it said.
+            Ok(())
+        }
+        Some(_) => Ok(()),
     }
 }
 
@@ -111,6 +216,15 @@ fn found(value: bytes::Bytes, version: u64, at: crate::store::Location) -> proto
 async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response {
     let id = req.id;
     let store = &shared.store;
+    if let (Some(op), Some(role)) = (&req.op, conn.role)
+        && !role.allows(needed_role(op))
+    {
+        return error(
+            id,
+            ErrorCode::PermissionDenied,
+            format!("the {} role may not do this; it needs {}", role.name(), needed_role(op).name()),
+        );
+    }
     let result = match req.op {
         None => return error(id, ErrorCode::UnknownOp, "request has no operation this server knows".into()),
         Some(Op::Hello(h)) => {
@@ -124,15 +238,26 @@ async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response
                     ),
                 );
             }
+            let auth_nonce = if shared.gate.enabled() && conn.role.is_none() {
+                let n = shared.gate.nonce();
+                conn.nonce = Some(n);
+                n.to_vec().into()
+            } else {
+                Default::default()
+            };
             R::Hello(proto::HelloReply {
                 protocol_version: PROTOCOL_VERSION,
                 server_version: env!("CARGO_PKG_VERSION").into(),
-                auth_nonce: Default::default(),
+                auth_nonce,
             })
         }
-        Some(Op::Authenticate(_)) => {
-            return error(id, ErrorCode::BadRequest, "this server has no authentication configured".into());
-        }
+        Some(Op::Authenticate(_)) => match conn.role {
+            // `admit` checked the proof when authentication is on.
+            Some(role) if shared.gate.enabled() => {
+                R::Authenticate(proto::AuthenticateReply { role: role.name().into() })
+            }
+            _ => return error(id, ErrorCode::BadRequest, "this server has no authentication configured".into()),
+        },
         Some(Op::Put(p)) => {
             let mut attempt = 0;
             loop {
@@ -183,19 +308,24 @@ async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response
             Ok(r) => R::RdmaConnect(r),
             Err(e) => return e.with_id(id),
         },
-        Some(Op::Reregister(_)) => {
-            #[cfg(feature = "rdma")]
-            if let Some(r) = &shared.rdma
-                && let Err(e) = r.reregister()
-            {
-                return error(id, ErrorCode::Internal, format!("RDMA re-registration failed: {e}"));
-            }
-            let epoch = shared.registration.reregister(store.region());
-            tracing::info!(epoch, "region registered anew");
-            R::Reregister(region_info(shared))
-        }
+        Some(Op::Reregister(_)) => match reregister(shared) {
+            Ok(_) => R::Reregister(region_info(shared)),
+            Err(e) => return error(id, ErrorCode::Internal, e),
+        },
     };
     Response { id, result: Some(result) }
+}
+
+/// Registers the region anew (new rkey, next epoch) on every transport;
+/// returns the new epoch.
+pub fn reregister(shared: &Shared) -> Result<u64, String> {
+    #[cfg(feature = "rdma")]
+    if let Some(r) = &shared.rdma {
+        r.reregister().map_err(|e| format!("RDMA re-registration failed: {e}"))?;
+    }
+    let epoch = shared.registration.reregister(shared.store.region());
+    tracing::info!(epoch, "region registered anew");
+    Ok(epoch)
 }
 
 /// An error reply waiting for its request id.
@@ -254,7 +384,7 @@ fn region_info(shared: &Shared) -> proto::RegionInfoReply {
         rdma_device: shared.rdma.as_ref().map(|r| r.device_name().to_string()).unwrap_or_default(),
         #[cfg(not(feature = "rdma"))]
         rdma_device: String::new(),
-        engine_tls: false,
+        engine_tls: shared.engine_tls,
     }
 }
 

@@ -7,14 +7,49 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
-use dmkv_common::onesided::{MAX_REPLY_FRAME, ReadStatus, ReadWr, decode_reply, encode_request, next_frame};
+use dmkv_common::auth::{Purpose, Token};
+use dmkv_common::onesided::{
+    GREETING_LEN, HANDSHAKE_OK, HANDSHAKE_PROOF_LEN, HANDSHAKE_RATE_LIMITED, MAX_REPLY_FRAME, ReadStatus, ReadWr,
+    decode_greeting, decode_reply, encode_request, next_frame,
+};
 use dmkv_common::read::ReadSpec;
-use tokio::net::TcpStream;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot};
 
 use super::{BackendError, Reads};
-use crate::conn::{PendingMap, SEND_QUEUE, read_loop, write_loop};
+use crate::conn::{Dialed, PendingMap, SEND_QUEUE, dial, read_loop, write_loop};
 use crate::path::ConnHealth;
+use crate::tls::Connector;
+
+/// How an engine connection is opened: TLS if the engine speaks it, and
+/// the secret to prove in the handshake.
+#[derive(Clone, Default)]
+pub struct Dialer {
+    pub tls: Option<Connector>,
+    pub token: Option<Arc<Token>>,
+}
+
+/// The client's side of the engine handshake (see
+/// `dmkv_common::onesided`).
+async fn handshake(stream: &mut (impl AsyncRead + AsyncWrite + Unpin), token: Option<&Token>) -> Result<(), String> {
+    let mut greeting = [0u8; GREETING_LEN];
+    stream.read_exact(&mut greeting).await.map_err(|e| format!("no greeting: {e}"))?;
+    let (auth, nonce) = decode_greeting(&greeting).map_err(|e| e.to_string())?;
+    let proof = match (auth, token) {
+        (false, _) => [0u8; HANDSHAKE_PROOF_LEN],
+        (true, Some(t)) => t.prove(Purpose::Engine, &nonce),
+        (true, None) => return Err("the engine requires authentication and this client has no token".into()),
+    };
+    stream.write_all(&proof).await.map_err(|e| e.to_string())?;
+    stream.flush().await.map_err(|e| e.to_string())?;
+    let mut status = [0u8; 1];
+    stream.read_exact(&mut status).await.map_err(|e| format!("no handshake status: {e}"))?;
+    match status[0] {
+        HANDSHAKE_OK => Ok(()),
+        HANDSHAKE_RATE_LIMITED => Err("the engine refused: too many failed attempts from this address".into()),
+        _ => Err("the engine refused this client's token".into()),
+    }
+}
 
 type Pending = PendingMap<BytesMut>;
 
@@ -29,15 +64,43 @@ pub struct EngineConn {
 }
 
 impl EngineConn {
-    /// Connects to the engine at `addr`; reads will present `rkey`.
-    pub async fn connect(addr: &str, rkey: u64, timeout: Duration) -> Result<EngineConn, BackendError> {
-        let stream = match tokio::time::timeout(timeout, TcpStream::connect(addr)).await {
-            Ok(Ok(s)) => s,
-            Ok(Err(e)) => return Err(BackendError::Attach(format!("engine {addr}: {e}"))),
-            Err(_) => return Err(BackendError::Attach(format!("engine {addr}: connect timed out"))),
+    /// Connects to the engine at `addr` and shakes hands; reads will
+    /// present `rkey`.
+    pub async fn connect(
+        addr: &str,
+        rkey: u64,
+        timeout: Duration,
+        dialer: &Dialer,
+    ) -> Result<EngineConn, BackendError> {
+        let attach_err = |e: String| BackendError::Attach(format!("engine {addr}: {e}"));
+        let work = async {
+            let stream = dial(addr, timeout, dialer.tls.as_ref()).await?.ok_or("connect timed out")?;
+            let token = dialer.token.as_deref();
+            match stream {
+                Dialed::Plain(mut s) => {
+                    handshake(&mut s, token).await?;
+                    let (rd, wr) = s.into_split();
+                    Ok::<_, String>(EngineConn::start(rd, wr, rkey, timeout))
+                }
+                Dialed::Tls(mut s) => {
+                    handshake(&mut s, token).await?;
+                    let (rd, wr) = tokio::io::split(*s);
+                    Ok(EngineConn::start(rd, wr, rkey, timeout))
+                }
+            }
         };
-        let _ = stream.set_nodelay(true);
-        let (rd, wr) = stream.into_split();
+        match tokio::time::timeout(timeout, work).await {
+            Ok(r) => r.map_err(attach_err),
+            Err(_) => Err(attach_err("handshake timed out".into())),
+        }
+    }
+
+    fn start(
+        rd: impl AsyncRead + Unpin + Send + 'static,
+        wr: impl AsyncWrite + Unpin + Send + 'static,
+        rkey: u64,
+        timeout: Duration,
+    ) -> EngineConn {
         let (tx, rx) = mpsc::channel::<BytesMut>(SEND_QUEUE);
         let pending: Pending = Arc::default();
         let closed = Arc::new(AtomicBool::new(false));
@@ -54,7 +117,7 @@ impl EngineConn {
             Some(_) => Err("engine reply shorter than its batch id".into()),
             None => Ok(None),
         }));
-        Ok(EngineConn { tx, pending, next: AtomicU64::new(1), closed, rkey, timeout })
+        EngineConn { tx, pending, next: AtomicU64::new(1), closed, rkey, timeout }
     }
 
     /// Posts `specs` as one batch (one frame) and waits for its completions.
@@ -107,6 +170,7 @@ struct PoolShared {
     addr: String,
     rkey: u64,
     timeout: Duration,
+    dialer: Dialer,
     conns: Vec<std::sync::Mutex<Arc<EngineConn>>>,
     replacing: Vec<AtomicBool>,
     next: AtomicUsize,
@@ -121,14 +185,23 @@ impl EnginePool {
         timeout: Duration,
         n: usize,
         health: ConnHealth,
+        dialer: Dialer,
     ) -> Result<EnginePool, BackendError> {
         let mut conns = Vec::new();
         for _ in 0..n.max(1) {
-            conns.push(std::sync::Mutex::new(Arc::new(EngineConn::connect(addr, rkey, timeout).await?)));
+            conns.push(std::sync::Mutex::new(Arc::new(EngineConn::connect(addr, rkey, timeout, &dialer).await?)));
         }
         let replacing = conns.iter().map(|_| AtomicBool::new(false)).collect();
-        let shared =
-            PoolShared { addr: addr.to_string(), rkey, timeout, conns, replacing, next: AtomicUsize::new(0), health };
+        let shared = PoolShared {
+            addr: addr.to_string(),
+            rkey,
+            timeout,
+            dialer,
+            conns,
+            replacing,
+            next: AtomicUsize::new(0),
+            health,
+        };
         Ok(EnginePool { shared: Arc::new(shared) })
     }
 
@@ -152,7 +225,7 @@ impl EnginePool {
             return;
         }
         tokio::spawn(async move {
-            match EngineConn::connect(&s.addr, s.rkey, s.timeout).await {
+            match EngineConn::connect(&s.addr, s.rkey, s.timeout, &s.dialer).await {
                 Ok(c) => {
                     tracing::debug!(conn = i, "engine connection congested: moved to a new one");
                     *s.conns[i].lock().expect("engine pool poisoned") = Arc::new(c);

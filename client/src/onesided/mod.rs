@@ -241,9 +241,19 @@ pub async fn attach(
             Transport::Tcp => {
                 let health =
                     crate::path::ConnHealth::new(engine_connections, path_config, std::sync::Arc::clone(&repaths));
-                engine::EnginePool::connect(&info.engine_addr, desc.rkey, timeout, engine_connections, health)
+                match engine_dialer(client, info) {
+                    Ok(dialer) => engine::EnginePool::connect(
+                        &info.engine_addr,
+                        desc.rkey,
+                        timeout,
+                        engine_connections,
+                        health,
+                        dialer,
+                    )
                     .await
-                    .map(Backend::Engine)
+                    .map(Backend::Engine),
+                    Err(e) => Err(e),
+                }
             }
             Transport::Rdma => attach_rdma(client, info, desc.epoch, timeout).await,
         };
@@ -264,6 +274,19 @@ pub async fn attach(
         }
     }
     Err(BackendError::Attach(errors.join("; ")))
+}
+
+/// How to reach the engine: with TLS when it speaks it (and this client
+/// is configured for TLS), proving the client's token.
+fn engine_dialer(client: &crate::Client, info: &RegionInfoReply) -> Result<engine::Dialer, BackendError> {
+    let tls = match (info.engine_tls, client.tls()) {
+        (false, _) => None,
+        (true, Some(c)) => Some(c.clone()),
+        (true, None) => {
+            return Err(BackendError::Attach("the engine speaks TLS; configure ClientConfig::tls to use it".into()));
+        }
+    };
+    Ok(engine::Dialer { tls, token: client.token().cloned() })
 }
 
 #[cfg(feature = "rdma")]

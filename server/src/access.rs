@@ -1,0 +1,132 @@
+//! Who may do what: the server's side of authentication, shared by every
+//! listener. [`Gate`] hands out nonces, checks proofs against the
+//! configured secrets (`dmkv_common::auth`), rate-limits failures per peer
+//! address and logs them.
+
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use dmkv_common::auth::{Failure, FailureLimiter, Keys, NONCE_LEN, Purpose, Role};
+use tracing::{debug, warn};
+
+/// How long a new connection has to finish its handshake (TLS, HELLO,
+/// AUTHENTICATE or the engine's greeting) before it is closed.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Why a proof was not accepted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Denied {
+    /// The proof matches no secret (or none whose role suffices).
+    BadProof,
+    /// Too many recent failures from this address; not checked at all.
+    RateLimited,
+}
+
+impl std::fmt::Display for Denied {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Denied::BadProof => "authentication failed: the proof matches no secret allowed here",
+            Denied::RateLimited => "authentication refused: too many failures from this address; wait and retry",
+        })
+    }
+}
+
+/// The secrets and the failure limiter of one server.
+pub struct Gate {
+    keys: Arc<Keys>,
+    failures: Mutex<FailureLimiter>,
+}
+
+impl Gate {
+    /// A gate for `keys`; empty keys mean authentication is off.
+    pub fn new(keys: Arc<Keys>) -> Gate {
+        Gate { keys, failures: Mutex::default() }
+    }
+
+    /// Whether clients must authenticate.
+    pub fn enabled(&self) -> bool {
+        self.keys.enabled()
+    }
+
+    /// The role a connection has before it authenticates: everything when
+    /// authentication is off, nothing otherwise.
+    pub fn initial_role(&self) -> Option<Role> {
+        (!self.enabled()).then_some(Role::Admin)
+    }
+
+    /// A fresh challenge.
+    pub fn nonce(&self) -> [u8; NONCE_LEN] {
+        rand::random()
+    }
+
+    /// Checks `proof` for `nonce` from `peer` on a `purpose` listener; the
+    /// granted role must allow `needed`. Failures are counted and logged.
+    pub fn check(
+        &self,
+        purpose: Purpose,
+        peer: Option<IpAddr>,
+        nonce: &[u8; NONCE_LEN],
+        proof: &[u8],
+        needed: Role,
+    ) -> Result<Role, Denied> {
+        let ip = peer.unwrap_or(IpAddr::from([127, 0, 0, 1]));
+        let now = Instant::now();
+        // The limiter's state is a plain map that every update leaves
+        // consistent, so a poisoned lock is safe to keep using.
+        if !self.failures.lock().unwrap_or_else(PoisonError::into_inner).allowed(ip, now) {
+            debug!(%ip, ?purpose, "authentication attempt refused: rate-limited");
+            return Err(Denied::RateLimited);
+        }
+        match self.keys.verify(purpose, nonce, proof) {
+            Some(role) if role.allows(needed) => Ok(role),
+            _ => {
+                let verdict = self.failures.lock().unwrap_or_else(PoisonError::into_inner).failed(ip, now);
+                match verdict {
+                    Failure::Log => warn!(%ip, ?purpose, "authentication failed"),
+                    Failure::Blocked => warn!(
+                        %ip,
+                        ?purpose,
+                        "authentication failed {} times; refusing this address for {:?}",
+                        dmkv_common::auth::MAX_FAILURES,
+                        dmkv_common::auth::FAILURE_WINDOW
+                    ),
+                    Failure::Quiet => debug!(%ip, ?purpose, "authentication failed (address blocked)"),
+                }
+                Err(Denied::BadProof)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dmkv_common::auth::{MAX_FAILURES, Token};
+
+    #[test]
+    fn roles_and_rate_limits() {
+        let data = Token::new("data-0123456789abcdef").unwrap();
+        let admin = Token::new("admin-0123456789abcdef").unwrap();
+        let gate = Gate::new(Arc::new(Keys::new(vec![data.clone()], vec![admin.clone()]).unwrap()));
+        assert!(gate.enabled() && gate.initial_role().is_none());
+        let n = gate.nonce();
+        assert_ne!(n, gate.nonce());
+        let peer = Some(IpAddr::from([10, 1, 2, 3]));
+        let d = data.prove(Purpose::Rpc, &n);
+        assert_eq!(gate.check(Purpose::Rpc, peer, &n, &d, Role::Data), Ok(Role::Data));
+        assert_eq!(gate.check(Purpose::Rpc, peer, &n, &d, Role::Admin), Err(Denied::BadProof));
+        let a = admin.prove(Purpose::Rpc, &n);
+        assert_eq!(gate.check(Purpose::Rpc, peer, &n, &a, Role::Admin), Ok(Role::Admin));
+        for _ in 1..MAX_FAILURES {
+            assert_eq!(gate.check(Purpose::Rpc, peer, &n, &[0; 32], Role::Data), Err(Denied::BadProof));
+        }
+        // Blocked now: even the right proof is not checked.
+        assert_eq!(gate.check(Purpose::Rpc, peer, &n, &d, Role::Data), Err(Denied::RateLimited));
+        let other = Some(IpAddr::from([10, 1, 2, 4]));
+        assert_eq!(gate.check(Purpose::Rpc, other, &n, &d, Role::Data), Ok(Role::Data));
+
+        let open = Gate::new(Arc::default());
+        assert_eq!(open.initial_role(), Some(Role::Admin));
+    }
+}
