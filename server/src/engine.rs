@@ -16,11 +16,11 @@ use dmkv_common::onesided::{
 };
 use tokio::net::TcpListener;
 use tokio::sync::watch;
-use tokio::task::JoinSet;
 use tracing::{debug, warn};
 
 use crate::counters::EngineCounters;
 use crate::framed;
+use crate::listen;
 use crate::region::Region;
 use crate::registration::Registration;
 
@@ -37,6 +37,7 @@ pub fn spawn_thread(
     region: Arc<Region>,
     reg: Arc<Registration>,
     counters: Arc<EngineCounters>,
+    bounds: Bounds,
     shutdown: watch::Receiver<bool>,
 ) -> std::io::Result<tokio::sync::oneshot::Receiver<()>> {
     // The listener is registered with the caller's runtime; move it over.
@@ -50,7 +51,7 @@ pub fn spawn_thread(
     std::thread::Builder::new().name("dmkvd-engine".into()).spawn(move || {
         rt.block_on(async move {
             match TcpListener::from_std(listener) {
-                Ok(l) => serve(l, region, reg, counters, shutdown).await,
+                Ok(l) => serve(l, region, reg, counters, bounds, shutdown).await,
                 Err(e) => warn!("one-sided engine stopped: {e}"),
             }
         });
@@ -59,34 +60,35 @@ pub fn spawn_thread(
     Ok(done_rx)
 }
 
+/// What the engine allows its connections.
+#[derive(Debug, Clone, Copy)]
+pub struct Bounds {
+    /// Connections served at once; more wait in the accept queue.
+    pub max_connections: usize,
+    pub limits: framed::Limits,
+}
+
 /// Accepts engine connections until shutdown.
 pub async fn serve(
     listener: TcpListener,
     region: Arc<Region>,
     reg: Arc<Registration>,
     counters: Arc<EngineCounters>,
-    mut shutdown: watch::Receiver<bool>,
+    bounds: Bounds,
+    shutdown: watch::Receiver<bool>,
 ) {
-    let mut conns = JoinSet::new();
-    loop {
-        tokio::select! {
-            r = listener.accept() => match r {
-                Ok((stream, peer)) => {
-                    let reads = Reads {
-                        region: Arc::clone(&region),
-                        reg: Arc::clone(&reg),
-                        counters: Arc::clone(&counters),
-                        peer,
-                        wrs: Vec::new(),
-                    };
-                    conns.spawn(framed::serve_connection(stream, "engine", reads, shutdown.clone()));
-                }
-                Err(e) => warn!("engine accept failed: {e}"),
-            },
-            _ = shutdown.changed() => break,
-        }
-        while conns.try_join_next().is_some() {}
-    }
+    let rx = shutdown.clone();
+    let mut conns = listen::serve(listener, "engine", bounds.max_connections, shutdown, move |(stream, peer)| {
+        let reads = Reads {
+            region: Arc::clone(&region),
+            reg: Arc::clone(&reg),
+            counters: Arc::clone(&counters),
+            peer,
+            wrs: Vec::new(),
+        };
+        framed::serve_connection(stream, "engine", reads, bounds.limits, rx.clone())
+    })
+    .await;
     conns.shutdown().await;
 }
 

@@ -33,6 +33,8 @@ pub struct Shared {
     pub shm_socket: Option<std::path::PathBuf>,
     pub host_id: String,
     pub engine_counters: Arc<EngineCounters>,
+    /// How long a connection may keep the server waiting.
+    pub limits: framed::Limits,
     #[cfg(feature = "rdma")]
     pub rdma: Option<crate::rdma::RdmaRegion>,
 }
@@ -49,7 +51,8 @@ struct ConnState {
 /// or the server shuts down (after answering every request already read).
 pub async fn serve_connection(stream: TcpStream, shared: Arc<Shared>, shutdown: watch::Receiver<bool>) {
     let requests = Requests { decoder: Decoder::new(shared.max_frame), shared, state: ConnState::default() };
-    framed::serve_connection(stream, "rpc", requests, shutdown).await;
+    let limits = requests.shared.limits;
+    framed::serve_connection(stream, "rpc", requests, limits, shutdown).await;
 }
 
 /// One RPC connection's requests, run against the store.
