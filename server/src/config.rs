@@ -11,6 +11,8 @@ use dmkv_common::auth::{Keys, Token};
 use dmkv_common::limits::{DEFAULT_MAX_FRAME_LEN, MIN_MAX_FRAME_LEN, MIN_REGION_LEN};
 use serde::Deserialize;
 
+use crate::listen::MAX_CONNECTION_CAP;
+
 /// Default RPC listen address.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:7070";
 /// Default region size.
@@ -28,6 +30,19 @@ pub const ADMIN_TOKEN_ENV: &str = "DMKVD_ADMIN_TOKEN";
 /// Shortest rkey rotation period: a rotation costs every one-sided client
 /// a re-attach.
 pub const MIN_RKEY_ROTATE: Duration = Duration::from_secs(1);
+/// Most engine connections served at once: clients keep a few each.
+pub const DEFAULT_MAX_ENGINE_CONNECTIONS: usize = 1024;
+/// Most shared-memory handoff connections at once: one per mapping client
+/// process on this host.
+pub const DEFAULT_MAX_SHM_CONNECTIONS: usize = 256;
+/// A connection whose peer sends nothing for this long is closed (clients
+/// reconnect when they need to).
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(300);
+/// Once part of a frame has arrived, the rest must follow within this: a
+/// whole maximum frame crosses any working link well within it.
+pub const DEFAULT_FRAME_TIMEOUT: Duration = Duration::from_secs(10);
+/// Longest idle or frame timeout accepted (a week).
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(7 * 24 * 3600);
 /// How long shutdown waits for connections to finish their requests.
 pub const SHUTDOWN_DRAIN: Duration = Duration::from_secs(5);
 
@@ -99,6 +114,21 @@ pub struct Flags {
     /// Require client certificates signed by this CA (PEM).
     #[arg(long, value_name = "FILE")]
     pub tls_client_ca: Option<PathBuf>,
+    /// Most RPC connections served at once; more wait to be accepted.
+    #[arg(long, value_name = "N")]
+    pub max_connections: Option<usize>,
+    /// Most one-sided engine connections served at once.
+    #[arg(long, value_name = "N")]
+    pub max_engine_connections: Option<usize>,
+    /// Most shared-memory handoff connections at once.
+    #[arg(long, value_name = "N")]
+    pub max_shm_connections: Option<usize>,
+    /// Close RPC and engine connections that send nothing for this long.
+    #[arg(long, value_name = "SECS")]
+    pub idle_timeout_secs: Option<u64>,
+    /// Close a connection that has begun a frame but not finished it within this.
+    #[arg(long, value_name = "MS")]
+    pub frame_timeout_ms: Option<u64>,
 }
 
 /// The TOML file; every field is optional.
@@ -124,6 +154,11 @@ pub struct FileConfig {
     pub tls_cert: Option<PathBuf>,
     pub tls_key: Option<PathBuf>,
     pub tls_client_ca: Option<PathBuf>,
+    pub max_connections: Option<usize>,
+    pub max_engine_connections: Option<usize>,
+    pub max_shm_connections: Option<usize>,
+    pub idle_timeout_secs: Option<u64>,
+    pub frame_timeout_ms: Option<u64>,
 }
 
 /// A byte size written as a number or a string such as "256MiB".
@@ -172,7 +207,15 @@ pub struct Config {
     pub max_frame: usize,
     pub threads: usize,
     pub log: String,
+    /// Connections served at once by the RPC listener, the engine, and
+    /// the shared-memory handoff.
     pub max_connections: usize,
+    pub max_engine_connections: usize,
+    pub max_shm_connections: usize,
+    /// How long an RPC or engine connection may send nothing.
+    pub idle_timeout: Duration,
+    /// How long the rest of a begun frame may take to arrive.
+    pub frame_timeout: Duration,
     /// Engine address; `None` when the engine is off.
     pub engine_listen: Option<SocketAddr>,
     /// Handoff socket path; `None` when shared memory is off.
@@ -295,6 +338,35 @@ impl Config {
             (None, None) => None,
             _ => return Err("tls_cert and tls_key go together".into()),
         };
+        let cap = |name: &str, v: Option<usize>, default: usize| match v.unwrap_or(default) {
+            n @ 1..=MAX_CONNECTION_CAP => Ok(n),
+            n => Err(format!("{name} must be between 1 and {MAX_CONNECTION_CAP}, got {n}")),
+        };
+        let max_connections =
+            cap("max_connections", flags.max_connections.or(file.max_connections), DEFAULT_MAX_CONNECTIONS)?;
+        let max_engine_connections = cap(
+            "max_engine_connections",
+            flags.max_engine_connections.or(file.max_engine_connections),
+            DEFAULT_MAX_ENGINE_CONNECTIONS,
+        )?;
+        let max_shm_connections = cap(
+            "max_shm_connections",
+            flags.max_shm_connections.or(file.max_shm_connections),
+            DEFAULT_MAX_SHM_CONNECTIONS,
+        )?;
+        let idle_timeout = Duration::from_secs(
+            flags.idle_timeout_secs.or(file.idle_timeout_secs).unwrap_or(DEFAULT_IDLE_TIMEOUT.as_secs()),
+        );
+        let frame_timeout = Duration::from_millis(
+            flags.frame_timeout_ms.or(file.frame_timeout_ms).unwrap_or(DEFAULT_FRAME_TIMEOUT.as_millis() as u64),
+        );
+        // Zero would close every connection at once; a timeout far past any
+        // clock's range would overflow the deadline arithmetic.
+        for (name, t) in [("idle_timeout_secs", idle_timeout), ("frame_timeout_ms", frame_timeout)] {
+            if t.is_zero() || t > MAX_TIMEOUT {
+                return Err(format!("{name} must be above zero and at most {} seconds", MAX_TIMEOUT.as_secs()));
+            }
+        }
         let rdma_device = flags.rdma_device.or(file.rdma_device);
         if rdma_device.is_some() && !cfg!(feature = "rdma") {
             return Err("this dmkvd was built without RDMA support (cargo feature `rdma`)".into());
@@ -311,11 +383,15 @@ impl Config {
             max_frame: max_frame as usize,
             threads: threads.max(1),
             log: flags.log.or(file.log).unwrap_or_else(|| "info".into()),
-            max_connections: DEFAULT_MAX_CONNECTIONS,
             auth,
             insecure,
             rkey_rotate,
             tls,
+            max_connections,
+            max_engine_connections,
+            max_shm_connections,
+            idle_timeout,
+            frame_timeout,
         })
     }
 }
@@ -426,6 +502,8 @@ mod tests {
             .join("\n");
         let all: FileConfig = toml::from_str(&uncommented).unwrap();
         assert!(all.buckets.is_some() && all.engine_listen.is_some() && all.shm_socket.is_some());
+        assert!(all.max_connections.is_some() && all.max_engine_connections.is_some());
+        assert!(all.max_shm_connections.is_some() && all.idle_timeout_secs.is_some() && all.frame_timeout_ms.is_some());
     }
 
     #[test]
@@ -471,5 +549,32 @@ mod tests {
         assert!(Config::resolve(FileConfig::default(), bad).is_err());
         let odd = Flags { memory: Some("33554433".into()), ..Flags::default() };
         assert!(Config::resolve(FileConfig::default(), odd).is_err());
+    }
+
+    #[test]
+    fn connection_bounds_resolve_and_zero_is_rejected() {
+        let c = Config::default();
+        assert_eq!(
+            (c.max_connections, c.max_engine_connections, c.max_shm_connections),
+            (DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_ENGINE_CONNECTIONS, DEFAULT_MAX_SHM_CONNECTIONS)
+        );
+        assert_eq!((c.idle_timeout, c.frame_timeout), (DEFAULT_IDLE_TIMEOUT, DEFAULT_FRAME_TIMEOUT));
+        let file: FileConfig = toml::from_str("max_shm_connections = 3\nframe_timeout_ms = 250").unwrap();
+        let flags = Flags { max_engine_connections: Some(7), idle_timeout_secs: Some(1), ..Flags::default() };
+        let c = Config::resolve(file, flags).unwrap();
+        assert_eq!((c.max_engine_connections, c.max_shm_connections), (7, 3));
+        assert_eq!((c.idle_timeout, c.frame_timeout), (Duration::from_secs(1), Duration::from_millis(250)));
+        for flags in [
+            Flags { max_connections: Some(0), ..Flags::default() },
+            Flags { max_engine_connections: Some(0), ..Flags::default() },
+            Flags { max_shm_connections: Some(0), ..Flags::default() },
+            Flags { max_connections: Some(MAX_CONNECTION_CAP + 1), ..Flags::default() },
+            Flags { idle_timeout_secs: Some(0), ..Flags::default() },
+            Flags { frame_timeout_ms: Some(0), ..Flags::default() },
+            Flags { idle_timeout_secs: Some(u64::MAX), ..Flags::default() },
+        ] {
+            let err = Config::resolve(FileConfig::default(), flags).unwrap_err();
+            assert!(err.contains("must be"), "{err}");
+        }
     }
 }

@@ -19,13 +19,13 @@ use dmkv_common::onesided::{
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
-use tokio::task::JoinSet;
 use tokio_rustls::TlsAcceptor;
 use tracing::{debug, warn};
 
 use crate::access::{Denied, Gate, HANDSHAKE_TIMEOUT};
 use crate::counters::EngineCounters;
 use crate::framed;
+use crate::listen;
 use crate::region::Region;
 use crate::registration::Registration;
 
@@ -39,11 +39,7 @@ pub const ENGINE_THREADS: usize = 2;
 /// returned receiver resolves when the engine has stopped.
 pub fn spawn_thread(
     listener: TcpListener,
-    region: Arc<Region>,
-    reg: Arc<Registration>,
-    counters: Arc<EngineCounters>,
-    gate: Arc<Gate>,
-    tls: Option<TlsAcceptor>,
+    engine: Engine,
     shutdown: watch::Receiver<bool>,
 ) -> std::io::Result<tokio::sync::oneshot::Receiver<()>> {
     // The listener is registered with the caller's runtime; move it over.
@@ -57,7 +53,7 @@ pub fn spawn_thread(
     std::thread::Builder::new().name("dmkvd-engine".into()).spawn(move || {
         rt.block_on(async move {
             match TcpListener::from_std(listener) {
-                Ok(l) => serve(l, region, reg, counters, gate, tls, shutdown).await,
+                Ok(l) => serve(l, engine, shutdown).await,
                 Err(e) => warn!("one-sided engine stopped: {e}"),
             }
         });
@@ -66,36 +62,40 @@ pub fn spawn_thread(
     Ok(done_rx)
 }
 
+/// What the engine allows its connections.
+#[derive(Debug, Clone, Copy)]
+pub struct Bounds {
+    /// Connections served at once; more wait in the accept queue.
+    pub max_connections: usize,
+    pub limits: framed::Limits,
+}
+
+/// What the engine serves and how: the region and its registration, the
+/// counters it keeps, and who may connect.
+pub struct Engine {
+    pub region: Arc<Region>,
+    pub reg: Arc<Registration>,
+    pub counters: Arc<EngineCounters>,
+    pub bounds: Bounds,
+    pub gate: Arc<Gate>,
+    pub tls: Option<TlsAcceptor>,
+}
+
 /// Accepts engine connections until shutdown.
-pub async fn serve(
-    listener: TcpListener,
-    region: Arc<Region>,
-    reg: Arc<Registration>,
-    counters: Arc<EngineCounters>,
-    gate: Arc<Gate>,
-    tls: Option<TlsAcceptor>,
-    mut shutdown: watch::Receiver<bool>,
-) {
-    let mut conns = JoinSet::new();
-    loop {
-        tokio::select! {
-            r = listener.accept() => match r {
-                Ok((stream, peer)) => {
-                    let reads = Reads {
-                        region: Arc::clone(&region),
-                        reg: Arc::clone(&reg),
-                        counters: Arc::clone(&counters),
-                        peer,
-                        wrs: Vec::new(),
-                    };
-                    conns.spawn(serve_connection(stream, reads, Arc::clone(&gate), tls.clone(), shutdown.clone()));
-                }
-                Err(e) => warn!("engine accept failed: {e}"),
-            },
-            _ = shutdown.changed() => break,
-        }
-        while conns.try_join_next().is_some() {}
-    }
+pub async fn serve(listener: TcpListener, engine: Engine, shutdown: watch::Receiver<bool>) {
+    let rx = shutdown.clone();
+    let Engine { region, reg, counters, bounds, gate, tls } = engine;
+    let mut conns = listen::serve(listener, "engine", bounds.max_connections, shutdown, move |(stream, peer)| {
+        let reads = Reads {
+            region: Arc::clone(&region),
+            reg: Arc::clone(&reg),
+            counters: Arc::clone(&counters),
+            peer,
+            wrs: Vec::new(),
+        };
+        serve_connection(stream, reads, Arc::clone(&gate), tls.clone(), bounds.limits, rx.clone())
+    })
+    .await;
     conns.shutdown().await;
 }
 
@@ -106,13 +106,14 @@ async fn serve_connection(
     reads: Reads,
     gate: Arc<Gate>,
     tls: Option<TlsAcceptor>,
+    limits: framed::Limits,
     shutdown: watch::Receiver<bool>,
 ) {
     let peer = reads.peer;
     let _ = stream.set_nodelay(true);
     match tls {
         None => match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(&mut stream, &gate, peer)).await {
-            Ok(Ok(())) => framed::serve_connection(stream, Some(peer), "engine", reads, shutdown).await,
+            Ok(Ok(())) => framed::serve_connection(stream, Some(peer), "engine", reads, limits, shutdown).await,
             Ok(Err(e)) => debug!(?peer, "engine handshake failed: {e}"),
             Err(_) => debug!(?peer, "engine handshake timed out"),
         },
@@ -123,7 +124,7 @@ async fn serve_connection(
                 Ok::<_, std::io::Error>(s)
             };
             match tokio::time::timeout(HANDSHAKE_TIMEOUT, work).await {
-                Ok(Ok(s)) => framed::serve_connection(s, Some(peer), "engine", reads, shutdown).await,
+                Ok(Ok(s)) => framed::serve_connection(s, Some(peer), "engine", reads, limits, shutdown).await,
                 Ok(Err(e)) => debug!(?peer, "engine TLS or handshake failed: {e}"),
                 Err(_) => debug!(?peer, "engine handshake timed out"),
             }

@@ -5,13 +5,20 @@
 //! Every request read is answered, and the replies to everything one socket
 //! read brought go out in one write (reply coalescing): a client that
 //! pipelines then costs one write per batch, not one per request.
+//!
+//! What one connection can hold is bounded: time by [`Limits`] (a peer that
+//! goes quiet, or trickles a frame, is dropped), memory by the handler's
+//! largest frame on the way in and [`MAX_PENDING_REPLY_BYTES`] on the way
+//! out, with both buffers shrunk back once a large frame is done.
 
 use std::fmt::Display;
 use std::future::Future;
+use std::time::Duration;
 
 use bytes::BytesMut;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::watch;
+use tokio::time::Instant;
 use tracing::{debug, warn};
 
 /// Read buffer size per connection; frames larger than this grow it.
@@ -20,6 +27,20 @@ const READ_BUF: usize = 64 * 1024;
 /// middle of a batch of requests: many small requests can ask for many
 /// large values, and what one connection holds must stay bounded.
 pub const MAX_PENDING_REPLY_BYTES: usize = 4 * 1024 * 1024;
+/// A buffer left larger than this once it is empty is given back, so an
+/// idle connection that once moved a large frame does not keep megabytes.
+const SHRINK_ABOVE: usize = 4 * READ_BUF;
+
+/// How long a connection may keep the server waiting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// No bytes from the peer for this long closes the connection; a reply
+    /// the peer does not take within it too.
+    pub idle_timeout: Duration,
+    /// Once part of a frame has arrived, the rest must arrive within this,
+    /// however it trickles in.
+    pub frame_timeout: Duration,
+}
 
 /// What a listener does with one request. Async because an RPC may wait
 /// (a PUT waits for space finishing its grace period); a handler that
@@ -40,27 +61,35 @@ pub trait Handler: Send {
 }
 
 /// Serves one connection until the peer closes, sends a request `handler`
-/// rejects, or the server shuts down (after answering every request already
-/// read). `kind` names the listener in logs. `stream` is TCP, or TLS over
-/// TCP: reads and writes take turns, so it need not be split.
+/// rejects, overstays `limits`, or the server shuts down (after answering
+/// every request already read). `kind` names the listener in logs.
+/// `stream` is TCP, or TLS over TCP: reads and writes take turns, so it
+/// need not be split.
 pub async fn serve_connection<H: Handler>(
     mut stream: impl AsyncRead + AsyncWrite + Unpin + Send,
     peer: Option<std::net::SocketAddr>,
     kind: &str,
     mut handler: H,
+    limits: Limits,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let mut inbuf = BytesMut::with_capacity(READ_BUF);
     let mut out = BytesMut::new();
+    let mut clock = ReadClock::new(limits, Instant::now());
     loop {
         if inbuf.capacity() - inbuf.len() < READ_BUF / 4 {
             inbuf.reserve(READ_BUF);
         }
+        let (deadline, waiting_for) = clock.deadline();
         let n = tokio::select! {
             r = stream.read_buf(&mut inbuf) => match r {
                 Ok(n) => n,
                 Err(e) => { debug!(?peer, "{kind} read error: {e}"); return; }
             },
+            _ = tokio::time::sleep_until(deadline) => {
+                debug!(?peer, bytes = inbuf.len(), "closing {kind} connection: {waiting_for:?} timed out");
+                return;
+            }
             _ = shutdown.changed() => return,
         };
         if n == 0 {
@@ -70,40 +99,155 @@ pub async fn serve_connection<H: Handler>(
             return;
         }
         let mut close_reason = None;
+        let mut completed = false;
         loop {
             match handler.handle_next(&mut inbuf, &mut out).await {
-                Ok(true) => {}
+                Ok(true) => completed = true,
                 Ok(false) => break,
                 Err(e) => {
                     close_reason = Some(e);
                     break;
                 }
             }
-            if out.len() >= MAX_PENDING_REPLY_BYTES {
-                if let Err(e) = write_out(&mut stream, &out).await {
-                    debug!(?peer, "{kind} write error: {e}");
-                    return;
-                }
-                out.clear();
-            }
-        }
-        if !out.is_empty() {
-            if let Err(e) = write_out(&mut stream, &out).await {
+            if out.len() >= MAX_PENDING_REPLY_BYTES
+                && let Err(e) = write_out(&mut stream, &mut out, limits).await
+            {
                 debug!(?peer, "{kind} write error: {e}");
                 return;
             }
-            out.clear();
+        }
+        if !out.is_empty()
+            && let Err(e) = write_out(&mut stream, &mut out, limits).await
+        {
+            debug!(?peer, "{kind} write error: {e}");
+            return;
         }
         if let Some(e) = close_reason {
             warn!(?peer, "closing {kind} connection: {e}");
             return;
         }
+        clock.on_read(Instant::now(), completed, !inbuf.is_empty());
+        if inbuf.is_empty() && inbuf.capacity() > SHRINK_ABOVE {
+            inbuf = BytesMut::with_capacity(READ_BUF);
+        }
+        if out.capacity() > SHRINK_ABOVE {
+            out = BytesMut::new();
+        }
     }
 }
 
-/// Writes `out` and flushes it: TLS holds written bytes in its session
-/// until flushed (a no-op for plain TCP).
-async fn write_out(stream: &mut (impl AsyncWrite + Unpin), out: &[u8]) -> std::io::Result<()> {
-    stream.write_all(out).await?;
-    stream.flush().await
+/// Writes, flushes and clears `out`; a peer that does not take it within
+/// the idle timeout is given up on, as one that sends nothing would be.
+/// Flushing matters for TLS, which holds written bytes until flushed.
+async fn write_out<W: AsyncWrite + Unpin>(wr: &mut W, out: &mut BytesMut, limits: Limits) -> std::io::Result<()> {
+    let write = async {
+        wr.write_all(out).await?;
+        wr.flush().await
+    };
+    match tokio::time::timeout(limits.idle_timeout, write).await {
+        Ok(r) => r?,
+        Err(_) => return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "peer not reading replies")),
+    }
+    out.clear();
+    Ok(())
+}
+
+/// What a connection's wait for bytes is timed against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Waiting {
+    /// Any bytes at all ([`Limits::idle_timeout`]).
+    Idle,
+    /// The rest of a frame that has begun ([`Limits::frame_timeout`]).
+    RestOfFrame,
+}
+
+/// When a connection's wait for bytes ends: pure, time passed in.
+#[derive(Debug)]
+struct ReadClock {
+    limits: Limits,
+    last_read: Instant,
+    /// When the frame that is partly in the buffer began to arrive.
+    frame_started: Option<Instant>,
+}
+
+impl ReadClock {
+    fn new(limits: Limits, now: Instant) -> Self {
+        ReadClock { limits, last_read: now, frame_started: None }
+    }
+
+    /// Bytes arrived at `now` and were handled: `completed` if at least one
+    /// whole frame was taken, `partial` if bytes of an unfinished frame are
+    /// left. Only a completed frame restarts the frame deadline, so bytes
+    /// that trickle in do not.
+    fn on_read(&mut self, now: Instant, completed: bool, partial: bool) {
+        self.last_read = now;
+        self.frame_started = match self.frame_started {
+            _ if !partial => None,
+            Some(started) if !completed => Some(started),
+            _ => Some(now),
+        };
+    }
+
+    /// When to give up waiting, and for what.
+    fn deadline(&self) -> (Instant, Waiting) {
+        let idle = self.last_read + self.limits.idle_timeout;
+        match self.frame_started {
+            Some(started) if started + self.limits.frame_timeout < idle => {
+                (started + self.limits.frame_timeout, Waiting::RestOfFrame)
+            }
+            _ => (idle, Waiting::Idle),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LIMITS: Limits = Limits { idle_timeout: Duration::from_secs(300), frame_timeout: Duration::from_secs(10) };
+
+    fn secs(n: u64) -> Duration {
+        Duration::from_secs(n)
+    }
+
+    #[test]
+    fn a_quiet_connection_times_out_when_idle() {
+        let t0 = Instant::now();
+        let mut c = ReadClock::new(LIMITS, t0);
+        assert_eq!(c.deadline(), (t0 + secs(300), Waiting::Idle));
+        c.on_read(t0 + secs(7), true, false);
+        assert_eq!(c.deadline(), (t0 + secs(307), Waiting::Idle));
+    }
+
+    #[test]
+    fn a_trickled_frame_keeps_its_first_deadline() {
+        let t0 = Instant::now();
+        let mut c = ReadClock::new(LIMITS, t0);
+        c.on_read(t0 + secs(1), false, true);
+        for s in 2..10 {
+            c.on_read(t0 + secs(s), false, true);
+            assert_eq!(c.deadline(), (t0 + secs(11), Waiting::RestOfFrame));
+        }
+    }
+
+    #[test]
+    fn a_completed_frame_restarts_the_frame_deadline() {
+        let t0 = Instant::now();
+        let mut c = ReadClock::new(LIMITS, t0);
+        c.on_read(t0, false, true);
+        // The frame completes and the next one begins in the same read.
+        c.on_read(t0 + secs(5), true, true);
+        assert_eq!(c.deadline(), (t0 + secs(15), Waiting::RestOfFrame));
+        c.on_read(t0 + secs(6), true, false);
+        assert_eq!(c.deadline(), (t0 + secs(306), Waiting::Idle));
+    }
+
+    #[test]
+    fn the_earlier_deadline_wins() {
+        let limits = Limits { idle_timeout: secs(2), frame_timeout: secs(10) };
+        let t0 = Instant::now();
+        let mut c = ReadClock::new(limits, t0);
+        c.on_read(t0, false, true);
+        assert_eq!(c.deadline(), (t0 + secs(2), Waiting::Idle));
+    }
 }

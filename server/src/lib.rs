@@ -6,7 +6,8 @@
 //! [`alloc`] hands out. One-sided GETs never reach the service or the
 //! store: same-host clients map the region after a [`shm`] handoff, others
 //! read it through the [`engine`] (served by the same [`framed`] loop);
-//! both check the [`registration`].
+//! both check the [`registration`]. All three listeners accept through
+//! [`listen`], which bounds how many connections each serves.
 
 pub mod access;
 pub mod alloc;
@@ -14,6 +15,7 @@ pub mod config;
 pub mod counters;
 pub mod engine;
 pub mod framed;
+pub mod listen;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 pub mod region;
@@ -27,7 +29,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use tokio::net::TcpListener;
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tracing::{info, warn};
 
@@ -44,6 +46,8 @@ pub struct Server {
     shared: Arc<Shared>,
     max_connections: usize,
     rkey_rotate: Option<std::time::Duration>,
+    max_engine_connections: usize,
+    max_shm_connections: usize,
 }
 
 impl Server {
@@ -85,10 +89,20 @@ impl Server {
             gate: Arc::new(access::Gate::new(Arc::clone(&cfg.auth))),
             engine_tls: tls.is_some() && engine.is_some(),
             tls,
+            limits: framed::Limits { idle_timeout: cfg.idle_timeout, frame_timeout: cfg.frame_timeout },
             #[cfg(feature = "rdma")]
             rdma,
         });
-        Ok(Server { listener, engine, shm, shared, max_connections: cfg.max_connections, rkey_rotate: cfg.rkey_rotate })
+        Ok(Server {
+            listener,
+            engine,
+            shm,
+            shared,
+            max_connections: cfg.max_connections,
+            max_engine_connections: cfg.max_engine_connections,
+            max_shm_connections: cfg.max_shm_connections,
+            rkey_rotate: cfg.rkey_rotate,
+        })
     }
 
     /// The one-sided engine's address, if it is on.
@@ -129,10 +143,15 @@ impl Server {
         let mut side = JoinSet::new();
         let region = Arc::clone(self.shared.store.region());
         if let Some(l) = self.engine {
-            let (r, reg, c) =
-                (Arc::clone(&region), Arc::clone(&self.shared.registration), Arc::clone(&self.shared.engine_counters));
-            let (gate, tls) = (Arc::clone(&self.shared.gate), self.shared.tls.clone());
-            match engine::spawn_thread(l, r, reg, c, gate, tls, stop_rx.clone()) {
+            let engine = engine::Engine {
+                region: Arc::clone(&region),
+                reg: Arc::clone(&self.shared.registration),
+                counters: Arc::clone(&self.shared.engine_counters),
+                bounds: engine::Bounds { max_connections: self.max_engine_connections, limits: self.shared.limits },
+                gate: Arc::clone(&self.shared.gate),
+                tls: self.shared.tls.clone(),
+            };
+            match engine::spawn_thread(l, engine, stop_rx.clone()) {
                 Ok(done) => {
                     side.spawn(async move {
                         let _ = done.await;
@@ -143,8 +162,9 @@ impl Server {
         }
         if let Some(l) = self.shm {
             let (r, reg, rx) = (Arc::clone(&region), Arc::clone(&self.shared.registration), stop_rx.clone());
+            let cap = self.max_shm_connections;
             side.spawn(async move {
-                if let Err(e) = shm::serve(l, r, reg, rx).await {
+                if let Err(e) = shm::serve(l, r, reg, cap, rx).await {
                     warn!("shared-memory handoff stopped: {e}");
                 }
             });
@@ -165,33 +185,18 @@ impl Server {
                 }
             });
         }
-        let permits = Arc::new(Semaphore::new(self.max_connections));
-        let mut conns = JoinSet::new();
-        tokio::pin!(shutdown);
-        loop {
-            let permit = tokio::select! {
-                p = Arc::clone(&permits).acquire_owned() => p.expect("semaphore never closed"),
-                _ = &mut shutdown => break,
-            };
-            tokio::select! {
-                r = self.listener.accept() => match r {
-                    Ok((stream, _)) => {
-                        let shared = Arc::clone(&self.shared);
-                        let rx = stop_rx.clone();
-                        conns.spawn(async move {
-                            service::serve_connection(stream, shared, rx).await;
-                            drop(permit);
-                        });
-                    }
-                    Err(e) => warn!("accept failed: {e}"),
-                },
-                _ = &mut shutdown => break,
-            }
-            while conns.try_join_next().is_some() {}
-        }
+        let shared = Arc::clone(&self.shared);
+        let rx = stop_rx.clone();
+        let accept = listen::serve(self.listener, "rpc", self.max_connections, stop_rx, move |(stream, _)| {
+            service::serve_connection(stream, Arc::clone(&shared), rx.clone())
+        });
+        let stop = async {
+            shutdown.await;
+            // Connections answer what they have read, then close.
+            let _ = stop_tx.send(true);
+        };
+        let (mut conns, ()) = tokio::join!(accept, stop);
         info!(connections = conns.len(), "shutting down: no longer accepting");
-        drop(self.listener);
-        let _ = stop_tx.send(true);
         let drain = async { while conns.join_next().await.is_some() {} };
         if tokio::time::timeout(config::SHUTDOWN_DRAIN, drain).await.is_err() {
             warn!("connections still open after the drain deadline; closing them");

@@ -42,6 +42,8 @@ pub struct Shared {
     pub engine_tls: bool,
     /// TLS for RPC and the engine, when configured.
     pub tls: Option<tokio_rustls::TlsAcceptor>,
+    /// How long a connection may keep the server waiting.
+    pub limits: framed::Limits,
     #[cfg(feature = "rdma")]
     pub rdma: Option<crate::rdma::RdmaRegion>,
 }
@@ -88,12 +90,12 @@ pub async fn serve_connection(stream: TcpStream, shared: Arc<Shared>, shutdown: 
         #[cfg(feature = "rdma")]
         qps: Vec::new(),
     };
-    let tls = shared.tls.clone();
+    let (tls, limits) = (shared.tls.clone(), shared.limits);
     let requests = Requests { decoder: Decoder::new(shared.max_frame), shared, state };
     match tls {
-        None => framed::serve_connection(stream, peer, "rpc", requests, shutdown).await,
+        None => framed::serve_connection(stream, peer, "rpc", requests, limits, shutdown).await,
         Some(acceptor) => match tokio::time::timeout(crate::access::HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
-            Ok(Ok(s)) => framed::serve_connection(s, peer, "rpc", requests, shutdown).await,
+            Ok(Ok(s)) => framed::serve_connection(s, peer, "rpc", requests, limits, shutdown).await,
             Ok(Err(e)) => tracing::debug!(?peer, "TLS handshake failed: {e}"),
             Err(_) => tracing::debug!(?peer, "TLS handshake timed out"),
         },
@@ -115,7 +117,7 @@ impl framed::Handler for Requests {
         let resp = match admit(&self.shared, &mut self.state, &req) {
             Ok(()) => handle(&self.shared, &mut self.state, req).await,
             Err(refusal) => {
-                encode_reply(&refusal, self.shared.max_frame, out);
+                encode_reply(&refusal.with_id(req.id), self.shared.max_frame, out);
                 return Err(Close::Unauthenticated);
             }
         };
@@ -136,41 +138,33 @@ fn needed_role(op: &Op) -> Role {
 /// connection is closed: a connection that has not authenticated may only
 /// say HELLO and AUTHENTICATE, and a failed AUTHENTICATE ends it. Wrong-role
 /// requests are answered PERMISSION_DENIED and the connection stays.
-fn admit(shared: &Shared, conn: &mut ConnState, req: &Request) -> Result<(), Response> {
-    let id = req.id;
+fn admit(shared: &Shared, conn: &mut ConnState, req: &Request) -> Result<(), Refusal> {
     let Some(op) = &req.op else { return Ok(()) };
     if let Op::Authenticate(a) = op {
         if !shared.gate.enabled() {
             return Ok(());
         }
         let Some(nonce) = conn.nonce.take() else {
-            return Err(error(
-                id,
-                ErrorCode::Unauthenticated,
-                "say HELLO first: its reply carries the challenge".into(),
-            ));
+            return Err(Refusal(ErrorCode::Unauthenticated, "say HELLO first: its reply carries the challenge".into()));
         };
         return match shared.gate.check(Purpose::Rpc, conn.peer, &nonce, &a.proof, Role::Data) {
             Ok(role) => {
                 conn.role = Some(role);
                 Ok(())
             }
-            Err(denied) => Err(error(id, ErrorCode::Unauthenticated, denied.to_string())),
+            Err(denied) => Err(Refusal(ErrorCode::Unauthenticated, denied.to_string())),
         };
     }
     if matches!(op, Op::Hello(_)) {
         return Ok(());
     }
     match conn.role {
-        None => Err(error(
-            id,
+        None => Err(Refusal(
             ErrorCode::Unauthenticated,
             "this server requires authentication: HELLO, then AUTHENTICATE with a token (see docs/security.md)".into(),
         )),
-        Some(role) if !role.allows(needed_role(op)) => {
-            // Answered below, without closing: the client is who it said.
-            Ok(())
-        }
+        // A role too weak for the request is answered PERMISSION_DENIED by
+        // `handle`, without closing: the client is who it said it is.
         Some(_) => Ok(()),
     }
 }

@@ -24,13 +24,14 @@ use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags, sendmsg}
 use tokio::io::{AsyncReadExt, Interest};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::watch;
-use tokio::task::JoinSet;
-use tracing::{debug, warn};
+use tracing::debug;
 
+use crate::listen;
 use crate::region::Region;
 use crate::registration::Registration;
 
-/// How long a client gets to send its request.
+/// How long a client gets to send its request: the whole request, so a
+/// client trickling it holds its connection no longer than this.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A bound handoff socket; the path is removed when this is dropped.
@@ -58,36 +59,38 @@ impl ShmListener {
     }
 }
 
+impl listen::Listener for ShmListener {
+    type Conn = UnixStream;
+
+    fn accept(&self) -> impl std::future::Future<Output = io::Result<UnixStream>> + Send {
+        listen::Listener::accept(&self.listener)
+    }
+}
+
 impl Drop for ShmListener {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
     }
 }
 
-/// Serves handoffs until shutdown.
+/// Serves handoffs until shutdown, to at most `max_connections` clients at
+/// once (each holds its connection for as long as it maps the region).
 pub async fn serve(
     listener: ShmListener,
     region: Arc<Region>,
     reg: Arc<Registration>,
-    mut shutdown: watch::Receiver<bool>,
+    max_connections: usize,
+    shutdown: watch::Receiver<bool>,
 ) -> io::Result<()> {
     // A read-only reopen of the memfd: what clients get can only be mapped
     // for reading.
     let ro = Arc::new(File::open(format!("/proc/self/fd/{}", region.fd().as_raw_fd()))?);
     let len = region.len() as u64;
-    let mut conns = JoinSet::new();
-    loop {
-        tokio::select! {
-            r = listener.listener.accept() => match r {
-                Ok((stream, _)) => {
-                    conns.spawn(handoff(stream, Arc::clone(&ro), len, Arc::clone(&reg), shutdown.clone()));
-                }
-                Err(e) => warn!("shm accept failed: {e}"),
-            },
-            _ = shutdown.changed() => break,
-        }
-        while conns.try_join_next().is_some() {}
-    }
+    let rx = shutdown.clone();
+    let mut conns = listen::serve(listener, "shm", max_connections, shutdown, move |stream| {
+        handoff(stream, Arc::clone(&ro), len, Arc::clone(&reg), rx.clone())
+    })
+    .await;
     conns.shutdown().await;
     Ok(())
 }

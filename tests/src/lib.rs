@@ -59,6 +59,17 @@ impl ServerProcess {
     /// [`netns::Netns::exec_prefix`]; it must exec dmkvd (not fork it), so
     /// that stopping the child stops the server.
     pub fn start_with(prefix: &[OsString], listen: &str, args: &[&str]) -> Result<ServerProcess, String> {
+        ServerProcess::start_logged(prefix, listen, args, None)
+    }
+
+    /// [`ServerProcess::start_with`], with the server's stderr (its log)
+    /// written to `stderr` instead of the test's own.
+    pub fn start_logged(
+        prefix: &[OsString],
+        listen: &str,
+        args: &[&str],
+        stderr: Option<std::fs::File>,
+    ) -> Result<ServerProcess, String> {
         let dmkvd = find_bin("dmkvd")?;
         let mut cmd = match prefix.split_first() {
             Some((prog, rest)) => {
@@ -72,7 +83,7 @@ impl ServerProcess {
             .args(["--listen", listen, "--log", "warn"])
             .args(args)
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(stderr.map_or_else(Stdio::inherit, Stdio::from))
             .spawn()
             .map_err(|e| format!("spawn {}: {e}", dmkvd.display()))?;
         let stdout = child.stdout.take().expect("piped stdout");
