@@ -58,6 +58,12 @@ pub trait Handler: Send {
         inbuf: &mut BytesMut,
         out: &mut BytesMut,
     ) -> impl Future<Output = Result<bool, Self::Error>> + Send;
+
+    /// Whether closing for `e` was logged already (authentication failures
+    /// are, rate-limited), so the loop need not warn again.
+    fn logged(_e: &Self::Error) -> bool {
+        false
+    }
 }
 
 /// Serves one connection until the peer closes, sends a request `handler`
@@ -123,7 +129,11 @@ pub async fn serve_connection<H: Handler>(
             return;
         }
         if let Some(e) = close_reason {
-            warn!(?peer, "closing {kind} connection: {e}");
+            if H::logged(&e) {
+                debug!(?peer, "closing {kind} connection: {e}");
+            } else {
+                warn!(?peer, "closing {kind} connection: {e}");
+            }
             return;
         }
         clock.on_read(Instant::now(), completed, !inbuf.is_empty());

@@ -124,6 +124,10 @@ impl framed::Handler for Requests {
         encode_reply(&resp, self.shared.max_frame, out);
         Ok(true)
     }
+
+    fn logged(e: &Close) -> bool {
+        matches!(e, Close::Unauthenticated)
+    }
 }
 
 /// The role a request needs.

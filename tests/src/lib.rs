@@ -175,3 +175,24 @@ pub fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
         std::thread::sleep(Duration::from_millis(10));
     }
 }
+
+/// Opens a raw connection to a dmkvd engine at `addr` and runs its
+/// handshake (see `dmkv_common::onesided`), proving `token` if the engine
+/// asks; returns the connection and the handshake's status byte.
+pub fn engine_connect(addr: &str, token: Option<&dmkv_common::auth::Token>) -> (std::net::TcpStream, u8) {
+    use dmkv_common::onesided::{GREETING_LEN, HANDSHAKE_PROOF_LEN, decode_greeting};
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect {addr}: {e}"));
+    s.set_read_timeout(Some(Duration::from_secs(10))).expect("set timeout");
+    let mut greeting = [0u8; GREETING_LEN];
+    s.read_exact(&mut greeting).expect("engine greeting");
+    let (auth, nonce) = decode_greeting(&greeting).expect("a dmkv engine greeting");
+    let proof = match (auth, token) {
+        (true, Some(t)) => t.prove(dmkv_common::auth::Purpose::Engine, &nonce),
+        _ => [0u8; HANDSHAKE_PROOF_LEN],
+    };
+    s.write_all(&proof).expect("send proof");
+    let mut status = [0u8; 1];
+    s.read_exact(&mut status).expect("handshake status");
+    (s, status[0])
+}

@@ -2,7 +2,6 @@
 //! against real dmkvd processes.
 
 use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
@@ -101,8 +100,8 @@ async fn forced_transport_without_support_fails_clearly() {
 }
 
 fn engine_batch(addr: &str, wrs: &[ReadWr]) -> Vec<(ReadStatus, Vec<u8>)> {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let (mut s, status) = dmkv_tests::engine_connect(addr, None);
+    assert_eq!(status, onesided::HANDSHAKE_OK);
     let mut buf = BytesMut::new();
     onesided::encode_request(77, wrs, &mut buf);
     s.write_all(&buf).unwrap();
@@ -171,8 +170,7 @@ async fn bad_rkeys_and_bounds_are_rejected_and_change_nothing() {
     assert_eq!(shm_handoff_status(&info.shm_socket, nd.rkey, nd.epoch), 0);
 
     // Garbage on the engine port closes that connection only.
-    let mut s = TcpStream::connect(&engine).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let (mut s, _) = dmkv_tests::engine_connect(&engine, None);
     s.write_all(&[3, 0, 0, 0, 1, 2, 3]).unwrap();
     let mut b = [0u8; 1];
     assert!(matches!(s.read(&mut b), Ok(0) | Err(_)));

@@ -1,0 +1,354 @@
+//! End-to-end tests of authentication, roles, protected mode, TLS and rkey
+//! rotation, against real dmkvd processes (docs/security.md).
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::BytesMut;
+use dmkv_client::{Client, ClientConfig, ClientError, ErrorCode, ReadPath, TlsOptions, Token, Transport};
+use dmkv_common::frame::{self, Decoder};
+use dmkv_common::onesided::{self, HANDSHAKE_OK, HANDSHAKE_RATE_LIMITED, HANDSHAKE_REFUSED, ReadStatus, ReadWr};
+use dmkv_common::proto::{self, Request, Response, request::Op, response::Result as R};
+use dmkv_tests::{ServerProcess, engine_connect};
+
+const DATA: &str = "data-token-0123456789abcdef";
+const ADMIN: &str = "admin-token-0123456789abcdef";
+
+/// A directory for one test's files, removed when dropped.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(name: &str) -> TempDir {
+        let d = std::env::temp_dir().join(format!("dmkv-sec-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        TempDir(d)
+    }
+
+    fn file(&self, name: &str, text: &str) -> String {
+        let p = self.0.join(name);
+        std::fs::write(&p, text).unwrap();
+        p.display().to_string()
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn token(s: &str) -> Option<Arc<Token>> {
+    Some(Arc::new(Token::new(s).unwrap()))
+}
+
+fn cfg(tok: Option<&str>) -> ClientConfig {
+    ClientConfig { read_path: ReadPath::Rpc, pool_size: 1, token: tok.and_then(token), ..Default::default() }
+}
+
+fn authed_server(dir: &TempDir, extra: &[&str]) -> ServerProcess {
+    let auth = dir.file("auth", &format!("data {DATA}\nadmin {ADMIN}\n"));
+    let mut args = vec!["--memory", "16MiB", "--auth-file", &auth];
+    args.extend_from_slice(extra);
+    ServerProcess::start(&args)
+}
+
+/// Sends raw requests on a fresh connection and collects the replies until
+/// the server closes it or `n` replies came.
+fn raw_rpc(addr: &str, reqs: &[Request], n: usize) -> (Vec<Response>, bool) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut out = BytesMut::new();
+    for r in reqs {
+        frame::encode(r, 1 << 20, &mut out).unwrap();
+    }
+    s.write_all(&out).unwrap();
+    let dec = Decoder::new(4 << 20);
+    let (mut got, mut buf, mut closed) = (Vec::new(), BytesMut::new(), false);
+    while got.len() < n {
+        let mut chunk = [0u8; 4096];
+        match s.read(&mut chunk) {
+            Ok(0) | Err(_) => {
+                closed = true;
+                break;
+            }
+            Ok(k) => buf.extend_from_slice(&chunk[..k]),
+        }
+        while let Some(r) = dec.next_message::<Response>(&mut buf).unwrap() {
+            got.push(r);
+        }
+    }
+    if !closed {
+        let mut b = [0u8; 1];
+        closed = matches!(s.read(&mut b), Ok(0) | Err(_));
+    }
+    (got, closed)
+}
+
+fn code_of(r: &Response) -> Option<ErrorCode> {
+    match &r.result {
+        Some(R::Error(e)) => ErrorCode::try_from(e.code).ok(),
+        _ => None,
+    }
+}
+
+fn put(id: u64, k: &str, v: &str) -> Request {
+    Request {
+        id,
+        op: Some(Op::Put(proto::Put { key: k.as_bytes().to_vec().into(), value: v.as_bytes().to_vec().into() })),
+    }
+}
+
+#[tokio::test]
+async fn only_authenticated_clients_with_the_right_role_get_in() {
+    let dir = TempDir::new("roles");
+    let srv = authed_server(&dir, &[]);
+
+    // No token, a wrong token: refused with a clear code.
+    let err = Client::connect_with(&srv.rpc, cfg(None)).await.err().expect("no token must be refused");
+    assert_eq!(err.code(), Some(ErrorCode::Unauthenticated), "{err}");
+    assert!(err.to_string().contains("requires authentication"), "{err}");
+    let err = Client::connect_with(&srv.rpc, cfg(Some("wrong-token-0123456789abcdef"))).await.err().unwrap();
+    assert_eq!(err.code(), Some(ErrorCode::Unauthenticated), "{err}");
+
+    // Requests before authenticating are refused, change nothing, and end
+    // the connection; so does a forged proof.
+    let (replies, closed) = raw_rpc(&srv.rpc, &[put(1, "k", "forged"), put(2, "k2", "forged")], 2);
+    assert_eq!(replies.len(), 1);
+    assert_eq!(code_of(&replies[0]), Some(ErrorCode::Unauthenticated));
+    assert!(closed, "connection left open after an unauthenticated request");
+    let hello = Request { id: 1, op: Some(Op::Hello(proto::Hello { protocol_version: 1, client_name: "t".into() })) };
+    let forged = Request { id: 2, op: Some(Op::Authenticate(proto::Authenticate { proof: vec![0u8; 32].into() })) };
+    let (replies, closed) = raw_rpc(&srv.rpc, &[hello.clone(), forged, put(3, "k", "forged")], 3);
+    match &replies[0].result {
+        Some(R::Hello(h)) => assert_eq!(h.auth_nonce.len(), 32, "the HELLO reply carries the challenge"),
+        other => panic!("unexpected {other:?}"),
+    }
+    assert_eq!(code_of(&replies[1]), Some(ErrorCode::Unauthenticated));
+    assert_eq!(replies.len(), 2, "nothing after a failed AUTHENTICATE is served");
+    assert!(closed);
+
+    // The data role reads and writes, but may not re-register.
+    let data = Client::connect_with(&srv.rpc, cfg(Some(DATA))).await.unwrap();
+    assert_eq!(data.get("k").await.unwrap(), None, "a refused PUT changed nothing");
+    data.put("k", "v").await.unwrap();
+    assert_eq!(data.get("k").await.unwrap().unwrap(), "v".as_bytes());
+    let epoch = data.stats().await.unwrap()["region_epoch"];
+    let err = data.reregister().await.unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::PermissionDenied), "{err}");
+    assert_eq!(data.get("k").await.unwrap().unwrap(), "v".as_bytes(), "the connection stays usable");
+    assert_eq!(data.stats().await.unwrap()["region_epoch"], epoch);
+
+    // The admin role may.
+    let admin = Client::connect_with(&srv.rpc, cfg(Some(ADMIN))).await.unwrap();
+    admin.reregister().await.unwrap();
+    assert_eq!(admin.stats().await.unwrap()["region_epoch"], epoch + 1);
+
+    // One-sided reads over the engine need the token too.
+    let os = ClientConfig { read_path: ReadPath::OneSided, transport: Some(Transport::Tcp), ..cfg(Some(DATA)) };
+    let reader = Client::connect_with(&srv.rpc, os).await.unwrap();
+    let gets = admin.stats().await.unwrap()["gets"];
+    assert_eq!(reader.get("k").await.unwrap().unwrap(), "v".as_bytes());
+    assert_eq!(admin.stats().await.unwrap()["gets"], gets, "the GET went one-sided");
+
+    // A raw engine connection without a valid proof gets nothing.
+    let info = admin.region_info_full().await.unwrap();
+    let (mut s, status) = engine_connect(&info.engine_addr, None);
+    assert_eq!(status, HANDSHAKE_REFUSED);
+    let mut req = BytesMut::new();
+    onesided::encode_request(1, &[ReadWr { rkey: info.regions[0].rkey, offset: 0, len: 64 }], &mut req);
+    let _ = s.write_all(&req);
+    let mut b = [0u8; 1];
+    assert!(matches!(s.read(&mut b), Ok(0) | Err(_)), "a refused engine connection is closed");
+    let (_, status) = engine_connect(&info.engine_addr, Token::new(DATA).ok().as_ref());
+    assert_eq!(status, HANDSHAKE_OK);
+}
+
+#[tokio::test]
+async fn repeated_failures_are_rate_limited() {
+    let dir = TempDir::new("ratelimit");
+    let srv = authed_server(&dir, &[]);
+    for _ in 0..dmkv_common::auth::MAX_FAILURES {
+        let err = Client::connect_with(&srv.rpc, cfg(Some("wrong-token-0123456789abcdef"))).await.err().unwrap();
+        assert_eq!(err.code(), Some(ErrorCode::Unauthenticated));
+    }
+    // Now even the right token is refused from this address, on every port.
+    let err = Client::connect_with(&srv.rpc, cfg(Some(DATA))).await.err().expect("rate limit");
+    assert!(err.to_string().contains("too many failures"), "{err}");
+    let engine = srv.endpoint("engine").unwrap().to_string();
+    let (_, status) = engine_connect(&engine, Token::new(DATA).ok().as_ref());
+    assert_eq!(status, HANDSHAKE_RATE_LIMITED);
+}
+
+#[test]
+fn a_public_address_without_auth_is_refused_unless_insecure() {
+    let out = std::process::Command::new(dmkv_tests::bin_path("dmkvd"))
+        .args(["--listen", "0.0.0.0:0", "--memory", "16MiB"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("without authentication") && err.contains("--insecure"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
+    let srv = ServerProcess::start_with(&[], "0.0.0.0:0", &["--memory", "16MiB", "--insecure"]).unwrap();
+    assert!(srv.rpc.starts_with("0.0.0.0:"));
+}
+
+struct Pki {
+    ca: String,
+    server_cert: String,
+    server_key: String,
+    client_cert: String,
+    client_key: String,
+    other_ca: String,
+}
+
+fn pki(dir: &TempDir) -> Pki {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let srv_key = KeyPair::generate().unwrap();
+    let srv = CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()])
+        .unwrap()
+        .signed_by(&srv_key, &ca, &ca_key)
+        .unwrap();
+    let cli_key = KeyPair::generate().unwrap();
+    let cli = CertificateParams::new(vec!["client".to_string()]).unwrap().signed_by(&cli_key, &ca, &ca_key).unwrap();
+    let other_key = KeyPair::generate().unwrap();
+    let mut other_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    other_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let other = other_params.self_signed(&other_key).unwrap();
+    Pki {
+        ca: dir.file("ca.pem", &ca.pem()),
+        server_cert: dir.file("server.pem", &srv.pem()),
+        server_key: dir.file("server.key", &srv_key.serialize_pem()),
+        client_cert: dir.file("client.pem", &cli.pem()),
+        client_key: dir.file("client.key", &cli_key.serialize_pem()),
+        other_ca: dir.file("other-ca.pem", &other.pem()),
+    }
+}
+
+fn tls(ca: &str) -> Option<TlsOptions> {
+    Some(TlsOptions { ca_file: Path::new(ca).into(), ..Default::default() })
+}
+
+#[tokio::test]
+async fn tls_carries_rpc_and_engine_reads() {
+    let dir = TempDir::new("tls");
+    let p = pki(&dir);
+    let srv = authed_server(&dir, &["--tls-cert", &p.server_cert, "--tls-key", &p.server_key]);
+    let c = Client::connect_with(&srv.rpc, ClientConfig { tls: tls(&p.ca), ..cfg(Some(DATA)) }).await.unwrap();
+    c.put("k", vec![7u8; 100_000]).await.unwrap();
+    assert_eq!(c.get("k").await.unwrap().unwrap().len(), 100_000);
+    assert!(c.region_info_full().await.unwrap().engine_tls);
+
+    let os = ClientConfig {
+        read_path: ReadPath::OneSided,
+        transport: Some(Transport::Tcp),
+        tls: tls(&p.ca),
+        ..cfg(Some(DATA))
+    };
+    let reader = Client::connect_with(&srv.rpc, os).await.unwrap();
+    let gets = c.stats().await.unwrap()["gets"];
+    assert_eq!(reader.get("k").await.unwrap().unwrap(), vec![7u8; 100_000]);
+    assert_eq!(c.stats().await.unwrap()["gets"], gets, "the GET went one-sided over the TLS engine");
+
+    // Plaintext clients, and clients that do not trust the server's CA, fail.
+    let err =
+        Client::connect_with(&srv.rpc, ClientConfig { connect_timeout: Duration::from_secs(2), ..cfg(Some(DATA)) })
+            .await
+            .err()
+            .expect("plaintext against TLS");
+    assert!(err.is_transport() || matches!(err, ClientError::Protocol(_)), "{err}");
+    let err = Client::connect_with(&srv.rpc, ClientConfig { tls: tls(&p.other_ca), ..cfg(Some(DATA)) })
+        .await
+        .err()
+        .expect("untrusted server certificate");
+    assert!(err.to_string().contains("TLS"), "{err}");
+    let engine = srv.endpoint("engine").unwrap().to_string();
+    let mut raw = TcpStream::connect(&engine).unwrap();
+    raw.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut greeting = [0u8; 8];
+    assert!(raw.read_exact(&mut greeting).is_err() || greeting != onesided::ENGINE_MAGIC, "engine spoke plaintext");
+}
+
+#[tokio::test]
+async fn client_certificates_are_required_when_configured() {
+    let dir = TempDir::new("mtls");
+    let p = pki(&dir);
+    let srv =
+        authed_server(&dir, &["--tls-cert", &p.server_cert, "--tls-key", &p.server_key, "--tls-client-ca", &p.ca]);
+    let anon = ClientConfig { tls: tls(&p.ca), ..cfg(Some(DATA)) };
+    let ok = match Client::connect_with(&srv.rpc, anon).await {
+        // TLS 1.3 reports a refused client certificate after the handshake,
+        // at the first request.
+        Ok(c) => c.put("k", "v").await.is_ok(),
+        Err(_) => false,
+    };
+    assert!(!ok, "a client without a certificate was served");
+    let tls = Some(TlsOptions {
+        ca_file: p.ca.clone().into(),
+        client_cert: Some(p.client_cert.clone().into()),
+        client_key: Some(p.client_key.clone().into()),
+        ..Default::default()
+    });
+    let c = Client::connect_with(&srv.rpc, ClientConfig { tls, ..cfg(Some(DATA)) }).await.unwrap();
+    c.put("k", "v").await.unwrap();
+    assert_eq!(c.get("k").await.unwrap().unwrap(), "v".as_bytes());
+}
+
+#[tokio::test]
+async fn rotated_rkeys_retire_the_old_ones_and_clients_follow() {
+    let srv = ServerProcess::start(&["--memory", "16MiB", "--rkey-rotate-secs", "1"]);
+    let c = Client::connect_with(&srv.rpc, cfg(None)).await.unwrap();
+    c.put("k", "v").await.unwrap();
+    let first = c.region_info_full().await.unwrap();
+    let old = first.regions[0].rkey;
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while c.stats().await.unwrap()["region_epoch"] < first.regions[0].epoch + 2 {
+        assert!(std::time::Instant::now() < deadline, "the rkey was not rotated");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (mut s, _) = engine_connect(&first.engine_addr, None);
+    let mut req = BytesMut::new();
+    onesided::encode_request(1, &[ReadWr { rkey: old, offset: 0, len: 64 }], &mut req);
+    s.write_all(&req).unwrap();
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len).unwrap();
+    let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
+    s.read_exact(&mut body).unwrap();
+    assert_eq!(onesided::decode_reply(&body).unwrap().results[0].0, ReadStatus::BadRkey, "old rkey still works");
+    // Clients re-attach with the current rkey and keep reading right.
+    for t in [Transport::Tcp, Transport::Shm] {
+        let os = ClientConfig { read_path: ReadPath::OneSided, transport: Some(t), ..cfg(None) };
+        let r = Client::connect_with(&srv.rpc, os).await.unwrap();
+        for _ in 0..30 {
+            assert_eq!(r.get("k").await.unwrap().unwrap(), "v".as_bytes(), "{t:?}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+#[test]
+fn guessed_engine_rkeys_fail() {
+    let srv = ServerProcess::start(&["--memory", "16MiB"]);
+    let engine = srv.endpoint("engine").unwrap().to_string();
+    let (mut s, status) = engine_connect(&engine, None);
+    assert_eq!(status, HANDSHAKE_OK);
+    let guesses: Vec<ReadWr> =
+        (0..1000u64).map(|i| ReadWr { rkey: i.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1, offset: 0, len: 64 }).collect();
+    let mut req = BytesMut::new();
+    onesided::encode_request(9, &guesses, &mut req);
+    s.write_all(&req).unwrap();
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len).unwrap();
+    let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
+    s.read_exact(&mut body).unwrap();
+    let r = onesided::decode_reply(&body).unwrap();
+    assert!(r.results.iter().all(|(st, _)| *st == ReadStatus::BadRkey), "a guessed rkey read the region");
+}
