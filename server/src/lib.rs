@@ -13,6 +13,7 @@ pub mod config;
 pub mod counters;
 pub mod engine;
 pub mod framed;
+pub mod lock;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 pub mod region;
