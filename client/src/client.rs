@@ -96,6 +96,8 @@ pub struct ClientConfig {
     /// Only tests that provoke torn reads turn this off, to show that
     /// verification alone catches them.
     pub enforce_grace: bool,
+    /// The secret to prove to a server that requires authentication.
+    pub token: Option<Arc<dmkv_common::auth::Token>>,
 }
 
 impl Default for ClientConfig {
@@ -111,6 +113,7 @@ impl Default for ClientConfig {
             max_frame: DEFAULT_MAX_FRAME_LEN,
             hint_cache_entries: onesided::DEFAULT_HINT_ENTRIES,
             enforce_grace: true,
+            token: None,
         }
     }
 }
@@ -330,6 +333,7 @@ impl Client {
             engine_connections: cfg.engine_connections,
             path_config: cfg.path,
             repaths: Arc::clone(&self.inner.engine_repaths),
+            token: cfg.token.clone(),
         };
         let path =
             onesided::attach(self, &info, opts).await.map_err(|e| ClientError::OneSidedUnavailable(e.to_string()))?;

@@ -145,6 +145,8 @@ pub struct Config {
     pub rdma: bool,
     /// A specific RDMA device; an error at start if it cannot be opened.
     pub rdma_device: Option<String>,
+    /// Secrets clients must prove; empty: authentication is off.
+    pub auth: std::sync::Arc<dmkv_common::auth::Keys>,
 }
 
 impl Default for Config {
@@ -220,6 +222,7 @@ impl Config {
             threads: threads.max(1),
             log: flags.log.or(file.log).unwrap_or_else(|| "info".into()),
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            auth: Default::default(),
         })
     }
 }

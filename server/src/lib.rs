@@ -42,6 +42,7 @@ pub struct Server {
     shm: Option<shm::ShmListener>,
     shared: Arc<Shared>,
     max_connections: usize,
+    auth: Arc<dmkv_common::auth::Keys>,
 }
 
 impl Server {
@@ -77,7 +78,7 @@ impl Server {
             #[cfg(feature = "rdma")]
             rdma,
         });
-        Ok(Server { listener, engine, shm, shared, max_connections: cfg.max_connections })
+        Ok(Server { listener, engine, shm, shared, max_connections: cfg.max_connections, auth: Arc::clone(&cfg.auth) })
     }
 
     /// The one-sided engine's address, if it is on.
@@ -88,6 +89,13 @@ impl Server {
     /// The shared-memory handoff socket, if it is on.
     pub fn shm_socket(&self) -> Option<&std::path::Path> {
         self.shared.shm_socket.as_deref()
+    }
+
+    /// Test hook: the state the service shares, to reach the store while
+    /// the server runs (e.g. [`Store::scribble_for_tests`]).
+    #[doc(hidden)]
+    pub fn shared_for_tests(&self) -> Arc<Shared> {
+        Arc::clone(&self.shared)
     }
 
     /// The line `dmkvd` prints once it serves: every endpoint as key=value.
@@ -131,8 +139,9 @@ impl Server {
         }
         if let Some(l) = self.shm {
             let (r, reg, rx) = (Arc::clone(&region), Arc::clone(&self.shared.registration), stop_rx.clone());
+            let keys = Arc::clone(&self.auth);
             side.spawn(async move {
-                if let Err(e) = shm::serve(l, r, reg, rx).await {
+                if let Err(e) = shm::serve(l, r, reg, keys, rx).await {
                     warn!("shared-memory handoff stopped: {e}");
                 }
             });
