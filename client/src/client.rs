@@ -357,6 +357,7 @@ impl Client {
             engine_connections: cfg.engine_connections,
             path_config: cfg.path,
             repaths: Arc::clone(&self.inner.engine_repaths),
+            token: self.inner.token.clone(),
         };
         let path =
             onesided::attach(self, &info, opts).await.map_err(|e| ClientError::OneSidedUnavailable(e.to_string()))?;

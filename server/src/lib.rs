@@ -16,6 +16,7 @@ pub mod counters;
 pub mod engine;
 pub mod framed;
 pub mod listen;
+pub mod lock;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 pub mod region;
@@ -115,6 +116,13 @@ impl Server {
         self.shared.shm_socket.as_deref()
     }
 
+    /// Test hook: the state the service shares, to reach the store while
+    /// the server runs (e.g. [`Store::scribble_for_tests`]).
+    #[doc(hidden)]
+    pub fn shared_for_tests(&self) -> Arc<Shared> {
+        Arc::clone(&self.shared)
+    }
+
     /// The line `dmkvd` prints once it serves: every endpoint as key=value.
     pub fn endpoints_line(&self) -> String {
         let mut line = format!("dmkvd listening rpc={}", self.local_addr());
@@ -163,8 +171,9 @@ impl Server {
         if let Some(l) = self.shm {
             let (r, reg, rx) = (Arc::clone(&region), Arc::clone(&self.shared.registration), stop_rx.clone());
             let cap = self.max_shm_connections;
+            let keys = Arc::clone(self.shared.gate.keys());
             side.spawn(async move {
-                if let Err(e) = shm::serve(l, r, reg, cap, rx).await {
+                if let Err(e) = shm::serve(l, r, reg, keys, cap, rx).await {
                     warn!("shared-memory handoff stopped: {e}");
                 }
             });

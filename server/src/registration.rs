@@ -10,11 +10,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use dmkv_common::layout::RegionHeader;
 use tokio::sync::watch;
 
+use crate::lock::lock;
 use crate::region::Region;
 
 /// Current rkey and epoch of the region.
 pub struct Registration {
     rkey: AtomicU64,
+    /// Recovers from poisoning (`crate::lock`): `reregister` cannot panic
+    /// between bumping the epoch and publishing it (the header write is
+    /// in bounds by construction), so the header is always one that was
+    /// or is about to be current.
     header: Mutex<RegionHeader>,
     epoch_tx: watch::Sender<u64>,
 }
@@ -38,7 +43,7 @@ impl Registration {
 
     /// The header as currently written (with the current epoch).
     pub fn header(&self) -> RegionHeader {
-        *self.header.lock().expect("header lock poisoned")
+        *lock(&self.header)
     }
 
     /// Wakes when the epoch changes.
@@ -49,7 +54,7 @@ impl Registration {
     /// Registers the region anew: new rkey, next epoch, written into the
     /// region's header so that shared-memory readers see it too.
     pub fn reregister(&self, region: &Region) -> u64 {
-        let mut h = self.header.lock().expect("header lock poisoned");
+        let mut h = lock(&self.header);
         h.epoch += 1;
         // Invalidate the old rkey before the epoch is visible, so nothing
         // can pair the new epoch with the old key.

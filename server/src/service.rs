@@ -400,6 +400,7 @@ fn stats(shared: &Shared) -> HashMap<String, u64> {
         ("out_of_memory_errors", load(&c.out_of_memory)),
         ("index_full_errors", load(&c.index_full)),
         ("corrupt_reads", load(&c.corrupt_reads)),
+        ("foreign_slots", load(&c.foreign_slots)),
         ("live_bytes", load(&c.used_bytes)),
         ("allocated_bytes", used_units_bytes),
         ("data_bytes", data_bytes),

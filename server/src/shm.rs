@@ -6,27 +6,37 @@
 //! can never map the region writable; nothing is left in the filesystem
 //! when the server dies; and the socket connection doubles as the liveness
 //! signal the client ties its mapping to. The server closes it on shutdown
-//! and on re-registration; the client then unmaps and asks again. Access
-//! is limited by the socket's file permissions (owner only) and by the
-//! rkey and epoch the client must present. The messages are in
+//! and on re-registration; the client then unmaps and asks again. The
+//! memfd is sealed (`region::REGION_SEALS`), so reopening the descriptor
+//! read-write gains nothing either.
+//!
+//! Access is limited by the socket's file permissions (owner only), by a
+//! challenge-response when the server has secrets (`dmkv_common::auth`,
+//! for a role that may read), and by the rkey and epoch the client must
+//! present. Failed proofs and wrong rkeys for the current epoch count
+//! against the peer's uid (a Unix socket has no address); too many and it
+//! is refused unchecked for a while. The messages are in
 //! `dmkv_common::shm_handoff`.
 
 use std::fs::File;
 use std::io::{self, IoSlice};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
+use dmkv_common::auth::{Failure, FailureLimiter, Keys, Purpose, Role};
 use dmkv_common::shm_handoff as handoff;
 use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags, sendmsg};
-use tokio::io::{AsyncReadExt, Interest};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::watch;
-use tracing::debug;
+use tracing::{debug, warn};
 
 use crate::listen;
+use crate::lock::lock;
 use crate::region::Region;
 use crate::registration::Registration;
 
@@ -73,45 +83,106 @@ impl Drop for ShmListener {
     }
 }
 
+/// What every handoff connection shares.
+struct Ctx {
+    /// A read-only reopen of the memfd (sealed too).
+    ro: File,
+    len: u64,
+    reg: Arc<Registration>,
+    keys: Arc<Keys>,
+    /// Recovers from poisoning (`crate::lock`): each call leaves the map
+    /// consistent, and at worst a failure goes uncounted.
+    limiter: Mutex<FailureLimiter>,
+}
+
 /// Serves handoffs until shutdown, to at most `max_connections` clients at
 /// once (each holds its connection for as long as it maps the region).
+/// `keys` are the server's secrets; with none, clients need no proof (and
+/// send zeros).
 pub async fn serve(
     listener: ShmListener,
     region: Arc<Region>,
     reg: Arc<Registration>,
+    keys: Arc<Keys>,
     max_connections: usize,
     shutdown: watch::Receiver<bool>,
 ) -> io::Result<()> {
     // A read-only reopen of the memfd: what clients get can only be mapped
-    // for reading.
-    let ro = Arc::new(File::open(format!("/proc/self/fd/{}", region.fd().as_raw_fd()))?);
-    let len = region.len() as u64;
+    // for reading (and the seals keep a read-write reopen from writing).
+    let ro = File::open(format!("/proc/self/fd/{}", region.fd().as_raw_fd()))?;
+    let ctx = Arc::new(Ctx { ro, len: region.len() as u64, reg, keys, limiter: Mutex::new(FailureLimiter::default()) });
     let rx = shutdown.clone();
     let mut conns = listen::serve(listener, "shm", max_connections, shutdown, move |stream| {
-        handoff(stream, Arc::clone(&ro), len, Arc::clone(&reg), rx.clone())
+        handoff(stream, Arc::clone(&ctx), rx.clone())
     })
     .await;
     conns.shutdown().await;
     Ok(())
 }
 
-async fn handoff(
-    mut stream: UnixStream,
-    ro: Arc<File>,
-    len: u64,
-    reg: Arc<Registration>,
-    mut shutdown: watch::Receiver<bool>,
-) {
-    let mut epoch_rx = reg.subscribe();
+/// The limiter's key for a peer: its uid, written as an address no
+/// network peer has (a unique-local IPv6 address), since Unix sockets have
+/// no address. Without credentials, one shared key.
+fn peer_key(stream: &UnixStream) -> (IpAddr, Option<u32>) {
+    match rustix::net::sockopt::socket_peercred(stream) {
+        Ok(cred) => {
+            let uid = cred.uid.as_raw();
+            let key = Ipv6Addr::new(0xfd00, 0x646d, 0x6b76, 0, 0, 0, (uid >> 16) as u16, uid as u16);
+            (IpAddr::V6(key), Some(uid))
+        }
+        Err(_) => (IpAddr::V4(Ipv4Addr::LOCALHOST), None),
+    }
+}
+
+/// Checks a request: the status to answer.
+fn check(ctx: &Ctx, req: &[u8; handoff::REQUEST_LEN], nonce: &[u8], peer: IpAddr, uid: Option<u32>) -> u8 {
+    let now = Instant::now();
+    if !lock(&ctx.limiter).allowed(peer, now) {
+        return handoff::STATUS_RATE_LIMITED;
+    }
+    let failed = |what: &str| match lock(&ctx.limiter).failed(peer, now) {
+        Failure::Log => warn!(?uid, "shm handoff refused: {what}"),
+        Failure::Blocked => {
+            warn!(?uid, "shm handoff refused: {what}; too many failures, refusing this uid for a while")
+        }
+        Failure::Quiet => {}
+    };
+    let (proof, rkey, epoch) = handoff::decode_request(req);
+    if ctx.keys.enabled() && !ctx.keys.verify(Purpose::Shm, nonce, &proof).is_some_and(|r| r.allows(Role::Data)) {
+        failed("authentication failed");
+        return handoff::STATUS_UNAUTHENTICATED;
+    }
+    let current = epoch == ctx.reg.epoch();
+    if handoff::rkey_matches(rkey, ctx.reg.rkey()) && current {
+        return handoff::STATUS_OK;
+    }
+    // Only a wrong rkey for the current epoch counts as a guess: a client
+    // that missed a re-registration presents the old pair, and any answer
+    // to a wrong epoch is a refusal whatever the rkey, so it tells nothing.
+    if current {
+        failed("wrong rkey");
+    }
+    handoff::STATUS_REFUSED
+}
+
+async fn handoff(mut stream: UnixStream, ctx: Arc<Ctx>, mut shutdown: watch::Receiver<bool>) {
+    let mut epoch_rx = ctx.reg.subscribe();
+    let (peer, uid) = peer_key(&stream);
+    let nonce: [u8; dmkv_common::auth::NONCE_LEN] = rand::random();
+    let greeting = handoff::encode_greeting(ctx.keys.enabled(), &nonce);
     let mut req = [0u8; handoff::REQUEST_LEN];
-    match tokio::time::timeout(REQUEST_TIMEOUT, stream.read_exact(&mut req)).await {
+    let exchange = async {
+        stream.write_all(&greeting).await?;
+        stream.read_exact(&mut req).await
+    };
+    match tokio::time::timeout(REQUEST_TIMEOUT, exchange).await {
         Ok(Ok(_)) => {}
         _ => return,
     }
-    let (rkey, epoch) = handoff::decode_request(&req);
-    let ok = rkey == reg.rkey() && epoch == reg.epoch();
-    let reply = handoff::encode_reply(if ok { handoff::STATUS_OK } else { handoff::STATUS_REFUSED }, len);
-    if let Err(e) = send_with_fd(&stream, &reply, ok.then_some(&*ro)).await {
+    let status = check(&ctx, &req, &nonce, peer, uid);
+    let ok = status == handoff::STATUS_OK;
+    let reply = handoff::encode_reply(status, ctx.len);
+    if let Err(e) = send_with_fd(&stream, &reply, ok.then_some(&ctx.ro)).await {
         debug!("shm handoff failed: {e}");
         return;
     }

@@ -8,6 +8,7 @@ use std::time::Duration;
 use bytes::BytesMut;
 use dmkv_client::{Client, ClientConfig, ClientError, ReadPath, Transport};
 use dmkv_common::onesided::{self, MAX_READ_LEN, ReadStatus, ReadWr};
+use dmkv_common::shm_handoff;
 use dmkv_tests::{ServerProcess, wait_until};
 
 fn cfg(path: ReadPath, transport: Option<Transport>) -> ClientConfig {
@@ -114,14 +115,15 @@ fn engine_batch(addr: &str, wrs: &[ReadWr]) -> Vec<(ReadStatus, Vec<u8>)> {
     r.results.into_iter().map(|(st, range)| (st, body[range].to_vec())).collect()
 }
 
+/// The status of a handoff presenting `rkey` and `epoch` (and no proof).
 fn shm_handoff_status(path: &str, rkey: u64, epoch: u64) -> u8 {
     let mut s = UnixStream::connect(path).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let mut req = [0u8; 16];
-    req[..8].copy_from_slice(&rkey.to_le_bytes());
-    req[8..].copy_from_slice(&epoch.to_le_bytes());
-    s.write_all(&req).unwrap();
-    let mut reply = [0u8; 9];
+    let mut greeting = [0u8; shm_handoff::GREETING_LEN];
+    s.read_exact(&mut greeting).unwrap();
+    assert!(!shm_handoff::decode_greeting(&greeting).unwrap().0, "no authentication configured");
+    s.write_all(&shm_handoff::encode_request(&[0; 32], rkey, epoch)).unwrap();
+    let mut reply = [0u8; shm_handoff::REPLY_LEN];
     s.read_exact(&mut reply).unwrap();
     reply[0]
 }

@@ -196,6 +196,8 @@ pub struct AttachOptions {
     pub path_config: dmkv_common::path::PathConfig,
     /// Where replacements of congested engine connections are counted.
     pub repaths: std::sync::Arc<AtomicU64>,
+    /// The secret to prove to servers that require authentication.
+    pub token: Option<std::sync::Arc<dmkv_common::auth::Token>>,
 }
 
 /// Picks and attaches a backend for the server described by `info`.
@@ -217,6 +219,7 @@ pub async fn attach(
         engine_connections,
         path_config,
         repaths,
+        token,
     } = opts;
     let desc = info.regions.first().ok_or_else(|| BackendError::Attach("server has no region".into()))?;
     let header = header_of(desc)?;
@@ -233,7 +236,9 @@ pub async fn attach(
             }
             Transport::Shm if !same_host => Err(BackendError::Attach("server is on another host".into())),
             Transport::Shm => {
-                shm::ShmRegion::attach(&info.shm_socket, desc.rkey, desc.epoch, timeout).await.map(Backend::Shm)
+                shm::ShmRegion::attach(&info.shm_socket, desc.rkey, desc.epoch, token.as_deref(), timeout)
+                    .await
+                    .map(Backend::Shm)
             }
             Transport::Tcp if info.engine_addr.is_empty() => {
                 Err(BackendError::Attach("server offers no one-sided engine".into()))

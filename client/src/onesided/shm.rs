@@ -11,6 +11,14 @@
 //! has closed, every read fails with [`BackendError::Closed`] and the client
 //! attaches again. This module and `rdma` (registering a completion
 //! channel with the reactor) hold the client's `unsafe`.
+//!
+//! The handoff: the server greets with a nonce, the client answers with a
+//! proof of its token (when the server asks for one), the rkey and the
+//! epoch, and the server replies with a status and, if OK, the descriptor
+//! (`dmkv_common::shm_handoff`). Before mapping it, the client checks that
+//! the memfd is sealed against writes and resizing ([`check_sealed`]):
+//! a region that could shrink under the mapping would fault reads, and one
+//! that others could still write is not the server's.
 
 use std::fs::File;
 use std::io::{self, IoSliceMut};
@@ -18,13 +26,15 @@ use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use dmkv_common::layout::EPOCH_OFFSET;
+use dmkv_common::auth::{PROOF_LEN, Purpose, Token};
+use dmkv_common::layout::{EPOCH_OFFSET, HEADER_LEN};
 use dmkv_common::racy;
 use dmkv_common::read::ReadSpec;
 use dmkv_common::shm_handoff as handoff;
 use memmap2::{MmapOptions, MmapRaw};
+use rustix::fs::SealFlags;
 use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, recvmsg};
-use tokio::io::{AsyncWriteExt, Interest};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::UnixStream;
 
 use super::{BackendError, Reads};
@@ -53,29 +63,100 @@ const _: () = {
     let _ = assert_send_sync::<ShmRegion>;
 };
 
+/// The seals a server's region must carry before a client maps it: no
+/// shrinking (reads past the new end would fault), no growing, no writer
+/// but the server's own mapping, and no changing the seals.
+pub const REQUIRED_SEALS: SealFlags =
+    SealFlags::SHRINK.union(SealFlags::GROW).union(SealFlags::FUTURE_WRITE).union(SealFlags::SEAL);
+
+/// Refuses a handed-over region unless it carries [`REQUIRED_SEALS`] and
+/// its size is the advertised length, at least a region header long.
+pub fn check_sealed(file: &File, advertised_len: u64) -> Result<(), BackendError> {
+    let refuse = |why: String| Err(BackendError::Attach(format!("refusing the server's region: {why}")));
+    let seals = match rustix::fs::fcntl_get_seals(file) {
+        Ok(s) => s,
+        Err(e) => return refuse(format!("cannot read its seals ({e}); not a sealed memfd")),
+    };
+    if !seals.contains(REQUIRED_SEALS) {
+        return refuse(format!("it is not sealed against writes and resizing (seals {seals:?})"));
+    }
+    let size = match rustix::fs::fstat(file) {
+        Ok(st) => st.st_size as u64,
+        Err(e) => return refuse(format!("cannot stat it: {e}")),
+    };
+    if size != advertised_len {
+        return refuse(format!("its size {size} is not the advertised {advertised_len} bytes"));
+    }
+    if size < HEADER_LEN as u64 {
+        return refuse(format!("its size {size} is less than a region header ({HEADER_LEN} bytes)"));
+    }
+    Ok(())
+}
+
+/// Runs the handoff with the server at `socket`: the connection (kept
+/// open: it keeps the mapping valid), the descriptor and the region length
+/// the server advertised. Public for tests that handle the descriptor
+/// themselves.
+#[doc(hidden)]
+pub async fn receive_descriptor(
+    socket: &str,
+    rkey: u64,
+    epoch: u64,
+    token: Option<&Token>,
+    timeout: Duration,
+) -> Result<(UnixStream, File, u64), BackendError> {
+    let work = async {
+        let mut stream = UnixStream::connect(socket).await?;
+        let mut greeting = [0u8; handoff::GREETING_LEN];
+        stream.read_exact(&mut greeting).await?;
+        let (auth_required, nonce) = handoff::decode_greeting(&greeting).map_err(io::Error::other)?;
+        let proof = match (auth_required, token) {
+            (true, Some(t)) => t.prove(Purpose::Shm, &nonce),
+            (true, None) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::PermissionDenied,
+                    "the server requires authentication and no token is configured",
+                ));
+            }
+            // Nothing to prove: a proof would only tell a server that did
+            // not ask that this client has a secret.
+            (false, _) => [0u8; PROOF_LEN],
+        };
+        stream.write_all(&handoff::encode_request(&proof, rkey, epoch)).await?;
+        let (reply, fd) = recv_with_fd(&stream).await?;
+        Ok::<_, io::Error>((stream, reply, fd))
+    };
+    let (stream, reply, fd) = match tokio::time::timeout(timeout, work).await {
+        Ok(Ok(x)) => x,
+        Ok(Err(e)) => return Err(BackendError::Attach(format!("shared-memory handoff via {socket}: {e}"))),
+        Err(_) => return Err(BackendError::Attach(format!("shared-memory handoff via {socket} timed out"))),
+    };
+    let (status, region_len) = handoff::decode_reply(&reply);
+    if status != handoff::STATUS_OK {
+        return Err(BackendError::Attach(format!(
+            "server refused the shared-memory handoff: {}",
+            handoff::status_text(status)
+        )));
+    }
+    let file = fd.ok_or_else(|| BackendError::Attach("handoff reply carried no descriptor".into()))?;
+    Ok((stream, file, region_len))
+}
+
 impl ShmRegion {
-    /// Asks the server at `socket` for its region, presenting `rkey` and
-    /// `epoch`, and maps it read-only.
-    pub async fn attach(socket: &str, rkey: u64, epoch: u64, timeout: Duration) -> Result<ShmRegion, BackendError> {
-        let work = async {
-            let mut stream = UnixStream::connect(socket).await?;
-            stream.write_all(&handoff::encode_request(rkey, epoch)).await?;
-            let (reply, fd) = recv_with_fd(&stream).await?;
-            Ok::<_, io::Error>((stream, reply, fd))
-        };
-        let (stream, reply, fd) = match tokio::time::timeout(timeout, work).await {
-            Ok(Ok(x)) => x,
-            Ok(Err(e)) => return Err(BackendError::Attach(format!("shared-memory handoff via {socket}: {e}"))),
-            Err(_) => return Err(BackendError::Attach(format!("shared-memory handoff via {socket} timed out"))),
-        };
-        let (status, region_len) = handoff::decode_reply(&reply);
-        if status != handoff::STATUS_OK {
-            return Err(BackendError::Attach(
-                "server refused the shared-memory handoff (rkey or epoch not current)".into(),
-            ));
-        }
-        let file = fd.ok_or_else(|| BackendError::Attach("handoff reply carried no descriptor".into()))?;
-        let len = region_len as usize;
+    /// Asks the server at `socket` for its region, proving `token` if the
+    /// server asks and presenting `rkey` and `epoch`, and maps it
+    /// read-only once it has checked the region's seals and size.
+    pub async fn attach(
+        socket: &str,
+        rkey: u64,
+        epoch: u64,
+        token: Option<&Token>,
+        timeout: Duration,
+    ) -> Result<ShmRegion, BackendError> {
+        let (stream, file, region_len) = receive_descriptor(socket, rkey, epoch, token, timeout).await?;
+        check_sealed(&file, region_len)?;
+        let len = usize::try_from(region_len)
+            .map_err(|_| BackendError::Attach(format!("region length {region_len} does not fit this host")))?;
         // Reads load whole words; a whole number of them keeps every in-bounds
         // read inside the mapping (the server's regions always are).
         if !len.is_multiple_of(8) {
@@ -179,5 +260,48 @@ async fn recv_with_fd(stream: &UnixStream) -> io::Result<([u8; handoff::REPLY_LE
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
             r => return r,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn memfd(len: u64) -> File {
+        let fd = rustix::fs::memfd_create("check-sealed", rustix::fs::MemfdFlags::ALLOW_SEALING).unwrap();
+        let f = File::from(fd);
+        f.set_len(len).unwrap();
+        f
+    }
+
+    fn refused(r: Result<(), BackendError>) -> String {
+        match r {
+            Err(BackendError::Attach(m)) => m,
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn only_a_sealed_region_of_the_advertised_size_is_accepted() {
+        let len = 1 << 20;
+        let plain = memfd(len);
+        assert!(refused(check_sealed(&plain, len)).contains("not sealed"));
+        // Sealed against resizing but still writable: refused too.
+        rustix::fs::fcntl_add_seals(&plain, SealFlags::SHRINK | SealFlags::GROW).unwrap();
+        assert!(refused(check_sealed(&plain, len)).contains("not sealed"));
+
+        let sealed = memfd(len);
+        rustix::fs::fcntl_add_seals(&sealed, REQUIRED_SEALS).unwrap();
+        check_sealed(&sealed, len).unwrap();
+        assert!(refused(check_sealed(&sealed, len * 2)).contains("not the advertised"));
+        assert!(refused(check_sealed(&sealed, len - 8)).contains("not the advertised"));
+
+        let tiny = memfd(HEADER_LEN as u64 - 8);
+        rustix::fs::fcntl_add_seals(&tiny, REQUIRED_SEALS).unwrap();
+        assert!(refused(check_sealed(&tiny, HEADER_LEN as u64 - 8)).contains("less than a region header"));
+
+        // Not a memfd at all (no seals to read).
+        let not_memfd = File::open("/proc/self/exe").unwrap();
+        assert!(refused(check_sealed(&not_memfd, 0)).contains("sealed"));
     }
 }
