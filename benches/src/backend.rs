@@ -60,19 +60,28 @@ pub struct DmkvConn {
 }
 
 /// Settings of the dmkv backend that the other stores have no use for.
-#[derive(Debug, Clone, Copy, Default)]
+/// (The secret, if the server wants one, comes from `DMKV_TOKEN`.)
+#[derive(Debug, Clone, Default)]
 pub struct DmkvOptions {
     /// Which way GETs go.
     pub read_path: ReadPath,
     /// Force a one-sided transport.
     pub transport: Option<Transport>,
+    /// Speak TLS, trusting this CA.
+    pub tls_ca: Option<std::path::PathBuf>,
 }
 
 impl DmkvConn {
     /// Connects one SDK client (one pooled connection) to `addr`.
-    pub async fn connect(addr: &str, opts: DmkvOptions) -> Result<DmkvConn, String> {
-        let cfg =
-            ClientConfig { pool_size: 1, read_path: opts.read_path, transport: opts.transport, ..Default::default() };
+    pub async fn connect(addr: &str, opts: &DmkvOptions) -> Result<DmkvConn, String> {
+        let tls = opts.tls_ca.clone().map(|ca_file| dmkv_client::TlsOptions { ca_file, ..Default::default() });
+        let cfg = ClientConfig {
+            pool_size: 1,
+            read_path: opts.read_path,
+            transport: opts.transport,
+            tls,
+            ..Default::default()
+        };
         let client = Client::connect_with(addr, cfg).await.map_err(|e| e.to_string())?;
         Ok(DmkvConn { client })
     }

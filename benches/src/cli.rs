@@ -65,6 +65,10 @@ pub struct Args {
     /// dmkv: one-sided transport (shm, tcp, rdma) [default: the best available].
     #[arg(long)]
     pub transport: Option<Transport>,
+    /// dmkv: speak TLS to the server, trusting this CA (PEM). A secret, if
+    /// the server wants one, comes from DMKV_TOKEN.
+    #[arg(long, value_name = "FILE")]
+    pub tls_ca: Option<PathBuf>,
     /// Write the report as JSON to this file.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
@@ -96,7 +100,7 @@ impl Args {
             label: self.label.clone().unwrap_or_else(|| self.backend.name().to_string()),
             backend: self.backend,
             server: self.server.clone().unwrap_or_else(|| self.backend.default_server().to_string()),
-            dmkv: DmkvOptions { read_path: self.path, transport: self.transport },
+            dmkv: DmkvOptions { read_path: self.path, transport: self.transport, tls_ca: self.tls_ca.clone() },
             workload: self.workload,
             distribution: self.distribution.unwrap_or(self.workload.default_distribution()),
             records: self.records,

@@ -384,7 +384,7 @@ fn thread_main(p: Arc<Phase>, t: u64) -> Result<Stats, String> {
     rt.block_on(async move {
         let addr = p.s.server.clone();
         match p.s.backend {
-            BackendKind::Dmkv => drive(DmkvConn::connect(&addr, p.s.dmkv).await?, p, t).await,
+            BackendKind::Dmkv => drive(DmkvConn::connect(&addr, &p.s.dmkv).await?, p, t).await,
             BackendKind::Memcached => drive(MemcachedConn::connect(&addr).await?, p, t).await,
             BackendKind::Redis => drive(RedisConn::connect(&addr).await?, p, t).await,
         }

@@ -24,7 +24,7 @@ fn settings(backend: BackendKind, server: &str, workload: Workload) -> Settings 
         label: backend.name().to_string(),
         backend,
         server: server.to_string(),
-        dmkv: DmkvOptions { read_path: ReadPath::Rpc, transport: None },
+        dmkv: DmkvOptions { read_path: ReadPath::Rpc, transport: None, tls_ca: None },
         workload,
         distribution: workload.default_distribution(),
         records: RECORDS,

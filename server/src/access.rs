@@ -10,9 +10,15 @@ use std::time::{Duration, Instant};
 use dmkv_common::auth::{Failure, FailureLimiter, Keys, NONCE_LEN, Purpose, Role};
 use tracing::{debug, warn};
 
-/// How long a new connection has to finish its handshake (TLS, HELLO,
-/// AUTHENTICATE or the engine's greeting) before it is closed.
+/// How long a new connection has to finish its handshake (TLS or the
+/// engine's greeting) before it is closed; never longer than the idle
+/// timeout, since a stalled handshake is an idle connection.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The handshake deadline under `limits`.
+pub fn handshake_timeout(limits: &crate::framed::Limits) -> Duration {
+    HANDSHAKE_TIMEOUT.min(limits.idle_timeout)
+}
 
 /// Why a proof was not accepted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -22,7 +22,7 @@ use tokio::sync::watch;
 use tokio_rustls::TlsAcceptor;
 use tracing::{debug, warn};
 
-use crate::access::{Denied, Gate, HANDSHAKE_TIMEOUT};
+use crate::access::{Denied, Gate, handshake_timeout};
 use crate::counters::EngineCounters;
 use crate::framed;
 use crate::listen;
@@ -112,7 +112,7 @@ async fn serve_connection(
     let peer = reads.peer;
     let _ = stream.set_nodelay(true);
     match tls {
-        None => match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(&mut stream, &gate, peer)).await {
+        None => match tokio::time::timeout(handshake_timeout(&limits), handshake(&mut stream, &gate, peer)).await {
             Ok(Ok(())) => framed::serve_connection(stream, Some(peer), "engine", reads, limits, shutdown).await,
             Ok(Err(e)) => debug!(?peer, "engine handshake failed: {e}"),
             Err(_) => debug!(?peer, "engine handshake timed out"),
@@ -123,7 +123,7 @@ async fn serve_connection(
                 handshake(&mut s, &gate, peer).await?;
                 Ok::<_, std::io::Error>(s)
             };
-            match tokio::time::timeout(HANDSHAKE_TIMEOUT, work).await {
+            match tokio::time::timeout(handshake_timeout(&limits), work).await {
                 Ok(Ok(s)) => framed::serve_connection(s, Some(peer), "engine", reads, limits, shutdown).await,
                 Ok(Err(e)) => debug!(?peer, "engine TLS or handshake failed: {e}"),
                 Err(_) => debug!(?peer, "engine handshake timed out"),

@@ -94,11 +94,13 @@ pub async fn serve_connection(stream: TcpStream, shared: Arc<Shared>, shutdown: 
     let requests = Requests { decoder: Decoder::new(shared.max_frame), shared, state };
     match tls {
         None => framed::serve_connection(stream, peer, "rpc", requests, limits, shutdown).await,
-        Some(acceptor) => match tokio::time::timeout(crate::access::HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
-            Ok(Ok(s)) => framed::serve_connection(s, peer, "rpc", requests, limits, shutdown).await,
-            Ok(Err(e)) => tracing::debug!(?peer, "TLS handshake failed: {e}"),
-            Err(_) => tracing::debug!(?peer, "TLS handshake timed out"),
-        },
+        Some(acceptor) => {
+            match tokio::time::timeout(crate::access::handshake_timeout(&limits), acceptor.accept(stream)).await {
+                Ok(Ok(s)) => framed::serve_connection(s, peer, "rpc", requests, limits, shutdown).await,
+                Ok(Err(e)) => tracing::debug!(?peer, "TLS handshake failed: {e}"),
+                Err(_) => tracing::debug!(?peer, "TLS handshake timed out"),
+            }
+        }
     }
 }
 

@@ -44,7 +44,8 @@ async fn served(rpc: &str, key: &str) -> Duration {
 /// One read batch on a raw engine connection; returns how long the reply took.
 fn engine_served(addr: &str) -> Duration {
     let t0 = Instant::now();
-    let mut s = TcpStream::connect(addr).unwrap();
+    let (mut s, status) = dmkv_tests::engine_connect(addr, None);
+    assert_eq!(status, dmkv_common::onesided::HANDSHAKE_OK);
     s.set_read_timeout(Some(SERVED_DEADLINE)).unwrap();
     let mut req = BytesMut::new();
     // The rkey is wrong on purpose: any reply shows the engine serves us.
@@ -134,8 +135,10 @@ async fn engine_flood_past_the_cap_still_serves_a_good_client() {
 /// Sends a frame header promising `promised` bytes, then one byte every
 /// 100 ms; returns how long after the header the server closed it, or
 /// `None` if it was still open after `give_up`.
-fn slow_loris(addr: &str, promised: u32, give_up: Duration) -> Option<Duration> {
-    let mut s = TcpStream::connect(addr).unwrap();
+fn slow_loris(addr: &str, engine: bool, promised: u32, give_up: Duration) -> Option<Duration> {
+    // The engine's handshake comes first; a client stuck in it is closed
+    // by the handshake deadline instead.
+    let mut s = if engine { dmkv_tests::engine_connect(addr, None).0 } else { TcpStream::connect(addr).unwrap() };
     s.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
     let mut header = BytesMut::new();
     header.put_u32_le(promised);
@@ -167,8 +170,9 @@ async fn slow_loris_is_closed_at_the_frame_deadline() {
     let mut lorises = Vec::new();
     for i in 0..4 {
         // Both under the listeners' largest frames, so only time ends them.
-        let (addr, promised) = if i % 2 == 0 { (srv.rpc.clone(), 1 << 20) } else { (engine.clone(), 10_000) };
-        lorises.push(std::thread::spawn(move || slow_loris(&addr, promised, GIVE_UP)));
+        let (addr, is_engine, promised) =
+            if i % 2 == 0 { (srv.rpc.clone(), false, 1 << 20) } else { (engine.clone(), true, 10_000) };
+        lorises.push(std::thread::spawn(move || slow_loris(&addr, is_engine, promised, GIVE_UP)));
     }
     // Served while the trickling goes on.
     let waited = served(&srv.rpc, "beside-the-loris").await;

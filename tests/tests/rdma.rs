@@ -204,3 +204,38 @@ async fn concurrent_rdma_gets_share_lanes() {
     assert!(rs.gets >= 400 && rs.fallbacks == 0, "{rs:?}");
     assert_eq!(c.stats().await.unwrap()["gets"], gets, "GETs left the RDMA path");
 }
+
+#[tokio::test]
+async fn rdma_needs_authentication_and_follows_rotated_rkeys() {
+    if !device_or_skip("rdma_needs_authentication_and_follows_rotated_rkeys") {
+        return;
+    }
+    let auth = std::env::temp_dir().join(format!("dmkv-rdma-auth-{}", std::process::id()));
+    std::fs::write(&auth, "data data-token-0123456789abcdef\n").unwrap();
+    let srv =
+        ServerProcess::start(&["--memory", "16MiB", "--auth-file", auth.to_str().unwrap(), "--rkey-rotate-secs", "1"]);
+    let token = Some(std::sync::Arc::new(dmkv_client::Token::new("data-token-0123456789abcdef").unwrap()));
+    // No token: not even the RPC connection that would set up queue pairs.
+    let err = Client::connect_with(&srv.rpc, rdma_cfg()).await.err().expect("RDMA without a token");
+    assert_eq!(err.code(), Some(dmkv_client::ErrorCode::Unauthenticated), "{err}");
+    let rpc = Client::connect_with(
+        &srv.rpc,
+        ClientConfig { read_path: ReadPath::Rpc, pool_size: 1, token: token.clone(), ..Default::default() },
+    )
+    .await
+    .unwrap();
+    rpc.put("k", "v").await.unwrap();
+    let c = Client::connect_with(&srv.rpc, ClientConfig { token, ..rdma_cfg() }).await.unwrap();
+    let epoch = rpc.stats().await.unwrap()["region_epoch"];
+    let gets = rpc.stats().await.unwrap()["gets"];
+    // Across rotations (one a second) every GET is right and one-sided.
+    let end = Instant::now() + Duration::from_secs(4);
+    while Instant::now() < end {
+        assert_eq!(c.get("k").await.unwrap().unwrap(), "v".as_bytes());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let stats = rpc.stats().await.unwrap();
+    assert!(stats["region_epoch"] >= epoch + 2, "rkeys were not rotated");
+    assert_eq!(stats["gets"], gets, "GETs left RDMA during rotations: {:?}", c.read_stats());
+    let _ = std::fs::remove_file(auth);
+}
