@@ -188,10 +188,12 @@ async fn the_shm_handoff_wants_a_proof_and_the_current_rkey() {
         Client::connect_with(&srv.rpc, cfg(ReadPath::OneSided, Some(Transport::Shm), Some(&data))).await.unwrap();
     assert_eq!(reader.get("k").await.unwrap().unwrap(), "v".as_bytes());
     assert_eq!(c.stats().await.unwrap()["gets"], 0, "the GET was one-sided");
-    // A client without a token refuses before it sends anything.
+    // A client without a token gets nowhere (its RPC connection is refused
+    // first; the raw handoffs below show the socket refuses on its own).
     let err = Client::connect_with(&srv.rpc, cfg(ReadPath::OneSided, Some(Transport::Shm), None)).await.err();
     match err {
         Some(ClientError::OneSidedUnavailable(m)) => assert!(m.contains("requires authentication"), "{m}"),
+        Some(e @ ClientError::Server { .. }) => assert_eq!(e.code(), Some(dmkv_client::ErrorCode::Unauthenticated)),
         other => panic!("attached without a token: {other:?}"),
     }
 
