@@ -1,11 +1,12 @@
 //! TLS for the client's RPC and engine connections (rustls): trust the CA
 //! the operator gives, optionally present a client certificate.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
+use dmkv_common::pem::read_certs;
 use rustls_pki_types::pem::PemObject;
-use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use rustls_pki_types::{PrivateKeyDer, ServerName};
 use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
 use tokio_rustls::client::TlsStream;
@@ -72,17 +73,6 @@ impl Connector {
 fn host_of(addr: &str) -> &str {
     let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
     host.trim_start_matches('[').trim_end_matches(']')
-}
-
-fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, String> {
-    let certs = CertificateDer::pem_file_iter(path)
-        .map_err(|e| format!("TLS certificates {}: {e}", path.display()))?
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("TLS certificates {}: {e}", path.display()))?;
-    if certs.is_empty() {
-        return Err(format!("TLS certificates {}: no certificate in it", path.display()));
-    }
-    Ok(certs)
 }
 
 #[cfg(test)]

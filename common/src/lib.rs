@@ -14,6 +14,7 @@ pub mod layout;
 pub mod limits;
 pub mod onesided;
 pub mod path;
+pub mod pem;
 pub mod racy;
 pub mod read;
 pub mod shm_handoff;

@@ -3,12 +3,12 @@
 //! `--tls-client-ca` is given. One-sided reads over RDMA or shared memory
 //! do not pass through here: they are plaintext by nature.
 
-use std::path::Path;
 use std::sync::Arc;
 
+use dmkv_common::pem::read_certs;
 use rustls::server::WebPkiClientVerifier;
+use rustls_pki_types::PrivateKeyDer;
 use rustls_pki_types::pem::PemObject;
-use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use tokio_rustls::TlsAcceptor;
 
 use crate::config::TlsFiles;
@@ -38,15 +38,4 @@ pub fn acceptor(files: &TlsFiles) -> Result<TlsAcceptor, String> {
         .with_single_cert(certs, key)
         .map_err(|e| format!("TLS certificate {} does not fit its key: {e}", files.cert.display()))?;
     Ok(TlsAcceptor::from(Arc::new(config)))
-}
-
-fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, String> {
-    let certs = CertificateDer::pem_file_iter(path)
-        .map_err(|e| format!("TLS certificates {}: {e}", path.display()))?
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("TLS certificates {}: {e}", path.display()))?;
-    if certs.is_empty() {
-        return Err(format!("TLS certificates {}: no certificate in it", path.display()));
-    }
-    Ok(certs)
 }
