@@ -8,6 +8,8 @@
 
 pub mod error;
 pub mod frame;
+#[doc(hidden)]
+pub mod fuzz;
 pub mod host;
 pub mod layout;
 pub mod limits;
