@@ -59,6 +59,17 @@ impl ServerProcess {
     /// [`netns::Netns::exec_prefix`]; it must exec dmkvd (not fork it), so
     /// that stopping the child stops the server.
     pub fn start_with(prefix: &[OsString], listen: &str, args: &[&str]) -> Result<ServerProcess, String> {
+        ServerProcess::spawn(prefix, listen, args, Stdio::inherit())
+    }
+
+    /// Like [`ServerProcess::start`], with the server's stderr written to
+    /// `stderr` (a test that must see whether the server panicked reads it:
+    /// a panic in a connection's task kills that task, not the process).
+    pub fn start_logged(args: &[&str], stderr: std::fs::File) -> ServerProcess {
+        ServerProcess::spawn(&[], "127.0.0.1:0", args, Stdio::from(stderr)).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn spawn(prefix: &[OsString], listen: &str, args: &[&str], stderr: Stdio) -> Result<ServerProcess, String> {
         let dmkvd = find_bin("dmkvd")?;
         let mut cmd = match prefix.split_first() {
             Some((prog, rest)) => {
@@ -72,7 +83,7 @@ impl ServerProcess {
             .args(["--listen", listen, "--log", "warn"])
             .args(args)
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(stderr)
             .spawn()
             .map_err(|e| format!("spawn {}: {e}", dmkvd.display()))?;
         let stdout = child.stdout.take().expect("piped stdout");
