@@ -18,7 +18,7 @@ use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use dmkv_common::layout::EPOCH_OFFSET;
+use dmkv_common::layout::{EPOCH_OFFSET, HEADER_LEN};
 use dmkv_common::racy;
 use dmkv_common::read::ReadSpec;
 use dmkv_common::shm_handoff as handoff;
@@ -75,12 +75,8 @@ impl ShmRegion {
             ));
         }
         let file = fd.ok_or_else(|| BackendError::Attach("handoff reply carried no descriptor".into()))?;
-        let len = region_len as usize;
-        // Reads load whole words; a whole number of them keeps every in-bounds
-        // read inside the mapping (the server's regions always are).
-        if !len.is_multiple_of(8) {
-            return Err(BackendError::Attach(format!("region length {len} is not a multiple of 8")));
-        }
+        let file_len = file.metadata().map_err(|e| BackendError::Attach(format!("handoff descriptor: {e}")))?.len();
+        let len = mappable_len(region_len, file_len)?;
         let map = MmapOptions::new()
             .len(len)
             .map_raw_read_only(&file)
@@ -153,6 +149,24 @@ impl ShmRegion {
     }
 }
 
+/// The length to map for a region the server says is `region_len` bytes,
+/// whose descriptor holds `file_len`. The reply is the server's word: a
+/// length past the descriptor's end would map pages whose reads fault
+/// (SIGBUS), and a region shorter than its header has no epoch word.
+fn mappable_len(region_len: u64, file_len: u64) -> Result<usize, BackendError> {
+    if region_len < HEADER_LEN as u64 || region_len > file_len {
+        return Err(BackendError::Attach(format!(
+            "region length {region_len} is not between the header's {HEADER_LEN} and the descriptor's {file_len} bytes"
+        )));
+    }
+    // Reads load whole words; a whole number of them keeps every in-bounds
+    // read inside the mapping (the server's regions always are).
+    if !region_len.is_multiple_of(8) {
+        return Err(BackendError::Attach(format!("region length {region_len} is not a multiple of 8")));
+    }
+    usize::try_from(region_len).map_err(|_| BackendError::Attach(format!("region length {region_len} too large")))
+}
+
 async fn recv_with_fd(stream: &UnixStream) -> io::Result<([u8; handoff::REPLY_LEN], Option<File>)> {
     loop {
         stream.readable().await?;
@@ -178,6 +192,23 @@ async fn recv_with_fd(stream: &UnixStream) -> io::Result<([u8; handoff::REPLY_LE
         match r {
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
             r => return r,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A handoff reply claiming more bytes than its descriptor holds would
+    /// have been mapped as is, and the first read past the file's end would
+    /// have killed the client with SIGBUS.
+    #[test]
+    fn a_region_length_the_descriptor_does_not_hold_is_refused() {
+        assert_eq!(mappable_len(1 << 20, 1 << 20).unwrap(), 1 << 20);
+        assert_eq!(mappable_len(HEADER_LEN as u64, 1 << 20).unwrap(), HEADER_LEN);
+        for (claimed, file) in [((1 << 20) + 8, 1 << 20), (0, 1 << 20), (8, 1 << 20), (!7, 1 << 20), (4100, 8192)] {
+            assert!(matches!(mappable_len(claimed, file), Err(BackendError::Attach(_))), "{claimed} of {file}");
         }
     }
 }
