@@ -31,6 +31,8 @@ use rand::{Rng, RngCore, SeedableRng};
 /// Frames sent when `DMKV_FUZZ_FRAMES` is not set: about half a minute in
 /// a debug build on a 2-core machine.
 const DEFAULT_FRAMES: u64 = 30_000;
+/// A long run says how far it got this often (in frames).
+const PROGRESS_EVERY: u64 = 1_000_000;
 /// Longest the server may take to answer or close; more is a hang.
 const IO_TIMEOUT: Duration = Duration::from_secs(60);
 /// Most frames pipelined in one write.
@@ -496,6 +498,7 @@ fn live_server_survives_hostile_frames() {
         let to_engine = fz.rng.random_bool(0.4);
         let n = fz.rng.random_range(1..=MAX_PIPELINE).min((frames - tried) as usize);
         buf.clear();
+        let before = tried;
         let (mut last, mut reregister) = (false, false);
         for _ in 0..n {
             let g = if to_engine { fz.engine_frame() } else { fz.rpc_frame() };
@@ -512,6 +515,9 @@ fn live_server_survives_hostile_frames() {
         link.send(&buf);
         if last || reregister {
             link.close();
+        }
+        if tried / PROGRESS_EVERY != before / PROGRESS_EVERY {
+            println!("wire fuzz: {tried} frames, {:.0} frames/s", tried as f64 / started.elapsed().as_secs_f64());
         }
         if reregister {
             // The rkey changed: valid reads need the new one.
