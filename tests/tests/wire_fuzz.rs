@@ -210,6 +210,21 @@ impl Fuzzer {
         }
     }
 
+    /// A key for a PUT: hostile lengths as [`Fuzzer::key`], but from a
+    /// bounded set of keys that can be stored, so that millions of PUTs
+    /// overwrite rather than fill the region.
+    fn put_key(&mut self) -> Bytes {
+        let tag = self.rng.random_range(0..4u8);
+        match self.rng.random_range(0..100) {
+            0..4 => Bytes::new(),
+            4..6 => Bytes::from(vec![tag; MAX_KEY_LEN]),
+            6..8 => self.bytes(MAX_KEY_LEN + 1),
+            8..9 => self.bytes_in(MAX_KEY_LEN + 2..16 * 1024),
+            9..20 => Bytes::from(vec![tag; self.rng.random_range(1..64)]),
+            _ => Bytes::from(vec![b'k', self.rng.random_range(0..KEYS)]),
+        }
+    }
+
     /// A key and a value for a PUT: the largest values only under the few
     /// big keys, so that live data stays far below the region's size.
     fn put(&mut self) -> proto::Put {
@@ -225,7 +240,7 @@ impl Fuzzer {
             60..100 => self.bytes_in(1000..20_000),
             _ => self.bytes_in(1..200),
         };
-        proto::Put { key: self.key(), value }
+        proto::Put { key: self.put_key(), value }
     }
 
     fn op(&mut self) -> Option<Op> {
