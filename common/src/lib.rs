@@ -9,6 +9,8 @@
 pub mod auth;
 pub mod error;
 pub mod frame;
+#[doc(hidden)]
+pub mod fuzz;
 pub mod host;
 pub mod layout;
 pub mod limits;

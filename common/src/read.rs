@@ -170,7 +170,13 @@ impl Lookup {
 
     /// Judges the first batch: the two buckets and, if a hint was given,
     /// the hinted item's bytes.
+    ///
+    /// A bucket of any length but [`BUCKET_LEN`] (a backend that returned
+    /// fewer or more bytes than asked for) is treated as torn, never read.
     pub fn after_buckets(&mut self, key: &[u8], buckets: [&[u8]; 2], hinted: Option<&[u8]>, now: u64) -> AfterBuckets {
+        if buckets.iter().any(|b| b.len() != BUCKET_LEN) {
+            return AfterBuckets::Retry(Retry::Torn);
+        }
         let slots = buckets.map(bucket_slots);
         if let (Some(h), Some(item)) = (self.hint, hinted)
             && slots[h.which as usize][h.index as usize] == h.slot.pack()
@@ -496,6 +502,25 @@ mod tests {
         let torn = slot.pack() & !((1u64 << 33) - 1);
         bufs[which][at..at + 8].copy_from_slice(&torn.to_le_bytes());
         assert_eq!(look.after_buckets(b"k", [&bufs[0], &bufs[1]], None, 0), AfterBuckets::Retry(Retry::Torn));
+    }
+
+    /// Found by fuzzing (`fuzz::read_lookup`): a backend that hands back a
+    /// bucket of another length than asked for (an engine reply is the
+    /// server's word) made `bucket_slots` panic in the client.
+    #[test]
+    fn a_bucket_of_the_wrong_length_is_a_retry_not_a_panic() {
+        let mut sim = Sim::new();
+        sim.put(b"k", b"v");
+        let mut look = Lookup::new(b"k", &sim.header, None, 0);
+        let mut specs = Vec::new();
+        look.first_reads(&mut specs);
+        let bufs = sim.snapshot(&specs);
+        for short in [&bufs[0][..0], &bufs[0][..63]] {
+            assert_eq!(look.after_buckets(b"k", [short, &bufs[1]], None, 0), AfterBuckets::Retry(Retry::Torn));
+            assert_eq!(look.after_buckets(b"k", [&bufs[0], short], None, 0), AfterBuckets::Retry(Retry::Torn));
+        }
+        let long = [bufs[0].as_slice(), &[0u8; 8]].concat();
+        assert_eq!(look.after_buckets(b"k", [&long, &bufs[1]], None, 0), AfterBuckets::Retry(Retry::Torn));
     }
 
     #[test]

@@ -177,13 +177,13 @@ fn admit(shared: &Shared, conn: &mut ConnState, req: &Request) -> Result<(), Ref
 
 fn encode_reply(resp: &Response, max_frame: usize, out: &mut BytesMut) {
     if frame::encode(resp, max_frame, out).is_err() {
-        let err = error(
-            resp.id,
-            ErrorCode::ResponseTooLarge,
-            format!("reply exceeds the maximum frame of {max_frame} bytes"),
-        );
-        frame::encode(&err, max_frame, out).expect("an error reply fits any frame");
+        // At most ~100 bytes, and max_frame is at least MIN_MAX_FRAME_LEN.
+        frame::encode(&too_large(resp.id, max_frame), max_frame, out).expect("an error reply fits any frame");
     }
+}
+
+fn too_large(id: u64, max_frame: usize) -> Response {
+    error(id, ErrorCode::ResponseTooLarge, format!("reply exceeds the maximum frame of {max_frame} bytes"))
 }
 
 fn error(id: u64, code: ErrorCode, message: String) -> Response {
@@ -293,9 +293,20 @@ async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response
                 );
             }
             let mut values = Vec::with_capacity(m.keys.len());
+            let mut value_bytes = 0usize;
             for k in &m.keys {
                 match store.get_located(k) {
-                    Ok(Some((value, version, at))) => values.push(found(value, version, at)),
+                    Ok(Some((value, version, at))) => {
+                        // Values past the frame limit cannot be sent: refuse as
+                        // soon as they are, rather than first gathering up to
+                        // MAX_MULTI_GET_KEYS maximum values (a gigabyte) that
+                        // one small request can ask for.
+                        value_bytes += value.len();
+                        if value_bytes > shared.max_frame {
+                            return too_large(id, shared.max_frame);
+                        }
+                        values.push(found(value, version, at))
+                    }
                     Ok(None) => values.push(proto::GetReply::default()),
                     Err(e) => return store_error(id, e),
                 }

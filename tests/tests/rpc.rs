@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::{BufMut, Bytes, BytesMut};
 use dmkv_client::{Client, ClientConfig, ClientError, ErrorCode};
 use dmkv_common::frame;
-use dmkv_common::limits::{MAX_KEY_LEN, MAX_VALUE_LEN};
+use dmkv_common::limits::{MAX_KEY_LEN, MAX_MULTI_GET_KEYS, MAX_VALUE_LEN};
 use dmkv_common::proto::{self, Request, Response, request::Op, response::Result as R};
 use dmkv_tests::{ServerProcess, bin_path};
 use prost::Message;
@@ -374,6 +374,33 @@ async fn pipelined_gets_of_large_values_are_all_answered() {
             other => panic!("{other:?}"),
         }
     }
+}
+
+/// Peak resident memory of process `pid`, in bytes (Linux).
+fn peak_rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmHWM:")).expect("VmHWM in /proc status");
+    line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 1024
+}
+
+/// A multi-get of the same 1 MiB value under every one of its 1024 keys
+/// asks for a gigabyte of reply: the server refuses it once the values pass
+/// the frame limit, without first gathering them all (which it did).
+#[tokio::test]
+async fn multi_get_past_the_frame_limit_is_refused_before_gathering_its_values() {
+    let srv = ServerProcess::start(&["--memory", "32MiB"]);
+    let c = Client::connect(&srv.rpc).await.unwrap();
+    c.put("big", vec![5u8; MAX_VALUE_LEN]).await.unwrap();
+    let keys = vec![Bytes::from_static(b"big"); MAX_MULTI_GET_KEYS];
+    let reply = c.send(Op::MultiGet(proto::MultiGet { keys })).await.unwrap();
+    let reply = reply.wait(Duration::from_secs(60)).await.unwrap();
+    assert_eq!(error_code(&reply), Some(ErrorCode::ResponseTooLarge));
+    let peak = peak_rss(srv.pid());
+    assert!(peak < 512 << 20, "dmkvd's peak RSS reached {} MiB", peak >> 20);
+    // The client still gets every value, fetched one by one.
+    let got = c.multi_get(&["big", "big", "none"]).await.unwrap();
+    assert_eq!(got[0].as_deref().map(<[u8]>::len), Some(MAX_VALUE_LEN));
+    assert_eq!(got[2], None);
 }
 
 /// A server that answers the first connection's HELLO, then hangs up, and

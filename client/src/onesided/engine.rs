@@ -147,6 +147,7 @@ impl EngineConn {
         if reply.results.len() != specs.len() {
             return Err(BackendError::Protocol("reply has the wrong number of completions".into()));
         }
+        check_lengths(specs, &reply.results)?;
         out.clear();
         for (status, range) in reply.results {
             match status {
@@ -156,6 +157,23 @@ impl EngineConn {
             }
         }
         Ok(())
+    }
+}
+
+/// Refuses a reply whose successful reads are not the lengths asked for:
+/// callers index the bytes of a bucket or an item by the length they asked
+/// for, and a reply is only the server's word.
+fn check_lengths(specs: &[ReadSpec], results: &[(ReadStatus, std::ops::Range<usize>)]) -> Result<(), BackendError> {
+    let wrong =
+        specs.iter().zip(results).find(|(s, (status, r))| *status == ReadStatus::Success && r.len() != s.len as usize);
+    match wrong {
+        Some((s, (_, r))) => Err(BackendError::Protocol(format!(
+            "engine returned {} bytes for a read of {} at offset {}",
+            r.len(),
+            s.len,
+            s.offset
+        ))),
+        None => Ok(()),
     }
 }
 
@@ -234,5 +252,23 @@ impl EnginePool {
             }
             s.replacing[i].store(false, Ordering::Release);
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A reply that gives a bucket read fewer bytes than asked for is a
+    /// protocol error, not bytes handed to the bucket decoder.
+    #[test]
+    fn successful_reads_of_the_wrong_length_are_refused() {
+        let specs = [ReadSpec { offset: 4096, len: 64 }, ReadSpec { offset: 8192, len: 64 }];
+        let ok = [(ReadStatus::Success, 20..84), (ReadStatus::OutOfBounds, 84..84)];
+        assert!(check_lengths(&specs, &ok).is_ok());
+        let short = [(ReadStatus::Success, 20..84), (ReadStatus::Success, 84..90)];
+        assert!(matches!(check_lengths(&specs, &short), Err(BackendError::Protocol(_))));
+        let long = [(ReadStatus::Success, 20..85), (ReadStatus::Success, 85..149)];
+        assert!(matches!(check_lengths(&specs, &long), Err(BackendError::Protocol(_))));
     }
 }
