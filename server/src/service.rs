@@ -145,7 +145,17 @@ fn needed_role(op: &Op) -> Role {
 /// say HELLO and AUTHENTICATE, and a failed AUTHENTICATE ends it. Wrong-role
 /// requests are answered PERMISSION_DENIED and the connection stays.
 fn admit(shared: &Shared, conn: &mut ConnState, req: &Request) -> Result<(), Refusal> {
-    let Some(op) = &req.op else { return Ok(()) };
+    let unauthenticated = || {
+        Refusal(
+            ErrorCode::Unauthenticated,
+            "this server requires authentication: HELLO, then AUTHENTICATE with a token (see docs/security.md)".into(),
+        )
+    };
+    let Some(op) = &req.op else {
+        // An operation this server does not know: answered UNKNOWN_OP, but
+        // only to a connection that may send requests at all.
+        return if conn.role.is_some() { Ok(()) } else { Err(unauthenticated()) };
+    };
     if let Op::Authenticate(a) = op {
         if !shared.gate.enabled() {
             return Ok(());
@@ -165,10 +175,7 @@ fn admit(shared: &Shared, conn: &mut ConnState, req: &Request) -> Result<(), Ref
         return Ok(());
     }
     match conn.role {
-        None => Err(Refusal(
-            ErrorCode::Unauthenticated,
-            "this server requires authentication: HELLO, then AUTHENTICATE with a token (see docs/security.md)".into(),
-        )),
+        None => Err(unauthenticated()),
         // A role too weak for the request is answered PERMISSION_DENIED by
         // `handle`, without closing: the client is who it said it is.
         Some(_) => Ok(()),

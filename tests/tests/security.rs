@@ -120,6 +120,10 @@ async fn only_authenticated_clients_with_the_right_role_get_in() {
     assert_eq!(replies.len(), 1);
     assert_eq!(code_of(&replies[0]), Some(ErrorCode::Unauthenticated));
     assert!(closed, "connection left open after an unauthenticated request");
+    let (replies, closed) = raw_rpc(&srv.rpc, &[Request { id: 1, op: None }, put(2, "k", "forged")], 2);
+    assert_eq!(replies.len(), 1);
+    assert_eq!(code_of(&replies[0]), Some(ErrorCode::Unauthenticated), "an unknown op before authenticating");
+    assert!(closed);
     let hello = Request { id: 1, op: Some(Op::Hello(proto::Hello { protocol_version: 1, client_name: "t".into() })) };
     let forged = Request { id: 2, op: Some(Op::Authenticate(proto::Authenticate { proof: vec![0u8; 32].into() })) };
     let (replies, closed) = raw_rpc(&srv.rpc, &[hello.clone(), forged, put(3, "k", "forged")], 3);
