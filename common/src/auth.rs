@@ -36,6 +36,56 @@ pub const FAILURE_WINDOW: Duration = Duration::from_secs(10);
 /// oldest are forgotten, so a spoofing flood cannot grow the table.
 pub const MAX_TRACKED_PEERS: usize = 4096;
 
+/// Bytes of a listener's greeting: an 8-byte magic naming the listener, a
+/// flags byte and the nonce (the engine and the shm handoff speak first).
+pub const GREETING_LEN: usize = 8 + 1 + NONCE_LEN;
+/// Greeting flag: the client must prove a secret.
+pub const GREETING_AUTH_REQUIRED: u8 = 1;
+
+/// The greeting a listener named by `magic` sends on a new connection.
+pub fn encode_greeting(magic: &[u8; 8], auth_required: bool, nonce: &[u8; NONCE_LEN]) -> [u8; GREETING_LEN] {
+    let mut g = [0u8; GREETING_LEN];
+    g[..8].copy_from_slice(magic);
+    g[8] = if auth_required { GREETING_AUTH_REQUIRED } else { 0 };
+    g[9..].copy_from_slice(nonce);
+    g
+}
+
+/// Whether a greeting from the listener named by `magic` asks for
+/// authentication, and its nonce. Refuses other magics and unknown flags.
+pub fn decode_greeting(magic: &[u8; 8], g: &[u8; GREETING_LEN]) -> Result<(bool, [u8; NONCE_LEN]), BadGreeting> {
+    if g[..8] != magic[..] {
+        return Err(BadGreeting::Magic);
+    }
+    if g[8] & !GREETING_AUTH_REQUIRED != 0 {
+        return Err(BadGreeting::Flags);
+    }
+    let mut nonce = [0u8; NONCE_LEN];
+    nonce.copy_from_slice(&g[9..]);
+    Ok((g[8] & GREETING_AUTH_REQUIRED != 0, nonce))
+}
+
+/// Why a greeting was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BadGreeting {
+    /// Not the listener the client meant to reach.
+    Magic,
+    /// Flags this build does not know.
+    Flags,
+}
+
+/// What a client answers a greeting with: its proof for `nonce` when the
+/// listener asks for one, zeros when it does not (a proof would only tell
+/// a listener that did not ask that this client has a secret). `None`: it
+/// asks and the client has no token.
+pub fn answer(required: bool, token: Option<&Token>, purpose: Purpose, nonce: &[u8]) -> Option<[u8; PROOF_LEN]> {
+    match (required, token) {
+        (false, _) => Some([0u8; PROOF_LEN]),
+        (true, Some(t)) => Some(t.prove(purpose, nonce)),
+        (true, None) => None,
+    }
+}
+
 /// Separates dmkv's proofs from any other use of the same secret.
 const DOMAIN: &[u8] = b"dmkv-auth-v1";
 
@@ -267,6 +317,21 @@ mod tests {
         assert_eq!(keys.verify(Purpose::Rpc, &nonce, &d[..31]), None);
         assert_eq!(keys.verify(Purpose::Rpc, &nonce, &[]), None);
         assert!(Role::Admin.allows(Role::Data) && !Role::Data.allows(Role::Admin));
+    }
+
+    #[test]
+    fn greetings_round_trip_and_answers_prove_only_when_asked() {
+        let nonce = [3u8; NONCE_LEN];
+        let g = encode_greeting(b"DMKVTEST", true, &nonce);
+        assert_eq!(decode_greeting(b"DMKVTEST", &g), Ok((true, nonce)));
+        assert_eq!(decode_greeting(b"DMKVOTHR", &g), Err(BadGreeting::Magic));
+        let mut flags = g;
+        flags[8] = 0x80;
+        assert_eq!(decode_greeting(b"DMKVTEST", &flags), Err(BadGreeting::Flags));
+        let t = tok("0123456789abcdef");
+        assert_eq!(answer(false, Some(&t), Purpose::Shm, &nonce), Some([0; PROOF_LEN]));
+        assert_eq!(answer(true, Some(&t), Purpose::Shm, &nonce), Some(t.prove(Purpose::Shm, &nonce)));
+        assert_eq!(answer(true, None, Purpose::Shm, &nonce), None);
     }
 
     #[test]

@@ -89,9 +89,7 @@ pub enum WireError {
 /// Opens every engine greeting.
 pub const ENGINE_MAGIC: [u8; 8] = *b"DMKVENG1";
 /// Bytes of the engine's greeting.
-pub const GREETING_LEN: usize = 8 + 1 + NONCE_LEN;
-/// Greeting flag: the client must prove a `data` (or `admin`) secret.
-pub const GREETING_AUTH_REQUIRED: u8 = 1;
+pub const GREETING_LEN: usize = crate::auth::GREETING_LEN;
 /// Bytes of the client's answer to the greeting.
 pub const HANDSHAKE_PROOF_LEN: usize = PROOF_LEN;
 /// Handshake status: reads may follow.
@@ -104,24 +102,15 @@ pub const HANDSHAKE_RATE_LIMITED: u8 = 2;
 
 /// The greeting an engine sends on a new connection.
 pub fn encode_greeting(auth_required: bool, nonce: &[u8; NONCE_LEN]) -> [u8; GREETING_LEN] {
-    let mut g = [0u8; GREETING_LEN];
-    g[..8].copy_from_slice(&ENGINE_MAGIC);
-    g[8] = if auth_required { GREETING_AUTH_REQUIRED } else { 0 };
-    g[9..].copy_from_slice(nonce);
-    g
+    crate::auth::encode_greeting(&ENGINE_MAGIC, auth_required, nonce)
 }
 
-/// Whether a greeting asks for authentication, and its nonce.
+/// Whether an engine's greeting asks for authentication, and its nonce.
 pub fn decode_greeting(g: &[u8; GREETING_LEN]) -> Result<(bool, [u8; NONCE_LEN]), WireError> {
-    if g[..8] != ENGINE_MAGIC {
-        return Err(WireError::Malformed("not a dmkv engine (bad greeting)"));
-    }
-    if g[8] & !GREETING_AUTH_REQUIRED != 0 {
-        return Err(WireError::Malformed("greeting has unknown flags"));
-    }
-    let mut nonce = [0u8; NONCE_LEN];
-    nonce.copy_from_slice(&g[9..]);
-    Ok((g[8] & GREETING_AUTH_REQUIRED != 0, nonce))
+    crate::auth::decode_greeting(&ENGINE_MAGIC, g).map_err(|e| match e {
+        crate::auth::BadGreeting::Magic => WireError::Malformed("not a dmkv engine (bad greeting)"),
+        crate::auth::BadGreeting::Flags => WireError::Malformed("greeting has unknown flags"),
+    })
 }
 
 /// Checks one read against a region of `region_len` bytes and the bytes the

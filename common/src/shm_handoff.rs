@@ -19,9 +19,7 @@ use crate::onesided::WireError;
 /// Opens every handoff greeting.
 pub const SHM_MAGIC: [u8; 8] = *b"DMKVSHM1";
 /// Bytes of the server's greeting.
-pub const GREETING_LEN: usize = 8 + 1 + NONCE_LEN;
-/// Greeting flag: the client must prove a `data` (or `admin`) secret.
-pub const GREETING_AUTH_REQUIRED: u8 = 1;
+pub const GREETING_LEN: usize = crate::auth::GREETING_LEN;
 /// Bytes of a handoff request.
 pub const REQUEST_LEN: usize = PROOF_LEN + 16;
 /// Bytes of a handoff reply.
@@ -38,24 +36,15 @@ pub const STATUS_RATE_LIMITED: u8 = 3;
 
 /// The greeting a server sends on a new handoff connection.
 pub fn encode_greeting(auth_required: bool, nonce: &[u8; NONCE_LEN]) -> [u8; GREETING_LEN] {
-    let mut g = [0u8; GREETING_LEN];
-    g[..8].copy_from_slice(&SHM_MAGIC);
-    g[8] = if auth_required { GREETING_AUTH_REQUIRED } else { 0 };
-    g[9..].copy_from_slice(nonce);
-    g
+    crate::auth::encode_greeting(&SHM_MAGIC, auth_required, nonce)
 }
 
 /// Whether a greeting asks for authentication, and its nonce.
 pub fn decode_greeting(g: &[u8; GREETING_LEN]) -> Result<(bool, [u8; NONCE_LEN]), WireError> {
-    if g[..8] != SHM_MAGIC {
-        return Err(WireError::Malformed("not a dmkv handoff socket (bad greeting)"));
-    }
-    if g[8] & !GREETING_AUTH_REQUIRED != 0 {
-        return Err(WireError::Malformed("greeting has unknown flags"));
-    }
-    let mut nonce = [0u8; NONCE_LEN];
-    nonce.copy_from_slice(&g[9..]);
-    Ok((g[8] & GREETING_AUTH_REQUIRED != 0, nonce))
+    crate::auth::decode_greeting(&SHM_MAGIC, g).map_err(|e| match e {
+        crate::auth::BadGreeting::Magic => WireError::Malformed("not a dmkv handoff socket (bad greeting)"),
+        crate::auth::BadGreeting::Flags => WireError::Malformed("greeting has unknown flags"),
+    })
 }
 
 /// A request presenting `proof`, `rkey` and `epoch`.

@@ -4,11 +4,13 @@
 //! address and logs them.
 
 use std::net::IpAddr;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use dmkv_common::auth::{Failure, FailureLimiter, Keys, NONCE_LEN, Purpose, Role};
 use tracing::{debug, warn};
+
+use crate::lock::lock;
 
 /// How long a new connection has to finish its handshake (TLS or the
 /// engine's greeting) before it is closed; never longer than the idle
@@ -41,6 +43,8 @@ impl std::fmt::Display for Denied {
 /// The secrets and the failure limiter of one server.
 pub struct Gate {
     keys: Arc<Keys>,
+    /// Recovers from poisoning (`crate::lock`): every update leaves the
+    /// map consistent, and at worst a failure goes uncounted.
     failures: Mutex<FailureLimiter>,
 }
 
@@ -48,12 +52,6 @@ impl Gate {
     /// A gate for `keys`; empty keys mean authentication is off.
     pub fn new(keys: Arc<Keys>) -> Gate {
         Gate { keys, failures: Mutex::default() }
-    }
-
-    /// The secrets (the shared-memory handoff checks them itself, limiting
-    /// failures per user rather than per address).
-    pub fn keys(&self) -> &Arc<Keys> {
-        &self.keys
     }
 
     /// Whether clients must authenticate.
@@ -72,6 +70,27 @@ impl Gate {
         rand::random()
     }
 
+    /// Whether `peer` may try now (not blocked after too many failures).
+    pub fn allowed(&self, peer: IpAddr) -> bool {
+        lock(&self.failures).allowed(peer, Instant::now())
+    }
+
+    /// Counts and logs a failed attempt by `peer`: a wrong proof, or (on
+    /// the handoff socket) a guessed rkey.
+    pub fn failed(&self, purpose: Purpose, peer: IpAddr, what: &str) {
+        match lock(&self.failures).failed(peer, Instant::now()) {
+            Failure::Log => warn!(ip = %peer, ?purpose, "{what}"),
+            Failure::Blocked => warn!(
+                ip = %peer,
+                ?purpose,
+                "{what}: {} failures; refusing this address for {:?}",
+                dmkv_common::auth::MAX_FAILURES,
+                dmkv_common::auth::FAILURE_WINDOW
+            ),
+            Failure::Quiet => debug!(ip = %peer, ?purpose, "{what} (address blocked)"),
+        }
+    }
+
     /// Checks `proof` for `nonce` from `peer` on a `purpose` listener; the
     /// granted role must allow `needed`. Failures are counted and logged.
     pub fn check(
@@ -83,28 +102,14 @@ impl Gate {
         needed: Role,
     ) -> Result<Role, Denied> {
         let ip = peer.unwrap_or(IpAddr::from([127, 0, 0, 1]));
-        let now = Instant::now();
-        // The limiter's state is a plain map that every update leaves
-        // consistent, so a poisoned lock is safe to keep using.
-        if !self.failures.lock().unwrap_or_else(PoisonError::into_inner).allowed(ip, now) {
+        if !self.allowed(ip) {
             debug!(%ip, ?purpose, "authentication attempt refused: rate-limited");
             return Err(Denied::RateLimited);
         }
         match self.keys.verify(purpose, nonce, proof) {
             Some(role) if role.allows(needed) => Ok(role),
             _ => {
-                let verdict = self.failures.lock().unwrap_or_else(PoisonError::into_inner).failed(ip, now);
-                match verdict {
-                    Failure::Log => warn!(%ip, ?purpose, "authentication failed"),
-                    Failure::Blocked => warn!(
-                        %ip,
-                        ?purpose,
-                        "authentication failed {} times; refusing this address for {:?}",
-                        dmkv_common::auth::MAX_FAILURES,
-                        dmkv_common::auth::FAILURE_WINDOW
-                    ),
-                    Failure::Quiet => debug!(%ip, ?purpose, "authentication failed (address blocked)"),
-                }
+                self.failed(purpose, ip, "authentication failed");
                 Err(Denied::BadProof)
             }
         }

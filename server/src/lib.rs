@@ -171,9 +171,9 @@ impl Server {
         if let Some(l) = self.shm {
             let (r, reg, rx) = (Arc::clone(&region), Arc::clone(&self.shared.registration), stop_rx.clone());
             let cap = self.max_shm_connections;
-            let keys = Arc::clone(self.shared.gate.keys());
+            let gate = Arc::clone(&self.shared.gate);
             side.spawn(async move {
-                if let Err(e) = shm::serve(l, r, reg, keys, cap, rx).await {
+                if let Err(e) = shm::serve(l, r, reg, gate, cap, rx).await {
                     warn!("shared-memory handoff stopped: {e}");
                 }
             });

@@ -24,19 +24,19 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
-use dmkv_common::auth::{Failure, FailureLimiter, Keys, Purpose, Role};
+use dmkv_common::auth::{NONCE_LEN, Purpose, Role};
 use dmkv_common::shm_handoff as handoff;
 use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags, sendmsg};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::watch;
-use tracing::{debug, warn};
+use tracing::debug;
 
+use crate::access::{Denied, Gate};
 use crate::listen;
-use crate::lock::lock;
 use crate::region::Region;
 use crate::registration::Registration;
 
@@ -89,28 +89,25 @@ struct Ctx {
     ro: File,
     len: u64,
     reg: Arc<Registration>,
-    keys: Arc<Keys>,
-    /// Recovers from poisoning (`crate::lock`): each call leaves the map
-    /// consistent, and at worst a failure goes uncounted.
-    limiter: Mutex<FailureLimiter>,
+    gate: Arc<Gate>,
 }
 
 /// Serves handoffs until shutdown, to at most `max_connections` clients at
 /// once (each holds its connection for as long as it maps the region).
-/// `keys` are the server's secrets; with none, clients need no proof (and
-/// send zeros).
+/// `gate` holds the server's secrets (with none, clients need no proof and
+/// send zeros) and counts failures, per uid here.
 pub async fn serve(
     listener: ShmListener,
     region: Arc<Region>,
     reg: Arc<Registration>,
-    keys: Arc<Keys>,
+    gate: Arc<Gate>,
     max_connections: usize,
     shutdown: watch::Receiver<bool>,
 ) -> io::Result<()> {
     // A read-only reopen of the memfd: what clients get can only be mapped
     // for reading (and the seals keep a read-write reopen from writing).
     let ro = File::open(format!("/proc/self/fd/{}", region.fd().as_raw_fd()))?;
-    let ctx = Arc::new(Ctx { ro, len: region.len() as u64, reg, keys, limiter: Mutex::new(FailureLimiter::default()) });
+    let ctx = Arc::new(Ctx { ro, len: region.len() as u64, reg, gate });
     let rx = shutdown.clone();
     let mut conns = listen::serve(listener, "shm", max_connections, shutdown, move |stream| {
         handoff(stream, Arc::clone(&ctx), rx.clone())
@@ -120,37 +117,31 @@ pub async fn serve(
     Ok(())
 }
 
-/// The limiter's key for a peer: its uid, written as an address no
-/// network peer has (a unique-local IPv6 address), since Unix sockets have
-/// no address. Without credentials, one shared key.
-fn peer_key(stream: &UnixStream) -> (IpAddr, Option<u32>) {
+/// The failure limiter's key for a peer: its uid, written as an address no
+/// network peer has (the unique-local fd00:646d:6b76::UID, so logs show
+/// the uid in the last two groups), since Unix sockets have no address.
+/// Without credentials, one shared key.
+fn peer_key(stream: &UnixStream) -> IpAddr {
     match rustix::net::sockopt::socket_peercred(stream) {
         Ok(cred) => {
             let uid = cred.uid.as_raw();
-            let key = Ipv6Addr::new(0xfd00, 0x646d, 0x6b76, 0, 0, 0, (uid >> 16) as u16, uid as u16);
-            (IpAddr::V6(key), Some(uid))
+            IpAddr::V6(Ipv6Addr::new(0xfd00, 0x646d, 0x6b76, 0, 0, 0, (uid >> 16) as u16, uid as u16))
         }
-        Err(_) => (IpAddr::V4(Ipv4Addr::LOCALHOST), None),
+        Err(_) => IpAddr::V4(Ipv4Addr::LOCALHOST),
     }
 }
 
 /// Checks a request: the status to answer.
-fn check(ctx: &Ctx, req: &[u8; handoff::REQUEST_LEN], nonce: &[u8], peer: IpAddr, uid: Option<u32>) -> u8 {
-    let now = Instant::now();
-    if !lock(&ctx.limiter).allowed(peer, now) {
-        return handoff::STATUS_RATE_LIMITED;
-    }
-    let failed = |what: &str| match lock(&ctx.limiter).failed(peer, now) {
-        Failure::Log => warn!(?uid, "shm handoff refused: {what}"),
-        Failure::Blocked => {
-            warn!(?uid, "shm handoff refused: {what}; too many failures, refusing this uid for a while")
-        }
-        Failure::Quiet => {}
-    };
+fn check(ctx: &Ctx, req: &[u8; handoff::REQUEST_LEN], nonce: &[u8; NONCE_LEN], peer: IpAddr) -> u8 {
     let (proof, rkey, epoch) = handoff::decode_request(req);
-    if ctx.keys.enabled() && !ctx.keys.verify(Purpose::Shm, nonce, &proof).is_some_and(|r| r.allows(Role::Data)) {
-        failed("authentication failed");
-        return handoff::STATUS_UNAUTHENTICATED;
+    if ctx.gate.enabled() {
+        match ctx.gate.check(Purpose::Shm, Some(peer), nonce, &proof, Role::Data) {
+            Ok(_) => {}
+            Err(Denied::RateLimited) => return handoff::STATUS_RATE_LIMITED,
+            Err(Denied::BadProof) => return handoff::STATUS_UNAUTHENTICATED,
+        }
+    } else if !ctx.gate.allowed(peer) {
+        return handoff::STATUS_RATE_LIMITED;
     }
     let current = epoch == ctx.reg.epoch();
     if handoff::rkey_matches(rkey, ctx.reg.rkey()) && current {
@@ -160,16 +151,16 @@ fn check(ctx: &Ctx, req: &[u8; handoff::REQUEST_LEN], nonce: &[u8], peer: IpAddr
     // that missed a re-registration presents the old pair, and any answer
     // to a wrong epoch is a refusal whatever the rkey, so it tells nothing.
     if current {
-        failed("wrong rkey");
+        ctx.gate.failed(Purpose::Shm, peer, "shm handoff refused: wrong rkey");
     }
     handoff::STATUS_REFUSED
 }
 
 async fn handoff(mut stream: UnixStream, ctx: Arc<Ctx>, mut shutdown: watch::Receiver<bool>) {
     let mut epoch_rx = ctx.reg.subscribe();
-    let (peer, uid) = peer_key(&stream);
-    let nonce: [u8; dmkv_common::auth::NONCE_LEN] = rand::random();
-    let greeting = handoff::encode_greeting(ctx.keys.enabled(), &nonce);
+    let peer = peer_key(&stream);
+    let nonce = ctx.gate.nonce();
+    let greeting = handoff::encode_greeting(ctx.gate.enabled(), &nonce);
     let mut req = [0u8; handoff::REQUEST_LEN];
     let exchange = async {
         stream.write_all(&greeting).await?;
@@ -179,7 +170,7 @@ async fn handoff(mut stream: UnixStream, ctx: Arc<Ctx>, mut shutdown: watch::Rec
         Ok(Ok(_)) => {}
         _ => return,
     }
-    let status = check(&ctx, &req, &nonce, peer, uid);
+    let status = check(&ctx, &req, &nonce, peer);
     let ok = status == handoff::STATUS_OK;
     let reply = handoff::encode_reply(status, ctx.len);
     if let Err(e) = send_with_fd(&stream, &reply, ok.then_some(&ctx.ro)).await {

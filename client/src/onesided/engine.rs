@@ -7,10 +7,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
-use dmkv_common::auth::{Purpose, Token};
+use dmkv_common::auth::{self, Purpose, Token};
 use dmkv_common::onesided::{
-    GREETING_LEN, HANDSHAKE_OK, HANDSHAKE_PROOF_LEN, HANDSHAKE_RATE_LIMITED, MAX_REPLY_FRAME, ReadStatus, ReadWr,
-    decode_greeting, decode_reply, encode_request, next_frame,
+    GREETING_LEN, HANDSHAKE_OK, HANDSHAKE_RATE_LIMITED, MAX_REPLY_FRAME, ReadStatus, ReadWr, decode_greeting,
+    decode_reply, encode_request, next_frame,
 };
 use dmkv_common::read::ReadSpec;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -35,11 +35,8 @@ async fn handshake(stream: &mut (impl AsyncRead + AsyncWrite + Unpin), token: Op
     let mut greeting = [0u8; GREETING_LEN];
     stream.read_exact(&mut greeting).await.map_err(|e| format!("no greeting: {e}"))?;
     let (auth, nonce) = decode_greeting(&greeting).map_err(|e| e.to_string())?;
-    let proof = match (auth, token) {
-        (false, _) => [0u8; HANDSHAKE_PROOF_LEN],
-        (true, Some(t)) => t.prove(Purpose::Engine, &nonce),
-        (true, None) => return Err("the engine requires authentication and this client has no token".into()),
-    };
+    let proof = auth::answer(auth, token, Purpose::Engine, &nonce)
+        .ok_or("the engine requires authentication and this client has no token")?;
     stream.write_all(&proof).await.map_err(|e| e.to_string())?;
     stream.flush().await.map_err(|e| e.to_string())?;
     let mut status = [0u8; 1];

@@ -26,7 +26,7 @@ use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use dmkv_common::auth::{PROOF_LEN, Purpose, Token};
+use dmkv_common::auth::{self, Purpose, Token};
 use dmkv_common::layout::{EPOCH_OFFSET, HEADER_LEN};
 use dmkv_common::racy;
 use dmkv_common::read::ReadSpec;
@@ -110,18 +110,12 @@ pub async fn receive_descriptor(
         let mut greeting = [0u8; handoff::GREETING_LEN];
         stream.read_exact(&mut greeting).await?;
         let (auth_required, nonce) = handoff::decode_greeting(&greeting).map_err(io::Error::other)?;
-        let proof = match (auth_required, token) {
-            (true, Some(t)) => t.prove(Purpose::Shm, &nonce),
-            (true, None) => {
-                return Err(io::Error::new(
-                    io::ErrorKind::PermissionDenied,
-                    "the server requires authentication and no token is configured",
-                ));
-            }
-            // Nothing to prove: a proof would only tell a server that did
-            // not ask that this client has a secret.
-            (false, _) => [0u8; PROOF_LEN],
-        };
+        let proof = auth::answer(auth_required, token, Purpose::Shm, &nonce).ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                "the server requires authentication and no token is configured",
+            )
+        })?;
         stream.write_all(&handoff::encode_request(&proof, rkey, epoch)).await?;
         let (reply, fd) = recv_with_fd(&stream).await?;
         Ok::<_, io::Error>((stream, reply, fd))
