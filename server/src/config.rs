@@ -65,6 +65,11 @@ pub struct Flags {
     /// Grace period before retired space is reused, in milliseconds.
     #[arg(long, value_name = "MS")]
     pub grace_ms: Option<u64>,
+    /// When the compactor moves items to defragment memory: auto (past a
+    /// fragmentation threshold, and when a PUT needs it), off (only when a
+    /// PUT needs it), continuous (always; for tests).
+    #[arg(long, value_name = "MODE")]
+    pub compactor: Option<crate::compact::Mode>,
     /// Largest accepted frame, e.g. 2MiB.
     #[arg(long, value_name = "SIZE")]
     pub max_frame: Option<String>,
@@ -139,6 +144,7 @@ pub struct FileConfig {
     pub memory: Option<Size>,
     pub buckets: Option<u64>,
     pub grace_ms: Option<u64>,
+    pub compactor: Option<crate::compact::Mode>,
     pub max_frame: Option<Size>,
     pub threads: Option<usize>,
     pub log: Option<String>,
@@ -204,6 +210,7 @@ pub struct Config {
     pub memory: u64,
     pub buckets: u64,
     pub grace: Duration,
+    pub compactor: crate::compact::Mode,
     pub max_frame: usize,
     pub threads: usize,
     pub log: String,
@@ -380,6 +387,7 @@ impl Config {
             memory,
             buckets,
             grace: Duration::from_millis(flags.grace_ms.or(file.grace_ms).unwrap_or(DEFAULT_GRACE.as_millis() as u64)),
+            compactor: flags.compactor.or(file.compactor).unwrap_or_default(),
             max_frame: max_frame as usize,
             threads: threads.max(1),
             log: flags.log.or(file.log).unwrap_or_else(|| "info".into()),

@@ -11,6 +11,7 @@
 
 pub mod access;
 pub mod alloc;
+pub mod compact;
 pub mod config;
 pub mod counters;
 pub mod engine;
@@ -58,8 +59,11 @@ impl Server {
         let seed: u64 = rand::random();
         // Epochs start at a random value so a restarted server never reuses one.
         let epoch: u64 = rand::random::<u32>() as u64 + 1;
-        let store = Store::format(region, cfg.buckets, seed, epoch, cfg.grace)
-            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
+        let store = Arc::new(
+            Store::format(region, cfg.buckets, seed, epoch, cfg.grace)
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?,
+        );
+        let compactor = compact::Compactor::spawn(Arc::clone(&store), cfg.compactor)?;
         let listener = TcpListener::bind(cfg.listen).await?;
         let engine = match cfg.engine_listen {
             Some(addr) => Some(TcpListener::bind(addr).await?),
@@ -80,6 +84,7 @@ impl Server {
         let rdma = open_rdma(cfg, store.region())?;
         let shared = Arc::new(Shared {
             store,
+            compactor,
             max_frame: cfg.max_frame,
             registration,
             region_id: 0,

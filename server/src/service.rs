@@ -4,11 +4,11 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
 
 use bytes::BytesMut;
 use dmkv_common::error::Error as StoreError;
 use dmkv_common::frame::{self, Decoder, FrameError};
+use dmkv_common::layout::item_units;
 use dmkv_common::limits::MAX_MULTI_GET_KEYS;
 use dmkv_common::proto::{self, ErrorCode, Request, Response, request::Op, response::Result as R};
 use dmkv_common::{PROTOCOL_VERSION, layout::LAYOUT_VERSION};
@@ -18,17 +18,17 @@ use tokio::sync::watch;
 use dmkv_common::auth::{Purpose, Role};
 
 use crate::access::Gate;
+use crate::compact::{self, Compactor};
 use crate::counters::EngineCounters;
 use crate::framed;
 use crate::registration::Registration;
 use crate::store::Store;
 
-/// Most times a PUT waits for space that is finishing its grace period.
-const OOM_RETRIES: usize = 2;
-
 /// What the service shares between connections.
 pub struct Shared {
-    pub store: Store,
+    pub store: Arc<Store>,
+    /// Defragments the store's memory, and frees room for a PUT that needs it.
+    pub compactor: Compactor,
     pub max_frame: usize,
     pub registration: Arc<Registration>,
     pub region_id: u32,
@@ -266,17 +266,18 @@ async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response
             _ => return error(id, ErrorCode::BadRequest, "this server has no authentication configured".into()),
         },
         Some(Op::Put(p)) => {
-            let mut attempt = 0;
+            // Space that finishes its grace period soon, or that the
+            // compactor can put in one piece, is not "full".
+            let deadline = tokio::time::Instant::now() + compact::OUT_OF_MEMORY_WAIT;
             loop {
                 match store.put(&p.key, &p.value) {
                     Ok(version) => break R::Put(proto::PutReply { version }),
-                    Err(StoreError::OutOfMemory) if attempt < OOM_RETRIES => {
-                        // Space that finishes its grace period soon is not "full".
-                        match store.reclaim_wait() {
-                            Some(wait) => tokio::time::sleep(wait + Duration::from_millis(1)).await,
+                    Err(StoreError::OutOfMemory) if tokio::time::Instant::now() < deadline => {
+                        let units = item_units(p.key.len(), p.value.len()) as u64;
+                        match shared.compactor.after_out_of_memory(units) {
+                            Some(wait) => tokio::time::sleep(wait).await,
                             None => return store_error(id, StoreError::OutOfMemory),
                         }
-                        attempt += 1;
                     }
                     Err(e) => return store_error(id, e),
                 }
@@ -410,6 +411,9 @@ fn stats(shared: &Shared) -> HashMap<String, u64> {
     let s = &shared.store;
     let c = &s.counters;
     let (data_bytes, used_units_bytes) = s.memory();
+    let space = s.space();
+    let unit = dmkv_common::limits::UNIT as u64;
+    let cs = shared.compactor.stats();
     let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
     [
         ("gets", load(&c.gets)),
@@ -424,6 +428,17 @@ fn stats(shared: &Shared) -> HashMap<String, u64> {
         ("live_bytes", load(&c.used_bytes)),
         ("allocated_bytes", used_units_bytes),
         ("data_bytes", data_bytes),
+        ("free_bytes", (space.free + space.parked) * unit),
+        ("largest_free_bytes", space.largest_free * unit),
+        ("fragmentation_permille", space.fragmentation_permille()),
+        ("compactor_active", load(&cs.active)),
+        ("compactor_demands", load(&cs.demands)),
+        ("compactor_cpu_micros", load(&cs.cpu_nanos) / 1000),
+        ("compactor_moves", load(&c.compactor_moves)),
+        ("compactor_moved_bytes", load(&c.compactor_moved_bytes)),
+        ("compactor_windows", load(&c.compactor_ranges)),
+        ("compactor_windows_done", load(&c.compactor_ranges_done)),
+        ("compactor_windows_abandoned", load(&c.compactor_ranges_abandoned)),
         ("region_bytes", s.header().region_len),
         ("index_slots", s.slot_count()),
         ("region_epoch", shared.registration.epoch()),

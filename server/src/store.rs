@@ -30,9 +30,13 @@ use dmkv_common::limits::{SLOTS_PER_BUCKET, UNIT};
 
 use tracing::warn;
 
-use crate::alloc::{Allocator, class_units};
+use crate::alloc::{Allocator, Space};
 use crate::lock::lock;
 use crate::region::Region;
+
+mod evacuate;
+
+pub use evacuate::{Candidate, Relocation};
 
 /// Counters exported by STATS. Relaxed atomics: they are statistics.
 #[derive(Debug, Default)]
@@ -52,6 +56,13 @@ pub struct Counters {
     /// copy of the index: something else wrote the shared index. Each is
     /// put back.
     pub foreign_slots: AtomicU64,
+    /// Items the compactor moved, and their bytes.
+    pub compactor_moves: AtomicU64,
+    pub compactor_moved_bytes: AtomicU64,
+    /// Ranges the compactor started to empty, emptied, and gave up on.
+    pub compactor_ranges: AtomicU64,
+    pub compactor_ranges_done: AtomicU64,
+    pub compactor_ranges_abandoned: AtomicU64,
 }
 
 /// At most one warning a second about a region written behind the
@@ -78,6 +89,9 @@ impl LogLimit {
             && self.last_ms.compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed).is_ok()
     }
 }
+
+/// Most epoch-collector flushes one [`Store::reclaim_wait`] makes.
+const EPOCH_FLUSHES: usize = 64;
 
 /// A block unlinked from the index and waiting out its grace period.
 #[derive(Debug, Clone, Copy)]
@@ -124,6 +138,10 @@ pub struct Store {
     /// deferred functions (which may run on any thread). Recovers from
     /// poisoning: pushes and drains leave a valid Vec whatever happens.
     epoch_done: Arc<Mutex<Vec<Retired>>>,
+    /// Units retired and not yet handed back through `epoch_done`: the
+    /// epoch collector works through its backlog a bounded amount per
+    /// call, so a burst of retirements (the compactor's) can sit there.
+    in_epoch: Arc<AtomicU64>,
     pub counters: Counters,
     log_limit: LogLimit,
 }
@@ -155,9 +173,15 @@ impl Store {
                 scratch: Vec::new(),
             }),
             epoch_done: Arc::new(Mutex::new(Vec::new())),
+            in_epoch: Arc::default(),
             counters: Counters::default(),
             log_limit: LogLimit::new(),
         })
+    }
+
+    /// How long retired space stays intact for one-sided readers.
+    pub fn grace(&self) -> Duration {
+        self.grace
     }
 
     /// The region's layout.
@@ -376,7 +400,7 @@ impl Store {
         let new_slot = Slot::new(kh.fingerprint, offset, units);
         self.set_slot(target.0, target.1, new_slot.pack());
         self.counters.puts.fetch_add(1, Ordering::Relaxed);
-        self.counters.used_bytes.fetch_add((class_units(units) * UNIT) as u64, Ordering::Relaxed);
+        self.counters.used_bytes.fetch_add((units * UNIT) as u64, Ordering::Relaxed);
         match existing {
             Some((_, _, old)) => self.retire(old, &guard),
             None => {
@@ -427,8 +451,13 @@ impl Store {
     fn retire(&self, old: Slot, guard: &epoch::Guard) {
         let r = Retired { at: old.offset_units, units: old.units as usize, since: Instant::now() };
         let done = Arc::clone(&self.epoch_done);
-        guard.defer(move || lock(&done).push(r));
-        self.counters.used_bytes.fetch_sub((class_units(r.units) * UNIT) as u64, Ordering::Relaxed);
+        let in_epoch = Arc::clone(&self.in_epoch);
+        in_epoch.fetch_add(r.units as u64, Ordering::Relaxed);
+        guard.defer(move || {
+            lock(&done).push(r);
+            in_epoch.fetch_sub(r.units as u64, Ordering::Relaxed);
+        });
+        self.counters.used_bytes.fetch_sub((r.units * UNIT) as u64, Ordering::Relaxed);
     }
 
     /// Frees retired blocks whose epoch and grace period have both passed.
@@ -456,8 +485,16 @@ impl Store {
     pub fn reclaim_wait(&self) -> Option<Duration> {
         let guard = epoch::pin();
         let mut w = lock(&self.writer);
+        // Work through the collector's backlog, boundedly: each flush
+        // runs a few bags of deferred functions.
+        for _ in 0..EPOCH_FLUSHES {
+            if self.in_epoch.load(Ordering::Relaxed) == 0 {
+                break;
+            }
+            guard.flush();
+        }
         self.reclaim(&mut w, &guard);
-        let pending_epoch = !lock(&self.epoch_done).is_empty();
+        let pending_epoch = !lock(&self.epoch_done).is_empty() || self.in_epoch.load(Ordering::Relaxed) > 0;
         match w.waiting.front() {
             Some(r) => Some(self.grace.saturating_sub(r.since.elapsed())),
             None if pending_epoch => Some(Duration::ZERO),
@@ -469,6 +506,17 @@ impl Store {
     pub fn memory(&self) -> (u64, u64) {
         let w = lock(&self.writer);
         (self.header.data_len, w.alloc.used_units() * UNIT as u64)
+    }
+
+    /// The allocator's free-space figures, in units.
+    pub fn space(&self) -> Space {
+        lock(&self.writer).alloc.space()
+    }
+
+    /// The data area, in units.
+    pub fn data_units(&self) -> std::ops::Range<u64> {
+        let start = self.header.data_offset / UNIT as u64;
+        start..start + self.header.data_len / UNIT as u64
     }
 
     /// Number of index slots.

@@ -31,7 +31,9 @@ fn parse(v: Option<bytes::Bytes>) -> u64 {
 
 #[test]
 fn one_sided_gets_racing_puts_are_linearizable() {
-    let srv = ServerProcess::start(&["--memory", "32MiB"]);
+    // The compactor moves every item again and again meanwhile: a move
+    // must be as invisible to readers as it is to the history.
+    let srv = ServerProcess::start(&["--memory", "32MiB", "--compactor", "continuous"]);
     let rpc = |path| ClientConfig { read_path: path, pool_size: 1, ..Default::default() };
     let setup = Client::connect_with(&srv.rpc, rpc(ReadPath::Rpc)).unwrap();
     // Threads 0-1 write over RPC; 2 reads over shm, 3 over the TCP engine,
@@ -94,6 +96,9 @@ fn one_sided_gets_racing_puts_are_linearizable() {
         }
         assert!(tester.is_consistent(), "round {round}: history is not linearizable:\n{log:#?}");
     }
+    let moves = setup.stats().unwrap()["compactor_moves"];
+    println!("the compactor moved {moves} items during the rounds");
+    assert!(moves > 0, "the compactor moved nothing: the rounds did not race it");
     // Only the auto reader's GETs (and its background probes, at most one
     // still in flight) reach the server's KV code.
     let ran = setup.stats().unwrap()["gets"] - gets_before;

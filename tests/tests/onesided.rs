@@ -87,6 +87,37 @@ async fn one_sided_sees_overwrites_and_deletes() {
     }
 }
 
+/// Items the compactor moves stay readable one-sided: readers (and their
+/// cached addresses) follow a move as they follow an overwrite, and never
+/// fall back to asking the server.
+#[tokio::test]
+async fn one_sided_reads_follow_items_the_compactor_moves() {
+    let srv = ServerProcess::start(&["--memory", "32MiB", "--compactor", "continuous", "--grace-ms", "20"]);
+    let setup = Client::connect_with(&srv.rpc, cfg(ReadPath::Rpc, None)).await.unwrap();
+    let value = |i: usize| format!("value-{i}-").repeat(i % 40 + 1).into_bytes();
+    for i in 0..500 {
+        setup.put(format!("mv{i}"), value(i)).await.unwrap();
+    }
+    let moves_before = setup.stats().await.unwrap()["compactor_moves"];
+    for t in [Transport::Shm, Transport::Tcp] {
+        let c = Client::connect_with(&srv.rpc, cfg(ReadPath::OneSided, Some(t))).await.unwrap();
+        let gets_before = server_gets(&setup).await;
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(2);
+        let mut rounds = 0;
+        while tokio::time::Instant::now() < deadline {
+            for i in (0..500).step_by(7) {
+                let got = c.get(format!("mv{i}")).await.unwrap();
+                assert_eq!(got.as_deref(), Some(&value(i)[..]), "{t:?} mv{i}");
+            }
+            rounds += 1;
+        }
+        assert_eq!(server_gets(&setup).await, gets_before, "{t:?}: a GET reached the server");
+        println!("{t:?}: {rounds} rounds of reads, read stats {:?}", c.read_stats());
+    }
+    let moved = setup.stats().await.unwrap()["compactor_moves"] - moves_before;
+    assert!(moved > 500, "the compactor moved only {moved} items while the readers read");
+}
+
 #[tokio::test]
 async fn forced_transport_without_support_fails_clearly() {
     let srv = ServerProcess::start(&["--memory", "16MiB", "--no-shm", "--no-engine"]);

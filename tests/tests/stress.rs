@@ -322,7 +322,9 @@ fn racing_writers_and_reader_processes() {
         .collect();
     let mut caught_tears = 0;
     for (mode, grace_ms, enforce, keys) in [("tearing", "0", false, TEARING_KEYS), ("default", "100", true, KEYS)] {
-        let srv = ServerProcess::start(&["--memory", "32MiB", "--grace-ms", grace_ms]);
+        // The compactor moves items all the time too, so reads race moves
+        // as well as overwrites.
+        let srv = ServerProcess::start(&["--memory", "32MiB", "--grace-ms", grace_ms, "--compactor", "continuous"]);
         // Every key exists before the readers start, so "not found" is always wrong.
         {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
@@ -345,6 +347,20 @@ fn racing_writers_and_reader_processes() {
             .collect();
         let results: Vec<(&str, ReaderResult)> = readers.into_iter().map(|h| h.join().unwrap()).collect();
         let writes = writers.stop();
+        let moves = {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            rt.block_on(async {
+                let c = Client::connect(&srv.rpc).await.unwrap();
+                let s = c.stats().await.unwrap();
+                println!(
+                    "stress {mode}: compactor stretches {} emptied {} abandoned {}",
+                    s["compactor_windows"], s["compactor_windows_done"], s["compactor_windows_abandoned"]
+                );
+                s["compactor_moves"]
+            })
+        };
+        println!("stress {mode}: the compactor moved {moves} items meanwhile");
+        assert!(moves > 0, "{mode}: the compactor moved nothing: reads did not race it");
         for (t, r) in &results {
             let retries = r.torn + r.other_key + r.slow;
             println!(

@@ -1,0 +1,533 @@
+//! The compactor: when free space is broken into pieces too small for the
+//! items that want it, empty one window of the data area by moving its live
+//! items elsewhere, so that it comes back as one free block.
+//!
+//! The policy is pure functions of the allocator's figures ([`wants_work`],
+//! [`plan`]); the thread around them is a thin driver. It runs in
+//! the background when fragmentation passes [`FRAGMENTATION_PERMILLE`],
+//! paced to [`DUTY_PERCENT`] of one core so foreground requests keep their
+//! latency, and at full speed on demand when a PUT would fail for
+//! fragmentation alone ([`Compactor::after_out_of_memory`]).
+//!
+//! The moves themselves are the store's (`Store::relocate`), under the
+//! writer lock like every write, so each replica of a shard compacts its
+//! own region on its own.
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use dmkv_common::error::Error;
+use dmkv_common::layout::item_units;
+use tracing::debug;
+
+use crate::alloc::Space;
+use crate::lock::lock;
+use crate::store::{Candidate, Relocation, Store};
+
+/// Window of the data area emptied at a time: twice the largest item, so an
+/// emptied window holds any item.
+pub const WINDOW_UNITS: u64 = 32_768;
+/// In small regions a window is at most this fraction of the data area,
+/// so there is room outside it for what it holds.
+pub const MIN_WINDOWS: u64 = 8;
+/// Background compaction starts when free space is more broken up than
+/// this (parts per thousand: 1 − largest free block ÷ free space) ...
+pub const FRAGMENTATION_PERMILLE: u64 = 500;
+/// ... its largest block is smaller than a window, and at least two windows
+/// are free in all (else there is little to gain and little room to move).
+pub const MIN_FREE_WINDOWS: u64 = 2;
+/// In the background, only windows at most this full (percent) are worth
+/// emptying; on demand, any window that is not full.
+pub const BACKGROUND_MAX_LIVE_PERCENT: u64 = 50;
+/// Share of one core the background compactor may use.
+pub const DUTY_PERCENT: u32 = 20;
+/// Work between pauses in the background: short, so a foreground write
+/// waits at most for one item's copy.
+const SLICE: Duration = Duration::from_millis(1);
+/// How often the idle compactor looks at the figures.
+const IDLE_CHECK: Duration = Duration::from_millis(100);
+/// A window whose last blocks are not free this long after the moves (and
+/// the grace period) is given up on: something still holds it.
+const WINDOW_DEADLINE: Duration = Duration::from_secs(2);
+/// A PUT refused for space waits at most this long for grace periods and
+/// compaction before the client hears OUT_OF_MEMORY.
+pub const OUT_OF_MEMORY_WAIT: Duration = Duration::from_secs(2);
+/// The guarantee: a PUT succeeds (within [`OUT_OF_MEMORY_WAIT`]) while the
+/// live items, the retired ones in their grace period and the new item
+/// together take at most this share of the data area (percent).
+pub const GUARANTEED_PERCENT: u64 = 80;
+
+/// When the compactor runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Never in the background; still on demand for a PUT that needs it.
+    Off,
+    /// In the background past the fragmentation threshold, and on demand.
+    #[default]
+    Auto,
+    /// Always, window after window (for tests: items keep moving).
+    Continuous,
+}
+
+impl std::str::FromStr for Mode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "off" => Ok(Mode::Off),
+            "auto" => Ok(Mode::Auto),
+            "continuous" => Ok(Mode::Continuous),
+            _ => Err(format!("unknown compactor mode {s:?} (off, auto or continuous)")),
+        }
+    }
+}
+
+/// The window size for a data area of `area` units.
+pub fn window_units(area: u64) -> u64 {
+    (area / MIN_WINDOWS).clamp(1, WINDOW_UNITS)
+}
+
+/// Whether the background compactor has work, from the allocator's figures.
+pub fn wants_work(mode: Mode, space: Space, window: u64) -> bool {
+    match mode {
+        Mode::Off => false,
+        Mode::Continuous => true,
+        Mode::Auto => {
+            space.parked == 0
+                && space.free >= MIN_FREE_WINDOWS * window
+                && space.largest_free < window
+                && space.fragmentation_permille() >= FRAGMENTATION_PERMILLE
+        }
+    }
+}
+
+/// A range to empty, and the used units in it that must move.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    pub range: Range<u64>,
+    pub used: u64,
+}
+
+/// Which range [`plan`] prefers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pick {
+    /// The one with the fewest used units (least to move).
+    Emptiest,
+    /// The first used stretch (from a free block to the end of the next)
+    /// at or after this unit, wrapping around (to keep items moving, for
+    /// tests). The length is not used.
+    After(u64),
+}
+
+/// Plans which `len` units (or a little more) to empty, from the free
+/// blocks (start, length; address order) of the data area `area`. A range
+/// starts at a free block and ends with one; one that overlaps `avoid` (where its items are to go) or whose start is
+/// in `skip` (recently given up on) is left out.
+pub fn plan(
+    blocks: &[(u64, u64)],
+    area: Range<u64>,
+    len: u64,
+    pick: Pick,
+    avoid: Range<u64>,
+    skip: &[u64],
+) -> Option<Plan> {
+    let n = blocks.len();
+    let end_of = |k: usize| blocks[k].0 + blocks[k].1;
+    // free[k]: free units in blocks[..k].
+    let mut free = Vec::with_capacity(n + 1);
+    free.push(0u64);
+    for k in 0..n {
+        free.push(free[k] + blocks[k].1);
+    }
+    // A range runs from a free block's start to a free block's end, so no
+    // item straddles its ends: what it holds moves whole.
+    let candidate = |i: usize| -> Option<Plan> {
+        let start = blocks[i].0;
+        let target = match pick {
+            // Up to the end of the next free block.
+            Pick::After(_) => end_of(i).checked_add(1)?,
+            Pick::Emptiest => start.checked_add(len)?,
+        };
+        let j = i + blocks[i..].partition_point(|&(at, l)| at + l < target);
+        if j == n {
+            return None;
+        }
+        let end = end_of(j);
+        if end > area.end || skip.contains(&start) || (start < avoid.end && avoid.start < end) {
+            return None;
+        }
+        Some(Plan { range: start..end, used: (end - start) - (free[j + 1] - free[i]) })
+    };
+    match pick {
+        Pick::Emptiest => (0..n).filter_map(candidate).min_by_key(|p| (p.used, p.range.start)),
+        Pick::After(from) => {
+            let first = blocks.partition_point(|b| b.0 < from);
+            (first..n).chain(0..first).filter_map(candidate).find(|p| p.used > 0)
+        }
+    }
+}
+
+/// One compaction step: empty `plan.range`, packing its items into the
+/// free block at `dest` (the largest; `dest_len` units).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Step {
+    pub plan: Plan,
+    pub dest: u64,
+    pub dest_len: u64,
+}
+
+/// Plans a step towards a free block of `want` units: the longest range
+/// (up to `want`) whose used units fit in the largest free block, so that
+/// once it is empty the largest free block has grown. Each step needs only
+/// room for what it moves, in one block, so it works however broken up
+/// the rest of free space is. `Pick::After` plans the used stretches in
+/// turn (continuous mode), growing nothing on purpose.
+pub fn plan_step(blocks: &[(u64, u64)], area: Range<u64>, want: u64, pick: Pick, skip: &[u64]) -> Option<Step> {
+    let &(dest, dest_len) = blocks.iter().max_by_key(|&&(at, len)| (len, std::cmp::Reverse(at)))?;
+    let avoid = dest..dest + dest_len;
+    // Empty blocks where the area starts and where the destination does,
+    // so a range may also begin at the start of the area or end just
+    // before the destination.
+    let mut bounds = Vec::with_capacity(blocks.len() + 2);
+    if blocks.first().is_none_or(|b| b.0 != area.start) {
+        bounds.push((area.start, 0));
+    }
+    for &b in blocks {
+        if b.0 == dest {
+            bounds.push((dest, 0));
+        }
+        bounds.push(b);
+    }
+    let fits = |len: u64| plan(&bounds, area.clone(), len, pick, avoid.clone(), skip).filter(|p| p.used <= dest_len);
+    let step = |plan| Some(Step { plan, dest, dest_len });
+    if let Pick::After(_) = pick {
+        // Whatever is used from the next boundary on, up to the next free
+        // block: items keep moving, a stretch at a time.
+        return step(fits(1)?);
+    }
+    if want <= dest_len {
+        return None;
+    }
+    if let Some(p) = fits(want) {
+        return step(p);
+    }
+    // The fewest used units over ranges of a length grows with the length:
+    // find the longest that fits. Longer than `dest_len` or it gains nothing.
+    let (mut lo, mut hi) = (dest_len, want);
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if fits(mid).is_some() { lo = mid } else { hi = mid }
+    }
+    if lo == dest_len { None } else { step(fits(lo)?) }
+}
+
+/// Why a range is being emptied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Why {
+    Background,
+    Continuous,
+    /// A PUT needs this many units in one block.
+    Demand(u64),
+}
+
+/// Figures of the compactor's own, for STATS.
+#[derive(Debug, Default)]
+pub struct CompactorStats {
+    /// CPU time the compactor thread used, in nanoseconds.
+    pub cpu_nanos: AtomicU64,
+    /// PUTs that asked for compaction.
+    pub demands: AtomicU64,
+    /// 1 while a window is being emptied.
+    pub active: AtomicU64,
+}
+
+struct Shared {
+    store: Arc<Store>,
+    mode: Mode,
+    /// Units a waiting PUT needs in one block (0: none).
+    demand: AtomicU64,
+    wake: Condvar,
+    woken: Mutex<bool>,
+    stop: AtomicBool,
+    stats: CompactorStats,
+}
+
+/// The compactor of one store: a background thread, stopped on drop.
+pub struct Compactor {
+    shared: Arc<Shared>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Compactor {
+    /// Starts the compactor thread for `store`.
+    pub fn spawn(store: Arc<Store>, mode: Mode) -> std::io::Result<Compactor> {
+        let shared = Arc::new(Shared {
+            store,
+            mode,
+            demand: AtomicU64::new(0),
+            wake: Condvar::new(),
+            woken: Mutex::new(false),
+            stop: AtomicBool::new(false),
+            stats: CompactorStats::default(),
+        });
+        let s = Arc::clone(&shared);
+        let thread = std::thread::Builder::new().name("dmkv-compactor".into()).spawn(move || run(&s))?;
+        Ok(Compactor { shared, thread: Some(thread) })
+    }
+
+    /// The compactor's figures.
+    pub fn stats(&self) -> &CompactorStats {
+        &self.shared.stats
+    }
+
+    /// After a PUT of `units` units was refused for space: how long to
+    /// wait before trying again, or `None` if live data really fills the
+    /// region. Asks for compaction when free space would do but is in
+    /// pieces.
+    pub fn after_out_of_memory(&self, units: u64) -> Option<Duration> {
+        let store = &self.shared.store;
+        let space = store.space();
+        // Space in its grace period comes back by itself.
+        if let Some(wait) = store.reclaim_wait() {
+            return Some(wait.max(Duration::from_millis(1)));
+        }
+        if space.free + space.parked < units {
+            return None;
+        }
+        self.shared.stats.demands.fetch_add(1, Ordering::Relaxed);
+        self.shared.demand.fetch_max(units, Ordering::Relaxed);
+        self.notify();
+        Some(Duration::from_millis(2))
+    }
+
+    /// `store.put`, waiting out grace periods and compaction as the server
+    /// does for a client (for tools and tests that use a store directly).
+    pub fn put_blocking(&self, key: &[u8], value: &[u8]) -> Result<u64, Error> {
+        let deadline = Instant::now() + OUT_OF_MEMORY_WAIT;
+        loop {
+            match self.shared.store.put(key, value) {
+                Err(Error::OutOfMemory) if Instant::now() < deadline => {
+                    match self.after_out_of_memory(item_units(key.len(), value.len()) as u64) {
+                        Some(wait) => std::thread::sleep(wait),
+                        None => return Err(Error::OutOfMemory),
+                    }
+                }
+                r => return r,
+            }
+        }
+    }
+
+    fn notify(&self) {
+        *lock(&self.shared.woken) = true;
+        self.shared.wake.notify_one();
+    }
+}
+
+impl Drop for Compactor {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Relaxed);
+        self.notify();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn thread_cpu() -> Duration {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
+}
+
+/// No background steps this long after a PUT asked for room.
+const DEMAND_QUIET: Duration = Duration::from_millis(200);
+
+/// Ranges given up on recently, left out of plans until one succeeds.
+const MAX_SKIPPED: usize = 256;
+
+fn run(s: &Shared) {
+    let mut cursor = 0;
+    let mut skip: Vec<u64> = Vec::new();
+    let mut cpu_seen = thread_cpu();
+    let mut last_demand: Option<Instant> = None;
+    while !s.stop.load(Ordering::Relaxed) {
+        let area = s.store.data_units();
+        let window = window_units(area.end - area.start);
+        let need = s.demand.swap(0, Ordering::Relaxed);
+        if need > 0 {
+            last_demand = Some(Instant::now());
+        }
+        // Background steps pack items into the largest free block: not
+        // while a PUT may be about to take it.
+        let quiet = last_demand.is_some_and(|t| t.elapsed() < DEMAND_QUIET);
+        let (why, want, pick) = if need > 0 {
+            (Some(Why::Demand(need)), need, Pick::Emptiest)
+        } else if !quiet && wants_work(s.mode, s.store.space(), window) {
+            match s.mode {
+                Mode::Continuous => (Some(Why::Continuous), window, Pick::After(cursor)),
+                _ => (Some(Why::Background), window, Pick::Emptiest),
+            }
+        } else {
+            (None, 0, Pick::Emptiest)
+        };
+        let planned = why.and_then(|why| Some((why, plan_step(&s.store.free_blocks(), area, want, pick, &skip)?)));
+        match planned {
+            Some((why, step)) => {
+                cursor = step.plan.range.end;
+                let start = step.plan.range.start;
+                if empty_range(s, &step, why) {
+                    skip.clear();
+                } else {
+                    if skip.len() == MAX_SKIPPED {
+                        skip.remove(0);
+                    }
+                    skip.push(start);
+                }
+            }
+            None => {
+                skip.clear();
+                let mut woken = lock(&s.woken);
+                if !*woken {
+                    woken = s.wake.wait_timeout(woken, IDLE_CHECK).map(|(g, _)| g).unwrap_or_else(|e| e.into_inner().0);
+                }
+                *woken = false;
+            }
+        }
+        let cpu = thread_cpu();
+        s.stats.cpu_nanos.fetch_add((cpu - cpu_seen).as_nanos() as u64, Ordering::Relaxed);
+        cpu_seen = cpu;
+    }
+}
+
+/// Carries out a step: park the range, reserve room for its items at the
+/// destination, move them there, wait for the range to come back free.
+/// Whether it did.
+fn empty_range(s: &Shared, step: &Step, why: Why) -> bool {
+    let range = step.plan.range.clone();
+    let Some(items) = s.store.begin_evacuation(range.clone()) else { return false };
+    // Items straddling the range's ends count whole.
+    let total: u64 = items.iter().map(Candidate::units).sum();
+    // Into the largest free block as it is now (writes may have taken the
+    // front of the planned one meanwhile).
+    let dest = match total {
+        0 => 0,
+        _ => match s.store.reserve(total) {
+            Some(at) => at,
+            None => {
+                s.store.abandon_evacuation();
+                return false;
+            }
+        },
+    };
+    s.stats.active.store(1, Ordering::Relaxed);
+    debug!(?range, items = items.len(), total, dest, ?why, "compactor: emptying a range");
+    let paced = !matches!(why, Why::Demand(_));
+    let mut slice_start = Instant::now();
+    let mut to = dest;
+    let mut outcome = Ok(());
+    for c in &items {
+        if s.stop.load(Ordering::Relaxed) {
+            outcome = Err("stopping");
+            break;
+        }
+        if let Relocation::Moved(_) = s.store.relocate(c, to) {
+            to += c.units();
+        }
+        // A demand that arrives meanwhile speeds the rest up.
+        if paced && s.demand.load(Ordering::Relaxed) == 0 && slice_start.elapsed() >= SLICE {
+            let worked = slice_start.elapsed();
+            std::thread::sleep(worked * (100 - DUTY_PERCENT) / DUTY_PERCENT);
+            slice_start = Instant::now();
+        }
+    }
+    // What items that went meanwhile did not use.
+    s.store.unreserve(to, dest + total - to);
+    if outcome.is_ok() {
+        // The old copies come back after their grace period; then the
+        // range is one free block again and unparks by itself.
+        let deadline = Instant::now() + s.store.grace() + WINDOW_DEADLINE;
+        while s.store.evacuating().is_some() && Instant::now() < deadline && !s.stop.load(Ordering::Relaxed) {
+            std::thread::sleep((s.store.grace() / 4).clamp(Duration::from_micros(200), Duration::from_millis(20)));
+            s.store.reclaim_now();
+        }
+        if s.store.evacuating().is_some() {
+            outcome = Err("its last blocks were not freed in time");
+        }
+    }
+    s.stats.active.store(0, Ordering::Relaxed);
+    match outcome {
+        Ok(()) => {
+            s.store.counters.compactor_ranges_done.fetch_add(1, Ordering::Relaxed);
+            debug!(?range, moved = to - dest, "compactor: range emptied");
+            true
+        }
+        Err(why_not) => {
+            s.store.abandon_evacuation();
+            debug!(?range, "compactor: gave up on a range: {why_not}");
+            false
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn windows_fit_the_area() {
+        assert_eq!(window_units(1 << 20), WINDOW_UNITS);
+        assert_eq!(window_units(8000), 1000);
+        assert_eq!(window_units(0), 1);
+    }
+
+    #[test]
+    fn background_work_needs_broken_up_free_space() {
+        let w = 100;
+        let space = |free, largest_free, parked| Space { used: 1000, free, largest_free, parked };
+        assert!(wants_work(Mode::Auto, space(400, 50, 0), w));
+        assert!(!wants_work(Mode::Auto, space(400, 150, 0), w), "a window fits already");
+        assert!(!wants_work(Mode::Auto, space(150, 10, 0), w), "too little free to bother");
+        assert!(!wants_work(Mode::Auto, space(400, 50, 10), w), "one window at a time");
+        assert!(!wants_work(Mode::Off, space(400, 50, 0), w));
+        assert!(wants_work(Mode::Continuous, space(400, 400, 0), w));
+    }
+
+    #[test]
+    fn the_emptiest_range_is_planned() {
+        // Free: 0..10, 12..20, 30..40, 41..50, 90..100 (area 0..100).
+        let blocks = [(0, 10), (12, 8), (30, 10), (41, 9), (90, 10)];
+        let p = |len, pick, skip: &[u64]| plan(&blocks, 0..100, len, pick, 0..0, skip);
+        assert_eq!(p(20, Pick::Emptiest, &[]), Some(Plan { range: 30..50, used: 1 }));
+        assert_eq!(p(20, Pick::Emptiest, &[30]), Some(Plan { range: 0..20, used: 2 }));
+        assert_eq!(plan(&blocks, 0..100, 20, Pick::Emptiest, 45..46, &[]), Some(Plan { range: 0..20, used: 2 }));
+        // A range may not run past the area.
+        assert_eq!(p(11, Pick::Emptiest, &[0, 12, 30, 41]), None);
+        // Continuous: the next range holding anything, wrapping around.
+        assert_eq!(p(10, Pick::After(31), &[]), Some(Plan { range: 41..100, used: 40 }));
+        assert_eq!(p(10, Pick::After(95), &[]), Some(Plan { range: 0..20, used: 2 }));
+        assert_eq!(plan(&[(0, 100)], 0..100, 10, Pick::After(0), 0..0, &[]), None, "nothing to move");
+    }
+
+    #[test]
+    fn steps_grow_the_largest_block() {
+        // Free: 0..10 (the largest), 12..18, 20..26, 28..34 (area 0..40).
+        let blocks = [(0, 10), (12, 6), (20, 6), (28, 6)];
+        let step = |want| plan_step(&blocks, 0..40, want, Pick::Emptiest, &[]);
+        assert_eq!(step(10), None, "fits already");
+        // 12..34 holds 4 used units: they go to 0..10, and 12..34 (22
+        // units) comes back free.
+        assert_eq!(step(22), Some(Step { plan: Plan { range: 12..34, used: 4 }, dest: 0, dest_len: 10 }));
+        // 40 units is more than the area has outside 0..10: the longest
+        // range there is 12..34.
+        assert_eq!(step(40).map(|s| s.plan), Some(Plan { range: 12..34, used: 4 }));
+        // Continuous: the used stretches in turn, from the start of the
+        // area too, but never into the destination.
+        let c = |from| plan_step(&blocks, 0..40, 8, Pick::After(from), &[]).map(|s| s.plan);
+        assert_eq!(c(13), Some(Plan { range: 20..34, used: 2 }));
+        assert_eq!(c(35), Some(Plan { range: 12..26, used: 2 }), "wraps around");
+        let packed = [(20, 20)];
+        let c = plan_step(&packed, 0..40, 8, Pick::After(0), &[]).map(|s| s.plan);
+        assert_eq!(c, Some(Plan { range: 0..20, used: 20 }), "items before the only free block");
+    }
+}

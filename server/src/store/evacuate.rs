@@ -1,0 +1,157 @@
+//! The store's side of compaction: emptying a range of the data area by
+//! moving its live items into a block reserved for them, under the writer
+//! lock, one item at a time. When to do it, and which range, is
+//! `crate::compact`'s business.
+//!
+//! A move is an overwrite with the same item: the bytes are copied to a
+//! new block outside the range, published with one release store of the
+//! key's slot, and the old block is retired with the grace period like any
+//! overwritten item. A one-sided reader that saw the old slot reads the old
+//! copy, intact for the grace period; one that sees the new slot reads a
+//! copy written before the slot was. Both carry the same version and value,
+//! so a move is invisible to readers (docs/one-sided.md).
+
+use std::ops::Range;
+use std::sync::atomic::Ordering;
+
+use crossbeam_epoch as epoch;
+use dmkv_common::layout::Slot;
+use dmkv_common::limits::{SLOTS_PER_BUCKET, UNIT};
+
+use super::Store;
+use crate::lock::lock;
+
+/// A live item the compactor means to move: where its slot is in the index,
+/// and the slot word it had when it was listed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Candidate {
+    pos: usize,
+    word: u64,
+}
+
+impl Candidate {
+    /// Units of the item.
+    pub fn units(&self) -> u64 {
+        Slot::unpack(self.word).map_or(0, |s| u64::from(s.units))
+    }
+}
+
+/// What became of one move.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Relocation {
+    /// Moved; its bytes.
+    Moved(u64),
+    /// The key was overwritten or deleted since it was listed (or its item
+    /// no longer verified and was unlinked): nothing to move.
+    Gone,
+}
+
+impl Store {
+    /// The allocator's free blocks (start, length in units) in address
+    /// order, for planning which range to empty.
+    pub fn free_blocks(&self) -> Vec<(u64, u64)> {
+        lock(&self.writer).alloc.free_blocks()
+    }
+
+    /// Starts emptying `range` (in units): from now on no allocation lands
+    /// in it. Returns the live items overlapping it, to be moved with
+    /// [`Store::relocate`], or `None` if another range is being emptied.
+    /// The range comes back by itself once all of it is free.
+    pub fn begin_evacuation(&self, range: Range<u64>) -> Option<Vec<Candidate>> {
+        {
+            let mut w = lock(&self.writer);
+            if w.alloc.parked().is_some() {
+                return None;
+            }
+            w.alloc.park(range.clone());
+        }
+        self.counters.compactor_ranges.fetch_add(1, Ordering::Relaxed);
+        // Every item allocated in the range was published before the park
+        // (under the lock just released), and none can be allocated there
+        // since: this scan sees them all.
+        let mut found = Vec::new();
+        for pos in 0..self.index.len() {
+            let word = self.index[pos].load(Ordering::Acquire);
+            let Some(slot) = Slot::unpack(word) else { continue };
+            let end = slot.offset_units + u64::from(slot.units);
+            if slot.offset_units < range.end && end > range.start {
+                found.push(Candidate { pos, word });
+            }
+        }
+        Some(found)
+    }
+
+    /// Takes `units` units at the start of the largest free block, for
+    /// [`Store::relocate`] to pack items into; where they start.
+    pub fn reserve(&self, units: u64) -> Option<u64> {
+        lock(&self.writer).alloc.alloc_largest(units)
+    }
+
+    /// Frees reserved units that no item was moved into. They were never
+    /// published, so no reader can be looking at them: no grace period.
+    pub fn unreserve(&self, at: u64, units: u64) {
+        if units > 0 {
+            lock(&self.writer).alloc.free(at, units as usize);
+        }
+    }
+
+    /// Moves one listed item out of the parked range into the reserved
+    /// units at `to` (as many as the item has). On anything but `Moved`
+    /// those units are still the caller's.
+    pub fn relocate(&self, c: &Candidate, to: u64) -> Relocation {
+        let (bucket, i) = ((c.pos / SLOTS_PER_BUCKET) as u64, c.pos % SLOTS_PER_BUCKET);
+        let guard = epoch::pin();
+        let mut w = lock(&self.writer);
+        let w = &mut *w;
+        if self.own_slot(bucket, i) != c.word {
+            return Relocation::Gone;
+        }
+        let Some(old) = Slot::unpack(c.word) else { return Relocation::Gone };
+        let mut buf = std::mem::take(&mut w.scratch);
+        if !self.read_verified(old, &mut buf) {
+            // Its value is lost either way (as in `find_for_write`); left
+            // linked it would pin the range for good.
+            self.set_slot(bucket, i, Slot::EMPTY);
+            self.counters.items.fetch_sub(1, Ordering::Relaxed);
+            self.retire(old, &guard);
+            w.scratch = buf;
+            return Relocation::Gone;
+        }
+        debug_assert!(w.alloc.parked().is_none_or(|r| to + u64::from(old.units) <= r.start || r.end <= to));
+        self.region.write(to * UNIT as u64, &buf);
+        let new = Slot { offset_units: to, ..old };
+        self.set_slot(bucket, i, new.pack());
+        let bytes = u64::from(old.units) * UNIT as u64;
+        self.retire(old, &guard);
+        // `retire` took the old copy's bytes off the live count; the new
+        // copy holds the same.
+        self.counters.used_bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.counters.compactor_moves.fetch_add(1, Ordering::Relaxed);
+        self.counters.compactor_moved_bytes.fetch_add(bytes, Ordering::Relaxed);
+        w.scratch = buf;
+        Relocation::Moved(bytes)
+    }
+
+    /// The range being emptied, if any (it is over once all of it is free).
+    pub fn evacuating(&self) -> Option<Range<u64>> {
+        lock(&self.writer).alloc.parked()
+    }
+
+    /// Gives up on the range being emptied: its free space is handed out
+    /// again, and what is still used there is freed as usual later.
+    pub fn abandon_evacuation(&self) {
+        let mut w = lock(&self.writer);
+        if w.alloc.parked().is_some() {
+            w.alloc.unpark();
+            self.counters.compactor_ranges_abandoned.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Frees what has finished its grace period (so a range waiting for
+    /// its last retired blocks can come back).
+    pub fn reclaim_now(&self) {
+        let guard = epoch::pin();
+        let mut w = lock(&self.writer);
+        self.reclaim(&mut w, &guard);
+    }
+}
