@@ -2,9 +2,10 @@
 //! items that want it, empty one window of the data area by moving its live
 //! items elsewhere, so that it comes back as one free block.
 //!
-//! The policy is pure functions of the allocator's figures ([`wants_work`],
+//! The policy is pure functions of the allocator's figures ([`background_work`],
 //! [`plan`]); the thread around them is a thin driver. It runs in
-//! the background when fragmentation passes [`FRAGMENTATION_PERMILLE`],
+//! the background when the largest free block falls under half its
+//! reserve ([`reserve_units`]; fragmentation is then at least 75 %),
 //! paced to [`DUTY_PERCENT`] of one core so foreground requests keep their
 //! latency, and at full speed on demand when a PUT would fail for
 //! fragmentation alone ([`Compactor::after_out_of_memory`]).
@@ -26,21 +27,17 @@ use crate::alloc::Space;
 use crate::lock::lock;
 use crate::store::{Candidate, Relocation, Store};
 
-/// Window of the data area emptied at a time: twice the largest item, so an
-/// emptied window holds any item.
+/// The reserve the background compactor keeps in one free block: twice the
+/// largest item, so any item fits without waiting for compaction ...
 pub const WINDOW_UNITS: u64 = 32_768;
-/// In small regions a window is at most this fraction of the data area,
-/// so there is room outside it for what it holds.
+/// ... but in small regions at most this fraction of the data area ...
 pub const MIN_WINDOWS: u64 = 8;
-/// Background compaction starts when free space is more broken up than
-/// this (parts per thousand: 1 − largest free block ÷ free space) ...
-pub const FRAGMENTATION_PERMILLE: u64 = 500;
-/// ... its largest block is smaller than a window, and at least two windows
-/// are free in all (else there is little to gain and little room to move).
-pub const MIN_FREE_WINDOWS: u64 = 2;
-/// In the background, only windows at most this full (percent) are worth
-/// emptying; on demand, any window that is not full.
-pub const BACKGROUND_MAX_LIVE_PERCENT: u64 = 50;
+/// ... and at most this share (percent) of the free space.
+pub const RESERVE_OF_FREE_PERCENT: u64 = 50;
+/// The background compactor starts when the largest free block is under
+/// this share (percent) of the reserve (so fragmentation, 1 − largest
+/// block ÷ free space, is at least 75 %), and stops once it is back.
+pub const RESERVE_LOW_PERCENT: u64 = 50;
 /// Share of one core the background compactor may use.
 pub const DUTY_PERCENT: u32 = 20;
 /// Work between pauses in the background: short, so a foreground write
@@ -57,7 +54,7 @@ pub const OUT_OF_MEMORY_WAIT: Duration = Duration::from_secs(2);
 /// The guarantee: a PUT succeeds (within [`OUT_OF_MEMORY_WAIT`]) while the
 /// live items, the retired ones in their grace period and the new item
 /// together take at most this share of the data area (percent).
-pub const GUARANTEED_PERCENT: u64 = 80;
+pub const GUARANTEED_PERCENT: u64 = 85;
 
 /// When the compactor runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
@@ -65,7 +62,7 @@ pub const GUARANTEED_PERCENT: u64 = 80;
 pub enum Mode {
     /// Never in the background; still on demand for a PUT that needs it.
     Off,
-    /// In the background past the fragmentation threshold, and on demand.
+    /// In the background to keep the reserve, and on demand.
     #[default]
     Auto,
     /// Always, window after window (for tests: items keep moving).
@@ -89,18 +86,23 @@ pub fn window_units(area: u64) -> u64 {
     (area / MIN_WINDOWS).clamp(1, WINDOW_UNITS)
 }
 
-/// Whether the background compactor has work, from the allocator's figures.
-pub fn wants_work(mode: Mode, space: Space, window: u64) -> bool {
-    match mode {
-        Mode::Off => false,
-        Mode::Continuous => true,
-        Mode::Auto => {
-            space.parked == 0
-                && space.free >= MIN_FREE_WINDOWS * window
-                && space.largest_free < window
-                && space.fragmentation_permille() >= FRAGMENTATION_PERMILLE
-        }
+/// How large a free block the background compactor keeps: a window, but
+/// at most half the free space.
+pub fn reserve_units(space: Space, window: u64) -> u64 {
+    window.min((space.free + space.parked) * RESERVE_OF_FREE_PERCENT / 100)
+}
+
+/// What the background compactor should do, from the allocator's figures:
+/// rebuild the reserve when it is low (but for `Off`), else in continuous
+/// mode keep moving items.
+pub fn background_work(mode: Mode, space: Space, window: u64) -> Option<Why> {
+    if mode == Mode::Off || space.parked > 0 {
+        return None;
     }
+    if space.largest_free * 100 < reserve_units(space, window) * RESERVE_LOW_PERCENT {
+        return Some(Why::Background);
+    }
+    (mode == Mode::Continuous).then_some(Why::Continuous)
 }
 
 /// A range to empty, and the used units in it that must move.
@@ -225,8 +227,10 @@ pub fn plan_step(blocks: &[(u64, u64)], area: Range<u64>, want: u64, pick: Pick,
 
 /// Why a range is being emptied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Why {
+pub enum Why {
+    /// The reserve is low.
     Background,
+    /// Continuous mode: keep items moving.
     Continuous,
     /// A PUT needs this many units in one block.
     Demand(u64),
@@ -288,11 +292,11 @@ impl Compactor {
     /// pieces.
     pub fn after_out_of_memory(&self, units: u64) -> Option<Duration> {
         let store = &self.shared.store;
-        let space = store.space();
         // Space in its grace period comes back by itself.
         if let Some(wait) = store.reclaim_wait() {
             return Some(wait.max(Duration::from_millis(1)));
         }
+        let space = store.space();
         if space.free + space.parked < units {
             return None;
         }
@@ -363,13 +367,13 @@ fn run(s: &Shared) {
         let quiet = last_demand.is_some_and(|t| t.elapsed() < DEMAND_QUIET);
         let (why, want, pick) = if need > 0 {
             (Some(Why::Demand(need)), need, Pick::Emptiest)
-        } else if !quiet && wants_work(s.mode, s.store.space(), window) {
-            match s.mode {
-                Mode::Continuous => (Some(Why::Continuous), window, Pick::After(cursor)),
-                _ => (Some(Why::Background), window, Pick::Emptiest),
-            }
         } else {
-            (None, 0, Pick::Emptiest)
+            let space = s.store.space();
+            match background_work(s.mode, space, window).filter(|_| !quiet) {
+                Some(Why::Continuous) => (Some(Why::Continuous), window, Pick::After(cursor)),
+                Some(why) => (Some(why), reserve_units(space, window), Pick::Emptiest),
+                None => (None, 0, Pick::Emptiest),
+            }
         };
         let planned = why.and_then(|why| Some((why, plan_step(&s.store.free_blocks(), area, want, pick, &skip)?)));
         match planned {
@@ -482,15 +486,20 @@ mod tests {
     }
 
     #[test]
-    fn background_work_needs_broken_up_free_space() {
+    fn background_work_keeps_a_reserve() {
         let w = 100;
         let space = |free, largest_free, parked| Space { used: 1000, free, largest_free, parked };
-        assert!(wants_work(Mode::Auto, space(400, 50, 0), w));
-        assert!(!wants_work(Mode::Auto, space(400, 150, 0), w), "a window fits already");
-        assert!(!wants_work(Mode::Auto, space(150, 10, 0), w), "too little free to bother");
-        assert!(!wants_work(Mode::Auto, space(400, 50, 10), w), "one window at a time");
-        assert!(!wants_work(Mode::Off, space(400, 50, 0), w));
-        assert!(wants_work(Mode::Continuous, space(400, 400, 0), w));
+        assert_eq!(reserve_units(space(400, 50, 0), w), 100);
+        assert_eq!(reserve_units(space(60, 10, 0), w), 30, "at most half the free space");
+        let work = |mode, sp| background_work(mode, sp, w);
+        assert_eq!(work(Mode::Auto, space(400, 49, 0)), Some(Why::Background));
+        assert_eq!(work(Mode::Auto, space(400, 50, 0)), None, "half the reserve is enough to wait");
+        assert_eq!(work(Mode::Auto, space(60, 14, 0)), Some(Why::Background));
+        assert_eq!(work(Mode::Auto, space(60, 15, 0)), None);
+        assert_eq!(work(Mode::Auto, space(400, 10, 10)), None, "one range at a time");
+        assert_eq!(work(Mode::Off, space(400, 10, 0)), None);
+        assert_eq!(work(Mode::Continuous, space(400, 400, 0)), Some(Why::Continuous));
+        assert_eq!(work(Mode::Continuous, space(400, 10, 0)), Some(Why::Background), "the reserve first");
     }
 
     #[test]

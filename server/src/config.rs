@@ -65,9 +65,9 @@ pub struct Flags {
     /// Grace period before retired space is reused, in milliseconds.
     #[arg(long, value_name = "MS")]
     pub grace_ms: Option<u64>,
-    /// When the compactor moves items to defragment memory: auto (past a
-    /// fragmentation threshold, and when a PUT needs it), off (only when a
-    /// PUT needs it), continuous (always; for tests).
+    /// When the compactor moves items to defragment memory: auto (keeps a
+    /// free reserve, and makes room when a PUT needs it), off (only when a
+    /// PUT needs room), continuous (always; for tests).
     #[arg(long, value_name = "MODE")]
     pub compactor: Option<crate::compact::Mode>,
     /// Largest accepted frame, e.g. 2MiB.

@@ -483,15 +483,18 @@ impl Store {
     /// If space is waiting out its grace period, how long until the oldest
     /// of it is free. A PUT that failed with out-of-memory may retry then.
     pub fn reclaim_wait(&self) -> Option<Duration> {
-        let guard = epoch::pin();
+        let mut guard = epoch::pin();
         let mut w = lock(&self.writer);
         // Work through the collector's backlog, boundedly: each flush
-        // runs a few bags of deferred functions.
+        // runs a few bags of deferred functions. Repinned in between: a
+        // guard held at one epoch lets the global epoch advance at most
+        // once, and garbage is freed two advances after it was retired.
         for _ in 0..EPOCH_FLUSHES {
             if self.in_epoch.load(Ordering::Relaxed) == 0 {
                 break;
             }
             guard.flush();
+            guard.repin();
         }
         self.reclaim(&mut w, &guard);
         let pending_epoch = !lock(&self.epoch_done).is_empty() || self.in_epoch.load(Ordering::Relaxed) > 0;
@@ -506,6 +509,11 @@ impl Store {
     pub fn memory(&self) -> (u64, u64) {
         let w = lock(&self.writer);
         (self.header.data_len, w.alloc.used_units() * UNIT as u64)
+    }
+
+    /// Units retired and not yet back from the epoch collector.
+    pub fn in_epoch_units(&self) -> u64 {
+        self.in_epoch.load(Ordering::Relaxed)
     }
 
     /// The allocator's free-space figures, in units.
