@@ -144,29 +144,43 @@ pub fn plan(
         free.push(free[k] + blocks[k].1);
     }
     // A range runs from a free block's start to a free block's end, so no
-    // item straddles its ends: what it holds moves whole.
-    let candidate = |i: usize| -> Option<Plan> {
+    // item straddles its ends: what it holds moves whole. `j` is the first
+    // block that ends at or past `target`.
+    let candidate = |i: usize, j: usize| -> Option<Plan> {
         let start = blocks[i].0;
-        let target = match pick {
-            // Up to the end of the next free block.
-            Pick::After(_) => end_of(i).checked_add(1)?,
-            Pick::Emptiest => start.checked_add(len)?,
-        };
-        let j = i + blocks[i..].partition_point(|&(at, l)| at + l < target);
         if j == n {
             return None;
         }
         let end = end_of(j);
-        if end > area.end || skip.contains(&start) || (start < avoid.end && avoid.start < end) {
+        if end > area.end || (start < avoid.end && avoid.start < end) || skip.contains(&start) {
             return None;
         }
         Some(Plan { range: start..end, used: (end - start) - (free[j + 1] - free[i]) })
     };
     match pick {
-        Pick::Emptiest => (0..n).filter_map(candidate).min_by_key(|p| (p.used, p.range.start)),
+        Pick::Emptiest => {
+            // Targets grow with `i`, so `j` only moves forward: linear.
+            let mut best: Option<Plan> = None;
+            let mut j = 0;
+            for (i, &(start, _)) in blocks.iter().enumerate() {
+                let Some(target) = start.checked_add(len) else { break };
+                j = j.max(i);
+                while j < n && end_of(j) < target {
+                    j += 1;
+                }
+                if let Some(p) = candidate(i, j)
+                    && best.as_ref().is_none_or(|b| p.used < b.used)
+                {
+                    best = Some(p);
+                }
+            }
+            best
+        }
         Pick::After(from) => {
+            // Up to the end of the next free block.
+            let next = |i: usize| i + 1 + blocks[i + 1..].partition_point(|&(at, l)| at + l < end_of(i) + 1);
             let first = blocks.partition_point(|b| b.0 < from);
-            (first..n).chain(0..first).filter_map(candidate).find(|p| p.used > 0)
+            (first..n).chain(0..first).filter_map(|i| candidate(i, next(i))).find(|p| p.used > 0)
         }
     }
 }
@@ -375,7 +389,12 @@ fn run(s: &Shared) {
                 None => (None, 0, Pick::Emptiest),
             }
         };
+        let planning = Instant::now();
         let planned = why.and_then(|why| Some((why, plan_step(&s.store.free_blocks(), area, want, pick, &skip)?)));
+        // Planning is work too: paced like moves unless a PUT waits.
+        if why.is_some_and(|w| !matches!(w, Why::Demand(_))) {
+            std::thread::sleep(planning.elapsed() * (100 - DUTY_PERCENT) / DUTY_PERCENT);
+        }
         match planned {
             Some((why, step)) => {
                 cursor = step.plan.range.end;
