@@ -232,10 +232,11 @@ impl Allocator {
         }
     }
 
-    /// The free blocks (start, length) in address order, parked ones left
-    /// out: what the compactor plans by.
-    pub fn free_blocks(&self) -> Vec<(u64, u64)> {
-        self.by_addr.iter().map(|(&at, &len)| (at, len)).collect()
+    /// Up to `max` free blocks (start, length) that start at or after
+    /// `from`, in address order, parked ones left out: what the compactor
+    /// plans by, a piece at a time.
+    pub fn free_blocks_from(&self, from: u64, max: usize) -> Vec<(u64, u64)> {
+        self.by_addr.range(from..).take(max).map(|(&at, &len)| (at, len)).collect()
     }
 
     /// The parked range, if any.
@@ -326,6 +327,19 @@ mod tests {
         // A hole of 10 and a tail of 89: a 5-unit item takes the hole.
         assert_eq!(a.alloc(5), Some(x));
         assert_eq!(a.space().largest_free, 89);
+    }
+
+    #[test]
+    fn free_blocks_come_a_piece_at_a_time_in_address_order() {
+        let mut a = Allocator::new(1, 101);
+        let blocks: Vec<u64> = (0..10).map(|_| a.alloc(10).unwrap()).collect();
+        for &b in blocks.iter().step_by(2) {
+            a.free(b, 10);
+        }
+        assert_eq!(a.free_blocks_from(0, 2), vec![(1, 10), (21, 10)]);
+        assert_eq!(a.free_blocks_from(31, 2), vec![(41, 10), (61, 10)]);
+        assert_eq!(a.free_blocks_from(71, 2), vec![(81, 10)]);
+        assert_eq!(a.free_blocks_from(91, 2), vec![]);
     }
 
     #[test]

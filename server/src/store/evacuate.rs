@@ -19,6 +19,9 @@ use dmkv_common::layout::Slot;
 use dmkv_common::limits::{SLOTS_PER_BUCKET, UNIT};
 
 use super::Store;
+
+/// Free blocks copied per hold of the writer lock (about 0.3 ms).
+const FREE_BLOCKS_PER_LOCK: usize = 16_384;
 use crate::lock::lock;
 
 /// A live item the compactor means to move: where its slot is in the index,
@@ -48,9 +51,27 @@ pub enum Relocation {
 
 impl Store {
     /// The allocator's free blocks (start, length in units) in address
-    /// order, for planning which range to empty.
+    /// order, for planning which range to empty. Copied a piece at a time:
+    /// a fragmented store has millions of them (2.4 M in 1 GiB of 100 B
+    /// holes took 46 ms to copy), too long to hold up writes. So it is not
+    /// one moment's picture, only sorted and without overlaps; plans are
+    /// checked when carried out (the park and the reserve are exact).
     pub fn free_blocks(&self) -> Vec<(u64, u64)> {
-        lock(&self.writer).alloc.free_blocks()
+        let mut all: Vec<(u64, u64)> = Vec::new();
+        let mut from = 0;
+        loop {
+            let piece = lock(&self.writer).alloc.free_blocks_from(from, FREE_BLOCKS_PER_LOCK);
+            let Some(&(at, len)) = piece.last() else { break };
+            // Blocks merged meanwhile with one already copied start before
+            // `from` and are skipped: no overlaps.
+            from = at + len;
+            let done = piece.len() < FREE_BLOCKS_PER_LOCK;
+            all.extend(piece);
+            if done {
+                break;
+            }
+        }
+        all
     }
 
     /// Starts emptying `range` (in units): from now on no allocation lands
