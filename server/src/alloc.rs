@@ -131,24 +131,23 @@ impl Allocator {
         assert!(units >= 1, "empty allocation");
         let want = units as u64;
         let &(len, at) = self.by_len.range((want, 0)..).next()?;
+        Some(self.take_front(at, len, want))
+    }
+
+    /// Hands out the first `units` of the free block `at`+`len`.
+    fn take_front(&mut self, at: u64, len: u64, units: u64) -> u64 {
         self.remove(at, len);
-        self.insert(at + want, len - want);
-        self.used_units += want;
-        debug_assert!(self.outside_parked(at..at + want));
-        Some(at)
+        self.insert(at + units, len - units);
+        self.used_units += units;
+        debug_assert!(self.outside_parked(at..at + units));
+        at
     }
 
     /// Allocates `units` units at the start of the largest free block, if
     /// it is that long: the compactor packs the items it moves there.
     pub fn alloc_largest(&mut self, units: u64) -> Option<u64> {
         let &(len, at) = self.by_len.last()?;
-        if units == 0 || len < units {
-            return None;
-        }
-        self.remove(at, len);
-        self.insert(at + units, len - units);
-        self.used_units += units;
-        Some(at)
+        (units > 0 && len >= units).then(|| self.take_front(at, len, units))
     }
 
     /// Returns the block of `units` units at `at`, merging it with its free
@@ -242,11 +241,6 @@ impl Allocator {
     /// The parked range, if any.
     pub fn parked(&self) -> Option<Range<u64>> {
         self.parked.as_ref().map(|p| p.range.clone())
-    }
-
-    /// Units handed out and not yet freed.
-    pub fn used_units(&self) -> u64 {
-        self.used_units
     }
 
     /// Free-space figures.
@@ -420,7 +414,7 @@ mod tests {
                 }
                 a.check();
                 let want: u64 = live.iter().map(|&(_, u)| u as u64).sum();
-                prop_assert_eq!(a.used_units(), want);
+                prop_assert_eq!(a.space().used, want);
             }
             for (at, u) in live.drain(..) {
                 a.free(at, u);

@@ -185,22 +185,13 @@ pub fn plan(
     }
 }
 
-/// One compaction step: empty `plan.range`, packing its items into the
-/// free block at `dest` (the largest; `dest_len` units).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Step {
-    pub plan: Plan,
-    pub dest: u64,
-    pub dest_len: u64,
-}
-
 /// Plans a step towards a free block of `want` units: the longest range
 /// (up to `want`) whose used units fit in the largest free block, so that
 /// once it is empty the largest free block has grown. Each step needs only
 /// room for what it moves, in one block, so it works however broken up
 /// the rest of free space is. `Pick::After` plans the used stretches in
 /// turn (continuous mode), growing nothing on purpose.
-pub fn plan_step(blocks: &[(u64, u64)], area: Range<u64>, want: u64, pick: Pick, skip: &[u64]) -> Option<Step> {
+pub fn plan_step(blocks: &[(u64, u64)], area: Range<u64>, want: u64, pick: Pick, skip: &[u64]) -> Option<Plan> {
     let &(dest, dest_len) = blocks.iter().max_by_key(|&&(at, len)| (len, std::cmp::Reverse(at)))?;
     let avoid = dest..dest + dest_len;
     // Empty blocks where the area starts and where the destination does,
@@ -217,17 +208,16 @@ pub fn plan_step(blocks: &[(u64, u64)], area: Range<u64>, want: u64, pick: Pick,
         bounds.push(b);
     }
     let fits = |len: u64| plan(&bounds, area.clone(), len, pick, avoid.clone(), skip).filter(|p| p.used <= dest_len);
-    let step = |plan| Some(Step { plan, dest, dest_len });
     if let Pick::After(_) = pick {
         // Whatever is used from the next boundary on, up to the next free
         // block: items keep moving, a stretch at a time.
-        return step(fits(1)?);
+        return fits(1);
     }
     if want <= dest_len {
         return None;
     }
     if let Some(p) = fits(want) {
-        return step(p);
+        return Some(p);
     }
     // The fewest used units over ranges of a length grows with the length:
     // find the longest that fits. Longer than `dest_len` or it gains nothing.
@@ -236,7 +226,7 @@ pub fn plan_step(blocks: &[(u64, u64)], area: Range<u64>, want: u64, pick: Pick,
         let mid = lo + (hi - lo) / 2;
         if fits(mid).is_some() { lo = mid } else { hi = mid }
     }
-    if lo == dest_len { None } else { step(fits(lo)?) }
+    if lo == dest_len { None } else { fits(lo) }
 }
 
 /// Why a range is being emptied.
@@ -397,8 +387,8 @@ fn run(s: &Shared) {
         }
         match planned {
             Some((why, step)) => {
-                cursor = step.plan.range.end;
-                let start = step.plan.range.start;
+                cursor = step.range.end;
+                let start = step.range.start;
                 if empty_range(s, &step, why) {
                     skip.clear();
                 } else {
@@ -426,8 +416,8 @@ fn run(s: &Shared) {
 /// Carries out a step: park the range, reserve room for its items at the
 /// destination, move them there, wait for the range to come back free.
 /// Whether it did.
-fn empty_range(s: &Shared, step: &Step, why: Why) -> bool {
-    let range = step.plan.range.clone();
+fn empty_range(s: &Shared, plan: &Plan, why: Why) -> bool {
+    let range = plan.range.clone();
     let Some(items) = s.store.begin_evacuation(range.clone()) else { return false };
     // Items straddling the range's ends count whole.
     let total: u64 = items.iter().map(Candidate::units).sum();
@@ -454,7 +444,7 @@ fn empty_range(s: &Shared, step: &Step, why: Why) -> bool {
             outcome = Err("stopping");
             break;
         }
-        if let Relocation::Moved(_) = s.store.relocate(c, to) {
+        if s.store.relocate(c, to) == Relocation::Moved {
             to += c.units();
         }
         // A demand that arrives meanwhile speeds the rest up.
@@ -545,17 +535,17 @@ mod tests {
         assert_eq!(step(10), None, "fits already");
         // 12..34 holds 4 used units: they go to 0..10, and 12..34 (22
         // units) comes back free.
-        assert_eq!(step(22), Some(Step { plan: Plan { range: 12..34, used: 4 }, dest: 0, dest_len: 10 }));
+        assert_eq!(step(22), Some(Plan { range: 12..34, used: 4 }));
         // 40 units is more than the area has outside 0..10: the longest
         // range there is 12..34.
-        assert_eq!(step(40).map(|s| s.plan), Some(Plan { range: 12..34, used: 4 }));
+        assert_eq!(step(40), Some(Plan { range: 12..34, used: 4 }));
         // Continuous: the used stretches in turn, from the start of the
         // area too, but never into the destination.
-        let c = |from| plan_step(&blocks, 0..40, 8, Pick::After(from), &[]).map(|s| s.plan);
+        let c = |from| plan_step(&blocks, 0..40, 8, Pick::After(from), &[]);
         assert_eq!(c(13), Some(Plan { range: 20..34, used: 2 }));
         assert_eq!(c(35), Some(Plan { range: 12..26, used: 2 }), "wraps around");
         let packed = [(20, 20)];
-        let c = plan_step(&packed, 0..40, 8, Pick::After(0), &[]).map(|s| s.plan);
+        let c = plan_step(&packed, 0..40, 8, Pick::After(0), &[]);
         assert_eq!(c, Some(Plan { range: 0..20, used: 20 }), "items before the only free block");
     }
 }

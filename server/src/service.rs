@@ -410,7 +410,6 @@ fn region_info(shared: &Shared) -> proto::RegionInfoReply {
 fn stats(shared: &Shared) -> HashMap<String, u64> {
     let s = &shared.store;
     let c = &s.counters;
-    let (data_bytes, used_units_bytes) = s.memory();
     let space = s.space();
     let unit = dmkv_common::limits::UNIT as u64;
     let cs = shared.compactor.stats();
@@ -426,8 +425,8 @@ fn stats(shared: &Shared) -> HashMap<String, u64> {
         ("corrupt_reads", load(&c.corrupt_reads)),
         ("foreign_slots", load(&c.foreign_slots)),
         ("live_bytes", load(&c.used_bytes)),
-        ("allocated_bytes", used_units_bytes),
-        ("data_bytes", data_bytes),
+        ("allocated_bytes", space.used * unit),
+        ("data_bytes", s.header().data_len),
         ("free_bytes", (space.free + space.parked) * unit),
         ("largest_free_bytes", space.largest_free * unit),
         ("fragmentation_permille", space.fragmentation_permille()),

@@ -505,12 +505,6 @@ impl Store {
         }
     }
 
-    /// Bytes of the data area and bytes in use, for STATS.
-    pub fn memory(&self) -> (u64, u64) {
-        let w = lock(&self.writer);
-        (self.header.data_len, w.alloc.used_units() * UNIT as u64)
-    }
-
     /// Units retired and not yet back from the epoch collector.
     pub fn in_epoch_units(&self) -> u64 {
         self.in_epoch.load(Ordering::Relaxed)

@@ -42,8 +42,8 @@ impl Candidate {
 /// What became of one move.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Relocation {
-    /// Moved; its bytes.
-    Moved(u64),
+    /// Moved.
+    Moved,
     /// The key was overwritten or deleted since it was listed (or its item
     /// no longer verified and was unlinked): nothing to move.
     Gone,
@@ -150,7 +150,7 @@ impl Store {
         self.counters.compactor_moves.fetch_add(1, Ordering::Relaxed);
         self.counters.compactor_moved_bytes.fetch_add(bytes, Ordering::Relaxed);
         w.scratch = buf;
-        Relocation::Moved(bytes)
+        Relocation::Moved
     }
 
     /// The range being emptied, if any (it is over once all of it is free).
