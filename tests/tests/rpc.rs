@@ -261,6 +261,22 @@ async fn bad_input_closes_only_that_connection() {
 
 #[tokio::test]
 async fn graceful_shutdown_answers_in_flight_requests() {
+    // The signal may land before the server has read any of the requests
+    // (it did on a loaded CI machine), and then each rightly fails with a
+    // closed connection; so a few rounds, of which one must see answers.
+    const ROUNDS: usize = 5;
+    for round in 0..ROUNDS {
+        let answered = shutdown_round().await;
+        eprintln!("round {round}: {answered} of 200 answered before the shutdown closed the connection");
+        if answered > 0 {
+            return;
+        }
+    }
+    panic!("no in-flight request was answered in {ROUNDS} rounds");
+}
+
+/// Sends 200 pipelined PUTs, stops the server, and counts the answers.
+async fn shutdown_round() -> usize {
     let mut srv = ServerProcess::start(&["--memory", "16MiB"]);
     let c = Client::connect_with(&srv.rpc, ClientConfig { pool_size: 1, ..Default::default() }).await.unwrap();
     let mut inflight = Vec::new();
@@ -281,7 +297,7 @@ async fn graceful_shutdown_answers_in_flight_requests() {
             Err(e) => assert!(matches!(e, ClientError::ConnectionClosed), "{e}"),
         }
     }
-    assert!(answered > 0);
+    answered
 }
 
 #[test]
