@@ -32,7 +32,12 @@ fn lookup(store: &Store, region: &Region, key: &[u8], hint: Option<Hint>, bufs: 
             region.read(s.offset, b);
         }
     };
-    let mut look = Lookup::new(key, store.header(), hint, 0);
+    // The directory entry, as a client that has it cached would: one word.
+    let kh = dmkv_common::layout::key_hash(key, store.header().hash_seed);
+    let mut entry = [0u8; 8];
+    region.read(dmkv_common::read::dir_read(&kh, store.header()).offset, &mut entry);
+    let segment = dmkv_common::read::judge_dir_entry(&entry, store.header()).expect("a directory entry");
+    let mut look = Lookup::with_hash(kh, store.header(), segment, hint, 0);
     let mut specs = Vec::with_capacity(3);
     look.first_reads(&mut specs);
     read(&specs, bufs);

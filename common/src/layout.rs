@@ -1,17 +1,28 @@
 //! The remote-memory layout: what every byte of a server's region means.
 //!
-//! A region is a header page, an index of 64-byte buckets, and a data area
-//! of 64-byte units that holds items:
+//! A region is a header page, the index directory, and a data area of
+//! 64-byte units that holds items and the index's segments:
 //!
 //! ```text
-//! 0            HEADER_LEN                   data_offset              region_len
-//! | header ... | bucket 0 | bucket 1 | ... | item | item | ...  free |
+//! 0            HEADER_LEN        data_offset                       region_len
+//! | header ... | directory ...   | item | segment | item | ...  free |
 //! ```
 //!
-//! * A **slot** (8 bytes, eight per bucket) packs a 16-bit key fingerprint,
-//!   the item's length in units (15 bits) and its offset in units (33 bits),
-//!   so one 8-byte atomic store publishes, replaces or removes an item.
-//!   Zero is the empty slot; no item lives at offset 0.
+//! * The **index** is extendible hashing: a directory of 2^`dir_depth`
+//!   8-byte entries, each naming the **segment** (64 buckets, 4 KiB, taken
+//!   from the data area like an item) that serves the keys whose hash ends
+//!   in that entry's index. A segment of local depth L serves every key
+//!   whose hash's low L bits are its suffix, so 2^(dir_depth - L) entries
+//!   name it. A full segment splits into two of depth L+1: the index grows
+//!   a segment at a time, while readers keep reading (docs/one-sided.md).
+//! * A **bucket** (64 bytes) is a header word, saying which keys the
+//!   segment serves (depth, suffix) and which incarnation of it this is,
+//!   then seven slots. A reader checks the header against its key in the
+//!   same read as the slots, so a stale directory entry is detected there.
+//! * A **slot** (8 bytes) packs a 16-bit key fingerprint, the item's length
+//!   in units (15 bits) and its offset in units (33 bits), so one 8-byte
+//!   atomic store publishes, replaces or removes an item. Zero is the empty
+//!   slot; no item lives at offset 0.
 //! * An **item** is a 32-byte header (checksum, version, key length, value
 //!   length, flags), the key, the value, and zero padding to a whole unit.
 //!   The checksum (xxh3-64) covers every meaningful byte after it, so a
@@ -23,14 +34,17 @@
 use xxhash_rust::xxh3::{xxh3_64, xxh3_128_with_seed};
 
 use crate::error::LayoutError;
-use crate::limits::{BUCKET_LEN, MAX_KEY_LEN, MAX_REGION_LEN, MAX_VALUE_LEN, SLOTS_PER_BUCKET, UNIT};
+use crate::limits::{
+    BUCKET_LEN, MAX_DIRECTORY_DEPTH, MAX_KEY_LEN, MAX_REGION_LEN, MAX_VALUE_LEN, SEGMENT_BUCKETS, SEGMENT_LEN,
+    SLOTS_PER_BUCKET, UNIT, WORDS_PER_BUCKET,
+};
 
 /// "DMKVREG1" read as a little-endian u64.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"DMKVREG1");
 /// Version of this layout. A reader refuses any other.
-pub const LAYOUT_VERSION: u32 = 1;
+pub const LAYOUT_VERSION: u32 = 2;
 /// Bytes reserved for the header at the start of a region (one page, so the
-/// index starts page-aligned).
+/// directory starts page-aligned).
 pub const HEADER_LEN: usize = 4096;
 /// Bytes of the header that carry data (the rest of the page is zero).
 pub const HEADER_ENCODED_LEN: usize = 96;
@@ -41,6 +55,8 @@ pub const EPOCH_OFFSET: u64 = 16;
 pub const ITEM_HEADER_LEN: usize = 32;
 /// Largest item, in units: header, maximum key and maximum value.
 pub const MAX_ITEM_UNITS: usize = (ITEM_HEADER_LEN + MAX_KEY_LEN + MAX_VALUE_LEN).div_ceil(UNIT);
+/// Units of one index segment.
+pub const SEGMENT_UNITS: usize = SEGMENT_LEN / UNIT;
 
 const SLOT_OFFSET_BITS: u32 = 33;
 const SLOT_UNITS_BITS: u32 = 15;
@@ -48,17 +64,19 @@ const SLOT_OFFSET_MASK: u64 = (1 << SLOT_OFFSET_BITS) - 1;
 const SLOT_UNITS_MASK: u64 = (1 << SLOT_UNITS_BITS) - 1;
 const _: () = assert!(MAX_ITEM_UNITS as u64 <= SLOT_UNITS_MASK);
 const _: () = assert!(HEADER_ENCODED_LEN <= HEADER_LEN);
+const _: () = assert!(SEGMENT_BUCKETS.is_power_of_two() && SEGMENT_BUCKETS <= 1 << 8);
 
 /// The parameters a region is laid out by, as written in its header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RegionHeader {
     /// Bumped every time the region is (re-)registered; stale readers fail.
     pub epoch: u64,
-    /// Number of index buckets; a power of two.
-    pub bucket_count: u64,
+    /// The directory has 2^`dir_depth` entries: the deepest a segment can
+    /// get, so the most the index can grow to.
+    pub dir_depth: u64,
     /// Seed of the key hash.
     pub hash_seed: u64,
-    /// Byte offset of bucket 0.
+    /// Byte offset of directory entry 0.
     pub index_offset: u64,
     /// Byte offset of the data area; a multiple of [`UNIT`].
     pub data_offset: u64,
@@ -71,35 +89,50 @@ pub struct RegionHeader {
     pub grace_nanos: u64,
 }
 
+/// The directory depth a data area of `data_len` bytes gets: room for
+/// twice as many entries as segments could ever fit, so that uneven
+/// splits (some segments one level deeper than the rest) still find room.
+pub fn directory_depth_for(data_len: u64) -> u32 {
+    let segments = (data_len / SEGMENT_LEN as u64).max(1);
+    (segments.next_power_of_two().trailing_zeros() + 1).min(MAX_DIRECTORY_DEPTH)
+}
+
 impl RegionHeader {
-    /// Lays out a region of `region_len` bytes with `bucket_count` buckets.
+    /// Lays out a region of `region_len` bytes whose index starts with
+    /// `initial_segments` segments (a power of two, at most the directory).
     pub fn plan(
         region_len: u64,
-        bucket_count: u64,
+        initial_segments: u64,
         hash_seed: u64,
         epoch: u64,
         grace_nanos: u64,
     ) -> Result<Self, LayoutError> {
-        if bucket_count == 0 || !bucket_count.is_power_of_two() {
-            return Err(LayoutError::OutOfRange { field: "bucket_count", value: bucket_count });
+        if initial_segments == 0 || !initial_segments.is_power_of_two() {
+            return Err(LayoutError::OutOfRange { field: "initial_segments", value: initial_segments });
         }
         if region_len > MAX_REGION_LEN {
             return Err(LayoutError::OutOfRange { field: "region_len", value: region_len });
         }
         let index_offset = HEADER_LEN as u64;
-        let index_len = bucket_count
-            .checked_mul(BUCKET_LEN as u64)
-            .ok_or(LayoutError::OutOfRange { field: "bucket_count", value: bucket_count })?;
-        let data_offset = (index_offset + index_len).next_multiple_of(HEADER_LEN as u64);
-        // At least one maximum item must fit, or the region is useless.
-        let min_len = data_offset + (MAX_ITEM_UNITS * UNIT) as u64;
+        // The directory is sized for the whole region, then the data area
+        // is what is left (a little less than assumed: fine, it only needs
+        // to be at least as deep as the data area asks for).
+        let dir_depth = directory_depth_for(region_len.saturating_sub(index_offset));
+        if initial_segments.trailing_zeros() > dir_depth {
+            return Err(LayoutError::OutOfRange { field: "initial_segments", value: initial_segments });
+        }
+        let dir_len = 8u64 << dir_depth;
+        let data_offset = (index_offset + dir_len).next_multiple_of(HEADER_LEN as u64);
+        // The first segments and at least one maximum item must fit, or
+        // the region is useless.
+        let min_len = data_offset + initial_segments * SEGMENT_LEN as u64 + (MAX_ITEM_UNITS * UNIT) as u64;
         if region_len < min_len {
             return Err(LayoutError::OutOfRange { field: "region_len", value: region_len });
         }
         let data_len = (region_len - data_offset) / UNIT as u64 * UNIT as u64;
         let h = RegionHeader {
             epoch,
-            bucket_count,
+            dir_depth: u64::from(dir_depth),
             hash_seed,
             index_offset,
             data_offset,
@@ -114,19 +147,19 @@ impl RegionHeader {
     /// Checks that the header describes a consistent region.
     pub fn validate(&self) -> Result<(), LayoutError> {
         let bad = |field, value| Err(LayoutError::OutOfRange { field, value });
-        if self.bucket_count == 0 || !self.bucket_count.is_power_of_two() {
-            return bad("bucket_count", self.bucket_count);
+        if self.dir_depth > u64::from(MAX_DIRECTORY_DEPTH) {
+            return bad("dir_depth", self.dir_depth);
         }
         if self.region_len > MAX_REGION_LEN {
             return bad("region_len", self.region_len);
         }
-        if self.index_offset < HEADER_LEN as u64 || !self.index_offset.is_multiple_of(BUCKET_LEN as u64) {
+        if self.index_offset < HEADER_LEN as u64 || !self.index_offset.is_multiple_of(8) {
             return bad("index_offset", self.index_offset);
         }
-        let index_end = self.bucket_count.checked_mul(BUCKET_LEN as u64).and_then(|l| l.checked_add(self.index_offset));
+        let index_end = (8u64 << self.dir_depth).checked_add(self.index_offset);
         match index_end {
             Some(end) if end <= self.data_offset => {}
-            _ => return bad("bucket_count", self.bucket_count),
+            _ => return bad("dir_depth", self.dir_depth),
         }
         if !self.data_offset.is_multiple_of(UNIT as u64) || !self.data_len.is_multiple_of(UNIT as u64) {
             return bad("data_offset", self.data_offset);
@@ -137,10 +170,15 @@ impl RegionHeader {
         }
     }
 
-    /// Byte offset of bucket `b`.
-    pub fn bucket_offset(&self, b: u64) -> u64 {
-        debug_assert!(b < self.bucket_count);
-        self.index_offset + b * BUCKET_LEN as u64
+    /// Number of directory entries.
+    pub fn dir_entries(&self) -> u64 {
+        1 << self.dir_depth
+    }
+
+    /// Byte offset of directory entry `d`.
+    pub fn dir_entry_offset(&self, d: u64) -> u64 {
+        debug_assert!(d < self.dir_entries());
+        self.index_offset + 8 * d
     }
 
     /// Whether `[offset, offset+len)` lies inside the data area.
@@ -156,7 +194,7 @@ impl RegionHeader {
         b[12..16].copy_from_slice(&(HEADER_ENCODED_LEN as u32).to_le_bytes());
         let fields = [
             self.epoch,
-            self.bucket_count,
+            self.dir_depth,
             self.hash_seed,
             self.index_offset,
             self.data_offset,
@@ -194,7 +232,7 @@ impl RegionHeader {
         }
         let h = RegionHeader {
             epoch: u64_at(16),
-            bucket_count: u64_at(24),
+            dir_depth: u64_at(24),
             hash_seed: u64_at(32),
             index_offset: u64_at(40),
             data_offset: u64_at(48),
@@ -205,6 +243,102 @@ impl RegionHeader {
         h.validate()?;
         Ok(h)
     }
+}
+
+/// Bits of a segment's incarnation tag, in directory entries and bucket
+/// headers. A segment's memory is reused only as a segment again, with a
+/// new tag, so a reader holding an old directory entry can tell.
+pub const TAG_BITS: u32 = 25;
+const TAG_MASK: u64 = (1 << TAG_BITS) - 1;
+const ENTRY_TAG_SHIFT: u32 = SLOT_OFFSET_BITS;
+const ENTRY_VALID: u64 = 1 << 63;
+
+/// A directory entry: which segment serves the keys of this index, and
+/// which incarnation of it. The zero word is no entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct DirEntry {
+    /// Offset of the segment in units.
+    pub offset_units: u64,
+    /// Incarnation tag ([`TAG_BITS`] bits).
+    pub tag: u32,
+}
+
+impl DirEntry {
+    /// Packs the entry into its directory word.
+    pub fn pack(self) -> u64 {
+        debug_assert!(self.offset_units <= SLOT_OFFSET_MASK && u64::from(self.tag) <= TAG_MASK);
+        ENTRY_VALID | ((u64::from(self.tag) & TAG_MASK) << ENTRY_TAG_SHIFT) | (self.offset_units & SLOT_OFFSET_MASK)
+    }
+
+    /// Unpacks a directory word; `None` for anything an entry cannot be
+    /// (no valid bit, stray bits, offset 0).
+    pub fn unpack(v: u64) -> Option<Self> {
+        let known = ENTRY_VALID | (TAG_MASK << ENTRY_TAG_SHIFT) | SLOT_OFFSET_MASK;
+        if v & ENTRY_VALID == 0 || v & !known != 0 || v & SLOT_OFFSET_MASK == 0 {
+            return None;
+        }
+        Some(DirEntry { offset_units: v & SLOT_OFFSET_MASK, tag: ((v >> ENTRY_TAG_SHIFT) & TAG_MASK) as u32 })
+    }
+
+    /// Byte offset of the segment.
+    pub fn offset(&self) -> u64 {
+        self.offset_units * UNIT as u64
+    }
+
+    /// Byte offset of bucket `b` of the segment.
+    pub fn bucket_offset(&self, b: u8) -> u64 {
+        self.offset() + u64::from(b) * BUCKET_LEN as u64
+    }
+}
+
+const HEADER_VALID: u64 = 1 << 63;
+const HEADER_DEPTH_SHIFT: u32 = 32;
+const HEADER_TAG_SHIFT: u32 = 38;
+
+/// The header word of every bucket of a segment: the keys it serves
+/// (those whose hash's low `depth` bits are `suffix`) and its incarnation.
+/// The zero word marks a segment that serves nothing (retired, or never
+/// one): a reader that finds it re-reads its directory entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BucketHeader {
+    pub depth: u8,
+    pub suffix: u32,
+    pub tag: u32,
+}
+
+impl BucketHeader {
+    /// Packs the header word.
+    pub fn pack(self) -> u64 {
+        debug_assert!(u32::from(self.depth) <= MAX_DIRECTORY_DEPTH && u64::from(self.tag) <= TAG_MASK);
+        debug_assert!(self.depth >= 32 || self.suffix >> self.depth == 0);
+        HEADER_VALID
+            | ((u64::from(self.tag) & TAG_MASK) << HEADER_TAG_SHIFT)
+            | (u64::from(self.depth) << HEADER_DEPTH_SHIFT)
+            | u64::from(self.suffix)
+    }
+
+    /// Unpacks a header word; `None` for a retired segment or garbage.
+    pub fn unpack(v: u64) -> Option<Self> {
+        if v & HEADER_VALID == 0 {
+            return None;
+        }
+        let depth = ((v >> HEADER_DEPTH_SHIFT) & 0x3f) as u8;
+        let suffix = v as u32;
+        if u32::from(depth) > MAX_DIRECTORY_DEPTH || (depth < 32 && suffix >> depth != 0) {
+            return None;
+        }
+        Some(BucketHeader { depth, suffix, tag: ((v >> HEADER_TAG_SHIFT) & TAG_MASK) as u32 })
+    }
+
+    /// Whether this segment serves keys whose directory hash is `dir_hash`.
+    pub fn serves(&self, dir_hash: u32) -> bool {
+        low_bits(dir_hash, self.depth) == self.suffix
+    }
+}
+
+/// The low `depth` bits of `h`.
+pub fn low_bits(h: u32, depth: u8) -> u32 {
+    if depth >= 32 { h } else { h & ((1u32 << depth) - 1) }
 }
 
 /// One index slot: where an item is and a fingerprint of its key.
@@ -265,31 +399,49 @@ impl Slot {
     }
 }
 
-/// Where a key may live: two candidate buckets and its fingerprint.
+/// Where a key may live: its directory hash (which segment), its two
+/// candidate buckets in that segment, and its fingerprint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KeyHash {
-    pub buckets: [u64; 2],
+    /// Low 32 bits of the hash: the directory index is its low bits.
+    pub dir_hash: u32,
+    /// The two candidate buckets within the segment (distinct).
+    pub buckets: [u8; 2],
     pub fingerprint: u16,
 }
 
-/// Hashes `key` for a region with `bucket_count` buckets (a power of two).
-pub fn key_hash(key: &[u8], seed: u64, bucket_count: u64) -> KeyHash {
-    debug_assert!(bucket_count.is_power_of_two());
-    let h = xxh3_128_with_seed(key, seed);
-    let mask = bucket_count - 1;
-    let b1 = (h as u64) & mask;
-    let hi = (h >> 64) as u64;
-    let mut b2 = hi & mask;
-    if b2 == b1 && bucket_count > 1 {
-        b2 = b1 ^ 1;
+impl KeyHash {
+    /// The key's directory index in a directory of depth `dir_depth`.
+    pub fn dir_index(&self, dir_depth: u64) -> u64 {
+        u64::from(low_bits(self.dir_hash, dir_depth.min(32) as u8))
     }
-    KeyHash { buckets: [b1, b2], fingerprint: (hi >> 48) as u16 }
 }
 
-/// The slots of a bucket as read from the region (eight little-endian u64s).
-pub fn bucket_slots(bucket: &[u8]) -> [u64; SLOTS_PER_BUCKET] {
+/// Hashes `key`. The directory bits and the bucket bits are independent,
+/// so a key keeps its buckets when its segment splits.
+pub fn key_hash(key: &[u8], seed: u64) -> KeyHash {
+    let h = xxh3_128_with_seed(key, seed);
+    let hi = (h >> 64) as u64;
+    let mask = SEGMENT_BUCKETS as u64 - 1;
+    let b1 = (hi & mask) as u8;
+    let mut b2 = ((hi >> 8) & mask) as u8;
+    if b2 == b1 {
+        b2 = b1 ^ 1;
+    }
+    KeyHash { dir_hash: h as u32, buckets: [b1, b2], fingerprint: (hi >> 48) as u16 }
+}
+
+/// The words of a bucket as read from the region (eight little-endian
+/// u64s: the header, then the slots).
+pub fn bucket_words(bucket: &[u8]) -> [u64; WORDS_PER_BUCKET] {
     assert_eq!(bucket.len(), BUCKET_LEN);
     std::array::from_fn(|i| u64::from_le_bytes(bucket[8 * i..8 * i + 8].try_into().expect("8 bytes")))
+}
+
+/// The slot words of a bucket as read from the region.
+pub fn bucket_slots(bucket: &[u8]) -> [u64; SLOTS_PER_BUCKET] {
+    let w = bucket_words(bucket);
+    std::array::from_fn(|i| w[i + 1])
 }
 
 /// The occupied slots of `bucket` whose fingerprint is `fp`.
@@ -417,7 +569,7 @@ mod tests {
         }
 
         #[test]
-        fn header_round_trips_and_detects_flips(mib in 4u64..4096, bucket_pow in 6u32..14, seed in any::<u64>(), epoch in any::<u64>(), bit in 0usize..(HEADER_ENCODED_LEN * 8)) {
+        fn header_round_trips_and_detects_flips(mib in 4u64..4096, bucket_pow in 0u32..8, seed in any::<u64>(), epoch in any::<u64>(), bit in 0usize..(HEADER_ENCODED_LEN * 8)) {
             let h = RegionHeader::plan(mib << 20, 1 << bucket_pow, seed, epoch, 1_000_000).unwrap();
             let mut enc = h.encode();
             prop_assert_eq!(RegionHeader::decode(&enc), Ok(h));
@@ -437,16 +589,30 @@ mod tests {
             b[20..24].copy_from_slice(&lens.1.to_le_bytes());
             prop_assert!(decode_item(&b).is_err() || b.len() >= ITEM_HEADER_LEN + lens.0 as usize + lens.1 as usize);
             for v in bytes.chunks_exact(8) {
-                let _ = Slot::unpack(u64::from_le_bytes(v.try_into().unwrap()));
+                let v = u64::from_le_bytes(v.try_into().unwrap());
+                let _ = Slot::unpack(v);
+                let _ = DirEntry::unpack(v);
+                let _ = BucketHeader::unpack(v);
             }
         }
 
         #[test]
-        fn key_hash_buckets_are_distinct_and_in_range(key in prop::collection::vec(any::<u8>(), 1..40), seed in any::<u64>(), pow in 1u32..20) {
-            let n = 1u64 << pow;
-            let kh = key_hash(&key, seed, n);
-            prop_assert!(kh.buckets[0] < n && kh.buckets[1] < n);
+        fn key_hash_buckets_are_distinct_and_in_range(key in prop::collection::vec(any::<u8>(), 1..40), seed in any::<u64>()) {
+            let kh = key_hash(&key, seed);
+            prop_assert!((kh.buckets[0] as usize) < SEGMENT_BUCKETS && (kh.buckets[1] as usize) < SEGMENT_BUCKETS);
             prop_assert_ne!(kh.buckets[0], kh.buckets[1]);
+        }
+
+        #[test]
+        fn directory_entries_and_bucket_headers_round_trip(off in 1u64..(1 << 33), tag in 0u32..(1 << TAG_BITS), depth in 0u8..=32, h in any::<u32>()) {
+            let e = DirEntry { offset_units: off, tag };
+            prop_assert_eq!(DirEntry::unpack(e.pack()), Some(e));
+            let b = BucketHeader { depth, suffix: low_bits(h, depth), tag };
+            prop_assert_eq!(BucketHeader::unpack(b.pack()), Some(b));
+            prop_assert!(b.serves(h));
+            if depth > 0 {
+                prop_assert!(!b.serves(h ^ (1 << (depth - 1))));
+            }
         }
     }
 
@@ -460,8 +626,12 @@ mod tests {
     fn plan_rejects_bad_parameters() {
         assert!(RegionHeader::plan(64 << 20, 3, 0, 0, 0).is_err());
         assert!(RegionHeader::plan(4096, 64, 0, 0, 0).is_err());
-        let h = RegionHeader::plan(64 << 20, 1024, 0, 0, 0).unwrap();
-        assert!(h.data_offset >= h.index_offset + 1024 * 64);
+        // More first segments than the directory has entries.
+        assert!(RegionHeader::plan(4 << 20, 1 << 20, 0, 0, 0).is_err());
+        let h = RegionHeader::plan(64 << 20, 256, 0, 0, 0).unwrap();
+        // 64 MiB: 16k segments could fit; the directory has room for twice that.
+        assert_eq!(h.dir_depth, 15);
+        assert!(h.data_offset >= h.index_offset + 8 * h.dir_entries());
         assert!(h.data_offset + h.data_len <= h.region_len);
     }
 

@@ -15,8 +15,16 @@ pub const FRAME_HEADER_LEN: usize = 4;
 pub const MAX_MULTI_GET_KEYS: usize = 1024;
 /// Size of one index bucket: one cache line.
 pub const BUCKET_LEN: usize = 64;
-/// Slots in a bucket.
-pub const SLOTS_PER_BUCKET: usize = 8;
+/// 8-byte words in a bucket: a header word, then the slots.
+pub const WORDS_PER_BUCKET: usize = BUCKET_LEN / 8;
+/// Slots in a bucket (every word but the header).
+pub const SLOTS_PER_BUCKET: usize = WORDS_PER_BUCKET - 1;
+/// Buckets in an index segment, the unit the index grows by.
+pub const SEGMENT_BUCKETS: usize = 64;
+/// Bytes of an index segment (4 KiB).
+pub const SEGMENT_LEN: usize = SEGMENT_BUCKETS * BUCKET_LEN;
+/// Deepest the index directory can be: 2^32 entries.
+pub const MAX_DIRECTORY_DEPTH: u32 = 32;
 /// Allocation unit of the data area; items are aligned to it.
 pub const UNIT: usize = 64;
 /// Smallest region the server accepts.

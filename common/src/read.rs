@@ -5,8 +5,12 @@
 //! deterministically against simulated regions that tear and reuse.
 //!
 //! A GET is:
+//! 0. find the key's segment in the caller's copy of the directory (read
+//!    its entry first if the copy lacks it: [`dir_read`]);
 //! 1. read both candidate buckets in one batch (plus, for a hot key with a
-//!    cached address, the item itself, so a hit takes one round trip);
+//!    cached address, the item itself, so a hit takes one round trip), and
+//!    check that the segment still serves the key (its bucket headers):
+//!    if not, the directory entry was stale ([`AfterBuckets::Stale`]);
 //! 2. pick the slots whose fingerprint matches and read exactly those items
 //!    in one batch;
 //! 3. verify checksum and key. Bytes that fail verification are never
@@ -23,7 +27,10 @@
 
 use std::ops::Range;
 
-use crate::layout::{ITEM_HEADER_LEN, KeyHash, RegionHeader, Slot, bucket_slots, decode_item, key_hash};
+use crate::layout::{
+    BucketHeader, DirEntry, ITEM_HEADER_LEN, KeyHash, RegionHeader, SEGMENT_UNITS, Slot, bucket_words, decode_item,
+    key_hash,
+};
 use crate::limits::{BUCKET_LEN, SLOTS_PER_BUCKET};
 
 /// Most one-sided attempts of one GET before it goes over RPC.
@@ -48,6 +55,20 @@ pub fn next_batch_keys(keys: usize, elapsed: u64, grace: u64) -> usize {
     let budget = grace / BATCH_GRACE_SHARE;
     let fit = (keys as u64).saturating_mul(budget).checked_div(elapsed).unwrap_or(u64::MAX);
     (fit.min(2 * keys as u64) as usize).clamp(1, MAX_BATCH_KEYS)
+}
+
+/// The read of `key`'s directory entry, for a caller whose copy of the
+/// directory lacks it (or found it stale).
+pub fn dir_read(kh: &KeyHash, header: &RegionHeader) -> ReadSpec {
+    ReadSpec { offset: header.dir_entry_offset(kh.dir_index(header.dir_depth)), len: 8 }
+}
+
+/// Judges a directory entry as read: the entry, if it names a segment that
+/// lies inside the data area. Anything else (torn, scribbled) is no entry.
+pub fn judge_dir_entry(bytes: &[u8], header: &RegionHeader) -> Option<DirEntry> {
+    let v = u64::from_le_bytes(bytes.try_into().ok()?);
+    let e = DirEntry::unpack(v)?;
+    header.in_data_area(e.offset(), (SEGMENT_UNITS * crate::limits::UNIT) as u64).then_some(e)
 }
 
 /// One read the protocol needs: `len` bytes at region offset `offset`.
@@ -92,6 +113,9 @@ pub enum Retry {
     /// The attempt took longer than the grace period, so the item may have
     /// been reused under it.
     Slow,
+    /// The directory entry used named a segment that no longer serves the
+    /// key (it split, or the entry was torn): read the entry again.
+    StaleDirectory,
 }
 
 /// What to do after the bucket reads.
@@ -103,6 +127,8 @@ pub enum AfterBuckets {
     Miss,
     /// Read these items next (see [`Lookup::item_reads`]).
     ReadItems,
+    /// Retry; with [`Retry::StaleDirectory`], after reading the key's
+    /// directory entry again.
     Retry(Retry),
 }
 
@@ -118,6 +144,7 @@ pub enum Outcome {
 #[derive(Debug, Clone)]
 pub struct Lookup {
     kh: KeyHash,
+    segment: DirEntry,
     bucket_offsets: [u64; 2],
     hint: Option<Hint>,
     started: u64,
@@ -128,12 +155,18 @@ pub struct Lookup {
 
 impl Lookup {
     /// Starts an attempt at time `now` (nanoseconds on the caller's
-    /// monotonic clock, taken before the first read is posted).
-    pub fn new(key: &[u8], header: &RegionHeader, hint: Option<Hint>, now: u64) -> Lookup {
-        let kh = key_hash(key, header.hash_seed, header.bucket_count);
+    /// monotonic clock, taken before the first read is posted), in the
+    /// segment `segment` (the key's directory entry, as the caller has it).
+    pub fn new(key: &[u8], header: &RegionHeader, segment: DirEntry, hint: Option<Hint>, now: u64) -> Lookup {
+        Self::with_hash(key_hash(key, header.hash_seed), header, segment, hint, now)
+    }
+
+    /// [`Lookup::new`] for a key already hashed.
+    pub fn with_hash(kh: KeyHash, header: &RegionHeader, segment: DirEntry, hint: Option<Hint>, now: u64) -> Lookup {
         Lookup {
             kh,
-            bucket_offsets: kh.buckets.map(|b| header.bucket_offset(b)),
+            segment,
+            bucket_offsets: kh.buckets.map(|b| segment.bucket_offset(b)),
             hint: hint.filter(|h| h.which < 2 && (h.index as usize) < SLOTS_PER_BUCKET),
             started: now,
             grace: header.grace_nanos,
@@ -177,7 +210,15 @@ impl Lookup {
         if buckets.iter().any(|b| b.len() != BUCKET_LEN) {
             return AfterBuckets::Retry(Retry::Torn);
         }
-        let slots = buckets.map(bucket_slots);
+        let words = buckets.map(bucket_words);
+        // Both buckets must say that this incarnation of the segment serves
+        // the key; otherwise the slots say nothing about it.
+        let serves =
+            |w: u64| BucketHeader::unpack(w).is_some_and(|h| h.tag == self.segment.tag && h.serves(self.kh.dir_hash));
+        if !words.iter().all(|w| serves(w[0])) {
+            return AfterBuckets::Retry(Retry::StaleDirectory);
+        }
+        let slots: [[u64; SLOTS_PER_BUCKET]; 2] = words.map(|w| std::array::from_fn(|i| w[i + 1]));
         if let (Some(h), Some(item)) = (self.hint, hinted)
             && slots[h.which as usize][h.index as usize] == h.slot.pack()
             && !self.too_slow(now)
@@ -210,6 +251,10 @@ impl Lookup {
         match (self.candidates.is_empty(), torn_slot) {
             (false, _) => AfterBuckets::ReadItems,
             (true, true) => AfterBuckets::Retry(Retry::Torn),
+            // A segment's memory is reused (as a segment again) only after
+            // the grace period: a miss is believed only from reads that
+            // all fall within it.
+            (true, false) if self.too_slow(now) => AfterBuckets::Retry(Retry::Slow),
             (true, false) => AfterBuckets::Miss,
         }
     }
@@ -287,52 +332,128 @@ mod tests {
         assert!((5..=7).contains(&keys), "{keys}");
     }
     use crate::layout::{encode_item, item_units};
-    use crate::limits::UNIT;
+    use crate::limits::{SEGMENT_BUCKETS, SEGMENT_LEN, UNIT};
     use proptest::prelude::*;
     use std::collections::HashMap;
 
-    const BUCKETS: u64 = 4;
-    const REGION: usize = 2 * 1024 * 1024 + 64 * 1024;
+    const REGION: usize = 8 * 1024 * 1024;
 
+    /// A region written as the server writes it: items out of place, slots
+    /// published with one store, and segments split by the server's
+    /// protocol (copy each slot to the half that now serves it, publish the
+    /// halves in the directory, then clear the old segment's headers). The
+    /// writer reuses freed item space at once (no grace period); retired
+    /// segments are never reused (the server keeps them a grace period).
     struct Sim {
         header: RegionHeader,
         mem: Vec<u8>,
         free: Vec<(u64, usize)>,
         next: u64,
         version: u64,
+        next_tag: u32,
+        splits: u64,
         /// Every value each key ever had, by version.
         history: HashMap<Vec<u8>, HashMap<u64, Vec<u8>>>,
     }
 
     impl Sim {
         fn new() -> Sim {
-            let header = RegionHeader::plan(REGION as u64, BUCKETS, 99, 1, 1_000).unwrap();
-            let next = header.data_offset;
-            Sim { header, mem: vec![0; REGION], free: Vec::new(), next, version: 0, history: HashMap::new() }
+            let header = RegionHeader::plan(REGION as u64, 1, 99, 1, 1_000).unwrap();
+            let mut sim = Sim {
+                header,
+                mem: vec![0; REGION],
+                free: Vec::new(),
+                next: header.data_offset,
+                version: 0,
+                next_tag: 1,
+                splits: 0,
+                history: HashMap::new(),
+            };
+            let seg = sim.new_segment(0, 0);
+            for d in 0..header.dir_entries() {
+                sim.set_word(header.dir_entry_offset(d), seg.pack());
+            }
+            sim
         }
 
-        fn slot_at(&self, off: u64) -> u64 {
+        fn word(&self, off: u64) -> u64 {
             u64::from_le_bytes(self.mem[off as usize..off as usize + 8].try_into().unwrap())
         }
 
-        fn set_slot(&mut self, off: u64, v: u64) {
+        fn set_word(&mut self, off: u64, v: u64) {
             self.mem[off as usize..off as usize + 8].copy_from_slice(&v.to_le_bytes());
         }
 
+        fn take(&mut self, len: usize) -> u64 {
+            let at = self.next;
+            self.next += len as u64;
+            assert!(self.next as usize <= REGION, "simulated region full");
+            at
+        }
+
+        /// A fresh segment serving (depth, suffix): slots zero, headers set.
+        fn new_segment(&mut self, depth: u8, suffix: u32) -> DirEntry {
+            let at = self.take(SEGMENT_LEN);
+            let e = DirEntry { offset_units: at / UNIT as u64, tag: self.next_tag };
+            self.next_tag += 1;
+            let h = BucketHeader { depth, suffix, tag: e.tag }.pack();
+            for b in 0..SEGMENT_BUCKETS as u8 {
+                self.set_word(e.bucket_offset(b), h);
+            }
+            e
+        }
+
+        /// The directory entry for `kh`, as it is now.
+        fn entry(&self, kh: &KeyHash) -> DirEntry {
+            DirEntry::unpack(self.word(self.header.dir_entry_offset(kh.dir_index(self.header.dir_depth)))).unwrap()
+        }
+
+        fn slot_offsets(e: DirEntry, kh: &KeyHash) -> impl Iterator<Item = u64> {
+            kh.buckets
+                .into_iter()
+                .flat_map(move |b| (1..=SLOTS_PER_BUCKET as u64).map(move |i| e.bucket_offset(b) + 8 * i))
+        }
+
+        fn item_key(&self, slot: Slot) -> Vec<u8> {
+            decode_item(&self.mem[slot.offset() as usize..slot.offset() as usize + slot.len()]).unwrap().key.to_vec()
+        }
+
         fn find(&self, key: &[u8]) -> Option<u64> {
-            let kh = key_hash(key, self.header.hash_seed, BUCKETS);
-            for b in kh.buckets {
-                for i in 0..SLOTS_PER_BUCKET as u64 {
-                    let off = self.header.bucket_offset(b) + 8 * i;
-                    if let Some(s) = Slot::unpack(self.slot_at(off)) {
-                        let item = decode_item(&self.mem[s.offset() as usize..s.offset() as usize + s.len()]).unwrap();
-                        if item.key == key {
-                            return Some(off);
-                        }
+            let kh = key_hash(key, self.header.hash_seed);
+            Self::slot_offsets(self.entry(&kh), &kh)
+                .find(|&off| Slot::unpack(self.word(off)).is_some_and(|s| self.item_key(s) == key))
+        }
+
+        /// Splits the segment serving `key`, if it can get deeper.
+        fn split(&mut self, key: &[u8]) -> bool {
+            let kh = key_hash(key, self.header.hash_seed);
+            let old = self.entry(&kh);
+            let h = BucketHeader::unpack(self.word(old.bucket_offset(0))).unwrap();
+            if u64::from(h.depth) >= self.header.dir_depth {
+                return false;
+            }
+            let halves =
+                [self.new_segment(h.depth + 1, h.suffix), self.new_segment(h.depth + 1, h.suffix | 1 << h.depth)];
+            for b in 0..SEGMENT_BUCKETS as u8 {
+                for i in 1..=SLOTS_PER_BUCKET as u64 {
+                    let w = self.word(old.bucket_offset(b) + 8 * i);
+                    if let Some(slot) = Slot::unpack(w) {
+                        let bit = (key_hash(&self.item_key(slot), self.header.hash_seed).dir_hash >> h.depth) & 1;
+                        self.set_word(halves[bit as usize].bucket_offset(b) + 8 * i, w);
                     }
                 }
             }
-            None
+            for d in 0..self.header.dir_entries() {
+                if crate::layout::low_bits(d as u32, h.depth) == h.suffix {
+                    let e = halves[((d >> h.depth) & 1) as usize];
+                    self.set_word(self.header.dir_entry_offset(d), e.pack());
+                }
+            }
+            for b in 0..SEGMENT_BUCKETS as u8 {
+                self.set_word(old.bucket_offset(b), 0);
+            }
+            self.splits += 1;
+            true
         }
 
         /// Writes key=value out of place, publishes it, and frees the old
@@ -341,47 +462,33 @@ mod tests {
             let units = item_units(key.len(), value.len());
             let at = match self.free.iter().position(|&(_, u)| u >= units) {
                 Some(i) => self.free.swap_remove(i).0,
-                None => {
-                    let at = self.next;
-                    self.next += (units * UNIT) as u64;
-                    assert!(self.next as usize <= REGION, "simulated region full");
-                    at
-                }
+                None => self.take(units * UNIT),
             };
             self.version += 1;
             let mut buf = Vec::new();
             encode_item(key, value, self.version, 0, &mut buf);
             self.mem[at as usize..at as usize + buf.len()].copy_from_slice(&buf);
             self.history.entry(key.to_vec()).or_default().insert(self.version, value.to_vec());
-            let kh = key_hash(key, self.header.hash_seed, BUCKETS);
+            let kh = key_hash(key, self.header.hash_seed);
             let new = Slot::new(kh.fingerprint, at, units).pack();
             let slot_off = match self.find(key) {
                 Some(off) => {
-                    let old = Slot::unpack(self.slot_at(off)).unwrap();
+                    let old = Slot::unpack(self.word(off)).unwrap();
                     self.free.push((old.offset(), old.units as usize));
                     off
                 }
-                None => {
-                    let mut empty = None;
-                    'b: for b in kh.buckets {
-                        for i in 0..SLOTS_PER_BUCKET as u64 {
-                            let off = self.header.bucket_offset(b) + 8 * i;
-                            if self.slot_at(off) == 0 {
-                                empty = Some(off);
-                                break 'b;
-                            }
-                        }
+                None => loop {
+                    let e = self.entry(&kh);
+                    if let Some(off) = Self::slot_offsets(e, &kh).find(|&off| self.word(off) == 0) {
+                        break off;
                     }
-                    match empty {
-                        Some(off) => off,
-                        None => {
-                            self.free.push((at, units));
-                            return;
-                        }
+                    if !self.split(key) {
+                        self.free.push((at, units));
+                        return;
                     }
-                }
+                },
             };
-            self.set_slot(slot_off, new);
+            self.set_word(slot_off, new);
         }
 
         fn range(spec: ReadSpec) -> Range<usize> {
@@ -395,9 +502,9 @@ mod tests {
 
         /// Reads that saw `before` up to a tear point and the region as it
         /// is now after it: what a read racing the writes in between sees.
-        /// Tears fall at any byte, inside slots too, which is harsher than
-        /// the shm and engine readers (whole aligned words) and covers NICs
-        /// that give no atomicity within a read.
+        /// Tears fall at any byte, inside slots and headers too, which is
+        /// harsher than the shm and engine readers (whole aligned words)
+        /// and covers NICs that give no atomicity within a read.
         fn read(&self, before: &[Vec<u8>], specs: &[ReadSpec], tear: usize) -> Vec<Vec<u8>> {
             specs
                 .iter()
@@ -416,33 +523,76 @@ mod tests {
         (0..len).map(|i| key[0].wrapping_add(v as u8).wrapping_add(i as u8)).collect()
     }
 
+    /// A reader's copy of the directory, filled an entry at a time.
+    #[derive(Default)]
+    struct DirCopy(HashMap<u64, DirEntry>);
+
+    impl DirCopy {
+        fn get(&mut self, sim: &Sim, key: &[u8]) -> DirEntry {
+            let kh = key_hash(key, sim.header.hash_seed);
+            let spec = dir_read(&kh, &sim.header);
+            *self.0.entry(kh.dir_index(sim.header.dir_depth)).or_insert_with(|| {
+                judge_dir_entry(&sim.snapshot(&[spec])[0], &sim.header).expect("entries are written whole")
+            })
+        }
+
+        fn forget(&mut self, sim: &Sim, key: &[u8]) {
+            self.0.remove(&key_hash(key, sim.header.hash_seed).dir_index(sim.header.dir_depth));
+        }
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
 
-        /// Writers run between and during every read; whatever the reader
-        /// returns is a value the key really had, and it never says "not
-        /// found" for a key that was stored throughout.
+        /// Writers (and segment splits) run between and during every read;
+        /// whatever the reader returns is a value the key really had, and
+        /// it never says "not found" for a key that was stored throughout,
+        /// however stale its copy of the directory.
         #[test]
         fn reader_never_returns_unverified_bytes(
-            steps in prop::collection::vec((0usize..6, 0usize..400, any::<usize>(), any::<usize>(), any::<bool>()), 1..300)
+            steps in prop::collection::vec((0usize..16, 0usize..400, any::<usize>(), any::<usize>(), any::<bool>(), 0u8..4), 1..300)
         ) {
             let mut sim = Sim::new();
-            let keys: Vec<Vec<u8>> = (0..6u8).map(|k| vec![b'a' + k; 3 + k as usize]).collect();
-            for k in &keys {
+            let keys: Vec<Vec<u8>> = (0..16u8).map(|k| vec![b'a' + k; 3 + k as usize % 6]).collect();
+            // Half the keys exist from the start; the others are stored
+            // when first read, after splits the reader may not know of.
+            for k in &keys[..8] {
                 sim.put(k, &value_for(k, 0, 10));
             }
+            let mut dir = DirCopy::default();
+            let mut seen = [false; 16];
             let mut hints: HashMap<usize, Hint> = HashMap::new();
-            let (mut hits, mut retries) = (0, 0);
-            for (ki, len, tear1, tear2, use_hint) in steps {
+            let (mut hits, mut retries, mut stale, mut misses) = (0, 0, 0, 0);
+            for (ki, len, tear1, tear2, use_hint, split) in steps {
                 let key = &keys[ki];
-                let mut look = Lookup::new(key, &sim.header, use_hint.then(|| hints.get(&ki).copied()).flatten(), 0)
+                // A late key is read once while absent (its directory entry
+                // cached then), and stored the next time, maybe after
+                // splits: a reader that missed a split must not miss it.
+                let absent = !sim.history.contains_key(key);
+                if absent && seen[ki] {
+                    sim.put(key, &value_for(key, 0, 10));
+                }
+                let absent = !sim.history.contains_key(key);
+                seen[ki] = true;
+                let entry = dir.get(&sim, key);
+                let mut look = Lookup::new(key, &sim.header, entry, use_hint.then(|| hints.get(&ki).copied()).flatten(), 0)
                     .without_grace_check();
                 let mut specs = Vec::new();
                 look.first_reads(&mut specs);
-                // A writer changes the region while the first batch is read.
+                // A writer changes the region while the first batch is
+                // read, and sometimes splits the key's segment (or
+                // another's) under it.
                 let before = sim.snapshot(&specs);
-                sim.put(key, &value_for(key, sim.version, len));
-                sim.put(&keys[(ki + 1) % keys.len()], &value_for(key, sim.version, len / 2));
+                if !absent {
+                    sim.put(key, &value_for(key, sim.version, len));
+                }
+                let other = &keys[(ki + 1) % 8];
+                sim.put(other, &value_for(other, sim.version, len / 2));
+                match split {
+                    1 => { sim.split(key); }
+                    2 => { sim.split(&keys[(ki + 3) % keys.len()]); }
+                    _ => {}
+                }
                 let bufs = sim.read(&before, &specs, tear1);
                 let hinted = bufs.get(2).map(|b| &b[..]);
                 let outcome = match look.after_buckets(key, [&bufs[0], &bufs[1]], hinted, 0) {
@@ -454,12 +604,18 @@ mod tests {
                         look.item_reads(&mut specs);
                         // ... and again while the items are read.
                         let before = sim.snapshot(&specs);
-                        sim.put(key, &value_for(key, sim.version, len + 7));
+                        if !absent {
+                            sim.put(key, &value_for(key, sim.version, len + 7));
+                        }
+                        if split == 3 {
+                            sim.split(key);
+                        }
                         let items = sim.read(&before, &specs, tear2);
                         let refs: Vec<&[u8]> = items.iter().map(|b| &b[..]).collect();
                         match look.after_items(key, &refs, 0) {
                             Outcome::Hit(h) => {
                                 let v = &items[h.item][h.value.clone()];
+                                prop_assert!(!absent, "an absent key was found");
                                 prop_assert_eq!(Some(&v.to_vec()), sim.history[key].get(&h.version), "value is not one the key had");
                                 hints.insert(ki, h.hint);
                                 hits += 1;
@@ -472,16 +628,75 @@ mod tests {
                 match outcome {
                     Outcome::Hit(h) => {
                         let v = &bufs[2][h.value.clone()];
+                        prop_assert!(!absent, "an absent key was found");
                         prop_assert_eq!(Some(&v.to_vec()), sim.history[key].get(&h.version), "hinted value is not one the key had");
                         hints.insert(ki, h.hint);
                         hits += 1;
                     }
-                    Outcome::Miss => prop_assert!(false, "a stored key was reported missing"),
+                    Outcome::Miss => {
+                        prop_assert!(absent, "a stored key was reported missing");
+                        misses += 1;
+                    }
+                    Outcome::Retry(Retry::StaleDirectory) => {
+                        dir.forget(&sim, key);
+                        stale += 1;
+                    }
                     Outcome::Retry(_) => retries += 1,
                 }
             }
-            prop_assert!(hits + retries > 0);
+            prop_assert!(hits + retries + stale + misses > 0);
         }
+    }
+
+    /// Without splits the directory copy never goes stale; with them it
+    /// does, the reader says so, and a fresh entry finds the key.
+    #[test]
+    fn a_split_makes_old_entries_stale_and_new_ones_find_the_key() {
+        let mut sim = Sim::new();
+        let keys: Vec<Vec<u8>> = (0..200u32).map(|i| format!("key{i}").into_bytes()).collect();
+        for k in &keys {
+            sim.put(k, b"v");
+        }
+        let first = DirCopy::default().get(&sim, &keys[0]);
+        for _ in 0..3 {
+            for k in &keys {
+                sim.split(k);
+            }
+        }
+        assert!(sim.splits >= 7, "{}", sim.splits);
+        let get = |entry: DirEntry, key: &[u8]| {
+            let mut look = Lookup::new(key, &sim.header, entry, None, 0);
+            let mut specs = Vec::new();
+            look.first_reads(&mut specs);
+            let bufs = sim.snapshot(&specs);
+            match look.after_buckets(key, [&bufs[0], &bufs[1]], None, 0) {
+                AfterBuckets::ReadItems => {
+                    let mut specs = Vec::new();
+                    look.item_reads(&mut specs);
+                    let items = sim.snapshot(&specs);
+                    let refs: Vec<&[u8]> = items.iter().map(|b| &b[..]).collect();
+                    look.after_items(key, &refs, 0)
+                }
+                AfterBuckets::Retry(r) => Outcome::Retry(r),
+                o => panic!("{o:?}"),
+            }
+        };
+        assert_eq!(get(first, &keys[0]), Outcome::Retry(Retry::StaleDirectory));
+        for k in &keys {
+            match get(DirCopy::default().get(&sim, k), k) {
+                Outcome::Hit(h) => assert_eq!(h.version, sim.history[k].keys().copied().max().unwrap()),
+                o => panic!("{o:?}"),
+            }
+        }
+    }
+
+    fn first_batch(sim: &Sim, key: &[u8]) -> (Lookup, Vec<ReadSpec>, Vec<Vec<u8>>) {
+        let entry = DirCopy::default().get(sim, key);
+        let look = Lookup::new(key, &sim.header, entry, None, 0);
+        let mut specs = Vec::new();
+        look.first_reads(&mut specs);
+        let bufs = sim.snapshot(&specs);
+        (look, specs, bufs)
     }
 
     /// Found by the property test: a slot torn inside its word can read as
@@ -491,11 +706,8 @@ mod tests {
         let mut sim = Sim::new();
         sim.put(b"k", b"v");
         let off = sim.find(b"k").unwrap();
-        let slot = Slot::unpack(sim.slot_at(off)).unwrap();
-        let mut look = Lookup::new(b"k", &sim.header, None, 0);
-        let mut specs = Vec::new();
-        look.first_reads(&mut specs);
-        let mut bufs = sim.snapshot(&specs);
+        let slot = Slot::unpack(sim.word(off)).unwrap();
+        let (mut look, specs, mut bufs) = first_batch(&sim, b"k");
         let which = specs.iter().position(|s| (s.offset..s.offset + 64).contains(&off)).unwrap();
         let at = (off - specs[which].offset) as usize;
         // Keep fingerprint and length, lose the offset bits.
@@ -511,10 +723,7 @@ mod tests {
     fn a_bucket_of_the_wrong_length_is_a_retry_not_a_panic() {
         let mut sim = Sim::new();
         sim.put(b"k", b"v");
-        let mut look = Lookup::new(b"k", &sim.header, None, 0);
-        let mut specs = Vec::new();
-        look.first_reads(&mut specs);
-        let bufs = sim.snapshot(&specs);
+        let (mut look, _, bufs) = first_batch(&sim, b"k");
         for short in [&bufs[0][..0], &bufs[0][..63]] {
             assert_eq!(look.after_buckets(b"k", [short, &bufs[1]], None, 0), AfterBuckets::Retry(Retry::Torn));
             assert_eq!(look.after_buckets(b"k", [&bufs[0], short], None, 0), AfterBuckets::Retry(Retry::Torn));
@@ -530,10 +739,7 @@ mod tests {
             s.put(b"k", b"v");
             s
         };
-        let mut look = Lookup::new(b"k", &sim.header, None, 0);
-        let mut specs = Vec::new();
-        look.first_reads(&mut specs);
-        let bufs: Vec<Vec<u8>> = sim.snapshot(&specs);
+        let (mut look, _, bufs) = first_batch(&sim, b"k");
         assert_eq!(look.after_buckets(b"k", [&bufs[0], &bufs[1]], None, 10), AfterBuckets::ReadItems);
         let mut specs = Vec::new();
         look.item_reads(&mut specs);
@@ -544,16 +750,17 @@ mod tests {
             Outcome::Hit(h) => assert_eq!(&items[h.item][h.value], b"v"),
             o => panic!("{o:?}"),
         }
+        // A miss is believed only within the grace period too.
+        let (mut look, _, bufs) = first_batch(&sim, b"absent");
+        let late = look.after_buckets(b"absent", [&bufs[0], &bufs[1]], None, sim.header.grace_nanos);
+        assert!(matches!(late, AfterBuckets::Retry(Retry::Slow) | AfterBuckets::ReadItems), "{late:?}");
     }
 
     #[test]
     fn missing_key_is_a_miss_and_a_stale_hint_falls_back() {
         let mut sim = Sim::new();
         sim.put(b"k", b"v1");
-        let mut look = Lookup::new(b"nope", &sim.header, None, 0);
-        let mut specs = Vec::new();
-        look.first_reads(&mut specs);
-        let bufs: Vec<Vec<u8>> = sim.snapshot(&specs);
+        let (mut look, _, bufs) = first_batch(&sim, b"nope");
         // Fingerprints of other keys may match; then items decide.
         match look.after_buckets(b"nope", [&bufs[0], &bufs[1]], None, 0) {
             AfterBuckets::Miss => {}
@@ -567,17 +774,18 @@ mod tests {
             o => panic!("{o:?}"),
         }
         // A hint whose slot changed is not trusted, even if its item verifies.
-        let kh = key_hash(b"k", sim.header.hash_seed, BUCKETS);
+        let kh = key_hash(b"k", sim.header.hash_seed);
+        let entry = sim.entry(&kh);
         let off = sim.find(b"k").unwrap();
         let which = (0..2).find(|&w| {
-            let b = sim.header.bucket_offset(kh.buckets[w]);
+            let b = entry.bucket_offset(kh.buckets[w]);
             (b..b + 64).contains(&off)
         });
         let which = which.unwrap() as u8;
-        let index = ((off - sim.header.bucket_offset(kh.buckets[which as usize])) / 8) as u8;
-        let hint = Hint { which, index, slot: Slot::unpack(sim.slot_at(off)).unwrap() };
+        let index = ((off - entry.bucket_offset(kh.buckets[which as usize])) / 8 - 1) as u8;
+        let hint = Hint { which, index, slot: Slot::unpack(sim.word(off)).unwrap() };
         sim.put(b"k", b"v2");
-        let mut look = Lookup::new(b"k", &sim.header, Some(hint), 0);
+        let mut look = Lookup::new(b"k", &sim.header, entry, Some(hint), 0);
         let mut specs = Vec::new();
         look.first_reads(&mut specs);
         assert_eq!(specs.len(), 3);

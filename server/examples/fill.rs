@@ -37,8 +37,8 @@ fn main() {
     let buckets = (memory as u64 / DEFAULT_BYTES_PER_BUCKET).next_power_of_two();
     let region = Arc::new(Region::create("fill", memory).expect("region"));
     let s = Store::format(region, buckets, 0x5EED, 1, Duration::ZERO).expect("format");
-    let slots = s.slot_count();
     let data = s.header().data_len;
+    let index_bytes = || s.counters.index_bytes.load(std::sync::atomic::Ordering::Relaxed);
     let value = vec![7u8; value_len];
     let (mut stored, mut first, mut refused_in_a_row, mut i) = (0u64, None, 0u32, 0u64);
     let mut last_err = None;
@@ -52,7 +52,7 @@ fn main() {
                 refused_in_a_row += 1;
                 if first.is_none() {
                     let used = s.space().used * UNIT as u64;
-                    first = Some((i, stored, e.clone(), used));
+                    first = Some((i, stored, e.clone(), used, s.index_stats(), index_bytes()));
                 }
                 last_err = Some(e);
             }
@@ -62,19 +62,28 @@ fn main() {
     }
     let used = s.space().used * UNIT as u64;
     let pct = |a: u64, b: u64| a as f64 * 100.0 / b as f64;
-    println!("region {memory} B, {buckets} buckets ({slots} slots), data area {data} B, values of {value_len} B");
-    if let Some((put, items, e, used_then)) = first {
+    println!("region {memory} B, {buckets} buckets to start, data area {data} B, values of {value_len} B");
+    if let Some((put, items, e, used_then, ix, ib)) = first {
         println!(
-            "first refusal at put #{put} ({e}): {items} items, {:.1} % of slots, {:.1} % of the data area",
-            pct(items, slots),
-            pct(used_then, data)
+            "first refusal at put #{put} ({e}): {items} items, {:.1} % of {} slots in {} segments ({} splits), \
+             {:.1} % of the data area used ({:.1} % by the index)",
+            pct(items, ix.slots),
+            ix.slots,
+            ix.segments,
+            ix.splits,
+            pct(used_then, data),
+            pct(ib, data)
         );
     }
+    let ix = s.index_stats();
     println!(
-        "full after {i} puts ({} refused in a row, last: {}): {stored} items, {:.1} % of slots, {:.1} % of the data area",
+        "full after {i} puts ({} refused in a row, last: {}): {stored} items, {:.1} % of {} slots, \
+         {:.1} % of the data area used ({:.1} % by the index)",
         GIVE_UP_AFTER,
         last_err.map_or("-".into(), |e| e.to_string()),
-        pct(stored, slots),
-        pct(used, data)
+        pct(stored, ix.slots),
+        ix.slots,
+        pct(used, data),
+        pct(index_bytes(), data)
     );
 }

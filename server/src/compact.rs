@@ -20,7 +20,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use dmkv_common::error::Error;
-use dmkv_common::layout::item_units;
+use dmkv_common::layout::{SEGMENT_UNITS, item_units};
 use tracing::debug;
 
 use crate::alloc::Space;
@@ -125,8 +125,10 @@ pub enum Pick {
 
 /// Plans which `len` units (or a little more) to empty, from the free
 /// blocks (start, length; address order) of the data area `area`. A range
-/// starts at a free block and ends with one; one that overlaps `avoid` (where its items are to go) or whose start is
-/// in `skip` (recently given up on) is left out.
+/// starts at a free block and ends with one; one that overlaps `avoid`
+/// (where its items are to go) or an index segment (starts in `fixed`,
+/// sorted: segments never move), or whose start is in `skip` (recently
+/// given up on), is left out.
 pub fn plan(
     blocks: &[(u64, u64)],
     area: Range<u64>,
@@ -134,6 +136,7 @@ pub fn plan(
     pick: Pick,
     avoid: Range<u64>,
     skip: &[u64],
+    fixed: &[u64],
 ) -> Option<Plan> {
     let n = blocks.len();
     let end_of = |k: usize| blocks[k].0 + blocks[k].1;
@@ -153,6 +156,10 @@ pub fn plan(
         }
         let end = end_of(j);
         if end > area.end || (start < avoid.end && avoid.start < end) || skip.contains(&start) {
+            return None;
+        }
+        let first_fixed = fixed.partition_point(|&s| s + SEGMENT_UNITS as u64 <= start);
+        if fixed.get(first_fixed).is_some_and(|&s| s < end) {
             return None;
         }
         Some(Plan { range: start..end, used: (end - start) - (free[j + 1] - free[i]) })
@@ -191,23 +198,37 @@ pub fn plan(
 /// room for what it moves, in one block, so it works however broken up
 /// the rest of free space is. `Pick::After` plans the used stretches in
 /// turn (continuous mode), growing nothing on purpose.
-pub fn plan_step(blocks: &[(u64, u64)], area: Range<u64>, want: u64, pick: Pick, skip: &[u64]) -> Option<Plan> {
+pub fn plan_step(
+    blocks: &[(u64, u64)],
+    area: Range<u64>,
+    want: u64,
+    pick: Pick,
+    skip: &[u64],
+    fixed: &[u64],
+) -> Option<Plan> {
     let &(dest, dest_len) = blocks.iter().max_by_key(|&&(at, len)| (len, std::cmp::Reverse(at)))?;
     let avoid = dest..dest + dest_len;
-    // Empty blocks where the area starts and where the destination does,
-    // so a range may also begin at the start of the area or end just
-    // before the destination.
-    let mut bounds = Vec::with_capacity(blocks.len() + 2);
+    // Empty blocks where the area starts, where the destination does, and
+    // at both ends of every index segment (no item straddles those
+    // either), so a range may also begin at the start of the area or just
+    // after a segment, and end just before the destination or a segment.
+    let mut edges: Vec<u64> = fixed.iter().flat_map(|&s| [s, s + SEGMENT_UNITS as u64]).collect();
+    edges.push(dest);
     if blocks.first().is_none_or(|b| b.0 != area.start) {
-        bounds.push((area.start, 0));
+        edges.push(area.start);
     }
+    edges.sort_unstable();
+    let mut bounds = Vec::with_capacity(blocks.len() + edges.len());
+    let mut e = edges.iter().copied().peekable();
     for &b in blocks {
-        if b.0 == dest {
-            bounds.push((dest, 0));
+        while let Some(at) = e.next_if(|&at| at <= b.0) {
+            bounds.push((at, 0));
         }
         bounds.push(b);
     }
-    let fits = |len: u64| plan(&bounds, area.clone(), len, pick, avoid.clone(), skip).filter(|p| p.used <= dest_len);
+    bounds.extend(e.map(|at| (at, 0)));
+    let fits =
+        |len: u64| plan(&bounds, area.clone(), len, pick, avoid.clone(), skip, fixed).filter(|p| p.used <= dest_len);
     if let Pick::After(_) = pick {
         // Whatever is used from the next boundary on, up to the next free
         // block: items keep moving, a stretch at a time.
@@ -380,7 +401,10 @@ fn run(s: &Shared) {
             }
         };
         let planning = Instant::now();
-        let planned = why.and_then(|why| Some((why, plan_step(&s.store.free_blocks(), area, want, pick, &skip)?)));
+        let planned = why.and_then(|why| {
+            let fixed = s.store.segment_starts();
+            Some((why, plan_step(&s.store.free_blocks(), area, want, pick, &skip, &fixed)?))
+        });
         // Planning is work too: paced like moves unless a PUT waits.
         if why.is_some_and(|w| !matches!(w, Why::Demand(_))) {
             std::thread::sleep(planning.elapsed() * (100 - DUTY_PERCENT) / DUTY_PERCENT);
@@ -515,23 +539,26 @@ mod tests {
     fn the_emptiest_range_is_planned() {
         // Free: 0..10, 12..20, 30..40, 41..50, 90..100 (area 0..100).
         let blocks = [(0, 10), (12, 8), (30, 10), (41, 9), (90, 10)];
-        let p = |len, pick, skip: &[u64]| plan(&blocks, 0..100, len, pick, 0..0, skip);
+        let p = |len, pick, skip: &[u64]| plan(&blocks, 0..100, len, pick, 0..0, skip, &[]);
         assert_eq!(p(20, Pick::Emptiest, &[]), Some(Plan { range: 30..50, used: 1 }));
         assert_eq!(p(20, Pick::Emptiest, &[30]), Some(Plan { range: 0..20, used: 2 }));
-        assert_eq!(plan(&blocks, 0..100, 20, Pick::Emptiest, 45..46, &[]), Some(Plan { range: 0..20, used: 2 }));
+        assert_eq!(plan(&blocks, 0..100, 20, Pick::Emptiest, 45..46, &[], &[]), Some(Plan { range: 0..20, used: 2 }));
+        // Index segments never move: no range holds one (here 40..104).
+        assert_eq!(plan(&blocks, 0..100, 20, Pick::Emptiest, 0..0, &[], &[40]), Some(Plan { range: 0..20, used: 2 }));
+        assert_eq!(plan(&blocks, 0..100, 20, Pick::Emptiest, 0..0, &[], &[0, 40]), None);
         // A range may not run past the area.
         assert_eq!(p(11, Pick::Emptiest, &[0, 12, 30, 41]), None);
         // Continuous: the next range holding anything, wrapping around.
         assert_eq!(p(10, Pick::After(31), &[]), Some(Plan { range: 41..100, used: 40 }));
         assert_eq!(p(10, Pick::After(95), &[]), Some(Plan { range: 0..20, used: 2 }));
-        assert_eq!(plan(&[(0, 100)], 0..100, 10, Pick::After(0), 0..0, &[]), None, "nothing to move");
+        assert_eq!(plan(&[(0, 100)], 0..100, 10, Pick::After(0), 0..0, &[], &[]), None, "nothing to move");
     }
 
     #[test]
     fn steps_grow_the_largest_block() {
         // Free: 0..10 (the largest), 12..18, 20..26, 28..34 (area 0..40).
         let blocks = [(0, 10), (12, 6), (20, 6), (28, 6)];
-        let step = |want| plan_step(&blocks, 0..40, want, Pick::Emptiest, &[]);
+        let step = |want| plan_step(&blocks, 0..40, want, Pick::Emptiest, &[], &[]);
         assert_eq!(step(10), None, "fits already");
         // 12..34 holds 4 used units: they go to 0..10, and 12..34 (22
         // units) comes back free.
@@ -541,11 +568,17 @@ mod tests {
         assert_eq!(step(40), Some(Plan { range: 12..34, used: 4 }));
         // Continuous: the used stretches in turn, from the start of the
         // area too, but never into the destination.
-        let c = |from| plan_step(&blocks, 0..40, 8, Pick::After(from), &[]);
+        let c = |from| plan_step(&blocks, 0..40, 8, Pick::After(from), &[], &[]);
         assert_eq!(c(13), Some(Plan { range: 20..34, used: 2 }));
         assert_eq!(c(35), Some(Plan { range: 12..26, used: 2 }), "wraps around");
         let packed = [(20, 20)];
-        let c = plan_step(&packed, 0..40, 8, Pick::After(0), &[]);
+        let c = plan_step(&packed, 0..40, 8, Pick::After(0), &[], &[]);
         assert_eq!(c, Some(Plan { range: 0..20, used: 20 }), "items before the only free block");
+        // An index segment at 0..64, items at 64..120: ranges start after
+        // the segment (they may begin and end at its edges).
+        let c = plan_step(&[(120, 80)], 0..200, 8, Pick::After(0), &[], &[0]);
+        assert_eq!(c, Some(Plan { range: 64..120, used: 56 }));
+        let c = plan_step(&[(120, 80)], 0..200, 8, Pick::After(0), &[], &[30]);
+        assert_eq!(c, Some(Plan { range: 0..30, used: 30 }), "and end where one starts");
     }
 }

@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use bytes::BytesMut;
 use dmkv_common::error::Error as StoreError;
 use dmkv_common::frame::{self, Decoder, FrameError};
-use dmkv_common::layout::item_units;
+use dmkv_common::layout::{SEGMENT_UNITS, item_units};
 use dmkv_common::limits::MAX_MULTI_GET_KEYS;
 use dmkv_common::proto::{self, ErrorCode, Request, Response, request::Op, response::Result as R};
 use dmkv_common::{PROTOCOL_VERSION, layout::LAYOUT_VERSION};
@@ -273,7 +273,9 @@ async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response
                 match store.put(&p.key, &p.value) {
                     Ok(version) => break R::Put(proto::PutReply { version }),
                     Err(StoreError::OutOfMemory) if tokio::time::Instant::now() < deadline => {
-                        let units = item_units(p.key.len(), p.value.len()) as u64;
+                        // The write may have needed a new index segment
+                        // instead (or as well): ask for room for either.
+                        let units = item_units(p.key.len(), p.value.len()).max(SEGMENT_UNITS) as u64;
                         match shared.compactor.after_out_of_memory(units) {
                             Some(wait) => tokio::time::sleep(wait).await,
                             None => return store_error(id, StoreError::OutOfMemory),
@@ -387,7 +389,7 @@ fn region_info(shared: &Shared) -> proto::RegionInfoReply {
             epoch: h.epoch,
             length: h.region_len,
             rkey: reg.rkey(),
-            bucket_count: h.bucket_count,
+            directory_depth: h.dir_depth,
             hash_seed: h.hash_seed,
             index_offset: h.index_offset,
             data_offset: h.data_offset,
@@ -413,6 +415,7 @@ fn stats(shared: &Shared) -> HashMap<String, u64> {
     let space = s.space();
     let unit = dmkv_common::limits::UNIT as u64;
     let cs = shared.compactor.stats();
+    let index = s.index_stats();
     let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
     [
         ("gets", load(&c.gets)),
@@ -439,7 +442,13 @@ fn stats(shared: &Shared) -> HashMap<String, u64> {
         ("compactor_windows_done", load(&c.compactor_ranges_done)),
         ("compactor_windows_abandoned", load(&c.compactor_ranges_abandoned)),
         ("region_bytes", s.header().region_len),
-        ("index_slots", s.slot_count()),
+        ("index_slots", index.slots),
+        ("index_segments", index.segments),
+        ("index_splits", index.splits),
+        ("index_bytes", load(&c.index_bytes)),
+        ("index_load_permille", (load(&c.items) * 1000).checked_div(index.slots).unwrap_or(0)),
+        ("index_depth", index.max_depth),
+        ("directory_depth", index.dir_depth),
         ("region_epoch", shared.registration.epoch()),
         ("engine_batches", load(&shared.engine_counters.batches)),
         ("engine_reads", load(&shared.engine_counters.reads)),

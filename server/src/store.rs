@@ -9,9 +9,10 @@
 //! a one-sided reader that saw the old slot less than `grace` ago still
 //! finds the old bytes intact.
 //!
-//! The region is shared memory, so the server never trusts what it reads
-//! back from it for its own decisions. It keeps a private copy of every
-//! slot word and reads slots only from that copy, so the allocator only
+//! The index grows a segment at a time (`index`); the region is shared
+//! memory, so the server never trusts what it reads back from it for its
+//! own decisions. It keeps a private copy of every index word and reads
+//! slots only from that copy, so the allocator only
 //! ever frees blocks the writer itself allocated; a slot word in the region
 //! that differs from the copy is counted (`foreign_slots`), logged and put
 //! back. Item bytes are read with bounds checks and verified; one that
@@ -26,7 +27,7 @@ use bytes::Bytes;
 use crossbeam_epoch as epoch;
 use dmkv_common::error::{Error, check_key, check_value};
 use dmkv_common::layout::{self, KeyHash, RegionHeader, Slot, decode_item, encode_item, item_units, key_hash};
-use dmkv_common::limits::{SLOTS_PER_BUCKET, UNIT};
+use dmkv_common::limits::{SEGMENT_BUCKETS, SEGMENT_LEN, SLOTS_PER_BUCKET, UNIT, WORDS_PER_BUCKET};
 
 use tracing::warn;
 
@@ -35,8 +36,10 @@ use crate::lock::lock;
 use crate::region::Region;
 
 mod evacuate;
+mod index;
 
 pub use evacuate::{Candidate, Relocation};
+use index::{Index, IndexWriter, MAX_SPLITS_PER_WRITE, Seg};
 
 /// Counters exported by STATS. Relaxed atomics: they are statistics.
 #[derive(Debug, Default)]
@@ -63,6 +66,9 @@ pub struct Counters {
     pub compactor_ranges: AtomicU64,
     pub compactor_ranges_done: AtomicU64,
     pub compactor_ranges_abandoned: AtomicU64,
+    /// Index segments split, and bytes of the data area the index holds.
+    pub index_splits: AtomicU64,
+    pub index_bytes: AtomicU64,
 }
 
 /// At most one warning a second about a region written behind the
@@ -90,6 +96,21 @@ impl LogLimit {
     }
 }
 
+/// The index's size and growth, for STATS.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IndexStats {
+    /// Segments serving keys.
+    pub segments: u64,
+    /// Slots in them.
+    pub slots: u64,
+    /// Splits so far.
+    pub splits: u64,
+    /// Deepest segment.
+    pub max_depth: u64,
+    /// Depth of the directory: the deepest a segment can get.
+    pub dir_depth: u64,
+}
+
 /// Most epoch-collector flushes one [`Store::reclaim_wait`] makes.
 const EPOCH_FLUSHES: usize = 64;
 
@@ -103,6 +124,7 @@ struct Retired {
 
 struct Writer {
     alloc: Allocator,
+    index: IndexWriter,
     next_version: u64,
     /// Blocks past their epoch but maybe not their time grace, oldest first.
     waiting: VecDeque<Retired>,
@@ -118,15 +140,26 @@ pub struct Location {
     pub slot: u64,
 }
 
+/// A slot of the server's index: segment, bucket in it, slot in the bucket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Pos {
+    seg: u32,
+    bucket: usize,
+    slot: usize,
+}
+
 /// The store: a region laid out per [`RegionHeader`], and its writer.
 pub struct Store {
     region: Arc<Region>,
     header: RegionHeader,
     grace: Duration,
-    /// The server's own copy of every slot word (bucket-major, eight per
-    /// bucket), private to this process. The writer stores each slot here
-    /// and in the region; the server's lookups read only this copy.
-    index: Box<[AtomicU64]>,
+    /// The server's own copy of the index (directory and every word of
+    /// every segment), private to this process. The writer stores each
+    /// word here and in the region; the server's lookups read only this.
+    index: Index,
+    /// Segments retired by splits whose epoch has passed (from
+    /// crossbeam-epoch's deferred functions, as `epoch_done`).
+    segs_done: Arc<Mutex<Vec<(u32, Instant)>>>,
     /// Recovers from poisoning (`crate::lock`). A write's one commit point
     /// is its slot store; what it did before (take a block) that did not
     /// reach it is at worst leaked space, never a block both free and
@@ -147,7 +180,8 @@ pub struct Store {
 }
 
 impl Store {
-    /// Formats `region` with `bucket_count` buckets and an empty index.
+    /// Formats `region` with an empty index of `bucket_count` buckets to
+    /// start with (rounded up to whole segments); it grows from there.
     pub fn format(
         region: Arc<Region>,
         bucket_count: u64,
@@ -155,19 +189,19 @@ impl Store {
         epoch: u64,
         grace: Duration,
     ) -> Result<Store, dmkv_common::LayoutError> {
-        let header = RegionHeader::plan(region.len() as u64, bucket_count, hash_seed, epoch, grace.as_nanos() as u64)?;
-        region.write(0, &header.encode());
+        let segments = bucket_count.div_ceil(SEGMENT_BUCKETS as u64).max(1).next_power_of_two();
+        let header = RegionHeader::plan(region.len() as u64, segments, hash_seed, epoch, grace.as_nanos() as u64)?;
         let start = header.data_offset / UNIT as u64;
         let end = start + header.data_len / UNIT as u64;
-        // The formatted index is all zeros, and so is this copy of it.
-        let index = (0..header.bucket_count * SLOTS_PER_BUCKET as u64).map(|_| AtomicU64::new(Slot::EMPTY)).collect();
-        Ok(Store {
+        let store = Store {
             region,
             header,
             grace,
-            index,
+            index: Index::new((header.data_len / SEGMENT_LEN as u64) as usize, header.dir_depth),
+            segs_done: Arc::default(),
             writer: Mutex::new(Writer {
                 alloc: Allocator::new(start, end),
+                index: IndexWriter::new(),
                 next_version: 1,
                 waiting: VecDeque::new(),
                 scratch: Vec::new(),
@@ -176,7 +210,17 @@ impl Store {
             in_epoch: Arc::default(),
             counters: Counters::default(),
             log_limit: LogLimit::new(),
-        })
+        };
+        {
+            let mut w = lock(&store.writer);
+            // `plan` checked that the first segments fit.
+            store
+                .format_index(&mut w, segments)
+                .map_err(|_| dmkv_common::LayoutError::OutOfRange { field: "buckets", value: bucket_count })?;
+        }
+        // The header last: a reader that can see it finds a whole index.
+        store.region.write(0, &header.encode());
+        Ok(store)
     }
 
     /// How long retired space stays intact for one-sided readers.
@@ -194,42 +238,24 @@ impl Store {
         &self.region
     }
 
-    fn slot_offset(&self, bucket: u64, i: usize) -> u64 {
-        self.header.bucket_offset(bucket) + (i * 8) as u64
-    }
-
-    /// Slot `i` of `bucket` as the server itself last wrote it.
-    fn own_slot(&self, bucket: u64, i: usize) -> u64 {
-        // Acquire: pairs with `set_slot`'s release, so the item it points
-        // to is fully written before a lookup reads it.
-        self.index[bucket as usize * SLOTS_PER_BUCKET + i].load(Ordering::Acquire)
-    }
-
-    /// Publishes `v` as slot `i` of `bucket`, in the region (for one-sided
-    /// readers) and in the server's own copy. Writer only.
-    fn set_slot(&self, bucket: u64, i: usize, v: u64) {
-        self.region.store_slot(self.slot_offset(bucket, i), v);
-        self.index[bucket as usize * SLOTS_PER_BUCKET + i].store(v, Ordering::Release);
-    }
-
-    /// Compares the region's slot words of `bucket` with the server's own
-    /// and puts back any that differ: one-sided readers then find the
-    /// server's items again. Writer only (no store of its own races this).
-    fn audit_bucket(&self, bucket: u64) {
-        for i in 0..SLOTS_PER_BUCKET {
-            let own = self.own_slot(bucket, i);
-            let off = self.slot_offset(bucket, i);
+    /// Compares the region's words of bucket `b` of `seg` (header and
+    /// slots) with the server's own and puts back any that differ:
+    /// one-sided readers then find the server's items again. Writer only
+    /// (no store of its own races this).
+    fn audit_bucket(&self, seg: &Seg, b: usize) {
+        for w in 0..WORDS_PER_BUCKET {
+            let own = seg.word(b, w);
+            let off = seg.word_offset(b, w);
             let seen = self.region.load_slot(off);
             if seen != own {
                 let n = self.counters.foreign_slots.fetch_add(1, Ordering::Relaxed) + 1;
                 if self.log_limit.allow() {
                     warn!(
-                        bucket,
-                        slot = i,
+                        offset = off,
                         found = format_args!("{seen:#018x}"),
                         expected = format_args!("{own:#018x}"),
                         foreign_slots = n,
-                        "the region's index was written by someone else; restoring the server's slot"
+                        "the region's index was written by someone else; restoring the server's word"
                     );
                 }
                 self.region.store_slot(off, own);
@@ -286,12 +312,13 @@ impl Store {
             && &buf[layout::ITEM_HEADER_LEN..] == key
     }
 
-    /// Finds the slot holding `key` for a lookup: (bucket, index, slot),
-    /// with `buf` holding the verified item.
-    fn find(&self, kh: &KeyHash, key: &[u8], buf: &mut Vec<u8>) -> Option<(u64, usize, Slot)> {
+    /// Finds the slot holding `key` in `seg` for a lookup, with `buf`
+    /// holding the verified item.
+    fn find(&self, seg: &Seg, kh: &KeyHash, key: &[u8], buf: &mut Vec<u8>) -> Option<(usize, usize, Slot)> {
         for &b in &kh.buckets {
+            let b = usize::from(b);
             for i in 0..SLOTS_PER_BUCKET {
-                let Some(slot) = Slot::unpack(self.own_slot(b, i)) else { continue };
+                let Some(slot) = Slot::unpack(seg.slot(b, i)) else { continue };
                 if slot.fingerprint == kh.fingerprint
                     && self.read_verified(slot, buf)
                     && decode_item(buf).is_ok_and(|item| item.key == key)
@@ -311,17 +338,19 @@ impl Store {
     /// space for good.
     fn find_for_write(
         &self,
+        seg: &Seg,
         kh: &KeyHash,
         key: &[u8],
         buf: &mut Vec<u8>,
         guard: &epoch::Guard,
-    ) -> Option<(u64, usize, Slot)> {
+    ) -> Option<(usize, usize, Slot)> {
         for &b in &kh.buckets {
-            self.audit_bucket(b);
+            self.audit_bucket(seg, usize::from(b));
         }
         for &b in &kh.buckets {
+            let b = usize::from(b);
             for i in 0..SLOTS_PER_BUCKET {
-                let Some(slot) = Slot::unpack(self.own_slot(b, i)) else { continue };
+                let Some(slot) = Slot::unpack(seg.slot(b, i)) else { continue };
                 if slot.fingerprint != kh.fingerprint {
                     continue;
                 }
@@ -331,7 +360,7 @@ impl Store {
                 // Another key with the same fingerprint (rare), or an item
                 // scribbled over: only a full check tells them apart.
                 if !self.read_verified(slot, buf) {
-                    self.set_slot(b, i, Slot::EMPTY);
+                    self.set_slot(seg, b, i, Slot::EMPTY);
                     self.counters.items.fetch_sub(1, Ordering::Relaxed);
                     self.retire(slot, guard);
                 }
@@ -349,14 +378,18 @@ impl Store {
     pub fn get_located(&self, key: &[u8]) -> Result<Option<(Bytes, u64, Location)>, Error> {
         check_key(key)?;
         self.counters.gets.fetch_add(1, Ordering::Relaxed);
-        let kh = key_hash(key, self.header.hash_seed, self.header.bucket_count);
+        let kh = key_hash(key, self.header.hash_seed);
         let _guard = epoch::pin();
         let mut buf = Vec::new();
-        let Some((b, index, slot)) = self.find(&kh, key, &mut buf) else { return Ok(None) };
+        // A segment split after this read of the directory is frozen as it
+        // was, and not reused while this guard is pinned: the lookup sees
+        // the index as it was at some moment during it.
+        let (_, seg) = self.index.segment(&kh);
+        let Some((b, index, slot)) = self.find(seg, &kh, key, &mut buf) else { return Ok(None) };
         self.counters.get_hits.fetch_add(1, Ordering::Relaxed);
         let item = decode_item(&buf).expect("verified in find");
         let (version, start, len) = (item.version, layout::ITEM_HEADER_LEN + item.key.len(), item.value.len());
-        let which = if b == kh.buckets[0] { 0 } else { 1 };
+        let which = if b == usize::from(kh.buckets[0]) { 0 } else { 1 };
         let at = Location { which, index: index as u8, slot: slot.pack() };
         Ok(Some((Bytes::from(buf).slice(start..start + len), version, at)))
     }
@@ -367,22 +400,34 @@ impl Store {
     pub fn put(&self, key: &[u8], value: &[u8]) -> Result<u64, Error> {
         check_key(key)?;
         check_value(value)?;
-        let kh = key_hash(key, self.header.hash_seed, self.header.bucket_count);
+        let kh = key_hash(key, self.header.hash_seed);
         let units = item_units(key.len(), value.len());
         let guard = epoch::pin();
         let mut w = lock(&self.writer);
         let w = &mut *w;
         let mut probe = Vec::new();
-        let existing = self.find_for_write(&kh, key, &mut probe, &guard);
-        let target = match existing {
-            Some((b, i, _)) => (b, i),
-            None => match self.free_slot(&kh) {
-                Some(t) => t,
-                None => {
-                    self.counters.index_full.fetch_add(1, Ordering::Relaxed);
-                    return Err(Error::IndexFull);
+        self.reclaim_segments(w);
+        let mut splits = 0;
+        let (target, existing) = loop {
+            let (id, seg) = self.index.segment(&kh);
+            if let Some((b, i, old)) = self.find_for_write(seg, &kh, key, &mut probe, &guard) {
+                break (Pos { seg: id, bucket: b, slot: i }, Some(old));
+            }
+            if let Some((b, i)) = self.free_slot(seg, &kh) {
+                break (Pos { seg: id, bucket: b, slot: i }, None);
+            }
+            let split = if splits < MAX_SPLITS_PER_WRITE { self.split(w, id, &guard) } else { Err(Error::IndexFull) };
+            match split {
+                Ok(()) => splits += 1,
+                Err(e) => {
+                    let counter = match e {
+                        Error::OutOfMemory => &self.counters.out_of_memory,
+                        _ => &self.counters.index_full,
+                    };
+                    counter.fetch_add(1, Ordering::Relaxed);
+                    return Err(e);
                 }
-            },
+            }
         };
         self.reclaim(w, &guard);
         let Some(at) = w.alloc.alloc(units) else {
@@ -398,11 +443,11 @@ impl Store {
         // the item's units.
         self.region.write(offset, &w.scratch);
         let new_slot = Slot::new(kh.fingerprint, offset, units);
-        self.set_slot(target.0, target.1, new_slot.pack());
+        self.set_slot(self.index.seg(target.seg), target.bucket, target.slot, new_slot.pack());
         self.counters.puts.fetch_add(1, Ordering::Relaxed);
         self.counters.used_bytes.fetch_add((units * UNIT) as u64, Ordering::Relaxed);
         match existing {
-            Some((_, _, old)) => self.retire(old, &guard),
+            Some(old) => self.retire(old, &guard),
             None => {
                 self.counters.items.fetch_add(1, Ordering::Relaxed);
             }
@@ -413,12 +458,13 @@ impl Store {
     /// Removes `key`; returns whether it existed.
     pub fn delete(&self, key: &[u8]) -> Result<bool, Error> {
         check_key(key)?;
-        let kh = key_hash(key, self.header.hash_seed, self.header.bucket_count);
+        let kh = key_hash(key, self.header.hash_seed);
         let guard = epoch::pin();
         let _w = lock(&self.writer);
         let mut probe = Vec::new();
-        let Some((b, i, old)) = self.find_for_write(&kh, key, &mut probe, &guard) else { return Ok(false) };
-        self.set_slot(b, i, Slot::EMPTY);
+        let (_, seg) = self.index.segment(&kh);
+        let Some((b, i, old)) = self.find_for_write(seg, &kh, key, &mut probe, &guard) else { return Ok(false) };
+        self.set_slot(seg, b, i, Slot::EMPTY);
         self.counters.deletes.fetch_add(1, Ordering::Relaxed);
         self.counters.items.fetch_sub(1, Ordering::Relaxed);
         self.retire(old, &guard);
@@ -426,13 +472,14 @@ impl Store {
     }
 
     /// An empty slot in the emptier candidate bucket, to spread load.
-    fn free_slot(&self, kh: &KeyHash) -> Option<(u64, usize)> {
-        let mut best: Option<(usize, u64, usize)> = None;
+    fn free_slot(&self, seg: &Seg, kh: &KeyHash) -> Option<(usize, usize)> {
+        let mut best: Option<(usize, usize, usize)> = None;
         for &b in &kh.buckets {
+            let b = usize::from(b);
             let mut empties = 0;
             let mut first = None;
             for i in 0..SLOTS_PER_BUCKET {
-                if self.own_slot(b, i) == Slot::EMPTY {
+                if seg.slot(b, i) == Slot::EMPTY {
                     empties += 1;
                     first.get_or_insert(i);
                 }
@@ -478,6 +525,7 @@ impl Store {
             w.alloc.free(r.at, r.units);
             w.waiting.pop_front();
         }
+        self.reclaim_segments(w);
     }
 
     /// If space is waiting out its grace period, how long until the oldest
@@ -521,9 +569,16 @@ impl Store {
         start..start + self.header.data_len / UNIT as u64
     }
 
-    /// Number of index slots.
-    pub fn slot_count(&self) -> u64 {
-        self.header.bucket_count * SLOTS_PER_BUCKET as u64
+    /// The index's figures now.
+    pub fn index_stats(&self) -> IndexStats {
+        let w = lock(&self.writer);
+        IndexStats {
+            segments: w.index.live,
+            slots: w.index.live * (SEGMENT_BUCKETS * SLOTS_PER_BUCKET) as u64,
+            splits: w.index.splits,
+            max_depth: u64::from(w.index.max_depth),
+            dir_depth: self.header.dir_depth,
+        }
     }
 
     /// Test hook: scribbles over `key`'s entry in the shared region as a
@@ -535,17 +590,20 @@ impl Store {
     /// must keep the server working. Returns whether `key` was found.
     #[doc(hidden)]
     pub fn scribble_for_tests(&self, key: &[u8], garble_item: bool) -> bool {
-        let kh = key_hash(key, self.header.hash_seed, self.header.bucket_count);
+        let kh = key_hash(key, self.header.hash_seed);
+        let _guard = epoch::pin();
         let _w = lock(&self.writer);
         let mut buf = Vec::new();
-        let Some((b, i, slot)) = self.find(&kh, key, &mut buf) else { return false };
+        let (_, seg) = self.index.segment(&kh);
+        let Some((b, i, slot)) = self.find(seg, &kh, key, &mut buf) else { return false };
         let offset_bits = (1u64 << 33) - 1;
-        self.region.store_slot(self.slot_offset(b, i), slot.pack() ^ offset_bits);
+        self.region.store_slot(seg.word_offset(b, i + 1), slot.pack() ^ offset_bits);
         let bogus = Slot { fingerprint: kh.fingerprint, units: 3, offset_units: offset_bits - 5 }.pack();
         for &b in &kh.buckets {
+            let b = usize::from(b);
             for i in 0..SLOTS_PER_BUCKET {
-                if self.own_slot(b, i) == Slot::EMPTY {
-                    self.region.store_slot(self.slot_offset(b, i), bogus);
+                if seg.slot(b, i) == Slot::EMPTY {
+                    self.region.store_slot(seg.word_offset(b, i + 1), bogus);
                 }
             }
         }
@@ -610,6 +668,78 @@ mod tests {
         }
     }
 
+    /// Small values fill memory, not the index: it grows from one segment
+    /// until the data area itself is full.
+    #[test]
+    fn the_index_grows_until_memory_is_full() {
+        let s = store(8, 64, Duration::ZERO);
+        assert_eq!(s.index_stats().segments, 1);
+        let mut n = 0u32;
+        let err = loop {
+            match s.put(format!("key{n}").as_bytes(), &n.to_le_bytes().repeat(4)) {
+                Ok(_) => n += 1,
+                Err(e) => break e,
+            }
+        };
+        assert_eq!(err, Error::OutOfMemory, "after {n} items");
+        let space = s.space();
+        let used = space.used as f64 / (space.used + space.free) as f64;
+        assert!(used >= 0.9, "only {:.1} % of the data area used at the first refusal", used * 100.0);
+        let ix = s.index_stats();
+        assert!(ix.splits > 100 && ix.segments > 100, "{ix:?}");
+        for i in 0..n {
+            assert_eq!(s.get(format!("key{i}").as_bytes()).unwrap().unwrap().0, i.to_le_bytes().repeat(4), "key{i}");
+        }
+        // Deletes and new keys keep working in the grown index.
+        for i in (0..n).step_by(2) {
+            assert!(s.delete(format!("key{i}").as_bytes()).unwrap());
+        }
+        for i in 0..n / 4 {
+            s.put(format!("new{i}").as_bytes(), b"v").unwrap();
+        }
+    }
+
+    /// The server's own lock-free lookups race the writer's splits: every
+    /// key acknowledged before a lookup started is found, with its value.
+    #[test]
+    fn lookups_racing_splits_never_miss() {
+        use std::sync::atomic::AtomicBool;
+        let s = Arc::new(store(16, 64, Duration::from_millis(1)));
+        let acked = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let readers: Vec<_> = (0..2u64)
+            .map(|t| {
+                let (s, acked, stop) = (Arc::clone(&s), Arc::clone(&acked), Arc::clone(&stop));
+                std::thread::spawn(move || {
+                    let mut x = t + 1;
+                    let mut checked = 0u64;
+                    while !stop.load(Ordering::Relaxed) {
+                        let n = acked.load(Ordering::Acquire);
+                        if n == 0 {
+                            continue;
+                        }
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        let i = x % n;
+                        let got = s.get(format!("key{i}").as_bytes()).unwrap();
+                        assert_eq!(got.map(|(v, _)| v), Some(Bytes::from(format!("value{i}"))), "key{i} of {n}");
+                        checked += 1;
+                    }
+                    checked
+                })
+            })
+            .collect();
+        for i in 0..60_000u64 {
+            s.put(format!("key{i}").as_bytes(), format!("value{i}").as_bytes()).unwrap();
+            acked.store(i + 1, Ordering::Release);
+        }
+        stop.store(true, Ordering::Relaxed);
+        let checked: u64 = readers.into_iter().map(|r| r.join().unwrap()).sum();
+        assert!(s.index_stats().splits > 50, "{:?}", s.index_stats());
+        assert!(checked > 1000, "{checked}");
+    }
+
     #[test]
     fn space_is_reused_only_after_the_grace_period() {
         let s = store(2, 64, Duration::from_secs(3600));
@@ -661,12 +791,13 @@ mod tests {
         assert!(s.counters.foreign_slots.load(Ordering::Relaxed) >= 30);
         assert_eq!(s.counters.items.load(Ordering::Relaxed), 300);
         // The region's index is the server's again, for one-sided readers.
-        for b in 0..s.header.bucket_count {
-            for i in 0..SLOTS_PER_BUCKET {
-                let (own, seen) = (s.own_slot(b, i), s.region.load_slot(s.slot_offset(b, i)));
-                let touched = (0..30u32).any(|k| key_hash(format!("k{k}").as_bytes(), 7, 1024).buckets.contains(&b));
-                if touched {
-                    assert_eq!(own, seen, "bucket {b} slot {i} not repaired");
+        for k in 0..30u32 {
+            let kh = key_hash(format!("k{k}").as_bytes(), 7);
+            let (_, seg) = s.index.segment(&kh);
+            for b in kh.buckets.map(usize::from) {
+                for w in 0..WORDS_PER_BUCKET {
+                    let (own, seen) = (seg.word(b, w), s.region.load_slot(seg.word_offset(b, w)));
+                    assert_eq!(own, seen, "bucket {b} word {w} not repaired");
                 }
             }
         }

@@ -8,7 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dmkv_common::error::Error;
-use dmkv_common::layout::item_units;
+use dmkv_common::layout::{SEGMENT_UNITS, item_units};
+use dmkv_common::limits::UNIT;
 use dmkv_server::compact::{Compactor, GUARANTEED_PERCENT, Mode};
 use dmkv_server::region::Region;
 use dmkv_server::store::Store;
@@ -156,6 +157,9 @@ fn run_phases(seed: u64, phases: &[(Sizes, u8)], ops_per_phase: usize, mode: Mod
     let mut keys: Vec<u32> = Vec::new();
     let mut live = 0u64;
     let units = |k: u32, len: usize| item_units(k.to_string().len(), len) as u64;
+    // The index lives in the data area too, and counts as live (it grows
+    // as keys need it).
+    let index_units = || s.counters.index_bytes.load(std::sync::atomic::Ordering::Relaxed) / UNIT as u64;
     let mut seq = 0u64;
     let mut refused = 0;
     for &(sizes, fill_percent) in phases {
@@ -167,7 +171,7 @@ fn run_phases(seed: u64, phases: &[(Sizes, u8)], ops_per_phase: usize, mode: Mod
             let k = if overwrite { keys[rng.random_range(0..keys.len())] } else { rng.random::<u32>() };
             let old = model.get(&k).map_or(0, |&(_, l)| units(k, l));
             // Delete random others until the new item fits the phase's level.
-            while live - old + units(k, len) > target && keys.len() > 1 {
+            while live + index_units() - old + units(k, len) > target && keys.len() > 1 {
                 let i = rng.random_range(0..keys.len());
                 let d = keys[i];
                 if d == k {
@@ -193,9 +197,12 @@ fn run_phases(seed: u64, phases: &[(Sizes, u8)], ops_per_phase: usize, mode: Mod
                     let space = s.space();
                     let n = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
                     let cs = &s.counters;
+                    let index = index_units();
+                    // A write that splits a segment needs two new ones.
+                    let split = 2 * SEGMENT_UNITS as u64;
                     prop_assert!(
-                        live - old + units(k, len) > cap,
-                        "PUT of {len} B refused ({e}) with {live} live units of {cap} guaranteed: {space:?}; \
+                        live + index - old + units(k, len) + split > cap,
+                        "PUT of {len} B refused ({e}) with {live} live units and {index} of index, of {cap} guaranteed: {space:?}; \
                          in epoch {} retired {:?}; compactor: {} demands, {} ranges, {} done, {} abandoned, {} moves",
                         s.in_epoch_units(),
                         s.reclaim_wait(),

@@ -196,3 +196,54 @@ pub fn engine_connect(addr: &str, token: Option<&dmkv_common::auth::Token>) -> (
     s.read_exact(&mut status).expect("handshake status");
     (s, status[0])
 }
+
+/// Grows a server's index while a test runs: a thread storing new small
+/// keys (`grow-N`, never read by the tests' checks) over RPC, paced so
+/// that it leaves the machine to the test, until stopped or the store is
+/// full. Start the server with `--buckets 64` (one segment) and the index
+/// splits all the while.
+pub struct Grower {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    handle: Option<std::thread::JoinHandle<u64>>,
+}
+
+impl Grower {
+    /// Keys stored per burst, and the pause after each.
+    const BURST: u64 = 100;
+    const PAUSE: Duration = Duration::from_millis(5);
+
+    /// Starts storing keys at the server whose RPC address is `rpc`.
+    pub fn start(rpc: &str) -> Grower {
+        use std::sync::atomic::Ordering;
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (rpc, flag) = (rpc.to_string(), std::sync::Arc::clone(&stop));
+        let handle = std::thread::spawn(move || {
+            let cfg = dmkv_client::ClientConfig { read_path: dmkv_client::ReadPath::Rpc, ..Default::default() };
+            let c = dmkv_client::blocking::Client::connect_with(&rpc, cfg).expect("grower connects");
+            let mut n = 0u64;
+            'run: while !flag.load(Ordering::Relaxed) {
+                for _ in 0..Self::BURST {
+                    if c.put(format!("grow-{n}"), "g").is_err() {
+                        break 'run;
+                    }
+                    n += 1;
+                }
+                std::thread::sleep(Self::PAUSE);
+            }
+            n
+        });
+        Grower { stop, handle: Some(handle) }
+    }
+
+    /// Stops and says how many keys it stored.
+    pub fn stop(mut self) -> u64 {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.handle.take().map_or(0, |h| h.join().expect("grower thread"))
+    }
+}
+
+impl Drop for Grower {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}

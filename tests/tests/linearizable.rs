@@ -11,7 +11,7 @@
 use std::sync::{Arc, Barrier, Mutex};
 
 use dmkv_client::{ClientConfig, ReadPath, Transport, blocking::Client};
-use dmkv_tests::ServerProcess;
+use dmkv_tests::{Grower, ServerProcess};
 use stateright::semantics::register::{Register, RegisterOp, RegisterRet};
 use stateright::semantics::{ConsistencyTester, LinearizabilityTester};
 
@@ -33,7 +33,8 @@ fn parse(v: Option<bytes::Bytes>) -> u64 {
 fn one_sided_gets_racing_puts_are_linearizable() {
     // The compactor moves every item again and again meanwhile: a move
     // must be as invisible to readers as it is to the history.
-    let srv = ServerProcess::start(&["--memory", "32MiB", "--compactor", "continuous"]);
+    // And the index grows from one segment meanwhile: reads race splits.
+    let srv = ServerProcess::start(&["--memory", "32MiB", "--compactor", "continuous", "--buckets", "64"]);
     let rpc = |path| ClientConfig { read_path: path, pool_size: 1, ..Default::default() };
     let setup = Client::connect_with(&srv.rpc, rpc(ReadPath::Rpc)).unwrap();
     // Threads 0-1 write over RPC; 2 reads over shm, 3 over the TCP engine,
@@ -55,6 +56,7 @@ fn one_sided_gets_racing_puts_are_linearizable() {
         ),
     ];
     let gets_before = setup.stats().unwrap()["gets"];
+    let grower = Grower::start(&srv.rpc);
     for round in 0..ROUNDS {
         let key = format!("lin-{round}");
         setup.put(&key, "0").unwrap();
@@ -96,6 +98,10 @@ fn one_sided_gets_racing_puts_are_linearizable() {
         }
         assert!(tester.is_consistent(), "round {round}: history is not linearizable:\n{log:#?}");
     }
+    let grown = grower.stop();
+    let splits = setup.stats().unwrap()["index_splits"];
+    println!("{grown} keys added during the rounds, {splits} index segment splits");
+    assert!(splits > 0, "the index did not grow: the rounds did not race splits");
     let moves = setup.stats().unwrap()["compactor_moves"];
     println!("the compactor moved {moves} items during the rounds");
     assert!(moves > 0, "the compactor moved nothing: the rounds did not race it");

@@ -118,6 +118,47 @@ async fn one_sided_reads_follow_items_the_compactor_moves() {
     assert!(moved > 500, "the compactor moved only {moved} items while the readers read");
 }
 
+/// One-sided readers keep reading while the index grows under them: a
+/// split makes their cached directory entries stale, which they notice in
+/// the bucket read and mend with one 8-byte read, never asking the server.
+#[tokio::test]
+async fn one_sided_reads_follow_a_growing_index() {
+    let srv = ServerProcess::start(&["--memory", "32MiB", "--buckets", "64", "--grace-ms", "20"]);
+    let setup = Client::connect_with(&srv.rpc, cfg(ReadPath::Rpc, None)).await.unwrap();
+    let value = |i: usize| format!("grown-{i}").into_bytes();
+    for i in 0..300 {
+        setup.put(format!("gk{i}"), value(i)).await.unwrap();
+    }
+    let splits_before = setup.stats().await.unwrap()["index_splits"];
+    let grower = dmkv_tests::Grower::start(&srv.rpc);
+    for t in [Transport::Shm, Transport::Tcp] {
+        let c = Client::connect_with(&srv.rpc, cfg(ReadPath::OneSided, Some(t))).await.unwrap();
+        let gets_before = server_gets(&setup).await;
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(3);
+        let mut gets = 0u64;
+        while tokio::time::Instant::now() < deadline {
+            for i in 0..300 {
+                let got = c.get(format!("gk{i}")).await.unwrap();
+                assert_eq!(got.as_deref(), Some(&value(i)[..]), "{t:?} gk{i}");
+                gets += 1;
+            }
+        }
+        assert_eq!(server_gets(&setup).await, gets_before, "{t:?}: a GET reached the server");
+        let rs = c.read_stats();
+        println!(
+            "{t:?}: {gets} GETs, {} stale directory entries, {} directory reads ({:.4} extra reads per GET): {rs:?}",
+            rs.stale_directory,
+            rs.directory_reads,
+            rs.directory_reads as f64 / gets as f64
+        );
+        assert!(rs.stale_directory > 0, "{t:?}: no reader saw a split");
+    }
+    let grown = grower.stop();
+    let splits = setup.stats().await.unwrap()["index_splits"] - splits_before;
+    println!("{grown} keys added, {splits} splits while the readers read");
+    assert!(splits > 0);
+}
+
 #[tokio::test]
 async fn forced_transport_without_support_fails_clearly() {
     let srv = ServerProcess::start(&["--memory", "16MiB", "--no-shm", "--no-engine"]);

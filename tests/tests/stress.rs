@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use dmkv_client::{Client, ClientConfig, ReadPath, Transport};
-use dmkv_tests::ServerProcess;
+use dmkv_tests::{Grower, ServerProcess};
 use rand::{Rng, SeedableRng, rngs::SmallRng};
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -304,6 +304,12 @@ fn run_reader(rpc: &str, transport: &str, secs: f64, enforce: bool, keys: usize,
         .unwrap_or_else(|| panic!("no result from reader ({transport}): {text}"))
 }
 
+/// One STATS counter of the server at `rpc`.
+fn stat(rpc: &str, name: &str) -> u64 {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async { Client::connect(rpc).await.unwrap().stats().await.unwrap()[name] })
+}
+
 #[test]
 fn racing_writers_and_reader_processes() {
     let secs: f64 = std::env::var("DMKV_STRESS_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(6.0);
@@ -324,7 +330,17 @@ fn racing_writers_and_reader_processes() {
     for (mode, grace_ms, enforce, keys) in [("tearing", "0", false, TEARING_KEYS), ("default", "100", true, KEYS)] {
         // The compactor moves items all the time too, so reads race moves
         // as well as overwrites.
-        let srv = ServerProcess::start(&["--memory", "32MiB", "--grace-ms", grace_ms, "--compactor", "continuous"]);
+        // And the index grows from one segment while they run.
+        let srv = ServerProcess::start(&[
+            "--memory",
+            "32MiB",
+            "--grace-ms",
+            grace_ms,
+            "--compactor",
+            "continuous",
+            "--buckets",
+            "64",
+        ]);
         // Every key exists before the readers start, so "not found" is always wrong.
         {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
@@ -337,6 +353,8 @@ fn racing_writers_and_reader_processes() {
                 }
             });
         }
+        let splits_before = stat(&srv.rpc, "index_splits");
+        let grower = Grower::start(&srv.rpc);
         let mut writers = Writers::start(&srv.rpc, seed, keys, !enforce);
         let readers: Vec<_> = transports
             .iter()
@@ -347,6 +365,10 @@ fn racing_writers_and_reader_processes() {
             .collect();
         let results: Vec<(&str, ReaderResult)> = readers.into_iter().map(|h| h.join().unwrap()).collect();
         let writes = writers.stop();
+        let grown = grower.stop();
+        let splits = stat(&srv.rpc, "index_splits") - splits_before;
+        println!("stress {mode}: {grown} keys added meanwhile, {splits} index segment splits");
+        assert!(splits > 0, "{mode}: the index did not grow: reads did not race splits");
         let moves = {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
             rt.block_on(async {

@@ -5,6 +5,7 @@
 //! backend: [`shm`] (the region mapped in this process) or [`engine`] (the
 //! server's software one-sided engine over TCP).
 
+mod directory;
 pub mod engine;
 mod hints;
 #[cfg(feature = "rdma")]
@@ -17,14 +18,16 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use dmkv_common::layout::{LAYOUT_VERSION, RegionHeader};
+use dmkv_common::layout::{DirEntry, KeyHash, LAYOUT_VERSION, RegionHeader, key_hash};
 use dmkv_common::proto::{RegionDescriptor, RegionInfoReply};
 use dmkv_common::read::{
-    AfterBuckets, Hint, Lookup, MAX_ATTEMPTS, MAX_BATCH_KEYS, Outcome, ReadSpec, Retry, next_batch_keys,
+    AfterBuckets, Hint, Lookup, MAX_ATTEMPTS, MAX_BATCH_KEYS, Outcome, ReadSpec, Retry, dir_read, judge_dir_entry,
+    next_batch_keys,
 };
 use thiserror::Error;
 
 use crate::client::{Transport, Versioned};
+use directory::DirCache;
 use hints::HintCache;
 
 /// Most keys whose item address is cached per server.
@@ -109,6 +112,11 @@ pub struct ReadCounters {
     pub other_key: AtomicU64,
     /// Attempts abandoned because they outlasted the grace period.
     pub slow: AtomicU64,
+    /// Attempts abandoned because the cached directory entry was stale
+    /// (the segment had split): the entry is read again.
+    pub stale_directory: AtomicU64,
+    /// Directory entries read (first use, or after a stale one).
+    pub directory_reads: AtomicU64,
     /// GETs that used up their attempts and went over RPC.
     pub fallbacks: AtomicU64,
 }
@@ -121,6 +129,8 @@ pub struct ReadStats {
     pub torn: u64,
     pub other_key: u64,
     pub slow: u64,
+    pub stale_directory: u64,
+    pub directory_reads: u64,
     pub fallbacks: u64,
 }
 
@@ -134,6 +144,8 @@ impl ReadCounters {
             torn: l(&self.torn),
             other_key: l(&self.other_key),
             slow: l(&self.slow),
+            stale_directory: l(&self.stale_directory),
+            directory_reads: l(&self.directory_reads),
             fallbacks: l(&self.fallbacks),
         }
     }
@@ -143,6 +155,7 @@ impl ReadCounters {
             Retry::Torn => &self.torn,
             Retry::OtherKey => &self.other_key,
             Retry::Slow => &self.slow,
+            Retry::StaleDirectory => &self.stale_directory,
         };
         c.fetch_add(1, Ordering::Relaxed);
     }
@@ -168,6 +181,7 @@ pub enum OneSidedGet {
 /// An attached one-sided path to one server's region.
 pub struct OneSided {
     header: RegionHeader,
+    dir: DirCache,
     backend: Backend,
     transport: Transport,
     hints: Mutex<HintCache>,
@@ -266,6 +280,7 @@ pub async fn attach(
             Ok(backend) => {
                 return Ok(OneSided {
                     header,
+                    dir: DirCache::new(header.dir_depth),
                     backend,
                     transport: t,
                     hints: Mutex::new(HintCache::new(hint_entries)),
@@ -321,7 +336,7 @@ fn header_of(d: &RegionDescriptor) -> Result<RegionHeader, BackendError> {
     }
     let h = RegionHeader {
         epoch: d.epoch,
-        bucket_count: d.bucket_count,
+        dir_depth: d.directory_depth,
         hash_seed: d.hash_seed,
         index_offset: d.index_offset,
         data_offset: d.data_offset,
@@ -340,6 +355,8 @@ fn local_host_id() -> String {
 /// One key's progress through a (multi-)GET.
 struct Pending<'k> {
     key: &'k [u8],
+    kh: KeyHash,
+    segment: DirEntry,
     look: Lookup,
     hint: Option<Hint>,
     first: Range<usize>,
@@ -375,10 +392,32 @@ impl OneSided {
         self.clock.elapsed().as_nanos() as u64
     }
 
-    fn lookup(&self, key: &[u8]) -> (Lookup, Option<Hint>) {
+    fn lookup(&self, key: &[u8], kh: KeyHash, segment: DirEntry) -> (Lookup, Option<Hint>) {
         let hint = self.hints.lock().expect("hints poisoned").get(key);
-        let look = Lookup::new(key, &self.header, hint, self.now());
+        let look = Lookup::with_hash(kh, &self.header, segment, hint, self.now());
         (if self.enforce_grace { look } else { look.without_grace_check() }, hint)
+    }
+
+    /// The directory entry of each of `todo`'s keys (hashed in `hashes`),
+    /// reading those not cached in one batch (`None` where that read did
+    /// not give one); and whether it read any.
+    async fn directory_entries(&self, hashes: &[KeyHash]) -> Result<(Vec<Option<DirEntry>>, bool), BackendError> {
+        let mut entries: Vec<Option<DirEntry>> = hashes.iter().map(|kh| self.dir.get(kh)).collect();
+        let missing: Vec<usize> = (0..hashes.len()).filter(|&j| entries[j].is_none()).collect();
+        if missing.is_empty() {
+            return Ok((entries, false));
+        }
+        let specs: Vec<ReadSpec> = missing.iter().map(|&j| dir_read(&hashes[j], &self.header)).collect();
+        let mut reads = Reads::default();
+        self.backend.read(&specs, &mut reads).await?;
+        self.counters.directory_reads.fetch_add(specs.len() as u64, Ordering::Relaxed);
+        for (n, &j) in missing.iter().enumerate() {
+            entries[j] = reads.get(n).and_then(|b| judge_dir_entry(b, &self.header));
+            if let Some(e) = entries[j] {
+                self.dir.put(&hashes[j], e);
+            }
+        }
+        Ok((entries, true))
     }
 
     /// GETs `key` with one-sided reads, at most [`MAX_ATTEMPTS`] attempts.
@@ -451,18 +490,32 @@ impl OneSided {
         todo: &[usize],
         results: &mut [Option<OneSidedGet>],
     ) -> Result<(Vec<usize>, u32), BackendError> {
+        let mut retry = Vec::new();
+        // A key's first GET, or its first after a split, reads its
+        // directory entry first: one more round trip.
+        let hashes: Vec<KeyHash> = todo.iter().map(|&i| key_hash(keys[i].as_ref(), self.header.hash_seed)).collect();
+        let (entries, dir_read) = self.directory_entries(&hashes).await?;
+        let dir_round = u32::from(dir_read);
         let mut specs = Vec::with_capacity(todo.len() * 3);
         let mut pend: Vec<(usize, Pending)> = Vec::with_capacity(todo.len());
-        for &i in todo {
+        for ((&i, kh), entry) in todo.iter().zip(hashes).zip(entries) {
             let key = keys[i].as_ref();
-            let (look, hint) = self.lookup(key);
+            let Some(segment) = entry else {
+                // A torn or refused entry read.
+                self.counters.retry(Retry::Torn);
+                retry.push(i);
+                continue;
+            };
+            let (look, hint) = self.lookup(key, kh, segment);
             let start = specs.len();
             look.first_reads(&mut specs);
-            pend.push((i, Pending { key, look, hint, first: start..specs.len(), items: 0..0 }));
+            pend.push((i, Pending { key, kh, segment, look, hint, first: start..specs.len(), items: 0..0 }));
+        }
+        if pend.is_empty() {
+            return Ok((retry, dir_round));
         }
         let mut reads = Reads::default();
         self.backend.read(&specs, &mut reads).await?;
-        let mut retry = Vec::new();
         let mut item_specs = Vec::new();
         let mut second = Vec::new();
         for (i, mut p) in pend {
@@ -481,6 +534,9 @@ impl OneSided {
                 }
                 AfterBuckets::Miss => results[i] = Some(self.missing(p.key)),
                 AfterBuckets::Retry(r) => {
+                    if r == Retry::StaleDirectory {
+                        self.dir.forget(&p.kh, p.segment);
+                    }
                     self.counters.retry(r);
                     retry.push(i);
                 }
@@ -493,7 +549,7 @@ impl OneSided {
             }
         }
         if second.is_empty() {
-            return Ok((retry, 1));
+            return Ok((retry, 1 + dir_round));
         }
         let mut items = Reads::default();
         self.backend.read(&item_specs, &mut items).await?;
@@ -508,7 +564,7 @@ impl OneSided {
                 }
             }
         }
-        Ok((retry, 2))
+        Ok((retry, 2 + dir_round))
     }
 
     fn found(&self, key: &[u8], item: &[u8], h: &dmkv_common::read::Hit) -> OneSidedGet {

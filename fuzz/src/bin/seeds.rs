@@ -42,7 +42,7 @@ fn responses() -> Vec<Response> {
             epoch: 2,
             length: 1 << 26,
             rkey: 77,
-            bucket_count: 1024,
+            directory_depth: 10,
             ..Default::default()
         }],
         shm_socket: "/s".into(),

@@ -16,7 +16,7 @@ use std::sync::atomic::Ordering;
 
 use crossbeam_epoch as epoch;
 use dmkv_common::layout::Slot;
-use dmkv_common::limits::{SLOTS_PER_BUCKET, UNIT};
+use dmkv_common::limits::{UNIT, WORDS_PER_BUCKET};
 
 use super::Store;
 
@@ -28,6 +28,7 @@ use crate::lock::lock;
 /// and the slot word it had when it was listed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Candidate {
+    seg: u32,
     pos: usize,
     word: u64,
 }
@@ -90,13 +91,24 @@ impl Store {
         // Every item allocated in the range was published before the park
         // (under the lock just released), and none can be allocated there
         // since: this scan sees them all.
+        // Retired segments hold frozen copies of slots that live on in
+        // their halves: only live segments are scanned (one that retires
+        // meanwhile makes its candidates `Gone`, and the range may then be
+        // given up on).
         let mut found = Vec::new();
-        for pos in 0..self.index.len() {
-            let word = self.index[pos].load(Ordering::Acquire);
-            let Some(slot) = Slot::unpack(word) else { continue };
-            let end = slot.offset_units + u64::from(slot.units);
-            if slot.offset_units < range.end && end > range.start {
-                found.push(Candidate { pos, word });
+        for (id, seg) in self.index.all() {
+            if !seg.live.load(Ordering::Acquire) {
+                continue;
+            }
+            for (pos, word) in seg.words() {
+                if pos % WORDS_PER_BUCKET == 0 {
+                    continue;
+                }
+                let Some(slot) = Slot::unpack(word) else { continue };
+                let end = slot.offset_units + u64::from(slot.units);
+                if slot.offset_units < range.end && end > range.start {
+                    found.push(Candidate { seg: id, pos, word });
+                }
             }
         }
         Some(found)
@@ -120,11 +132,12 @@ impl Store {
     /// units at `to` (as many as the item has). On anything but `Moved`
     /// those units are still the caller's.
     pub fn relocate(&self, c: &Candidate, to: u64) -> Relocation {
-        let (bucket, i) = ((c.pos / SLOTS_PER_BUCKET) as u64, c.pos % SLOTS_PER_BUCKET);
+        let (bucket, i) = (c.pos / WORDS_PER_BUCKET, c.pos % WORDS_PER_BUCKET - 1);
         let guard = epoch::pin();
         let mut w = lock(&self.writer);
         let w = &mut *w;
-        if self.own_slot(bucket, i) != c.word {
+        let seg = self.index.seg(c.seg);
+        if !seg.live.load(Ordering::Acquire) || seg.slot(bucket, i) != c.word {
             return Relocation::Gone;
         }
         let Some(old) = Slot::unpack(c.word) else { return Relocation::Gone };
@@ -132,7 +145,7 @@ impl Store {
         if !self.read_verified(old, &mut buf) {
             // Its value is lost either way (as in `find_for_write`); left
             // linked it would pin the range for good.
-            self.set_slot(bucket, i, Slot::EMPTY);
+            self.set_slot(seg, bucket, i, Slot::EMPTY);
             self.counters.items.fetch_sub(1, Ordering::Relaxed);
             self.retire(old, &guard);
             w.scratch = buf;
@@ -141,7 +154,7 @@ impl Store {
         debug_assert!(w.alloc.parked().is_none_or(|r| to + u64::from(old.units) <= r.start || r.end <= to));
         self.region.write(to * UNIT as u64, &buf);
         let new = Slot { offset_units: to, ..old };
-        self.set_slot(bucket, i, new.pack());
+        self.set_slot(seg, bucket, i, new.pack());
         let bytes = u64::from(old.units) * UNIT as u64;
         self.retire(old, &guard);
         // `retire` took the old copy's bytes off the live count; the new
