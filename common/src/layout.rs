@@ -9,15 +9,15 @@
 //! ```
 //!
 //! * The **index** is extendible hashing: a directory of 2^`dir_depth`
-//!   8-byte entries, each naming the **segment** (64 buckets, 4 KiB, taken
+//!   8-byte entries, each naming the **segment** (32 buckets, 4 KiB, taken
 //!   from the data area like an item) that serves the keys whose hash ends
 //!   in that entry's index. A segment of local depth L serves every key
 //!   whose hash's low L bits are its suffix, so 2^(dir_depth - L) entries
 //!   name it. A full segment splits into two of depth L+1: the index grows
 //!   a segment at a time, while readers keep reading (docs/one-sided.md).
-//! * A **bucket** (64 bytes) is a header word, saying which keys the
+//! * A **bucket** (128 bytes) is a header word, saying which keys the
 //!   segment serves (depth, suffix) and which incarnation of it this is,
-//!   then seven slots. A reader checks the header against its key in the
+//!   then fifteen slots. A reader checks the header against its key in the
 //!   same read as the slots, so a stale directory entry is detected there.
 //! * A **slot** (8 bytes) packs a 16-bit key fingerprint, the item's length
 //!   in units (15 bits) and its offset in units (33 bits), so one 8-byte

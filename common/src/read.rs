@@ -708,7 +708,7 @@ mod tests {
         let off = sim.find(b"k").unwrap();
         let slot = Slot::unpack(sim.word(off)).unwrap();
         let (mut look, specs, mut bufs) = first_batch(&sim, b"k");
-        let which = specs.iter().position(|s| (s.offset..s.offset + 64).contains(&off)).unwrap();
+        let which = specs.iter().position(|s| (s.offset..s.offset + BUCKET_LEN as u64).contains(&off)).unwrap();
         let at = (off - specs[which].offset) as usize;
         // Keep fingerprint and length, lose the offset bits.
         let torn = slot.pack() & !((1u64 << 33) - 1);
@@ -779,7 +779,7 @@ mod tests {
         let off = sim.find(b"k").unwrap();
         let which = (0..2).find(|&w| {
             let b = entry.bucket_offset(kh.buckets[w]);
-            (b..b + 64).contains(&off)
+            (b..b + BUCKET_LEN as u64).contains(&off)
         });
         let which = which.unwrap() as u8;
         let index = ((off - entry.bucket_offset(kh.buckets[which as usize])) / 8 - 1) as u8;

@@ -19,7 +19,7 @@ pub const DEFAULT_LISTEN: &str = "127.0.0.1:7070";
 pub const DEFAULT_MEMORY: u64 = 256 << 20;
 /// Default time a retired item stays intact for one-sided readers.
 pub const DEFAULT_GRACE: Duration = Duration::from_millis(100);
-/// Default first index size: one bucket (7 slots) per this many bytes of
+/// Default first index size: one bucket (15 slots) per this many bytes of
 /// region, so the index starts at 1/64 of memory; it grows a segment at a
 /// time as keys need it.
 pub const DEFAULT_BYTES_PER_BUCKET: u64 = 4096;

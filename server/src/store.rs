@@ -672,7 +672,7 @@ mod tests {
     /// until the data area itself is full.
     #[test]
     fn the_index_grows_until_memory_is_full() {
-        let s = store(8, 64, Duration::ZERO);
+        let s = store(8, SEGMENT_BUCKETS as u64, Duration::ZERO);
         assert_eq!(s.index_stats().segments, 1);
         let mut n = 0u32;
         let err = loop {

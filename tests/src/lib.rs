@@ -200,7 +200,7 @@ pub fn engine_connect(addr: &str, token: Option<&dmkv_common::auth::Token>) -> (
 /// Grows a server's index while a test runs: a thread storing new small
 /// keys (`grow-N`, never read by the tests' checks) over RPC, paced so
 /// that it leaves the machine to the test, until stopped or the store is
-/// full. Start the server with `--buckets 64` (one segment) and the index
+/// full. Start the server with `--buckets 32` (one segment) and the index
 /// splits all the while.
 pub struct Grower {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,

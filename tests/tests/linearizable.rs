@@ -34,7 +34,7 @@ fn one_sided_gets_racing_puts_are_linearizable() {
     // The compactor moves every item again and again meanwhile: a move
     // must be as invisible to readers as it is to the history.
     // And the index grows from one segment meanwhile: reads race splits.
-    let srv = ServerProcess::start(&["--memory", "32MiB", "--compactor", "continuous", "--buckets", "64"]);
+    let srv = ServerProcess::start(&["--memory", "32MiB", "--compactor", "continuous", "--buckets", "32"]);
     let rpc = |path| ClientConfig { read_path: path, pool_size: 1, ..Default::default() };
     let setup = Client::connect_with(&srv.rpc, rpc(ReadPath::Rpc)).unwrap();
     // Threads 0-1 write over RPC; 2 reads over shm, 3 over the TCP engine,

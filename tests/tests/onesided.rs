@@ -123,7 +123,7 @@ async fn one_sided_reads_follow_items_the_compactor_moves() {
 /// the bucket read and mend with one 8-byte read, never asking the server.
 #[tokio::test]
 async fn one_sided_reads_follow_a_growing_index() {
-    let srv = ServerProcess::start(&["--memory", "32MiB", "--buckets", "64", "--grace-ms", "20"]);
+    let srv = ServerProcess::start(&["--memory", "32MiB", "--buckets", "32", "--grace-ms", "20"]);
     let setup = Client::connect_with(&srv.rpc, cfg(ReadPath::Rpc, None)).await.unwrap();
     let value = |i: usize| format!("grown-{i}").into_bytes();
     for i in 0..300 {

@@ -159,7 +159,9 @@ fn stress_reader_child() {
         let mut rng = SmallRng::seed_from_u64(seed);
         let mut res = ReaderResult::default();
         let mut last_seq = vec![0u64; keys];
-        let mut note = |res: &mut ReaderResult, i: usize, v: Option<bytes::Bytes>| {
+        // Checks one value read against the newest seen before the read
+        // began (`floor`); returns its sequence number.
+        let note = |res: &mut ReaderResult, i: usize, v: Option<bytes::Bytes>, floor: u64| -> Option<u64> {
             res.reads += 1;
             let k = key(i);
             match v {
@@ -168,19 +170,21 @@ fn stress_reader_child() {
                     if res.first_error.is_empty() {
                         res.first_error = format!("{k}: not found");
                     }
+                    None
                 }
                 Some(v) => match check_value(&k, &v) {
                     Ok(seq) => {
-                        if seq < last_seq[i] {
+                        if seq < floor {
                             res.backwards += 1;
                         }
-                        last_seq[i] = last_seq[i].max(seq);
+                        Some(seq)
                     }
                     Err(e) => {
                         res.wrong += 1;
                         if res.first_error.is_empty() {
                             res.first_error = e;
                         }
+                        None
                     }
                 },
             }
@@ -190,14 +194,22 @@ fn stress_reader_child() {
             if rng.random_ratio(1, 8) {
                 let idx: Vec<usize> = (0..8).map(|_| rng.random_range(0..keys)).collect();
                 let keys: Vec<String> = idx.iter().map(|&i| key(i)).collect();
+                // One operation: each value must be no older than what
+                // was seen before it began. Duplicate keys in it are read
+                // concurrently, so they are not ordered among themselves.
+                let before: Vec<u64> = idx.iter().map(|&i| last_seq[i]).collect();
                 let vals = c.multi_get(&keys).await.unwrap();
-                for (i, v) in idx.into_iter().zip(vals) {
-                    note(&mut res, i, v);
+                for ((i, v), floor) in idx.into_iter().zip(vals).zip(before) {
+                    if let Some(seq) = note(&mut res, i, v, floor) {
+                        last_seq[i] = last_seq[i].max(seq);
+                    }
                 }
             } else {
                 let i = rng.random_range(0..keys);
                 let v = c.get(key(i)).await.unwrap();
-                note(&mut res, i, v);
+                if let Some(seq) = note(&mut res, i, v, last_seq[i]) {
+                    last_seq[i] = last_seq[i].max(seq);
+                }
             }
         }
         let rs = c.read_stats();
@@ -339,7 +351,7 @@ fn racing_writers_and_reader_processes() {
             "--compactor",
             "continuous",
             "--buckets",
-            "64",
+            "32",
         ]);
         // Every key exists before the readers start, so "not found" is always wrong.
         {
