@@ -34,6 +34,9 @@ struct Args {
     /// Load the keys first.
     #[arg(long)]
     load: bool,
+    /// Number of the first key loaded (to add keys beside those read).
+    #[arg(long, default_value_t = 0)]
+    first_key: u64,
     /// shm, tcp, rdma, or rpc.
     #[arg(long, default_value = "shm")]
     transport: String,
@@ -147,7 +150,8 @@ async fn run(a: Args) {
                 let r = f.wait(LOAD_TIMEOUT).await.expect("put reply");
                 assert!(matches!(r.result, Some(proto::response::Result::Put(_))), "put failed: {r:?}");
             }
-            window.push_back(c.send(Op::Put(proto::Put { key: key(i), value: value.clone() })).await.expect("send"));
+            let k = key(a.first_key + i);
+            window.push_back(c.send(Op::Put(proto::Put { key: k, value: value.clone() })).await.expect("send"));
         }
         for f in window {
             f.wait(LOAD_TIMEOUT).await.expect("put reply");
