@@ -151,6 +151,7 @@ pub struct Lookup {
     grace: u64,
     enforce_grace: bool,
     candidates: Vec<(u8, u8, Slot)>,
+    serving: Option<BucketHeader>,
 }
 
 impl Lookup {
@@ -172,6 +173,7 @@ impl Lookup {
             grace: header.grace_nanos,
             enforce_grace: true,
             candidates: Vec::new(),
+            serving: None,
         }
     }
 
@@ -218,6 +220,7 @@ impl Lookup {
         if !words.iter().all(|w| serves(w[0])) {
             return AfterBuckets::Retry(Retry::StaleDirectory);
         }
+        self.serving = BucketHeader::unpack(words[0][0]);
         let slots: [[u64; SLOTS_PER_BUCKET]; 2] = words.map(|w| std::array::from_fn(|i| w[i + 1]));
         if let (Some(h), Some(item)) = (self.hint, hinted)
             && slots[h.which as usize][h.index as usize] == h.slot.pack()
@@ -257,6 +260,13 @@ impl Lookup {
             (true, false) if self.too_slow(now) => AfterBuckets::Retry(Retry::Slow),
             (true, false) => AfterBuckets::Miss,
         }
+    }
+
+    /// What the segment's bucket headers said when they were last judged
+    /// to serve the key: its depth and suffix, so the caller may take the
+    /// same directory entry for every key with that suffix.
+    pub fn serving(&self) -> Option<BucketHeader> {
+        self.serving
     }
 
     /// The second batch: every item whose slot matched the fingerprint.

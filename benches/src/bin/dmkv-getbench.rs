@@ -203,7 +203,7 @@ async fn run(a: Args) {
     let rs = c.read_stats();
     println!(
         "transport={} distribution={} batch={} keys={} value={}B: {:.0} GETs/s ({:.2} us/GET), {} GETs in {:.1}s, \
-         wrong/missing={} client_cpu_ms={} server_cpu_ms={} one_sided_gets={} hint_hits={} retries={} fallbacks={}",
+         wrong/missing={} client_cpu_ms={} server_cpu_ms={} one_sided_gets={} hint_hits={} retries={} stale_directory={} directory_reads={} fallbacks={}",
         a.transport,
         a.distribution,
         a.batch,
@@ -219,6 +219,8 @@ async fn run(a: Args) {
         rs.gets - before.gets,
         rs.hint_hits - before.hint_hits,
         (rs.torn + rs.other_key + rs.slow) - (before.torn + before.other_key + before.slow),
+        rs.stale_directory - before.stale_directory,
+        rs.directory_reads - before.directory_reads,
         rs.fallbacks - before.fallbacks,
     );
 }

@@ -40,6 +40,20 @@ impl DirCache {
         self.at(kh).store(e.pack(), Ordering::Relaxed);
     }
 
+    /// Caches `e` for every directory index a segment of `depth` with
+    /// `suffix` serves (as its bucket headers said), so its other keys need
+    /// no directory read. Over a client's life these fills cost one store
+    /// per cached index and split, whatever the order of discovery.
+    pub fn learn(&self, e: DirEntry, depth: u8, suffix: u32) {
+        let depth = u64::from(depth).min(self.depth);
+        let step = 1usize << depth;
+        let first = (u64::from(suffix) & ((1 << depth) - 1)) as usize;
+        let v = e.pack();
+        for slot in self.entries.iter().skip(first).step_by(step) {
+            slot.store(v, Ordering::Relaxed);
+        }
+    }
+
     /// Forgets `kh`'s entry if it is still `stale` (another caller may have
     /// refreshed it meanwhile).
     pub fn forget(&self, kh: &KeyHash, stale: DirEntry) {
@@ -65,6 +79,11 @@ mod tests {
         assert_eq!(c.get(&kh), Some(b), "a newer entry is kept");
         c.forget(&kh, b);
         assert_eq!(c.get(&kh), None);
+        // What a segment's headers say fills every index it serves.
+        let c = DirCache::new(4);
+        c.learn(a, 2, 0b01);
+        let filled: Vec<usize> = (0..16).filter(|&i| c.entries[i].load(Ordering::Relaxed) != 0).collect();
+        assert_eq!(filled, [1, 5, 9, 13]);
         // Deep directories share cache entries, boundedly.
         assert_eq!(DirCache::new(30).entries.len(), 1 << MAX_CACHED_DEPTH);
     }

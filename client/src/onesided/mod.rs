@@ -357,6 +357,8 @@ struct Pending<'k> {
     key: &'k [u8],
     kh: KeyHash,
     segment: DirEntry,
+    /// The entry was read from the directory in this attempt.
+    fresh: bool,
     look: Lookup,
     hint: Option<Hint>,
     first: Range<usize>,
@@ -400,12 +402,12 @@ impl OneSided {
 
     /// The directory entry of each of `todo`'s keys (hashed in `hashes`),
     /// reading those not cached in one batch (`None` where that read did
-    /// not give one); and whether it read any.
-    async fn directory_entries(&self, hashes: &[KeyHash]) -> Result<(Vec<Option<DirEntry>>, bool), BackendError> {
+    /// not give one); and which it read.
+    async fn directory_entries(&self, hashes: &[KeyHash]) -> Result<(Vec<Option<DirEntry>>, Vec<usize>), BackendError> {
         let mut entries: Vec<Option<DirEntry>> = hashes.iter().map(|kh| self.dir.get(kh)).collect();
         let missing: Vec<usize> = (0..hashes.len()).filter(|&j| entries[j].is_none()).collect();
         if missing.is_empty() {
-            return Ok((entries, false));
+            return Ok((entries, missing));
         }
         let specs: Vec<ReadSpec> = missing.iter().map(|&j| dir_read(&hashes[j], &self.header)).collect();
         let mut reads = Reads::default();
@@ -417,7 +419,7 @@ impl OneSided {
                 self.dir.put(&hashes[j], e);
             }
         }
-        Ok((entries, true))
+        Ok((entries, missing))
     }
 
     /// GETs `key` with one-sided reads, at most [`MAX_ATTEMPTS`] attempts.
@@ -494,11 +496,11 @@ impl OneSided {
         // A key's first GET, or its first after a split, reads its
         // directory entry first: one more round trip.
         let hashes: Vec<KeyHash> = todo.iter().map(|&i| key_hash(keys[i].as_ref(), self.header.hash_seed)).collect();
-        let (entries, dir_read) = self.directory_entries(&hashes).await?;
-        let dir_round = u32::from(dir_read);
+        let (entries, read) = self.directory_entries(&hashes).await?;
+        let dir_round = u32::from(!read.is_empty());
         let mut specs = Vec::with_capacity(todo.len() * 3);
         let mut pend: Vec<(usize, Pending)> = Vec::with_capacity(todo.len());
-        for ((&i, kh), entry) in todo.iter().zip(hashes).zip(entries) {
+        for (j, ((&i, kh), entry)) in todo.iter().zip(hashes).zip(entries).enumerate() {
             let key = keys[i].as_ref();
             let Some(segment) = entry else {
                 // A torn or refused entry read.
@@ -509,7 +511,8 @@ impl OneSided {
             let (look, hint) = self.lookup(key, kh, segment);
             let start = specs.len();
             look.first_reads(&mut specs);
-            pend.push((i, Pending { key, kh, segment, look, hint, first: start..specs.len(), items: 0..0 }));
+            let fresh = read.binary_search(&j).is_ok();
+            pend.push((i, Pending { key, kh, segment, fresh, look, hint, first: start..specs.len(), items: 0..0 }));
         }
         if pend.is_empty() {
             return Ok((retry, dir_round));
@@ -526,7 +529,15 @@ impl OneSided {
                 continue;
             };
             let hinted = p.hint.and_then(|_| reads.get(p.first.start + 2));
-            match p.look.after_buckets(p.key, [b0, b1], hinted, self.now()) {
+            let judged = p.look.after_buckets(p.key, [b0, b1], hinted, self.now());
+            // An entry just read from the directory: its segment's headers
+            // say which other indexes it serves (once, not every GET).
+            if p.fresh
+                && let Some(h) = p.look.serving()
+            {
+                self.dir.learn(p.segment, h.depth, h.suffix);
+            }
+            match judged {
                 AfterBuckets::Hit(h) => {
                     let item = hinted.expect("hit comes from the hinted item");
                     self.counters.hint_hits.fetch_add(1, Ordering::Relaxed);
