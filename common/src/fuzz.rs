@@ -232,7 +232,7 @@ pub fn read_lookup(data: &[u8]) {
     let hint = (hsel & 1 == 1)
         .then(|| {
             let slot = Slot::unpack(u64::from_le_bytes(b0.get(..8)?.try_into().ok()?))?;
-            Some(Hint { which: (hsel >> 1) & 1, index: (hsel >> 2) % 8, slot })
+            Some(Hint { which: (hsel >> 1) & 1, index: (hsel >> 2) % crate::limits::SLOTS_PER_BUCKET as u8, slot })
         })
         .flatten();
     // The directory entry is the region's word too: from the input, when

@@ -338,7 +338,9 @@ impl Compactor {
         loop {
             match self.shared.store.put(key, value) {
                 Err(Error::OutOfMemory) if Instant::now() < deadline => {
-                    match self.after_out_of_memory(item_units(key.len(), value.len()) as u64) {
+                    // Room for the item, or for a new index segment.
+                    let units = item_units(key.len(), value.len()).max(SEGMENT_UNITS);
+                    match self.after_out_of_memory(units as u64) {
                         Some(wait) => std::thread::sleep(wait),
                         None => return Err(Error::OutOfMemory),
                     }

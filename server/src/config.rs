@@ -20,8 +20,8 @@ pub const DEFAULT_MEMORY: u64 = 256 << 20;
 /// Default time a retired item stays intact for one-sided readers.
 pub const DEFAULT_GRACE: Duration = Duration::from_millis(100);
 /// Default first index size: one bucket (15 slots) per this many bytes of
-/// region, so the index starts at 1/64 of memory; it grows a segment at a
-/// time as keys need it.
+/// region (128 bytes each), so the index starts at 1/32 of memory; it grows
+/// a segment at a time as keys need it.
 pub const DEFAULT_BYTES_PER_BUCKET: u64 = 4096;
 /// Most client connections served at once; more wait in the accept queue.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;

@@ -406,7 +406,9 @@ impl Store {
         let mut w = lock(&self.writer);
         let w = &mut *w;
         let mut probe = Vec::new();
-        self.reclaim_segments(w);
+        // Space past its grace period first: a split may need it.
+        self.reclaim(w, &guard);
+        self.audit_dir(w, &kh);
         let mut splits = 0;
         let (target, existing) = loop {
             let (id, seg) = self.index.segment(&kh);
@@ -429,7 +431,6 @@ impl Store {
                 }
             }
         };
-        self.reclaim(w, &guard);
         let Some(at) = w.alloc.alloc(units) else {
             self.counters.out_of_memory.fetch_add(1, Ordering::Relaxed);
             return Err(Error::OutOfMemory);
@@ -460,7 +461,8 @@ impl Store {
         check_key(key)?;
         let kh = key_hash(key, self.header.hash_seed);
         let guard = epoch::pin();
-        let _w = lock(&self.writer);
+        let w = lock(&self.writer);
+        self.audit_dir(&w, &kh);
         let mut probe = Vec::new();
         let (_, seg) = self.index.segment(&kh);
         let Some((b, i, old)) = self.find_for_write(seg, &kh, key, &mut probe, &guard) else { return Ok(false) };
@@ -697,6 +699,30 @@ mod tests {
         for i in 0..n / 4 {
             s.put(format!("new{i}").as_bytes(), b"v").unwrap();
         }
+    }
+
+    /// An item listed for a move whose segment splits before the move is
+    /// still moved (found in the half that serves its key), so the range
+    /// the compactor is emptying does empty.
+    #[test]
+    fn moves_follow_items_into_split_segments() {
+        let s = store(8, SEGMENT_BUCKETS as u64, Duration::ZERO);
+        s.put(b"target", b"moving").unwrap();
+        let (_, _, at) = s.get_located(b"target").unwrap().unwrap();
+        let slot = Slot::unpack(at.slot).unwrap();
+        let range = slot.offset_units..slot.offset_units + u64::from(slot.units);
+        let listed = s.begin_evacuation(range.clone()).unwrap();
+        assert_eq!(listed.len(), 1);
+        let splits = s.index_stats().splits;
+        for i in 0..3000u32 {
+            s.put(format!("k{i}").as_bytes(), b"v").unwrap();
+        }
+        assert!(s.index_stats().splits > splits + 5, "{:?}", s.index_stats());
+        let to = s.reserve(listed[0].units()).unwrap();
+        assert_eq!(s.relocate(&listed[0], to), Relocation::Moved);
+        assert_eq!(s.get(b"target").unwrap().unwrap().0, Bytes::from_static(b"moving"));
+        let (_, _, now) = s.get_located(b"target").unwrap().unwrap();
+        assert_eq!(Slot::unpack(now.slot).unwrap().offset_units, to);
     }
 
     /// The server's own lock-free lookups race the writer's splits: every

@@ -22,6 +22,8 @@ use super::Store;
 
 /// Free blocks copied per hold of the writer lock (about 0.3 ms).
 const FREE_BLOCKS_PER_LOCK: usize = 16_384;
+/// Most scans for a range's items (a split during one repeats it).
+const SCANS: usize = 4;
 use crate::lock::lock;
 
 /// A live item the compactor means to move: where its slot is in the index,
@@ -82,7 +84,9 @@ impl Store {
     pub fn begin_evacuation(&self, range: Range<u64>) -> Option<Vec<Candidate>> {
         {
             let mut w = lock(&self.writer);
-            if w.alloc.parked().is_some() {
+            // A segment made since the plan (they never move) would keep
+            // the range from ever emptying.
+            if w.alloc.parked().is_some() || self.segment_in(&range) {
                 return None;
             }
             w.alloc.park(range.clone());
@@ -90,11 +94,24 @@ impl Store {
         self.counters.compactor_ranges.fetch_add(1, Ordering::Relaxed);
         // Every item allocated in the range was published before the park
         // (under the lock just released), and none can be allocated there
-        // since: this scan sees them all.
-        // Retired segments hold frozen copies of slots that live on in
-        // their halves: only live segments are scanned (one that retires
-        // meanwhile makes its candidates `Gone`, and the range may then be
-        // given up on).
+        // since. Retired segments hold frozen copies of slots that live on
+        // in their halves, so only live segments are scanned; a split
+        // during the scan can hide a segment's items from it (listed in
+        // neither the old segment nor its halves), so the scan is repeated
+        // until no split ran during it, a few times at most.
+        let mut found = Vec::new();
+        for _ in 0..SCANS {
+            let splits = self.counters.index_splits.load(Ordering::Acquire);
+            found = self.scan(&range);
+            if self.counters.index_splits.load(Ordering::Acquire) == splits {
+                break;
+            }
+        }
+        Some(found)
+    }
+
+    /// The live items overlapping `range`, from the live segments.
+    fn scan(&self, range: &Range<u64>) -> Vec<Candidate> {
         let mut found = Vec::new();
         for (id, seg) in self.index.all() {
             if !seg.live.load(Ordering::Acquire) {
@@ -111,7 +128,7 @@ impl Store {
                 }
             }
         }
-        Some(found)
+        found
     }
 
     /// Takes `units` units at the start of the largest free block, for
@@ -136,11 +153,21 @@ impl Store {
         let guard = epoch::pin();
         let mut w = lock(&self.writer);
         let w = &mut *w;
-        let seg = self.index.seg(c.seg);
+        let Some(old) = Slot::unpack(c.word) else { return Relocation::Gone };
+        let mut seg = self.index.seg(c.seg);
         if !seg.live.load(Ordering::Acquire) || seg.slot(bucket, i) != c.word {
+            // The segment may have split since the listing (and its id been
+            // reused): the slot, if still current, is at the same position
+            // in the segment serving its key now.
+            let mut probe = std::mem::take(&mut w.scratch);
+            let kh = self.key_of(old, &mut probe);
+            w.scratch = probe;
+            let Some(kh) = kh else { return Relocation::Gone };
+            seg = self.index.segment(&kh).1;
+        }
+        if seg.slot(bucket, i) != c.word {
             return Relocation::Gone;
         }
-        let Some(old) = Slot::unpack(c.word) else { return Relocation::Gone };
         let mut buf = std::mem::take(&mut w.scratch);
         if !self.read_verified(old, &mut buf) {
             // Its value is lost either way (as in `find_for_write`); left

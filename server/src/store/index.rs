@@ -29,7 +29,7 @@ use std::time::Instant;
 use crossbeam_epoch as epoch;
 use dmkv_common::error::Error;
 use dmkv_common::layout::{self, BucketHeader, DirEntry, KeyHash, SEGMENT_UNITS, Slot, key_hash};
-use dmkv_common::limits::{BUCKET_LEN, SEGMENT_BUCKETS, SLOTS_PER_BUCKET, UNIT, WORDS_PER_BUCKET};
+use dmkv_common::limits::{BUCKET_LEN, MAX_KEY_LEN, SEGMENT_BUCKETS, SLOTS_PER_BUCKET, UNIT, WORDS_PER_BUCKET};
 use tracing::debug;
 
 use super::{Store, Writer};
@@ -230,15 +230,14 @@ impl Store {
                 return Ok(id as u32);
             }
         };
-        // A pooled segment's region words are its frozen old slots (its
-        // headers are zero since it retired): clear the slots.
+        // A pooled segment's words are its frozen old slots (its headers
+        // are zero since it retired): clear all of it, in the region too
+        // (whatever else may have been written there), before any header
+        // says it serves keys again.
         let seg = self.index.seg(id);
-        for b in 0..SEGMENT_BUCKETS {
-            for w in 1..WORDS_PER_BUCKET {
-                if seg.word(b, w) != 0 {
-                    self.store_word(seg, b, w, 0);
-                }
-            }
+        self.region.write(seg.at * UNIT as u64, &[0u8; SEGMENT_UNITS * UNIT]);
+        for w in seg.words.iter() {
+            w.store(0, Ordering::Release);
         }
         Ok(id)
     }
@@ -294,10 +293,11 @@ impl Store {
             for i in 0..SLOTS_PER_BUCKET {
                 let word = old.slot(b, i);
                 let Some(slot) = Slot::unpack(word) else { continue };
-                // The key decides the half; an item that no longer verifies,
-                // or whose key is not the slot's, is dropped here as a write
-                // would drop it (`find_for_write`). It stays in the frozen
-                // old segment; retired so its space comes back.
+                // The key decides the half; an item whose header is not
+                // sound, or whose key's fingerprint is not the slot's (the
+                // region was written behind the server's back), is dropped
+                // here as a write would drop it (`find_for_write`). It stays
+                // in the frozen old segment; retired so its space comes back.
                 match self.key_of(slot, &mut buf) {
                     Some(kh) if kh.fingerprint == slot.fingerprint => {
                         let half = (kh.dir_hash >> depth) & 1;
@@ -333,13 +333,41 @@ impl Store {
         Ok(())
     }
 
-    /// The key hash of the item of `slot`, if it verifies. Writer only.
-    fn key_of(&self, slot: Slot, buf: &mut Vec<u8>) -> Option<KeyHash> {
-        if !self.read_verified(slot, buf) {
+    /// The key hash of the item of `slot`, reading only its header and key
+    /// (a split reads every item of the segment under the writer lock, so
+    /// not their values: at most 480 × 1 KiB). Writer only: items of its
+    /// own index never change while linked. `None` if the header cannot
+    /// be the slot's item.
+    pub(super) fn key_of(&self, slot: Slot, buf: &mut Vec<u8>) -> Option<KeyHash> {
+        buf.resize(layout::ITEM_HEADER_LEN, 0);
+        self.region.try_read(slot.offset(), buf).ok()?;
+        let key_len = u32::from_le_bytes(buf[16..20].try_into().expect("4 bytes")) as usize;
+        if key_len == 0 || key_len > MAX_KEY_LEN || layout::ITEM_HEADER_LEN + key_len > slot.len() {
             return None;
         }
-        let item = layout::decode_item(buf).ok()?;
-        Some(key_hash(item.key, self.header.hash_seed))
+        buf.resize(key_len, 0);
+        self.region.try_read(slot.offset() + layout::ITEM_HEADER_LEN as u64, buf).ok()?;
+        Some(key_hash(buf, self.header.hash_seed))
+    }
+
+    /// Puts back directory entry `d` in the region if it differs from the
+    /// server's (one-sided readers would otherwise fall back to RPC for
+    /// every key of it). Writer only.
+    pub(super) fn audit_dir(&self, w: &Writer, kh: &KeyHash) {
+        let d = kh.dir_index(self.header.dir_depth);
+        let id = self.index.dir[d as usize].load(Ordering::Acquire);
+        let own = self.entry_of(w, id).pack();
+        let off = self.header.dir_entry_offset(d);
+        if self.region.load_slot(off) != own {
+            self.counters.foreign_slots.fetch_add(1, Ordering::Relaxed);
+            self.region.store_slot(off, own);
+        }
+    }
+
+    /// Whether any segment lies in `range` (units). Writer only (segments
+    /// are made under the writer lock).
+    pub(super) fn segment_in(&self, range: &std::ops::Range<u64>) -> bool {
+        self.index.all().any(|(_, s)| s.at < range.end && s.at + SEGMENT_UNITS as u64 > range.start)
     }
 
     /// Moves retired segments past their epoch and grace period to the
