@@ -8,6 +8,7 @@ use dmkv_client::{ReadPath, Transport};
 
 use crate::backend::{BackendKind, DmkvOptions};
 use crate::driver::{DEFAULT_OPERATIONS, Settings, Warmup};
+use crate::generator::EtaGrowth;
 use crate::workload::{Distribution, Workload};
 
 /// Flags of `dmkv-ycsb`.
@@ -37,6 +38,11 @@ pub struct Args {
     /// Key distribution [default: latest for D, zipfian otherwise].
     #[arg(long, value_enum)]
     pub distribution: Option<Distribution>,
+    /// Workload D's latest distribution as inserts grow the key space:
+    /// `ycsb` keeps YCSB's eta, `corrected` recomputes it from the new
+    /// count (a different distribution, not YCSB-comparable).
+    #[arg(long, value_enum, default_value = "ycsb")]
+    pub latest_eta: EtaGrowth,
     /// Client threads, each with one connection.
     #[arg(long, default_value_t = 1)]
     pub threads: usize,
@@ -103,6 +109,7 @@ impl Args {
             dmkv: DmkvOptions { read_path: self.path, transport: self.transport, tls_ca: self.tls_ca.clone() },
             workload: self.workload,
             distribution: self.distribution.unwrap_or(self.workload.default_distribution()),
+            latest_eta: self.latest_eta,
             records: self.records,
             operations,
             duration,
@@ -154,6 +161,9 @@ mod tests {
         assert_eq!(d.operations, Some(DEFAULT_OPERATIONS));
         assert_eq!(d.value_size, 1000);
         assert_eq!(d.distribution, Distribution::Zipfian);
+        assert_eq!(d.latest_eta, EtaGrowth::Ycsb);
+        let c = Args::parse_from(["dmkv-ycsb", "--latest-eta", "corrected"]).settings().unwrap();
+        assert_eq!(c.latest_eta, EtaGrowth::Corrected);
         assert!(Args::try_parse_from(["dmkv-ycsb", "--operations", "5", "--duration", "1"]).is_err());
         assert!(Args::try_parse_from(["dmkv-ycsb", "--workload", "g"]).is_err());
         let e = Args::parse_from(["dmkv-ycsb", "--workload", "e"]).settings().unwrap();

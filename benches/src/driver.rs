@@ -14,7 +14,7 @@ use hdrhistogram::Histogram;
 use tokio::task::JoinSet;
 
 use crate::backend::{BackendKind, DmkvConn, DmkvOptions, KvConn, MemcachedConn, RedisConn};
-use crate::generator::{Latest, Rng, ScrambledZipfian, derive, key_name};
+use crate::generator::{EtaGrowth, Latest, Rng, ScrambledZipfian, derive, key_name};
 use crate::report::{ALL_OPS, OpStats, PhaseStats, Report, new_histogram};
 use crate::workload::{BadValue, Distribution, Mix, OP_KINDS, OpKind, Workload, check_value, make_value};
 
@@ -76,6 +76,8 @@ pub struct Settings {
     pub dmkv: DmkvOptions,
     pub workload: Workload,
     pub distribution: Distribution,
+    /// How the latest distribution's zipfian grows with inserts.
+    pub latest_eta: EtaGrowth,
     pub records: u64,
     /// Measured operations; `None` with a duration.
     pub operations: Option<u64>,
@@ -278,7 +280,7 @@ impl Local {
             warm_until,
             deadline,
             interval,
-            latest: Mutex::new(Latest::new(s.records.saturating_sub(1))),
+            latest: Mutex::new(Latest::new(s.records.saturating_sub(1), s.latest_eta)),
             stats: Mutex::new(Stats::new()),
         }
     }
@@ -295,6 +297,7 @@ pub fn run(s: &Settings) -> Result<Report, String> {
         server: s.server.clone(),
         workload: s.workload.name().into(),
         distribution: s.distribution.name().into(),
+        latest_eta: (s.distribution == Distribution::Latest).then(|| s.latest_eta.name().into()),
         records: s.records,
         value_size: s.value_size,
         threads: s.threads,

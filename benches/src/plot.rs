@@ -141,35 +141,12 @@ pub fn bar_chart(path: &Path, title: &str, y_desc: &str, bars: &Bars) -> Result<
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::report::{OpStats, PhaseStats, new_histogram};
+    use crate::report::{new_histogram, test_report};
 
     fn report(store: &str, workload: &str, in_flight: usize, rate: f64) -> Report {
         let mut h = new_histogram();
         h.record(1000).unwrap();
-        Report {
-            store: store.into(),
-            server: "x".into(),
-            workload: workload.into(),
-            distribution: "zipfian".into(),
-            records: 1,
-            value_size: 1,
-            threads: 1,
-            in_flight,
-            target_rate: None,
-            seed: 1,
-            read_path: None,
-            transport: None,
-            load: None,
-            run: PhaseStats {
-                seconds: 1.0,
-                operations: 1,
-                ops_per_sec: rate,
-                not_found: 0,
-                bad_values: 0,
-                first_error: None,
-                ops: vec![OpStats::from_histogram(ALL_OPS, &h, 0, rate)],
-            },
-        }
+        test_report(store, workload, 1, in_flight, rate, &h)
     }
 
     #[test]

@@ -93,6 +93,10 @@ pub struct Report {
     pub server: String,
     pub workload: String,
     pub distribution: String,
+    /// With the latest distribution: how its zipfian grew ("ycsb" or
+    /// "corrected", see `EtaGrowth`).
+    #[serde(default)]
+    pub latest_eta: Option<String>,
     pub records: u64,
     pub value_size: usize,
     pub threads: usize,
@@ -149,9 +153,10 @@ pub fn table(r: &Report) -> String {
     let mut out = String::new();
     let path = r.read_path.as_deref().map(|p| format!(", path {p}")).unwrap_or_default();
     let rate = r.target_rate.map(|t| format!(", open loop at {t:.0} ops/s")).unwrap_or_default();
+    let eta = r.latest_eta.as_deref().map(|e| format!(", {e} eta")).unwrap_or_default();
     let _ = writeln!(
         out,
-        "dmkv-ycsb: workload {} ({}) on {} at {}{path}: {} threads × {} in flight, {} records × {} B, seed {}{rate}",
+        "dmkv-ycsb: workload {} ({}{eta}) on {} at {}{path}: {} threads × {} in flight, {} records × {} B, seed {}{rate}",
         r.workload, r.distribution, r.store, r.server, r.threads, r.in_flight, r.records, r.value_size, r.seed
     );
     if let Some(l) = &r.load {
@@ -341,6 +346,43 @@ pub fn markdown(reports: &[Report]) -> String {
     out
 }
 
+/// A report of one run whose READ and ALL rows are `h`, for tests.
+#[cfg(test)]
+pub(crate) fn test_report(
+    store: &str,
+    workload: &str,
+    threads: usize,
+    in_flight: usize,
+    rate: f64,
+    h: &Histogram<u64>,
+) -> Report {
+    Report {
+        store: store.into(),
+        server: "x".into(),
+        workload: workload.into(),
+        distribution: "zipfian".into(),
+        latest_eta: None,
+        records: 10,
+        value_size: 100,
+        threads,
+        in_flight,
+        target_rate: None,
+        seed: 1,
+        read_path: None,
+        transport: None,
+        load: None,
+        run: PhaseStats {
+            seconds: 1.0,
+            operations: h.len(),
+            ops_per_sec: rate,
+            not_found: 0,
+            bad_values: 0,
+            first_error: None,
+            ops: vec![OpStats::from_histogram("READ", h, 0, rate), OpStats::from_histogram(ALL_OPS, h, 0, rate)],
+        },
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -350,32 +392,7 @@ mod tests {
         for v in 1..=1000u64 {
             h.record(v * 1000).unwrap();
         }
-        let read = OpStats::from_histogram("READ", &h, 0, rate);
-        let all = OpStats::from_histogram(ALL_OPS, &h, 0, rate);
-        Report {
-            store: store.into(),
-            server: "x".into(),
-            workload: workload.into(),
-            distribution: "zipfian".into(),
-            records: 10,
-            value_size: 100,
-            threads,
-            in_flight,
-            target_rate: None,
-            seed: 1,
-            read_path: None,
-            transport: None,
-            load: None,
-            run: PhaseStats {
-                seconds: 1.0,
-                operations: 1000,
-                ops_per_sec: rate,
-                not_found: 0,
-                bad_values: 0,
-                first_error: None,
-                ops: vec![read, all],
-            },
-        }
+        test_report(store, workload, threads, in_flight, rate, &h)
     }
 
     #[test]

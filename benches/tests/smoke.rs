@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use dmkv_benches::backend::{BackendKind, DmkvOptions};
 use dmkv_benches::driver::{self, Settings, Warmup};
+use dmkv_benches::generator::EtaGrowth;
 use dmkv_benches::report::Report;
 use dmkv_benches::workload::{Distribution, Workload};
 use dmkv_client::ReadPath;
@@ -27,6 +28,7 @@ fn settings(backend: BackendKind, server: &str, workload: Workload) -> Settings 
         dmkv: DmkvOptions { read_path: ReadPath::Rpc, transport: None, tls_ca: None },
         workload,
         distribution: workload.default_distribution(),
+        latest_eta: EtaGrowth::Ycsb,
         records: RECORDS,
         operations: Some(OPERATIONS),
         duration: None,
