@@ -43,6 +43,11 @@ pub struct Args {
     /// count (a different distribution, not YCSB-comparable).
     #[arg(long, value_enum, default_value = "ycsb")]
     pub latest_eta: EtaGrowth,
+    /// Inserts to size the zipfian key space for (records + 2 × N + 1, as
+    /// YCSB) [default: operations × insert proportion; needed for zipfian
+    /// with inserts and --duration].
+    #[arg(long, value_name = "N")]
+    pub expected_inserts: Option<u64>,
     /// Client threads, each with one connection.
     #[arg(long, default_value_t = 1)]
     pub threads: usize,
@@ -110,6 +115,7 @@ impl Args {
             workload: self.workload,
             distribution: self.distribution.unwrap_or(self.workload.default_distribution()),
             latest_eta: self.latest_eta,
+            expected_inserts: self.expected_inserts,
             records: self.records,
             operations,
             duration,
@@ -164,6 +170,21 @@ mod tests {
         assert_eq!(d.latest_eta, EtaGrowth::Ycsb);
         let c = Args::parse_from(["dmkv-ycsb", "--latest-eta", "corrected"]).settings().unwrap();
         assert_eq!(c.latest_eta, EtaGrowth::Corrected);
+        // YCSB's key space: records, 2 × operations × insert share, one more.
+        let d = |extra: &[&str]| {
+            let base = ["dmkv-ycsb", "--workload", "d", "--distribution", "zipfian", "--records", "1000"];
+            Args::parse_from(base.iter().chain(extra)).settings().unwrap()
+        };
+        let s = d(&["--operations", "10000"]);
+        assert_eq!(s.key_space(s.validate().unwrap()), Ok(1000 + 1000 + 1));
+        let s = d(&["--operations", "10000", "--expected-inserts", "7"]);
+        assert_eq!(s.key_space(s.validate().unwrap()), Ok(1000 + 14 + 1));
+        let s = d(&["--duration", "1", "--expected-inserts", "7"]);
+        assert_eq!(s.key_space(s.validate().unwrap()), Ok(1000 + 14 + 1));
+        assert!(d(&["--duration", "1"]).validate().unwrap_err().contains("--expected-inserts"));
+        assert!(d(&["--expected-inserts", &u64::MAX.to_string()]).validate().is_err());
+        let a = Args::parse_from(["dmkv-ycsb", "--records", "1000"]).settings().unwrap();
+        assert_eq!(a.key_space(a.validate().unwrap()), Ok(1001));
         assert!(Args::try_parse_from(["dmkv-ycsb", "--operations", "5", "--duration", "1"]).is_err());
         assert!(Args::try_parse_from(["dmkv-ycsb", "--workload", "g"]).is_err());
         let e = Args::parse_from(["dmkv-ycsb", "--workload", "e"]).settings().unwrap();

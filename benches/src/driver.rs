@@ -14,7 +14,7 @@ use hdrhistogram::Histogram;
 use tokio::task::JoinSet;
 
 use crate::backend::{BackendKind, DmkvConn, DmkvOptions, KvConn, MemcachedConn, RedisConn};
-use crate::generator::{EtaGrowth, Latest, Rng, ScrambledZipfian, derive, key_name};
+use crate::generator::{EtaGrowth, KeyChooser, Rng, derive, key_name, zipfian_key_space};
 use crate::report::{ALL_OPS, OpStats, PhaseStats, Report, new_histogram};
 use crate::workload::{BadValue, Distribution, Mix, OP_KINDS, OpKind, Workload, check_value, make_value};
 
@@ -78,6 +78,9 @@ pub struct Settings {
     pub distribution: Distribution,
     /// How the latest distribution's zipfian grows with inserts.
     pub latest_eta: EtaGrowth,
+    /// Inserts the zipfian key space is sized for; `None`: YCSB's estimate,
+    /// operations × insert proportion.
+    pub expected_inserts: Option<u64>,
     pub records: u64,
     /// Measured operations; `None` with a duration.
     pub operations: Option<u64>,
@@ -121,7 +124,32 @@ impl Settings {
             (_, Some(d)) if d.is_zero() => return Err("--duration must be positive".into()),
             _ => {}
         }
+        self.key_space(mix)?;
         Ok(mix)
+    }
+
+    /// Keys of the zipfian chooser, sized once for the run as YCSB does:
+    /// the records, twice the expected inserts, and one more. YCSB expects
+    /// operationcount × insertproportion inserts; warm-up operations count
+    /// here, since they insert too.
+    pub fn key_space(&self, mix: Mix) -> Result<u64, String> {
+        let new_keys = match (self.expected_inserts, self.operations) {
+            (Some(n), _) => n.checked_mul(2),
+            (None, Some(ops)) => {
+                let warm = if let Warmup::Ops(w) = self.warmup { w } else { 0 };
+                // YCSB: (int) (opcount * insertproportion * 2.0).
+                Some((ops.saturating_add(warm) as f64 * mix.insert * 2.0) as u64)
+            }
+            (None, None) if mix.insert > 0.0 && self.distribution == Distribution::Zipfian => {
+                return Err("--distribution zipfian with inserts and --duration needs --expected-inserts N: \
+                     the zipfian key space is sized once, before the run, from the inserts expected"
+                    .into());
+            }
+            (None, None) => Some(0),
+        };
+        new_keys
+            .and_then(|n| zipfian_key_space(self.records, n))
+            .ok_or_else(|| "the zipfian key space (records + 2 × expected inserts + 1) does not fit in 64 bits".into())
     }
 }
 
@@ -162,7 +190,8 @@ struct Phase {
     /// Next key number to insert.
     next_insert: AtomicU64,
     acked: Acked,
-    zipfian: ScrambledZipfian,
+    /// Each thread starts from a copy (the latest chooser grows as it draws).
+    keys: KeyChooser,
 }
 
 /// What went wrong with one operation.
@@ -244,7 +273,7 @@ struct Local {
     deadline: Option<Instant>,
     /// Seconds between intended starts (open loop).
     interval: Option<f64>,
-    latest: Mutex<Latest>,
+    keys: Mutex<KeyChooser>,
     stats: Mutex<Stats>,
 }
 
@@ -280,7 +309,7 @@ impl Local {
             warm_until,
             deadline,
             interval,
-            latest: Mutex::new(Latest::new(s.records.saturating_sub(1), s.latest_eta)),
+            keys: Mutex::new(p.keys.clone()),
             stats: Mutex::new(Stats::new()),
         }
     }
@@ -298,6 +327,7 @@ pub fn run(s: &Settings) -> Result<Report, String> {
         workload: s.workload.name().into(),
         distribution: s.distribution.name().into(),
         latest_eta: (s.distribution == Distribution::Latest).then(|| s.latest_eta.name().into()),
+        key_space: if s.distribution == Distribution::Zipfian { Some(s.key_space(mix)?) } else { None },
         records: s.records,
         value_size: s.value_size,
         threads: s.threads,
@@ -318,7 +348,7 @@ fn phase(s: &Settings, mix: Mix, load: bool) -> Result<PhaseStats, String> {
         load,
         next_insert: AtomicU64::new(if load { 0 } else { s.records }),
         acked: Acked::new(s.records),
-        zipfian: ScrambledZipfian::new(0, s.records - 1),
+        keys: KeyChooser::new(s.distribution, s.records, s.key_space(mix)?, s.latest_eta),
     });
     let stats = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..s.threads as u64)
@@ -461,12 +491,7 @@ async fn run_slot<C: KvConn>(conn: &C, p: &Phase, local: &Local) {
 }
 
 fn choose_key(p: &Phase, local: &Local, rng: &mut Rng) -> u64 {
-    let limit = p.acked.limit().max(1);
-    match p.s.distribution {
-        Distribution::Uniform => rng.below(limit),
-        Distribution::Zipfian => p.zipfian.next_within(rng, limit),
-        Distribution::Latest => local.latest.lock().expect("latest poisoned").next(rng, limit - 1),
-    }
+    local.keys.lock().expect("key chooser poisoned").next(rng, p.acked.limit())
 }
 
 async fn read<C: KvConn>(conn: &C, s: &Settings, k: u64) -> Result<(), Failure> {

@@ -6,10 +6,12 @@
 use clap::ValueEnum;
 use serde::{Deserialize, Serialize};
 
+use crate::workload::Distribution;
+
 /// YCSB's default zipfian constant.
 pub const ZIPFIAN_CONSTANT: f64 = 0.99;
 /// Item space of YCSB's `ScrambledZipfianGenerator`: draws are made over
-/// this many items, then hashed onto the key range.
+/// items `0..=SCRAMBLED_ITEM_COUNT`, then hashed onto the key range.
 pub const SCRAMBLED_ITEM_COUNT: u64 = 10_000_000_000;
 /// zeta(SCRAMBLED_ITEM_COUNT, 0.99), as precomputed by YCSB (summing ten
 /// billion terms at start-up would take minutes).
@@ -204,18 +206,15 @@ pub struct ScrambledZipfian {
 impl ScrambledZipfian {
     /// Keys `min..=max` with YCSB's constant 0.99.
     pub fn new(min: u64, max: u64) -> ScrambledZipfian {
-        let zipf = Zipfian::with_zetan(0, SCRAMBLED_ITEM_COUNT - 1, ZIPFIAN_CONSTANT, SCRAMBLED_ZETAN);
+        // YCSB builds it with `new ZipfianGenerator(0, ITEM_COUNT, ...)`: one
+        // item more than ITEM_COUNT.
+        let zipf = Zipfian::with_zetan(0, SCRAMBLED_ITEM_COUNT, ZIPFIAN_CONSTANT, SCRAMBLED_ZETAN);
         ScrambledZipfian { min, count: max - min + 1, zipf }
     }
 
     /// A draw in `min..=max`.
     pub fn next(&self, rng: &mut Rng) -> u64 {
-        self.next_within(rng, self.count)
-    }
-
-    /// A draw in `min..min + count` (the key range grows with inserts).
-    pub fn next_within(&self, rng: &mut Rng, count: u64) -> u64 {
-        self.min + fnvhash64(self.zipf.next(rng)) % count.max(1)
+        self.min + fnvhash64(self.zipf.next(rng)) % self.count
     }
 }
 
@@ -242,6 +241,56 @@ impl Latest {
         self.zipf.grow(last);
         let age = self.zipf.sample(rng.next_f64()).min(last);
         last - age
+    }
+}
+
+/// Keys the zipfian chooser draws from over a run, sized once as YCSB's
+/// `CoreWorkload` does: the loaded records, `new_keys` (YCSB: twice the
+/// inserts expected), and one more.
+pub fn zipfian_key_space(records: u64, new_keys: u64) -> Option<u64> {
+    records.checked_add(new_keys)?.checked_add(1)
+}
+
+/// How reads, updates and read-modify-writes choose their key: YCSB's
+/// `CoreWorkload` key chooser and its `nextKeynum`.
+#[derive(Debug, Clone)]
+pub enum KeyChooser {
+    /// Every loaded record equally likely; keys inserted by the run are
+    /// never chosen (YCSB's `UniformLongGenerator(0, records - 1)`).
+    Uniform { records: u64 },
+    /// Scrambled zipfian over a key space sized once for the run (see
+    /// [`zipfian_key_space`]), so inserts do not move which keys are hot;
+    /// keys not yet acknowledged are drawn again.
+    Zipfian(ScrambledZipfian),
+    /// The newest acknowledged keys are the most popular.
+    Latest(Latest),
+}
+
+impl KeyChooser {
+    /// The chooser of `distribution` over `records` loaded records;
+    /// `key_space` is the zipfian's, `growth` the latest's.
+    pub fn new(distribution: Distribution, records: u64, key_space: u64, growth: EtaGrowth) -> KeyChooser {
+        match distribution {
+            Distribution::Uniform => KeyChooser::Uniform { records },
+            Distribution::Zipfian => KeyChooser::Zipfian(ScrambledZipfian::new(0, key_space.max(1) - 1)),
+            Distribution::Latest => KeyChooser::Latest(Latest::new(records.saturating_sub(1), growth)),
+        }
+    }
+
+    /// A key below `limit`, the count of acknowledged keys (at least the
+    /// loaded records, so at least 1).
+    pub fn next(&mut self, rng: &mut Rng, limit: u64) -> u64 {
+        match self {
+            KeyChooser::Uniform { records } => rng.below((*records).min(limit)),
+            KeyChooser::Zipfian(z) => loop {
+                // Ends: the loaded records' share of the draws is never 0.
+                let k = z.next(rng);
+                if k < limit {
+                    return k;
+                }
+            },
+            KeyChooser::Latest(l) => l.next(rng, limit.max(1) - 1),
+        }
     }
 }
 
@@ -391,6 +440,26 @@ mod tests {
     /// SkewedLatestGenerator, AcknowledgedCounterGenerator and
     /// CoreWorkload.nextKeynum), seeds 1 to 3: 22.47, 22.39, 22.39 %.
     const YCSB_D_AGE_UNDER_10: f64 = 0.2242;
+    /// YCSB's workloads A, B, C and F (scrambled zipfian over the records
+    /// and one more key, 10^6 draws): share of the hottest key (seeds 1 to
+    /// 3: 3.768, 3.778, 3.755 %) and of the hottest 1 % of keys (30.50,
+    /// 30.46, 30.41 %).
+    const YCSB_HOTTEST: f64 = 0.03767;
+    const YCSB_TOP_PERCENT: f64 = 0.3046;
+    /// YCSB's workload D with `requestdistribution=zipfian`: a key space of
+    /// records + 2 × 50 000 expected inserts + 1. Hottest key 2.568, 2.574,
+    /// 2.552 %; hottest 1 % of keys 29.57, 29.55, 29.52 %.
+    const YCSB_D_ZIPFIAN_HOTTEST: f64 = 0.02565;
+    const YCSB_D_ZIPFIAN_TOP_PERCENT: f64 = 0.2955;
+
+    /// Shares of the hottest key and of the hottest 1 % of the records.
+    fn skew(counts: &[u64]) -> (f64, f64) {
+        let mut sorted = counts.to_vec();
+        sorted.sort_unstable_by(|a, b| b.cmp(a));
+        let n = sorted.iter().sum::<u64>() as f64;
+        let top: u64 = sorted[..(YCSB_RECORDS / 100) as usize].iter().sum();
+        (sorted[0] as f64 / n, top as f64 / n)
+    }
 
     /// Reads of workload D run one operation at a time (as one YCSB client
     /// thread runs it: each insert is acknowledged before the next draw).
@@ -439,6 +508,44 @@ mod tests {
         // different distribution, so it must stay behind its flag.
         let corrected = young(EtaGrowth::Corrected);
         assert!(corrected > YCSB_D_AGE_UNDER_10 + 0.01, "corrected eta: {:.2} %", corrected * 100.0);
+    }
+
+    #[test]
+    fn zipfian_matches_ycsb() {
+        let mut keys = KeyChooser::new(
+            Distribution::Zipfian,
+            YCSB_RECORDS,
+            zipfian_key_space(YCSB_RECORDS, 0).unwrap(),
+            EtaGrowth::Ycsb,
+        );
+        let mut r = Rng::new(1);
+        let mut counts = vec![0u64; YCSB_RECORDS as usize];
+        for _ in 0..YCSB_OPS {
+            counts[keys.next(&mut r, YCSB_RECORDS) as usize] += 1;
+        }
+        let (hottest, top) = skew(&counts);
+        assert!((hottest - YCSB_HOTTEST).abs() < 0.001, "hottest key {:.3} %", hottest * 100.0);
+        assert!((top - YCSB_TOP_PERCENT).abs() < 0.003, "hottest 1 % of keys {:.2} %", top * 100.0);
+    }
+
+    #[test]
+    fn zipfian_with_inserts_keeps_ycsb_skew() {
+        let new_keys = (YCSB_OPS as f64 * 0.05 * 2.0) as u64;
+        let space = zipfian_key_space(YCSB_RECORDS, new_keys).unwrap();
+        let mut keys = KeyChooser::new(Distribution::Zipfian, YCSB_RECORDS, space, EtaGrowth::Ycsb);
+        let d = workload_d(1, |r, limit| keys.next(r, limit));
+        let (hottest, top) = skew(&d.counts);
+        assert!((hottest - YCSB_D_ZIPFIAN_HOTTEST).abs() < 0.0012, "hottest key {:.3} %", hottest * 100.0);
+        assert!((top - YCSB_D_ZIPFIAN_TOP_PERCENT).abs() < 0.004, "hottest 1 % of keys {:.2} %", top * 100.0);
+    }
+
+    #[test]
+    fn uniform_with_inserts_reads_the_loaded_records() {
+        let mut keys = KeyChooser::new(Distribution::Uniform, YCSB_RECORDS, 0, EtaGrowth::Ycsb);
+        let d = workload_d(1, |r, limit| keys.next(r, limit));
+        assert!(d.counts[YCSB_RECORDS as usize..].iter().all(|&c| c == 0), "an inserted key was read");
+        let (hottest, _) = skew(&d.counts);
+        assert!(hottest < 0.0001, "hottest key {:.4} %", hottest * 100.0);
     }
 
     #[test]

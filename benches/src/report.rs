@@ -97,6 +97,10 @@ pub struct Report {
     /// "corrected", see `EtaGrowth`).
     #[serde(default)]
     pub latest_eta: Option<String>,
+    /// With the zipfian distribution: keys it draws from (the records, room
+    /// for the inserts expected, and one more, as in YCSB).
+    #[serde(default)]
+    pub key_space: Option<u64>,
     pub records: u64,
     pub value_size: usize,
     pub threads: usize,
@@ -154,6 +158,7 @@ pub fn table(r: &Report) -> String {
     let path = r.read_path.as_deref().map(|p| format!(", path {p}")).unwrap_or_default();
     let rate = r.target_rate.map(|t| format!(", open loop at {t:.0} ops/s")).unwrap_or_default();
     let eta = r.latest_eta.as_deref().map(|e| format!(", {e} eta")).unwrap_or_default();
+    let eta = eta + &r.key_space.map(|k| format!(" over {k} keys")).unwrap_or_default();
     let _ = writeln!(
         out,
         "dmkv-ycsb: workload {} ({}{eta}) on {} at {}{path}: {} threads × {} in flight, {} records × {} B, seed {}{rate}",
@@ -362,6 +367,7 @@ pub(crate) fn test_report(
         workload: workload.into(),
         distribution: "zipfian".into(),
         latest_eta: None,
+        key_space: Some(11),
         records: 10,
         value_size: 100,
         threads,

@@ -29,6 +29,7 @@ fn settings(backend: BackendKind, server: &str, workload: Workload) -> Settings 
         workload,
         distribution: workload.default_distribution(),
         latest_eta: EtaGrowth::Ycsb,
+        expected_inserts: None,
         records: RECORDS,
         operations: Some(OPERATIONS),
         duration: None,
