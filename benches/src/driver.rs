@@ -7,7 +7,7 @@ use std::collections::BinaryHeap;
 use std::future::Future;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -193,6 +193,68 @@ struct Phase {
     acked: Acked,
     /// Each thread starts from a copy (the latest chooser grows as it draws).
     keys: KeyChooser,
+    gate: Gate,
+    /// When the phase started, for every thread: the warm-up, the deadline
+    /// and the open-loop schedule count from it.
+    start: OnceLock<Instant>,
+}
+
+impl Phase {
+    fn start(&self) -> Instant {
+        *self.start.get_or_init(Instant::now)
+    }
+}
+
+/// Where every thread waits until all have connected, so that no thread's
+/// measured window starts while others are still connecting.
+struct Gate {
+    /// Threads arrived, and whether one failed.
+    state: Mutex<(usize, bool)>,
+    all_in: Condvar,
+    threads: usize,
+}
+
+impl Gate {
+    fn new(threads: usize) -> Gate {
+        Gate { state: Mutex::new((0, false)), all_in: Condvar::new(), threads }
+    }
+
+    /// Waits for every thread; whether all arrived `ok`.
+    fn pass(&self, ok: bool) -> bool {
+        let mut st = self.state.lock().expect("gate poisoned");
+        st.0 += 1;
+        st.1 |= !ok;
+        if st.0 >= self.threads {
+            self.all_in.notify_all();
+        }
+        while st.0 < self.threads {
+            st = self.all_in.wait(st).expect("gate poisoned");
+        }
+        !st.1
+    }
+}
+
+/// A thread's place at the [`Gate`]: dropped unused (the thread failed or
+/// panicked before it got there), it passes as failed, so that no other
+/// thread waits for it forever.
+struct Ticket<'a> {
+    gate: &'a Gate,
+    used: bool,
+}
+
+impl Ticket<'_> {
+    fn pass(mut self, ok: bool) -> bool {
+        self.used = true;
+        self.gate.pass(ok)
+    }
+}
+
+impl Drop for Ticket<'_> {
+    fn drop(&mut self) {
+        if !self.used {
+            self.gate.pass(false);
+        }
+    }
 }
 
 /// What went wrong with one operation.
@@ -200,12 +262,29 @@ enum Failure {
     Error(String),
     NotFound(u64),
     Bad(u64, BadValue),
+    /// The read or the update of a read-modify-write failed (and was
+    /// counted as such).
+    Part,
 }
+
+/// Latencies of one operation type, or of every operation the workload
+/// chose (not the read and update inside a read-modify-write).
+struct Row {
+    /// From sending the request to its reply (after the key was chosen and
+    /// the value built).
+    service: Histogram<u64>,
+    /// From the operation's intended start (open loop).
+    intended: Histogram<u64>,
+    errors: u64,
+}
+
+/// Row of [`Stats::rows`] that holds every operation the workload chose.
+const ALL_ROW: usize = OP_KINDS.len();
 
 /// Measurements of one thread.
 struct Stats {
-    hist: Vec<Histogram<u64>>,
-    errors: [u64; OP_KINDS.len()],
+    /// One per [`OP_KINDS`], then [`ALL_ROW`].
+    rows: Vec<Row>,
     not_found: u64,
     bad_values: u64,
     first_error: Option<String>,
@@ -213,11 +292,31 @@ struct Stats {
     window: Option<(Instant, Instant)>,
 }
 
+/// One timed request: the read or the update of a read-modify-write.
+struct Part {
+    op: OpKind,
+    start: Instant,
+    end: Instant,
+    result: Result<(), Failure>,
+}
+
+/// What an operation did. A read-modify-write also times its read and its
+/// update on their own, as YCSB's DBWrapper does.
+struct Outcome {
+    end: Instant,
+    result: Result<(), Failure>,
+    parts: Vec<Part>,
+}
+
+fn nanos(from: Instant, to: Instant) -> u64 {
+    to.saturating_duration_since(from).as_nanos().min(u64::MAX as u128) as u64
+}
+
 impl Stats {
     fn new() -> Stats {
+        let row = || Row { service: new_histogram(), intended: new_histogram(), errors: 0 };
         Stats {
-            hist: OP_KINDS.iter().map(|_| new_histogram()).collect(),
-            errors: [0; OP_KINDS.len()],
+            rows: (0..=ALL_ROW).map(|_| row()).collect(),
             not_found: 0,
             bad_values: 0,
             first_error: None,
@@ -225,36 +324,48 @@ impl Stats {
         }
     }
 
-    fn record(&mut self, op: OpKind, start: Instant, end: Instant, result: Result<(), Failure>) {
+    /// Records an operation the workload chose, started at `start` and
+    /// meant to start at `intended` (the same in a closed loop).
+    fn record(&mut self, op: OpKind, intended: Instant, start: Instant, o: Outcome) {
         self.window = Some(match self.window {
-            None => (start, end),
-            Some((a, b)) => (a.min(start), b.max(end)),
+            None => (intended, o.end),
+            Some((a, b)) => (a.min(intended), b.max(o.end)),
         });
-        let fail = match result {
-            Ok(()) => {
-                let ns = end.saturating_duration_since(start).as_nanos().min(u64::MAX as u128) as u64;
-                self.hist[op.index()].saturating_record(ns.max(1));
-                return;
-            }
-            Err(f) => f,
-        };
-        self.errors[op.index()] += 1;
-        let msg = match fail {
-            Failure::Error(e) => e,
-            Failure::NotFound(k) => {
+        for part in o.parts {
+            self.time(part.op.index(), intended, part.start, part.end, part.result.is_ok());
+            self.fail(part.op, part.result);
+        }
+        let ok = o.result.is_ok();
+        self.time(op.index(), intended, start, o.end, ok);
+        self.time(ALL_ROW, intended, start, o.end, ok);
+        self.fail(op, o.result);
+    }
+
+    /// Times a success; a failure is counted, not timed.
+    fn time(&mut self, row: usize, intended: Instant, start: Instant, end: Instant, ok: bool) {
+        let row = &mut self.rows[row];
+        if ok {
+            row.service.saturating_record(nanos(start, end).max(1));
+            row.intended.saturating_record(nanos(intended, end).max(1));
+        } else {
+            row.errors += 1;
+        }
+    }
+
+    fn fail(&mut self, op: OpKind, result: Result<(), Failure>) {
+        let msg = match result {
+            Ok(()) | Err(Failure::Part) => return,
+            Err(Failure::Error(e)) => e,
+            Err(Failure::NotFound(k)) => {
                 self.not_found += 1;
                 format!("key {k} ({}) not found", key_name(k))
             }
-            Failure::Bad(k, b) => {
+            Err(Failure::Bad(k, b)) => {
                 self.bad_values += 1;
                 format!("key {k} ({}): {b}", key_name(k))
             }
         };
         self.first_error.get_or_insert(format!("{}: {msg}", op.name()));
-    }
-
-    fn seconds(&self) -> f64 {
-        self.window.map_or(0.0, |(a, b)| b.saturating_duration_since(a).as_secs_f64())
     }
 }
 
@@ -287,7 +398,7 @@ impl Local {
     fn new(p: &Phase, thread: u64) -> Local {
         let s = &p.s;
         let n = s.threads as u64;
-        let start = Instant::now();
+        let start = p.start();
         let (warm_time, warm_ops) = match (p.load, s.warmup) {
             (false, Warmup::Time(d)) => (d, 0),
             (false, Warmup::Ops(w)) => (Duration::ZERO, share(w, thread, n)),
@@ -300,6 +411,9 @@ impl Local {
             (s.operations.map(|o| share(o, thread, n)), s.duration.map(|d| warm_until + d))
         };
         let interval = if p.load { None } else { s.target_rate.map(|r| n as f64 / r) };
+        // Threads share a start, so their schedules interleave rather than
+        // all sending at the same instants.
+        let start = start + s.target_rate.map_or(Duration::ZERO, |r| Duration::from_secs_f64(thread as f64 / r));
         Local {
             thread,
             next: AtomicU64::new(0),
@@ -370,6 +484,8 @@ where
         next_insert: AtomicU64::new(if load { 0 } else { s.records }),
         acked: Acked::new(s.records),
         keys: KeyChooser::new(s.distribution, s.records, s.key_space(mix)?, s.latest_eta),
+        gate: Gate::new(s.threads),
+        start: OnceLock::new(),
     });
     let stats = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..s.threads as u64)
@@ -384,49 +500,51 @@ where
             .collect::<Result<Vec<Stats>, String>>()
     })?;
     let kinds: &[OpKind] = if load { &[OpKind::Insert] } else { &OP_KINDS };
-    Ok(summarise(&stats, kinds, mix, load))
+    Ok(summarise(&stats, kinds, mix, load, !load && s.target_rate.is_some()))
 }
 
-fn summarise(stats: &[Stats], kinds: &[OpKind], mix: Mix, load: bool) -> PhaseStats {
+/// The phase's statistics from every thread's. Throughput is operations
+/// over the measured wall window (first intended start to last reply, over
+/// all threads), as YCSB reports it; `open_loop` adds latencies from the
+/// intended start.
+fn summarise(stats: &[Stats], kinds: &[OpKind], mix: Mix, load: bool, open_loop: bool) -> PhaseStats {
     let ran = |k: OpKind| {
         load || match k {
-            OpKind::Read => mix.read > 0.0,
-            OpKind::Update => mix.update > 0.0,
+            OpKind::Read => mix.read > 0.0 || mix.rmw > 0.0,
+            OpKind::Update => mix.update > 0.0 || mix.rmw > 0.0,
             OpKind::Insert => mix.insert > 0.0,
             OpKind::ReadModifyWrite => mix.rmw > 0.0,
         }
     };
-    // Each thread's rate over its own window, summed: threads that start or
-    // finish a little apart are not charged for each other's idle time.
-    let rate = |count: &dyn Fn(&Stats) -> u64| -> f64 {
-        stats.iter().filter(|st| st.seconds() > 0.0).map(|st| count(st) as f64 / st.seconds()).sum()
-    };
-    let mut ops = Vec::new();
-    let mut all = new_histogram();
-    let mut all_errors = 0;
-    for &k in kinds.iter().filter(|k| ran(**k)) {
-        let i = k.index();
-        let mut h = new_histogram();
+    let window = stats.iter().filter_map(|st| st.window).reduce(|(a, b), (c, d)| (a.min(c), b.max(d)));
+    let seconds = window.map_or(0.0, |(a, b)| b.saturating_duration_since(a).as_secs_f64());
+    let rate = |n: u64| if seconds > 0.0 { n as f64 / seconds } else { 0.0 };
+    let (mut ops, mut intended) = (Vec::new(), Vec::new());
+    let rows = kinds.iter().filter(|k| ran(**k)).map(|k| (k.name(), k.index())).chain([(ALL_OPS, ALL_ROW)]);
+    for (name, i) in rows {
+        let (mut service, mut from_intended) = (new_histogram(), new_histogram());
         for st in stats {
-            h.add(&st.hist[i]).expect("same bounds");
+            service.add(&st.rows[i].service).expect("same bounds");
+            from_intended.add(&st.rows[i].intended).expect("same bounds");
         }
-        let errors: u64 = stats.iter().map(|st| st.errors[i]).sum();
-        all.add(&h).expect("same bounds");
-        all_errors += errors;
-        let r = rate(&|st| st.hist[i].len() + st.errors[i]);
-        ops.push(OpStats::from_histogram(k.name(), &h, errors, r));
+        let errors: u64 = stats.iter().map(|st| st.rows[i].errors).sum();
+        let r = rate(service.len() + errors);
+        ops.push(OpStats::from_histogram(name, &service, errors, r));
+        if open_loop {
+            intended.push(OpStats::from_histogram(name, &from_intended, errors, r));
+        }
     }
-    let total = |st: &Stats| st.hist.iter().map(|h| h.len()).sum::<u64>() + st.errors.iter().sum::<u64>();
-    let ops_per_sec = rate(&total);
-    ops.push(OpStats::from_histogram(ALL_OPS, &all, all_errors, ops_per_sec));
+    let all = ops.last().expect("the ALL row");
+    let operations = all.count + all.errors;
     PhaseStats {
-        seconds: stats.iter().map(Stats::seconds).fold(0.0, f64::max),
-        operations: stats.iter().map(total).sum(),
-        ops_per_sec,
+        seconds,
+        operations,
+        ops_per_sec: rate(operations),
         not_found: stats.iter().map(|st| st.not_found).sum(),
         bad_values: stats.iter().map(|st| st.bad_values).sum(),
         first_error: stats.iter().find_map(|st| st.first_error.clone()),
         ops,
+        intended,
     }
 }
 
@@ -436,13 +554,19 @@ where
     F: Fn(Settings) -> Fut,
     Fut: Future<Output = Result<C, String>>,
 {
+    let ticket = Ticket { gate: &p.gate, used: false };
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(|e| format!("cannot start a runtime: {e}"))?;
-    rt.block_on(async move {
-        let conn = connect(p.s.clone()).await?;
-        drive(conn, p, t).await
+    rt.block_on(async {
+        let conn = connect(p.s.clone()).await;
+        // Blocks this thread's runtime, which has nothing else to do yet.
+        if !ticket.pass(conn.is_ok()) {
+            // The thread that failed reports why; the others stop quietly.
+            return conn.map(|_| Stats::new());
+        }
+        drive(conn?, Arc::clone(&p), t).await
     })
 }
 
@@ -471,10 +595,11 @@ async fn load_slot<C: KvConn>(conn: &C, p: &Phase, local: &Local) {
         if k >= s.records {
             break;
         }
-        let value = make_value(s.seed, k, derive(s.seed, 0, k), s.value_size);
+        let (name, value) = (Bytes::from(key_name(k)), make_value(s.seed, k, derive(s.seed, 0, k), s.value_size));
         let start = Instant::now();
-        let r = conn.set(Bytes::from(key_name(k)), value).await.map_err(Failure::Error);
-        local.stats.lock().expect("stats poisoned").record(OpKind::Insert, start, Instant::now(), r);
+        let result = conn.set(name, value).await.map_err(Failure::Error);
+        let o = Outcome { end: Instant::now(), result, parts: Vec::new() };
+        local.stats.lock().expect("stats poisoned").record(OpKind::Insert, start, start, o);
     }
 }
 
@@ -483,17 +608,15 @@ async fn run_slot<C: KvConn>(conn: &C, p: &Phase, local: &Local) {
     // Bounded by the operation count or by the deadline (one of them is set).
     loop {
         let idx = local.next.fetch_add(1, Ordering::Relaxed);
-        let intended = match local.interval {
-            // Open loop: the schedule, not the last reply, says when an
-            // operation starts, and latency counts from then.
-            Some(iv) => local.start + Duration::from_secs_f64(idx as f64 * iv),
-            None => Instant::now(),
-        };
+        let scheduled = local.interval.map(|iv| local.start + Duration::from_secs_f64(idx as f64 * iv));
+        let intended = scheduled.unwrap_or_else(Instant::now);
         if local.deadline.is_some_and(|d| intended >= d) {
             break;
         }
-        if local.interval.is_some() {
-            tokio::time::sleep_until(intended.into()).await;
+        if let Some(at) = scheduled {
+            // Open loop: the schedule, not the last reply, says when an
+            // operation starts.
+            tokio::time::sleep_until(at.into()).await;
         }
         let measuring = idx >= local.warm_ops && intended >= local.warm_until;
         if measuring
@@ -504,49 +627,75 @@ async fn run_slot<C: KvConn>(conn: &C, p: &Phase, local: &Local) {
         }
         let mut rng = Rng::new(derive(s.seed, local.thread + 1, idx));
         let op = p.mix.choose(rng.next_f64());
-        let r = execute(conn, p, local, op, &mut rng).await;
-        let end = Instant::now();
+        let prepared = prepare(p, local, op, &mut rng);
+        // YCSB's DBWrapper starts its clock here, after the key was chosen
+        // and the value built: at one-sided speeds those take a fair share
+        // of an operation.
+        let start = Instant::now();
+        let o = perform(conn, p, prepared, start).await;
         if measuring {
-            local.stats.lock().expect("stats poisoned").record(op, intended, end, r);
+            // Closed loop: the operation was meant to start when it did.
+            let intended = scheduled.unwrap_or(start);
+            local.stats.lock().expect("stats poisoned").record(op, intended, start, o);
         }
     }
 }
 
-fn choose_key(p: &Phase, local: &Local, rng: &mut Rng) -> u64 {
-    local.keys.lock().expect("key chooser poisoned").next(rng, p.acked.limit())
+/// An operation ready to send: its key chosen and its value built.
+struct Prepared {
+    op: OpKind,
+    key: u64,
+    name: Bytes,
+    value: Bytes,
 }
 
-async fn read<C: KvConn>(conn: &C, s: &Settings, k: u64) -> Result<(), Failure> {
-    match conn.get(Bytes::from(key_name(k))).await {
+fn prepare(p: &Phase, local: &Local, op: OpKind, rng: &mut Rng) -> Prepared {
+    let s = &p.s;
+    let key = match op {
+        OpKind::Insert => p.next_insert.fetch_add(1, Ordering::Relaxed),
+        _ => local.keys.lock().expect("key chooser poisoned").next(rng, p.acked.limit()),
+    };
+    let value = match op {
+        OpKind::Read => Bytes::new(),
+        _ => make_value(s.seed, key, rng.next_u64(), s.value_size),
+    };
+    Prepared { op, key, name: Bytes::from(key_name(key)), value }
+}
+
+async fn read<C: KvConn>(conn: &C, s: &Settings, k: u64, name: Bytes) -> Result<(), Failure> {
+    match conn.get(name).await {
         Ok(Some(v)) => check_value(s.seed, k, s.value_size, &v).map_err(|b| Failure::Bad(k, b)),
         Ok(None) => Err(Failure::NotFound(k)),
         Err(e) => Err(Failure::Error(e)),
     }
 }
 
-async fn execute<C: KvConn>(conn: &C, p: &Phase, local: &Local, op: OpKind, rng: &mut Rng) -> Result<(), Failure> {
+/// Sends `op`, which the caller started timing at `start`.
+async fn perform<C: KvConn>(conn: &C, p: &Phase, op: Prepared, start: Instant) -> Outcome {
     let s = &p.s;
-    match op {
-        OpKind::Read => read(conn, s, choose_key(p, local, rng)).await,
-        OpKind::Update => {
-            let k = choose_key(p, local, rng);
-            let v = make_value(s.seed, k, rng.next_u64(), s.value_size);
-            conn.set(Bytes::from(key_name(k)), v).await.map_err(Failure::Error)
-        }
+    let done = |result| Outcome { end: Instant::now(), result, parts: Vec::new() };
+    match op.op {
+        OpKind::Read => done(read(conn, s, op.key, op.name).await),
+        OpKind::Update => done(conn.set(op.name, op.value).await.map_err(Failure::Error)),
         OpKind::Insert => {
-            let k = p.next_insert.fetch_add(1, Ordering::Relaxed);
-            let v = make_value(s.seed, k, rng.next_u64(), s.value_size);
-            let r = conn.set(Bytes::from(key_name(k)), v).await.map_err(Failure::Error);
+            let r = conn.set(op.name, op.value).await.map_err(Failure::Error);
             // YCSB acknowledges in a finally block: a failed insert (counted
             // in r) must not hold back the keys inserted after it.
-            p.acked.ack(k);
-            r
+            p.acked.ack(op.key);
+            done(r)
         }
         OpKind::ReadModifyWrite => {
-            let k = choose_key(p, local, rng);
-            read(conn, s, k).await?;
-            let v = make_value(s.seed, k, rng.next_u64(), s.value_size);
-            conn.set(Bytes::from(key_name(k)), v).await.map_err(Failure::Error)
+            let read = read(conn, s, op.key, op.name.clone()).await;
+            let mid = Instant::now();
+            // As YCSB, the update is sent whatever the read found.
+            let update = conn.set(op.name, op.value).await.map_err(Failure::Error);
+            let end = Instant::now();
+            let result = if read.is_ok() && update.is_ok() { Ok(()) } else { Err(Failure::Part) };
+            let parts = vec![
+                Part { op: OpKind::Read, start, end: mid, result: read },
+                Part { op: OpKind::Update, start: mid, end, result: update },
+            ];
+            Outcome { end, result, parts }
         }
     }
 }
@@ -560,6 +709,8 @@ mod tests {
     /// A store in memory that fails the SETs it is told to.
     #[derive(Default)]
     struct MemStore {
+        /// How long each request takes.
+        delay: Duration,
         map: Mutex<HashMap<Bytes, Bytes>>,
         /// Keys whose next SET fails.
         fail: Mutex<HashSet<Bytes>>,
@@ -571,11 +722,13 @@ mod tests {
 
     impl KvConn for MemConn {
         async fn get(&self, key: Bytes) -> Result<Option<Bytes>, String> {
+            tokio::time::sleep(self.0.delay).await;
             self.0.gets.lock().unwrap().push(key.clone());
             Ok(self.0.map.lock().unwrap().get(&key).cloned())
         }
 
         async fn set(&self, key: Bytes, value: Bytes) -> Result<(), String> {
+            tokio::time::sleep(self.0.delay).await;
             if self.0.fail.lock().unwrap().remove(&key) {
                 return Err("injected failure".into());
             }
@@ -662,5 +815,93 @@ mod tests {
         assert_eq!(a.limit(), 13);
         a.ack(13);
         assert_eq!(a.limit(), 14);
+    }
+
+    #[test]
+    fn throughput_is_operations_over_the_wall_window() {
+        // Two threads, each 100 reads in one second, one after the other:
+        // 200 operations in 2 s is 100 ops/s (summing each thread's own
+        // rate would say 200).
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let thread = |from: u64| {
+            let mut st = Stats::new();
+            for i in 0..100 {
+                let start = at(from + i * 10);
+                st.record(
+                    OpKind::Read,
+                    start,
+                    start,
+                    Outcome { end: start + Duration::from_millis(10), result: Ok(()), parts: Vec::new() },
+                );
+            }
+            st
+        };
+        let mix = Workload::C.mix().unwrap();
+        let p = summarise(&[thread(0), thread(1000)], &OP_KINDS, mix, false, false);
+        assert_eq!(p.operations, 200);
+        assert!((p.seconds - 2.0).abs() < 1e-9, "{} s", p.seconds);
+        assert!((p.ops_per_sec - 100.0).abs() < 1e-6, "{} ops/s", p.ops_per_sec);
+        assert!((p.op("READ").unwrap().ops_per_sec - 100.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn workload_f_times_the_read_and_update_inside_each_read_modify_write() {
+        let store = Arc::new(MemStore::default());
+        let r = run_mem(&mem_settings(Workload::F, 50, 400), &store);
+        assert_eq!(r.failures(), 0, "{:?}", r.run.first_error);
+        let count = |op: &str| r.run.op(op).map_or(0, |o| o.count);
+        let rmw = count("READ-MODIFY-WRITE");
+        assert!(rmw > 100 && rmw < 300, "{rmw} read-modify-writes");
+        assert_eq!(count(ALL_OPS), 400, "a read-modify-write is one operation");
+        assert_eq!(r.run.operations, 400);
+        assert_eq!(count("UPDATE"), rmw);
+        assert_eq!(count("READ"), (400 - rmw) + rmw, "READ counts the reads inside read-modify-writes too");
+        let rate = r.run.operations as f64 / r.run.seconds;
+        assert!((r.run.ops_per_sec - rate).abs() < 1e-6 * rate);
+        assert!(r.run.intended.is_empty(), "closed loop: service time only");
+    }
+
+    #[test]
+    fn latency_is_timed_after_the_value_is_built() {
+        // Values of 1 MiB take a while to build; an in-memory store answers
+        // at once, so an UPDATE's latency must be far below the build time.
+        let size = MAX_VALUE_SIZE;
+        let t = Instant::now();
+        let built = (0..5).map(|i| make_value(1, i, i, size).len()).sum::<usize>();
+        let build_us = t.elapsed().as_secs_f64() * 1e6 / 5.0;
+        assert_eq!(built, 5 * size);
+        let store = Arc::new(MemStore::default());
+        let s = Settings { value_size: size, threads: 1, in_flight: 1, ..mem_settings(Workload::A, 10, 100) };
+        let r = run_mem(&s, &store);
+        let update = r.run.op("UPDATE").unwrap();
+        assert!(update.count > 20, "{} updates", update.count);
+        assert!(
+            update.p50_us < build_us / 4.0,
+            "UPDATE p50 {:.0} µs, building a value {build_us:.0} µs",
+            update.p50_us
+        );
+    }
+
+    #[test]
+    fn open_loop_reports_service_time_and_latency_from_the_intended_start() {
+        // 2 ms a request against a schedule of one every 0.5 ms: operations
+        // fall ever further behind, which only the intended start shows.
+        let store = Arc::new(MemStore { delay: Duration::from_millis(2), ..MemStore::default() });
+        let s = Settings { threads: 1, in_flight: 1, target_rate: Some(2000.0), ..mem_settings(Workload::C, 10, 100) };
+        let r = run_mem(&s, &store);
+        let (service, intended) = (r.run.op(ALL_OPS).unwrap(), &r.run.intended);
+        let from_intended = intended.iter().find(|o| o.op == ALL_OPS).unwrap();
+        assert_eq!(intended.len(), r.run.ops.len());
+        assert_eq!(from_intended.count, service.count);
+        assert!(
+            from_intended.p50_us > 5.0 * service.p50_us,
+            "p50 from the intended start {:.0} µs, service time {:.0} µs",
+            from_intended.p50_us,
+            service.p50_us
+        );
+        let text = crate::report::table(&r);
+        assert!(text.contains("service time") && text.contains("from the intended start"), "{text}");
+        assert!(crate::report::csv(&r).contains(",run,ALL,intended,"));
     }
 }
