@@ -9,7 +9,7 @@ use dmkv_client::{ReadPath, Transport};
 use crate::backend::{BackendKind, DmkvOptions};
 use crate::driver::{DEFAULT_OPERATIONS, Settings, Warmup};
 use crate::generator::EtaGrowth;
-use crate::workload::{Distribution, Workload};
+use crate::workload::{Distribution, UpdateWrites, Workload, YCSB_FIELDS};
 
 /// Flags of `dmkv-ycsb`.
 #[derive(Debug, Parser)]
@@ -32,9 +32,17 @@ pub struct Args {
     /// Measured seconds of the run phase, instead of --operations.
     #[arg(long, value_name = "S")]
     pub duration: Option<f64>,
-    /// Bytes per value (YCSB: 10 fields × 100 B).
+    /// Bytes per record (YCSB: 10 fields × 100 B).
     #[arg(long, default_value_t = 1000)]
     pub value_size: usize,
+    /// Fields per record, of value-size / fields bytes each (YCSB's fieldcount).
+    #[arg(long, default_value_t = YCSB_FIELDS)]
+    pub fields: usize,
+    /// What an update (and the write of a read-modify-write) writes: the
+    /// whole record (YCSB writeallfields=true) or one field (YCSB's default;
+    /// it replaces the stored value, as YCSB's memcached binding does).
+    #[arg(long, value_enum, default_value = "record")]
+    pub update_writes: UpdateWrites,
     /// Key distribution [default: latest for D, zipfian otherwise].
     #[arg(long, value_enum)]
     pub distribution: Option<Distribution>,
@@ -120,6 +128,8 @@ impl Args {
             operations,
             duration,
             value_size: self.value_size,
+            fields: self.fields,
+            update_writes: self.update_writes,
             threads: self.threads,
             in_flight: self.in_flight,
             target_rate: self.target_rate,
@@ -183,6 +193,16 @@ mod tests {
         assert_eq!(s.key_space(s.validate().unwrap()), Ok(1000 + 14 + 1));
         assert!(d(&["--duration", "1"]).validate().unwrap_err().contains("--expected-inserts"));
         assert!(d(&["--expected-inserts", &u64::MAX.to_string()]).validate().is_err());
+        // The field model: an update writes the record or one field of it.
+        assert_eq!(d(&[]).update_bytes(), 1000);
+        let f = Args::parse_from(["dmkv-ycsb", "--update-writes", "field"]).settings().unwrap();
+        assert_eq!((f.fields, f.update_bytes()), (10, 100));
+        assert!(f.validate().is_ok());
+        let bad =
+            Args::parse_from(["dmkv-ycsb", "--update-writes", "field", "--value-size", "1001"]).settings().unwrap();
+        assert!(bad.validate().unwrap_err().contains("multiple of --fields"));
+        let zero = Args::parse_from(["dmkv-ycsb", "--fields", "0"]).settings().unwrap();
+        assert!(zero.validate().unwrap_err().contains("--fields"));
         let a = Args::parse_from(["dmkv-ycsb", "--records", "1000"]).settings().unwrap();
         assert_eq!(a.key_space(a.validate().unwrap()), Ok(1001));
         assert!(Args::try_parse_from(["dmkv-ycsb", "--operations", "5", "--duration", "1"]).is_err());

@@ -17,7 +17,7 @@ use tokio::task::JoinSet;
 use crate::backend::{BackendKind, DmkvConn, DmkvOptions, KvConn, MemcachedConn, RedisConn};
 use crate::generator::{EtaGrowth, KeyChooser, Rng, derive, key_name, zipfian_key_space};
 use crate::report::{ALL_OPS, OpStats, PhaseStats, Report, new_histogram};
-use crate::workload::{BadValue, Distribution, Mix, OP_KINDS, OpKind, Workload, check_value, make_value};
+use crate::workload::{BadValue, Distribution, Mix, OP_KINDS, OpKind, UpdateWrites, Workload, check_value, make_value};
 
 /// Most client threads.
 pub const MAX_THREADS: usize = 1024;
@@ -87,7 +87,11 @@ pub struct Settings {
     pub operations: Option<u64>,
     /// Measured time; `None` with a count of operations.
     pub duration: Option<Duration>,
+    /// Bytes of a record (every field).
     pub value_size: usize,
+    /// Fields of a record, `value_size / fields` bytes each (YCSB: 10).
+    pub fields: usize,
+    pub update_writes: UpdateWrites,
     pub threads: usize,
     pub in_flight: usize,
     /// Operations per second over all threads (open loop); `None`: as fast
@@ -114,6 +118,18 @@ impl Settings {
         if self.value_size > MAX_VALUE_SIZE {
             return Err(format!("--value-size must be at most {MAX_VALUE_SIZE}"));
         }
+        if self.fields == 0 {
+            return Err("--fields must be at least 1".into());
+        }
+        if self.update_writes == UpdateWrites::Field
+            && (!self.value_size.is_multiple_of(self.fields) || self.value_size == 0)
+        {
+            return Err(format!(
+                "--update-writes field needs --value-size to be a positive multiple of --fields ({}): \
+                 YCSB's records are 10 fields × 100 B",
+                self.fields
+            ));
+        }
         if let Some(r) = self.target_rate
             && !(r.is_finite() && r > 0.0)
         {
@@ -127,6 +143,14 @@ impl Settings {
         }
         self.key_space(mix)?;
         Ok(mix)
+    }
+
+    /// Bytes an update writes: the record, or one field of it.
+    pub fn update_bytes(&self) -> usize {
+        match self.update_writes {
+            UpdateWrites::Record => self.value_size,
+            UpdateWrites::Field => self.value_size / self.fields.max(1),
+        }
     }
 
     /// Keys of the zipfian chooser, sized once for the run as YCSB does:
@@ -460,6 +484,8 @@ where
         key_space: if s.distribution == Distribution::Zipfian { Some(s.key_space(mix)?) } else { None },
         records: s.records,
         value_size: s.value_size,
+        fields: s.fields,
+        update_bytes: s.update_bytes(),
         threads: s.threads,
         in_flight: s.in_flight,
         target_rate: s.target_rate,
@@ -657,14 +683,19 @@ fn prepare(p: &Phase, local: &Local, op: OpKind, rng: &mut Rng) -> Prepared {
     };
     let value = match op {
         OpKind::Read => Bytes::new(),
-        _ => make_value(s.seed, key, rng.next_u64(), s.value_size),
+        OpKind::Insert => make_value(s.seed, key, rng.next_u64(), s.value_size),
+        OpKind::Update | OpKind::ReadModifyWrite => make_value(s.seed, key, rng.next_u64(), s.update_bytes()),
     };
     Prepared { op, key, name: Bytes::from(key_name(key)), value }
 }
 
 async fn read<C: KvConn>(conn: &C, s: &Settings, k: u64, name: Bytes) -> Result<(), Failure> {
     match conn.get(name).await {
-        Ok(Some(v)) => check_value(s.seed, k, s.value_size, &v).map_err(|b| Failure::Bad(k, b)),
+        Ok(Some(v)) => {
+            // Once updated with one field, a record is that field.
+            let size = if v.len() == s.update_bytes() { v.len() } else { s.value_size };
+            check_value(s.seed, k, size, &v).map_err(|b| Failure::Bad(k, b))
+        }
         Ok(None) => Err(Failure::NotFound(k)),
         Err(e) => Err(Failure::Error(e)),
     }
@@ -751,6 +782,8 @@ mod tests {
             operations: Some(operations),
             duration: None,
             value_size: 100,
+            fields: 10,
+            update_writes: UpdateWrites::Record,
             threads: 2,
             in_flight: 4,
             target_rate: None,
@@ -903,5 +936,22 @@ mod tests {
         let text = crate::report::table(&r);
         assert!(text.contains("service time") && text.contains("from the intended start"), "{text}");
         assert!(crate::report::csv(&r).contains(",run,ALL,intended,"));
+    }
+
+    #[test]
+    fn field_updates_write_one_field_and_reads_accept_it() {
+        let store = Arc::new(MemStore::default());
+        let s = Settings { value_size: 1000, update_writes: UpdateWrites::Field, ..mem_settings(Workload::A, 50, 400) };
+        let r = run_mem(&s, &store);
+        assert_eq!(r.failures(), 0, "{:?}", r.run.first_error);
+        assert_eq!((r.fields, r.update_bytes), (10, 100));
+        assert!(crate::report::table(&r).contains("one 100 B field"));
+        let sizes: HashSet<usize> = store.map.lock().unwrap().values().map(|v| v.len()).collect();
+        assert!(sizes.contains(&100), "no record was updated with one field: sizes {sizes:?}");
+        // Whole-record updates (the default) leave every record whole.
+        let store = Arc::new(MemStore::default());
+        let r = run_mem(&Settings { value_size: 1000, ..mem_settings(Workload::A, 50, 400) }, &store);
+        assert_eq!((r.update_bytes, r.failures()), (1000, 0));
+        assert!(store.map.lock().unwrap().values().all(|v| v.len() == 1000));
     }
 }

@@ -115,7 +115,15 @@ pub struct Report {
     #[serde(default)]
     pub key_space: Option<u64>,
     pub records: u64,
+    /// Bytes of a record.
     pub value_size: usize,
+    /// Fields of a record (0 in reports from before the field model).
+    #[serde(default)]
+    pub fields: usize,
+    /// Bytes an update writes: `value_size` (the whole record) or one
+    /// field's (0 in reports from before the field model: the record).
+    #[serde(default)]
+    pub update_bytes: usize,
     pub threads: usize,
     pub in_flight: usize,
     pub target_rate: Option<f64>,
@@ -131,6 +139,23 @@ impl Report {
     /// "threads × in flight", the concurrency of the run.
     pub fn concurrency(&self) -> String {
         format!("{}×{}", self.threads, self.in_flight)
+    }
+
+    /// The record layout and what an update writes, for reports.
+    pub fn record_model(&self) -> String {
+        let fields = match self.fields {
+            0 => format!("{} B", self.value_size),
+            n => format!("{n} fields × {} B", self.value_size / n),
+        };
+        if self.update_bytes == 0 || self.update_bytes == self.value_size {
+            format!("records of {fields}; an update rewrites the whole record (YCSB writeallfields=true)")
+        } else {
+            format!(
+                "records of {fields}; an update writes one {} B field, which replaces the record \
+                 (YCSB's default writeallfields=false, as its memcached binding does it)",
+                self.update_bytes
+            )
+        }
     }
 
     /// Failures of load and run together (errors, misses, bad values).
@@ -189,6 +214,7 @@ pub fn table(r: &Report) -> String {
         "dmkv-ycsb: workload {} ({}{eta}) on {} at {}{path}: {} threads × {} in flight, {} records × {} B, seed {}{rate}",
         r.workload, r.distribution, r.store, r.server, r.threads, r.in_flight, r.records, r.value_size, r.seed
     );
+    let _ = writeln!(out, "{}", r.record_model());
     if let Some(l) = &r.load {
         let _ =
             writeln!(out, "load: {} inserts in {:.2} s (wall), {:.0} ops/s", l.operations, l.seconds, l.ops_per_sec);
@@ -209,8 +235,8 @@ pub fn table(r: &Report) -> String {
 
 /// Header of the CSV file. `timing` is `service` (from sending the
 /// request) or `intended` (open loop: from the intended start).
-pub const CSV_HEADER: &str = "store,workload,distribution,threads,in_flight,records,value_size,phase,op,timing,count,\
-     errors,ops_per_sec,mean_us,p50_us,p95_us,p99_us,p999_us,max_us";
+pub const CSV_HEADER: &str = "store,workload,distribution,threads,in_flight,records,value_size,update_bytes,phase,\
+     op,timing,count,errors,ops_per_sec,mean_us,p50_us,p95_us,p99_us,p999_us,max_us";
 
 /// The CSV file: a header and one line per phase, operation type and timing.
 pub fn csv(r: &Report) -> String {
@@ -222,7 +248,7 @@ pub fn csv(r: &Report) -> String {
         for (timing, o) in rows {
             let _ = writeln!(
                 out,
-                "{},{},{},{},{},{},{},{name},{},{timing},{},{},{:.1},{:.2},{:.2},{:.2},{:.2},{:.2},{:.2}",
+                "{},{},{},{},{},{},{},{},{name},{},{timing},{},{},{:.1},{:.2},{:.2},{:.2},{:.2},{:.2},{:.2}",
                 r.store,
                 r.workload,
                 r.distribution,
@@ -230,6 +256,7 @@ pub fn csv(r: &Report) -> String {
                 r.in_flight,
                 r.records,
                 r.value_size,
+                r.update_bytes,
                 o.op,
                 o.count,
                 o.errors,
@@ -317,6 +344,12 @@ pub fn markdown(reports: &[Report]) -> String {
             v => format!("{}: {:.0}–{:.0}", v.len(), v[0], v[v.len() - 1]),
         }
     };
+    let mut models: Vec<String> = rs.iter().map(|r| r.record_model()).collect();
+    models.sort();
+    models.dedup();
+    for m in models {
+        let _ = writeln!(out, "Record model: {m}.\n");
+    }
     let mut workloads: Vec<&str> = rs.iter().map(|r| r.workload.as_str()).collect();
     workloads.dedup();
     for w in &workloads {
@@ -405,6 +438,8 @@ pub(crate) fn test_report(
         key_space: Some(11),
         records: 10,
         value_size: 100,
+        fields: 10,
+        update_bytes: 100,
         threads,
         in_flight,
         target_rate: None,
@@ -453,7 +488,9 @@ mod tests {
         let r = report("redis", "b", 2, 16, 1234.0);
         let c = csv(&r);
         assert_eq!(c.lines().count(), 3);
-        assert!(c.lines().nth(1).unwrap().starts_with("redis,b,zipfian,2,16,10,100,run,READ,service,1000,0,1234.0,"));
+        assert!(
+            c.lines().nth(1).unwrap().starts_with("redis,b,zipfian,2,16,10,100,100,run,READ,service,1000,0,1234.0,")
+        );
         let back: Report = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
         assert_eq!(back, r);
         assert!(table(&r).contains("READ"));
@@ -492,6 +529,10 @@ mod tests {
         assert!(md.contains("| A | 2×16 | RPC | 100 | memcached | 300 | 0.33× | no |"), "{md}");
         assert!(md.contains("| A | 2×16 | one-sided GETs | 600 | memcached | 300 | 2.00× | yes |"), "{md}");
         assert!(md.contains("| dmkv | 1×1 | 330 | 1 |"), "{md}");
+        assert!(
+            md.starts_with("Record model: records of 10 fields × 10 B; an update rewrites the whole record"),
+            "{md}"
+        );
         let dmkv_row = md.find("| dmkv | 1×1").unwrap();
         let redis_row = md.find("| redis | 1×1").unwrap();
         assert!(dmkv_row < redis_row);

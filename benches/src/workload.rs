@@ -48,6 +48,33 @@ impl Distribution {
     }
 }
 
+/// What an update, and the write of a read-modify-write, writes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum UpdateWrites {
+    /// The whole record, every field (YCSB's `writeallfields=true`).
+    #[default]
+    Record,
+    /// One field (YCSB's default, `writeallfields=false`). The stores as
+    /// driven here have no partial writes, so the field replaces the stored
+    /// value, as YCSB's memcached binding does; reads then find a record or
+    /// a field.
+    Field,
+}
+
+impl UpdateWrites {
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            UpdateWrites::Record => "record",
+            UpdateWrites::Field => "field",
+        }
+    }
+}
+
+/// YCSB's fields per record (`fieldcount`).
+pub const YCSB_FIELDS: usize = 10;
+
 /// Why workload E is refused.
 pub const SCAN_UNSUPPORTED: &str = "workload E (short range scans) is not supported: dmkv is a hash store \
      without an ordered key space, so it has no SCAN operation to measure";

@@ -11,7 +11,7 @@ use dmkv_benches::backend::{BackendKind, DmkvOptions};
 use dmkv_benches::driver::{self, Settings, Warmup};
 use dmkv_benches::generator::EtaGrowth;
 use dmkv_benches::report::Report;
-use dmkv_benches::workload::{Distribution, Workload};
+use dmkv_benches::workload::{Distribution, UpdateWrites, Workload};
 use dmkv_client::ReadPath;
 use dmkv_tests::{ServerProcess, wait_until};
 
@@ -34,6 +34,8 @@ fn settings(backend: BackendKind, server: &str, workload: Workload) -> Settings 
         operations: Some(OPERATIONS),
         duration: None,
         value_size: 1000,
+        fields: 10,
+        update_writes: UpdateWrites::Record,
         threads: 2,
         in_flight: 4,
         target_rate: None,
