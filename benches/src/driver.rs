@@ -475,8 +475,9 @@ where
     let load = if s.skip_load { None } else { Some(phase(s, mix, true, &connect)?) };
     let run = phase(s, mix, false, &connect)?;
     let dmkv = s.backend == BackendKind::Dmkv;
-    Ok(Report {
+    let mut r = Report {
         store: s.label.clone(),
+        comparability: String::new(),
         server: s.server.clone(),
         workload: s.workload.name().into(),
         distribution: s.distribution.name().into(),
@@ -494,7 +495,9 @@ where
         transport: if dmkv { s.dmkv.transport.map(|t| format!("{t:?}").to_lowercase()) } else { None },
         load,
         run,
-    })
+    };
+    r.comparability = r.comparability_label();
+    Ok(r)
 }
 
 fn phase<C, F, Fut>(s: &Settings, mix: Mix, load: bool, connect: &F) -> Result<PhaseStats, String>
@@ -883,6 +886,7 @@ mod tests {
         let store = Arc::new(MemStore::default());
         let r = run_mem(&mem_settings(Workload::F, 50, 400), &store);
         assert_eq!(r.failures(), 0, "{:?}", r.run.first_error);
+        assert_eq!(r.comparability, "pipelined, not YCSB-comparable", "4 in flight per thread");
         let count = |op: &str| r.run.op(op).map_or(0, |o| o.count);
         let rmw = count("READ-MODIFY-WRITE");
         assert!(rmw > 100 && rmw < 300, "{rmw} read-modify-writes");
@@ -907,6 +911,7 @@ mod tests {
         let store = Arc::new(MemStore::default());
         let s = Settings { value_size: size, threads: 1, in_flight: 1, ..mem_settings(Workload::A, 10, 100) };
         let r = run_mem(&s, &store);
+        assert_eq!(r.comparability, "YCSB-comparable", "one operation in flight per thread");
         let update = r.run.op("UPDATE").unwrap();
         assert!(update.count > 20, "{} updates", update.count);
         assert!(

@@ -24,7 +24,7 @@ const COLOURS: [RGBColor; 5] = [
 /// Bars grouped by run configuration, one series per store.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Bars {
-    /// Label of each group, e.g. "A 2×16".
+    /// Label of each group, e.g. "A 32×1" or "A 2×16 (pipelined)".
     pub groups: Vec<String>,
     /// Store name and its value in each group (missing runs are `None`).
     pub series: Vec<(String, Vec<Option<f64>>)>,
@@ -36,7 +36,11 @@ impl Bars {
     pub fn from_reports(reports: &[Report], metric: impl Fn(&Report) -> Option<f64>) -> Bars {
         let sums = summarise(reports);
         let rs: Vec<&Report> = sums.iter().map(|s| &s.median).collect();
-        let key = |r: &Report| format!("{} {}", r.workload.to_uppercase(), r.concurrency());
+        // Pipelined groups say so, as the tables do.
+        let key = |r: &Report| {
+            let mode = if r.ycsb_comparable() { "" } else { " (pipelined)" };
+            format!("{} {}{mode}", r.workload.to_uppercase(), r.concurrency())
+        };
         let mut groups: Vec<String> = rs.iter().map(|r| key(r)).collect();
         groups.dedup();
         let mut stores: Vec<&str> = STORE_ORDER.iter().copied().filter(|s| rs.iter().any(|r| r.store == *s)).collect();
@@ -153,7 +157,7 @@ mod tests {
     fn bars_group_by_configuration_and_store() {
         let rs = vec![report("redis", "a", 1, 5.0), report("dmkv", "a", 1, 7.0), report("dmkv", "b", 16, 9.0)];
         let b = throughput(&rs);
-        assert_eq!(b.groups, vec!["A 1×1", "B 1×16"]);
+        assert_eq!(b.groups, vec!["A 1×1", "B 1×16 (pipelined)"]);
         assert_eq!(b.series[0], ("dmkv".to_string(), vec![Some(7.0), Some(9.0)]));
         assert_eq!(b.series[1], ("redis".to_string(), vec![Some(5.0), None]));
         assert_eq!(p99(&rs).series[0].1, vec![Some(1.0), Some(1.0)]);

@@ -13,6 +13,11 @@ pub const MAX_LATENCY_NS: u64 = 60_000_000_000;
 pub const HISTOGRAM_DIGITS: u8 = 3;
 /// Name of the row that covers every operation of a phase.
 pub const ALL_OPS: &str = "ALL";
+/// Label of a run YCSB itself could have made: one synchronous operation
+/// per client thread and connection, YCSB's generators.
+pub const YCSB_COMPARABLE: &str = "YCSB-comparable";
+/// Ends the label of a run that YCSB could not have made.
+pub const NOT_COMPARABLE: &str = "not YCSB-comparable";
 
 /// A histogram of latencies in nanoseconds.
 pub fn new_histogram() -> Histogram<u64> {
@@ -103,6 +108,10 @@ impl PhaseStats {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Report {
     pub store: String,
+    /// [`YCSB_COMPARABLE`], or why not, e.g. "pipelined, not
+    /// YCSB-comparable" (see [`Report::comparability_label`]).
+    #[serde(default)]
+    pub comparability: String,
     pub server: String,
     pub workload: String,
     pub distribution: String,
@@ -139,6 +148,26 @@ impl Report {
     /// "threads × in flight", the concurrency of the run.
     pub fn concurrency(&self) -> String {
         format!("{}×{}", self.threads, self.in_flight)
+    }
+
+    /// [`YCSB_COMPARABLE`] if YCSB could have made this run, else what
+    /// differs followed by [`NOT_COMPARABLE`]: "pipelined" (more than one
+    /// operation in flight per thread; YCSB's threads each wait for every
+    /// reply), "corrected latest eta" (`--latest-eta corrected`).
+    pub fn comparability_label(&self) -> String {
+        let mut why = Vec::new();
+        if self.in_flight > 1 {
+            why.push("pipelined");
+        }
+        if self.latest_eta.as_deref() == Some("corrected") {
+            why.push("corrected latest eta");
+        }
+        if why.is_empty() { YCSB_COMPARABLE.to_string() } else { format!("{}, {NOT_COMPARABLE}", why.join(", ")) }
+    }
+
+    /// Whether YCSB could have made this run.
+    pub fn ycsb_comparable(&self) -> bool {
+        self.comparability_label() == YCSB_COMPARABLE
     }
 
     /// The record layout and what an update writes, for reports.
@@ -211,8 +240,17 @@ pub fn table(r: &Report) -> String {
     let eta = eta + &r.key_space.map(|k| format!(" over {k} keys")).unwrap_or_default();
     let _ = writeln!(
         out,
-        "dmkv-ycsb: workload {} ({}{eta}) on {} at {}{path}: {} threads × {} in flight, {} records × {} B, seed {}{rate}",
-        r.workload, r.distribution, r.store, r.server, r.threads, r.in_flight, r.records, r.value_size, r.seed
+        "dmkv-ycsb: workload {} ({}{eta}) on {} at {}{path}: {} threads × {} in flight ({}), {} records × {} B, seed {}{rate}",
+        r.workload,
+        r.distribution,
+        r.store,
+        r.server,
+        r.threads,
+        r.in_flight,
+        r.comparability_label(),
+        r.records,
+        r.value_size,
+        r.seed
     );
     let _ = writeln!(out, "{}", r.record_model());
     if let Some(l) = &r.load {
@@ -235,8 +273,13 @@ pub fn table(r: &Report) -> String {
 
 /// Header of the CSV file. `timing` is `service` (from sending the
 /// request) or `intended` (open loop: from the intended start).
-pub const CSV_HEADER: &str = "store,workload,distribution,threads,in_flight,records,value_size,update_bytes,phase,\
-     op,timing,count,errors,ops_per_sec,mean_us,p50_us,p95_us,p99_us,p999_us,max_us";
+pub const CSV_HEADER: &str = "store,workload,distribution,threads,in_flight,comparability,records,value_size,\
+     update_bytes,phase,op,timing,count,errors,ops_per_sec,mean_us,p50_us,p95_us,p99_us,p999_us,max_us";
+
+/// `s` as one CSV field: quoted if it holds a comma, quote or line break.
+fn csv_field(s: &str) -> String {
+    if s.contains([',', '"', '\n', '\r']) { format!("\"{}\"", s.replace('"', "\"\"")) } else { s.to_string() }
+}
 
 /// The CSV file: a header and one line per phase, operation type and timing.
 pub fn csv(r: &Report) -> String {
@@ -248,12 +291,13 @@ pub fn csv(r: &Report) -> String {
         for (timing, o) in rows {
             let _ = writeln!(
                 out,
-                "{},{},{},{},{},{},{},{},{name},{},{timing},{},{},{:.1},{:.2},{:.2},{:.2},{:.2},{:.2},{:.2}",
-                r.store,
+                "{},{},{},{},{},{},{},{},{},{name},{},{timing},{},{},{:.1},{:.2},{:.2},{:.2},{:.2},{:.2},{:.2}",
+                csv_field(&r.store),
                 r.workload,
                 r.distribution,
                 r.threads,
                 r.in_flight,
+                csv_field(&r.comparability_label()),
                 r.records,
                 r.value_size,
                 r.update_bytes,
@@ -293,13 +337,14 @@ pub struct Summary {
     pub runs: Vec<f64>,
 }
 
-/// Groups reports of the same store, workload, distribution and
-/// concurrency; sorted by workload, concurrency, then store.
+/// Groups reports of the same store, workload, distribution, concurrency
+/// and record model; sorted by workload, YCSB-comparable runs first, then
+/// concurrency and store.
 pub fn summarise(reports: &[Report]) -> Vec<Summary> {
-    let same = |a: &Report, b: &Report| {
-        (&a.store, &a.workload, &a.distribution, a.threads, a.in_flight)
-            == (&b.store, &b.workload, &b.distribution, b.threads, b.in_flight)
+    let key = |r: &Report| {
+        (r.store.clone(), r.workload.clone(), r.distribution.clone(), r.threads, r.in_flight, r.comparability_label())
     };
+    let same = |a: &Report, b: &Report| key(a) == key(b) && a.update_bytes == b.update_bytes;
     let mut groups: Vec<Vec<&Report>> = Vec::new();
     for r in reports {
         match groups.iter_mut().find(|g| same(g[0], r)) {
@@ -314,14 +359,9 @@ pub fn summarise(reports: &[Report]) -> Vec<Summary> {
             Summary { median: g[(g.len() - 1) / 2].clone(), runs: g.iter().map(|r| r.run.ops_per_sec).collect() }
         })
         .collect();
-    out.sort_by(|a, b| {
-        let (a, b) = (&a.median, &b.median);
-        (a.workload.as_str(), a.threads * a.in_flight, a.threads, store_rank(&a.store)).cmp(&(
-            b.workload.as_str(),
-            b.threads * b.in_flight,
-            b.threads,
-            store_rank(&b.store),
-        ))
+    out.sort_by_key(|s| {
+        let r = &s.median;
+        (r.workload.clone(), !r.ycsb_comparable(), r.threads * r.in_flight, r.threads, store_rank(&r.store))
     });
     out
 }
@@ -330,9 +370,10 @@ fn us(o: Option<&OpStats>, f: impl Fn(&OpStats) -> f64) -> String {
     o.map_or("–".to_string(), |o| format!("{:.0}", f(o)))
 }
 
-/// Markdown: one table per workload, then how dmkv compares with the better
-/// of the other stores at each concurrency. Repeated runs are shown by
-/// their median (by throughput) and the range of their throughputs.
+/// Markdown: one table per workload, YCSB-comparable rows first and every
+/// row labelled, then how dmkv compares with the better of the other
+/// stores at each concurrency. Repeated runs are shown by their median (by
+/// throughput) and the range of their throughputs.
 pub fn markdown(reports: &[Report]) -> String {
     let mut out = String::new();
     let sums = summarise(reports);
@@ -356,16 +397,17 @@ pub fn markdown(reports: &[Report]) -> String {
         let _ = writeln!(out, "### Workload {}\n", w.to_uppercase());
         let _ = writeln!(
             out,
-            "| store | threads × in flight | ops/s | runs: ops/s range | READ p50 µs | READ p99 µs | UPDATE p50 µs | UPDATE p99 µs | all p99.9 µs | all max µs | failures |"
+            "| store | threads × in flight | mode | ops/s | runs: ops/s range | READ p50 µs | READ p99 µs | UPDATE p50 µs | UPDATE p99 µs | all p99.9 µs | all max µs | failures |"
         );
-        let _ = writeln!(out, "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|");
+        let _ = writeln!(out, "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|");
         for r in rs.iter().filter(|r| r.workload == *w) {
             let (read, update, all) = (r.run.op("READ"), r.run.op("UPDATE"), r.run.op(ALL_OPS));
             let _ = writeln!(
                 out,
-                "| {} | {} | {:.0} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {:.0} | {} | {} | {} | {} | {} | {} | {} | {} |",
                 r.store,
                 r.concurrency(),
+                r.comparability_label(),
                 r.run.ops_per_sec,
                 runs(r),
                 us(read, |o| o.p50_us),
@@ -382,9 +424,9 @@ pub fn markdown(reports: &[Report]) -> String {
     let _ = writeln!(out, "### dmkv against the goal ({GOAL_RATIO}× the better of memcached and Redis)\n");
     let _ = writeln!(
         out,
-        "| workload | threads × in flight | dmkv | dmkv ops/s | best rival | rival ops/s | ratio | goal met |"
+        "| workload | threads × in flight | mode | dmkv | dmkv ops/s | best rival | rival ops/s | ratio | goal met |"
     );
-    let _ = writeln!(out, "|---|---|---|---:|---|---:|---:|---|");
+    let _ = writeln!(out, "|---|---|---|---|---:|---|---:|---:|---|");
     for w in &workloads {
         let mut configs: Vec<(usize, usize)> =
             rs.iter().filter(|r| r.workload == *w).map(|r| (r.threads, r.in_flight)).collect();
@@ -402,10 +444,11 @@ pub fn markdown(reports: &[Report]) -> String {
                 let ratio = d.run.ops_per_sec / rv.run.ops_per_sec;
                 let _ = writeln!(
                     out,
-                    "| {} | {}×{} | {} | {:.0} | {} | {:.0} | {:.2}× | {} |",
+                    "| {} | {}×{} | {} | {} | {:.0} | {} | {:.0} | {:.2}× | {} |",
                     w.to_uppercase(),
                     t,
                     f,
+                    d.comparability_label(),
                     if d.store == "dmkv" { "RPC" } else { "one-sided GETs" },
                     d.run.ops_per_sec,
                     rv.store,
@@ -431,6 +474,7 @@ pub(crate) fn test_report(
 ) -> Report {
     Report {
         store: store.into(),
+        comparability: String::new(),
         server: "x".into(),
         workload: workload.into(),
         distribution: "zipfian".into(),
@@ -488,9 +532,11 @@ mod tests {
         let r = report("redis", "b", 2, 16, 1234.0);
         let c = csv(&r);
         assert_eq!(c.lines().count(), 3);
-        assert!(
-            c.lines().nth(1).unwrap().starts_with("redis,b,zipfian,2,16,10,100,100,run,READ,service,1000,0,1234.0,")
-        );
+        let row = "redis,b,zipfian,2,16,\"pipelined, not YCSB-comparable\",10,100,100,run,READ,service,1000,0,1234.0,";
+        assert!(c.lines().nth(1).unwrap().starts_with(row), "{c}");
+        let ycsb = csv(&report("redis", "b", 2, 1, 1.0));
+        assert!(ycsb.lines().nth(1).unwrap().starts_with("redis,b,zipfian,2,1,YCSB-comparable,10,"), "{ycsb}");
+        assert!(table(&r).contains("2 threads × 16 in flight (pipelined, not YCSB-comparable)"));
         let back: Report = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
         assert_eq!(back, r);
         assert!(table(&r).contains("READ"));
@@ -510,8 +556,8 @@ mod tests {
         assert_eq!(s[0].median.run.ops_per_sec, 200.0);
         assert_eq!(s[0].runs, vec![100.0, 200.0, 300.0]);
         let md = markdown(&rs);
-        assert!(md.contains("| dmkv | 1×1 | 200 | 3: 100–300 |"), "{md}");
-        assert!(md.contains("| C | 1×1 | RPC | 200 | redis | 50 | 4.00× | yes |"), "{md}");
+        assert!(md.contains("| dmkv | 1×1 | YCSB-comparable | 200 | 3: 100–300 |"), "{md}");
+        assert!(md.contains("| C | 1×1 | YCSB-comparable | RPC | 200 | redis | 50 | 4.00× | yes |"), "{md}");
     }
 
     #[test]
@@ -525,10 +571,11 @@ mod tests {
             report("memcached", "a", 2, 16, 300.0),
         ];
         let md = markdown(&rs);
-        assert!(md.contains("| A | 1×1 | RPC | 330 | memcached | 200 | 1.65× | yes |"), "{md}");
-        assert!(md.contains("| A | 2×16 | RPC | 100 | memcached | 300 | 0.33× | no |"), "{md}");
-        assert!(md.contains("| A | 2×16 | one-sided GETs | 600 | memcached | 300 | 2.00× | yes |"), "{md}");
-        assert!(md.contains("| dmkv | 1×1 | 330 | 1 |"), "{md}");
+        assert!(md.contains("| A | 1×1 | YCSB-comparable | RPC | 330 | memcached | 200 | 1.65× | yes |"), "{md}");
+        let pipelined = "| A | 2×16 | pipelined, not YCSB-comparable |";
+        assert!(md.contains(&format!("{pipelined} RPC | 100 | memcached | 300 | 0.33× | no |")), "{md}");
+        assert!(md.contains(&format!("{pipelined} one-sided GETs | 600 | memcached | 300 | 2.00× | yes |")), "{md}");
+        assert!(md.contains("| dmkv | 1×1 | YCSB-comparable | 330 | 1 |"), "{md}");
         assert!(
             md.starts_with("Record model: records of 10 fields × 10 B; an update rewrites the whole record"),
             "{md}"
@@ -536,5 +583,25 @@ mod tests {
         let dmkv_row = md.find("| dmkv | 1×1").unwrap();
         let redis_row = md.find("| redis | 1×1").unwrap();
         assert!(dmkv_row < redis_row);
+    }
+
+    #[test]
+    fn ycsb_comparable_rows_come_first() {
+        // 32×1 keeps as many operations outstanding as 2×16, and sorts
+        // after it by threads, but it is YCSB's way: it comes first.
+        let rs =
+            vec![report("dmkv", "a", 2, 16, 500.0), report("dmkv", "a", 32, 1, 400.0), report("dmkv", "a", 1, 1, 9.0)];
+        let md = markdown(&rs);
+        let at = |row: &str| md.find(row).unwrap_or_else(|| panic!("{row} missing: {md}"));
+        assert!(at("| dmkv | 1×1 | YCSB-comparable |") < at("| dmkv | 32×1 | YCSB-comparable |"), "{md}");
+        assert!(
+            at("| dmkv | 32×1 | YCSB-comparable |") < at("| dmkv | 2×16 | pipelined, not YCSB-comparable |"),
+            "{md}"
+        );
+        let mut d = report("dmkv", "d", 1, 1, 1.0);
+        d.latest_eta = Some("corrected".into());
+        assert_eq!(d.comparability_label(), "corrected latest eta, not YCSB-comparable");
+        d.in_flight = 4;
+        assert_eq!(d.comparability_label(), "pipelined, corrected latest eta, not YCSB-comparable");
     }
 }
