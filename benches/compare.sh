@@ -3,23 +3,32 @@
 # machine, one store at a time, and writes docs/benchmarks.md with the
 # machine, the exact commands, a table per workload and SVG plots.
 #
-#   benches/compare.sh [--workloads "a b c"] [--configs "1x1 2x16"]
-#                      [--records N] [--value-size B] [--duration S] [--warmup W]
-#                      [--server-threads N] [--memory-mib N] [--seed N]
+#   benches/compare.sh [--workloads "a b c"] [--configs "1x1 32x1 2x16"]
+#                      [--records N] [--value-size B] [--update-writes record|field]
+#                      [--duration S] [--warmup W] [--server-threads N] [--memory-mib N] [--seed N]
 #                      [--stores "dmkv dmkv-onesided memcached redis"] [--runs N] [--no-install]
 #
-# With --runs N every store is measured N times, rounds interleaved (each
-# round restarts the stores and reloads the records); tables and plots show
-# the median run and the range. Defaults (one round) take about two minutes. Raw reports (JSON, CSV, logs) go to
-# benches/results/<time>/ (git-ignored); plots and the page go to docs/.
+# Configurations are threads x in flight; those with one in flight (Tx1)
+# are YCSB's own mode and come first in the tables, the others are
+# labelled "pipelined, not YCSB-comparable". With --runs N every store is
+# measured N times, rounds interleaved (each round restarts the stores and
+# reloads the records); tables and plots show the median run and the range.
+# Defaults (one round) take about four minutes. Raw reports (JSON, CSV,
+# logs) go to benches/results/<time>/ (git-ignored); plots and the page go
+# to docs/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 INVOCATION="benches/compare.sh${*:+ $*}"
 
 WORKLOADS="a b c"
-CONFIGS="1x1 2x16"          # client threads x operations in flight per thread
+# Client threads x operations in flight per thread. 1x1: one synchronous
+# client. 32x1: 32 operations outstanding the YCSB way, 32 threads waiting
+# for one reply each. 2x16: the same 32 outstanding, pipelined 16 deep on
+# two threads (how dmkv's clients run; not YCSB-comparable).
+CONFIGS="1x1 32x1 2x16"
 RECORDS=100000
 VALUE_SIZE=1000
+UPDATE_WRITES=record        # record: updates rewrite all 10 fields; field: one (YCSB's default)
 DURATION=5                  # measured seconds per run
 WARMUP=1s                   # unmeasured start of each run
 SERVER_THREADS=2            # dmkvd --threads, memcached -t
@@ -37,6 +46,7 @@ while [ $# -gt 0 ]; do
         --configs) CONFIGS="$2"; shift 2 ;;
         --records) RECORDS="$2"; shift 2 ;;
         --value-size) VALUE_SIZE="$2"; shift 2 ;;
+        --update-writes) UPDATE_WRITES="$2"; shift 2 ;;
         --duration) DURATION="$2"; shift 2 ;;
         --warmup) WARMUP="$2"; shift 2 ;;
         --server-threads) SERVER_THREADS="$2"; shift 2 ;;
@@ -45,7 +55,7 @@ while [ $# -gt 0 ]; do
         --stores) STORES="$2"; shift 2 ;;
         --runs) ROUNDS="$2"; shift 2 ;;
         --no-install) INSTALL=0; shift ;;
-        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
         *) echo "compare.sh: unknown flag $1" >&2; exit 2 ;;
     esac
 done
@@ -180,7 +190,7 @@ for store in $STORES; do
             backend="$store"
             [ "$store" = dmkv-onesided ] && backend=dmkv
             args=(--backend "$backend" --label "$store" --server "$ADDR" --workload "$w" --records "$RECORDS" --value-size "$VALUE_SIZE"
-                --threads "$threads" --in-flight "$inflight" --duration "$DURATION" --warmup "$WARMUP" --seed "$SEED"
+                --update-writes "$UPDATE_WRITES" --threads "$threads" --in-flight "$inflight" --duration "$DURATION" --warmup "$WARMUP" --seed "$SEED"
                 --json "$RESULTS/$name.json" --csv "$RESULTS/$name.csv")
             [ "$store" = dmkv ] && args+=(--path rpc)
             [ "$store" = dmkv-onesided ] && args+=(--path one-sided)
@@ -229,21 +239,41 @@ mem="$(awk '/^MemTotal/ { printf "%.1f GiB", $2 / 1048576 }' /proc/meminfo)"
     echo
     echo "## Setup"
     echo
-    echo "- $RECORDS records of $VALUE_SIZE B, keys chosen as YCSB does (scrambled zipfian, 0.99)."
+    echo "- $RECORDS records of $VALUE_SIZE B in 10 fields, keys chosen as YCSB does (scrambled zipfian, 0.99, over the"
+    echo "  records and one more key, which is drawn again)."
+    if [ "$UPDATE_WRITES" = field ]; then
+        echo "- Updates write one field (\`--update-writes field\`, YCSB's default \`writeallfields=false\`). The stores"
+        echo "  as driven here have no partial writes, so the field replaces the stored value, as YCSB's memcached"
+        echo "  binding does it; reads then return a record or a field."
+    else
+        echo "- Updates rewrite the whole record (\`--update-writes record\`, YCSB with \`writeallfields=true\`; YCSB's"
+        echo "  default writes one field, \`--update-writes field\`)."
+    fi
     echo "- Each run: $WARMUP warm-up, then $DURATION s measured; closed loop (a new operation starts when one completes)."
     echo "- Concurrency (client threads × operations in flight per thread): $CONFIGS. Each thread has one connection;"
     echo "  every store gets the same threads, connections and depth."
+    echo "- **YCSB-comparable** rows (T×1) run as YCSB does: each client thread waits for every reply before it sends"
+    echo "  its next request. They come first in each table. Rows with more than one operation in flight per thread"
+    echo "  are labelled **pipelined, not YCSB-comparable**: that is how dmkv's clients run, but YCSB cannot, so"
+    echo "  those numbers do not belong beside published YCSB results."
+    if [[ " $CONFIGS " == *" 32x1 "* && " $CONFIGS " == *" 2x16 "* ]]; then
+        echo "- 32×1 and 2×16 keep the same 32 operations outstanding, the YCSB way and the pipelined way."
+    fi
     echo "- One store runs at a time. Server threads: dmkvd \`--threads $SERVER_THREADS\`, memcached \`-t $SERVER_THREADS\`;"
     echo "  Redis executes commands on one thread (its I/O threads are off by default), so it gets one core's worth."
     echo "- Redis without persistence (\`--save '' --appendonly no\`); memcached and dmkvd with $MEMORY_MIB MiB."
     echo "- dmkv is measured twice: \`dmkv\` on the RPC path (\`--path rpc\`), the path the goal below is about, and"
     echo "  \`dmkv-onesided\` with GETs as one-sided reads (\`--path one-sided\`: shared memory, since client and"
     echo "  server share this host; PUTs still go over RPC)."
-    echo "- Latency is from the start of an operation to its reply, in µs; failures are counted, not timed."
+    echo "- Measured where YCSB measures. Throughput: operations over the measured wall-clock window (first"
+    echo "  measured start to last reply, all threads together). Latency: service time in µs, from sending the"
+    echo "  request (the key already chosen, the value built) to its reply; failures are counted, not timed. In"
+    echo "  workload F the READ and UPDATE inside each READ-MODIFY-WRITE are timed on their own rows too."
+    echo "  (Open-loop runs, \`--target-rate\`, also report latency from each operation's intended start, labelled.)"
     echo "- At 1×1 every store waits one loopback round trip per operation, so throughput there mostly measures"
     echo "  how fast the kernel (and, on a virtual machine, the hypervisor) wakes an idle client or server thread."
     echo "  That depends on what else runs on the machine and can vary several-fold between runs (see the range"
-    echo "  column). 2×16 keeps the servers busy and says more about the stores themselves."
+    echo "  column). More operations outstanding keep the servers busy and say more about the stores themselves."
     echo '- Plots are SVG from `dmkv-ycsb-plot` (plotters'"'"' SVG backend: no system fonts needed, the viewer draws the text).'
     echo
     echo "## Commands"
