@@ -103,6 +103,35 @@ pub struct Settings {
 }
 
 impl Settings {
+    /// A run of `workload` against `server` with YCSB's defaults: 1000
+    /// records of 10 fields × 100 B, 1000 operations, one synchronous
+    /// thread, the workload's distribution, whole-record updates. Callers
+    /// (tests, embedders) change what they need.
+    pub fn new(backend: BackendKind, server: &str, workload: Workload) -> Settings {
+        Settings {
+            label: backend.name().to_string(),
+            backend,
+            server: server.to_string(),
+            dmkv: DmkvOptions::default(),
+            workload,
+            distribution: workload.default_distribution(),
+            latest_eta: EtaGrowth::Ycsb,
+            expected_inserts: None,
+            records: 1000,
+            operations: Some(1000),
+            duration: None,
+            value_size: 1000,
+            fields: 10,
+            update_writes: UpdateWrites::Record,
+            threads: 1,
+            in_flight: 1,
+            target_rate: None,
+            warmup: Warmup::None,
+            seed: 1,
+            skip_load: false,
+        }
+    }
+
     /// Checks the settings against the limits; the error says why not.
     pub fn validate(&self) -> Result<Mix, String> {
         let mix = self.workload.mix()?;
@@ -774,25 +803,13 @@ mod tests {
     fn mem_settings(workload: Workload, records: u64, operations: u64) -> Settings {
         Settings {
             label: "mem".into(),
-            backend: BackendKind::Dmkv,
-            server: "in memory".into(),
-            dmkv: DmkvOptions::default(),
-            workload,
-            distribution: workload.default_distribution(),
-            latest_eta: EtaGrowth::Ycsb,
-            expected_inserts: None,
             records,
             operations: Some(operations),
-            duration: None,
             value_size: 100,
-            fields: 10,
-            update_writes: UpdateWrites::Record,
             threads: 2,
             in_flight: 4,
-            target_rate: None,
-            warmup: Warmup::None,
             seed: 3,
-            skip_load: false,
+            ..Settings::new(BackendKind::Dmkv, "in memory", workload)
         }
     }
 

@@ -9,9 +9,8 @@ use std::time::Duration;
 
 use dmkv_benches::backend::{BackendKind, DmkvOptions};
 use dmkv_benches::driver::{self, Settings, Warmup};
-use dmkv_benches::generator::EtaGrowth;
 use dmkv_benches::report::Report;
-use dmkv_benches::workload::{Distribution, UpdateWrites, Workload};
+use dmkv_benches::workload::{Distribution, Workload};
 use dmkv_client::ReadPath;
 use dmkv_tests::{ServerProcess, wait_until};
 
@@ -22,26 +21,13 @@ const START_DEADLINE: Duration = Duration::from_secs(10);
 
 fn settings(backend: BackendKind, server: &str, workload: Workload) -> Settings {
     Settings {
-        label: backend.name().to_string(),
-        backend,
-        server: server.to_string(),
         dmkv: DmkvOptions { read_path: ReadPath::Rpc, transport: None, tls_ca: None },
-        workload,
-        distribution: workload.default_distribution(),
-        latest_eta: EtaGrowth::Ycsb,
-        expected_inserts: None,
         records: RECORDS,
         operations: Some(OPERATIONS),
-        duration: None,
-        value_size: 1000,
-        fields: 10,
-        update_writes: UpdateWrites::Record,
         threads: 2,
         in_flight: 4,
-        target_rate: None,
-        warmup: Warmup::None,
         seed: 7,
-        skip_load: false,
+        ..Settings::new(backend, server, workload)
     }
 }
 
