@@ -7,6 +7,7 @@
 //! mean; [`frame`] and [`proto`] carry requests over TCP.
 
 pub mod auth;
+pub mod cluster;
 pub mod error;
 pub mod frame;
 #[doc(hidden)]

@@ -1,0 +1,260 @@
+//! The cluster map: key → partition → shard → replicas and leader.
+//!
+//! The key space is cut into [`PARTITIONS`] fixed hash partitions (as
+//! Aerospike does), each assigned to a shard; a shard is a raft group of
+//! replicas on distinct nodes. The map is versioned: every change bumps the
+//! version, and a client that is told of a newer one refreshes.
+
+use std::collections::BTreeMap;
+
+use thiserror::Error;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// Number of hash partitions. Fixed for the life of a cluster: moving a
+/// partition moves its keys, changing this count would move all of them.
+pub const PARTITIONS: u32 = 4096;
+/// Seed of the partition hash: independent of the index's hash, whose low
+/// bits pick directory entries inside a shard's region.
+const PARTITION_SEED: u64 = 0x646d_6b76_7061_7274;
+/// Most replicas of one shard.
+pub const MAX_REPLICAS: usize = 5;
+/// Most shards in a cluster (one per partition at most).
+pub const MAX_SHARDS: u32 = PARTITIONS;
+
+/// A node's id, as in the cluster file.
+pub type NodeId = u64;
+/// A shard's id.
+pub type ShardId = u32;
+
+/// The partition `key` falls in.
+pub fn partition_of(key: &[u8]) -> u32 {
+    (xxh3_64_with_seed(key, PARTITION_SEED) % u64::from(PARTITIONS)) as u32
+}
+
+/// What is wrong with a map (built locally or received).
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum MapError {
+    #[error("a cluster needs at least one node")]
+    NoNodes,
+    #[error("{0} shards: must be 1 to {MAX_SHARDS}")]
+    Shards(u32),
+    #[error("replication factor {rf} with {nodes} nodes: must be 1 to min(nodes, {MAX_REPLICAS})")]
+    ReplicationFactor { rf: usize, nodes: usize },
+    #[error("partition table has {0} entries, not {PARTITIONS}")]
+    PartitionCount(usize),
+    #[error("partition {partition} names shard {shard}, which does not exist")]
+    UnknownShard { partition: u32, shard: ShardId },
+    #[error("shard {shard}: replica {node} is not a node of the cluster")]
+    UnknownNode { shard: ShardId, node: NodeId },
+    #[error("shard {0}: replicas must be distinct and 1 to {MAX_REPLICAS}")]
+    Replicas(ShardId),
+    #[error("shard {shard}: leader {node} is not one of its replicas")]
+    Leader { shard: ShardId, node: NodeId },
+}
+
+/// One shard: its replicas and what is known of its leader.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardInfo {
+    pub id: ShardId,
+    /// Nodes holding a replica, in placement order.
+    pub replicas: Vec<NodeId>,
+    /// The leader as last reported, if any.
+    pub leader: Option<NodeId>,
+    /// The raft term of that leader.
+    pub term: u64,
+}
+
+/// The versioned cluster map.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterMap {
+    pub version: u64,
+    /// Shard of each partition.
+    partitions: Vec<ShardId>,
+    shards: Vec<ShardInfo>,
+    /// Node ids and their RPC addresses.
+    pub nodes: BTreeMap<NodeId, String>,
+}
+
+impl ClusterMap {
+    /// The first map of a cluster: `shards` shards of `rf` replicas placed
+    /// round-robin on distinct nodes, partitions dealt out round-robin.
+    pub fn initial(nodes: BTreeMap<NodeId, String>, shards: u32, rf: usize) -> Result<ClusterMap, MapError> {
+        if nodes.is_empty() {
+            return Err(MapError::NoNodes);
+        }
+        if shards == 0 || shards > MAX_SHARDS {
+            return Err(MapError::Shards(shards));
+        }
+        if rf == 0 || rf > nodes.len() || rf > MAX_REPLICAS {
+            return Err(MapError::ReplicationFactor { rf, nodes: nodes.len() });
+        }
+        let ids: Vec<NodeId> = nodes.keys().copied().collect();
+        let shards = (0..shards)
+            .map(|s| ShardInfo {
+                id: s,
+                replicas: (0..rf).map(|i| ids[(s as usize + i) % ids.len()]).collect(),
+                leader: None,
+                term: 0,
+            })
+            .collect::<Vec<_>>();
+        let n = shards.len() as u32;
+        let map = ClusterMap { version: 1, partitions: (0..PARTITIONS).map(|p| p % n).collect(), shards, nodes };
+        map.validate()?;
+        Ok(map)
+    }
+
+    /// Checks every reference in the map; a received map is checked before
+    /// it is used.
+    pub fn validate(&self) -> Result<(), MapError> {
+        if self.nodes.is_empty() {
+            return Err(MapError::NoNodes);
+        }
+        if self.shards.is_empty() || self.shards.len() > MAX_SHARDS as usize {
+            return Err(MapError::Shards(self.shards.len() as u32));
+        }
+        if self.partitions.len() != PARTITIONS as usize {
+            return Err(MapError::PartitionCount(self.partitions.len()));
+        }
+        for (p, &s) in self.partitions.iter().enumerate() {
+            if s as usize >= self.shards.len() {
+                return Err(MapError::UnknownShard { partition: p as u32, shard: s });
+            }
+        }
+        for (i, sh) in self.shards.iter().enumerate() {
+            let id = sh.id;
+            if id as usize != i || sh.replicas.is_empty() || sh.replicas.len() > MAX_REPLICAS {
+                return Err(MapError::Replicas(id));
+            }
+            for (j, n) in sh.replicas.iter().enumerate() {
+                if !self.nodes.contains_key(n) {
+                    return Err(MapError::UnknownNode { shard: id, node: *n });
+                }
+                if sh.replicas[..j].contains(n) {
+                    return Err(MapError::Replicas(id));
+                }
+            }
+            if let Some(l) = sh.leader
+                && !sh.replicas.contains(&l)
+            {
+                return Err(MapError::Leader { shard: id, node: l });
+            }
+        }
+        Ok(())
+    }
+
+    /// The shard holding `key`.
+    pub fn shard_of(&self, key: &[u8]) -> &ShardInfo {
+        &self.shards[self.partitions[partition_of(key) as usize] as usize]
+    }
+
+    /// Every shard.
+    pub fn shards(&self) -> &[ShardInfo] {
+        &self.shards
+    }
+
+    /// Records that `node` leads `shard` in `term`, if that is news (a
+    /// higher term, or the same term's first report); returns whether the
+    /// map changed (and its version went up).
+    pub fn set_leader(&mut self, shard: ShardId, node: NodeId, term: u64) -> Result<bool, MapError> {
+        let sh = self.shards.get_mut(shard as usize).ok_or(MapError::Shards(shard))?;
+        if !sh.replicas.contains(&node) {
+            return Err(MapError::Leader { shard, node });
+        }
+        let news = term > sh.term || (term == sh.term && sh.leader.is_none());
+        if news {
+            sh.leader = Some(node);
+            sh.term = term;
+            self.version += 1;
+        }
+        Ok(news)
+    }
+
+    /// Groups `keys` (by index) by the shard that holds them, for a
+    /// multi-get split per shard.
+    pub fn split_by_shard<K: AsRef<[u8]>>(&self, keys: &[K]) -> BTreeMap<ShardId, Vec<usize>> {
+        let mut out: BTreeMap<ShardId, Vec<usize>> = BTreeMap::new();
+        for (i, k) in keys.iter().enumerate() {
+            out.entry(self.shard_of(k.as_ref()).id).or_default().push(i);
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn nodes(n: u64) -> BTreeMap<NodeId, String> {
+        (1..=n).map(|i| (i, format!("127.0.0.1:{}", 7070 + i))).collect()
+    }
+
+    #[test]
+    fn initial_maps_place_replicas_on_distinct_nodes_and_cover_every_partition() {
+        let m = ClusterMap::initial(nodes(3), 8, 3).unwrap();
+        assert_eq!(m.shards().len(), 8);
+        for sh in m.shards() {
+            assert_eq!(sh.replicas.len(), 3);
+            let mut r = sh.replicas.clone();
+            r.sort();
+            r.dedup();
+            assert_eq!(r.len(), 3, "{sh:?}");
+        }
+        // Leaders' load spreads: each node is first replica of some shard.
+        for n in 1..=3 {
+            assert!(m.shards().iter().any(|s| s.replicas[0] == n));
+        }
+        // Every key has a shard, and keys spread over all of them.
+        let mut hit = vec![0u32; 8];
+        for i in 0..10_000 {
+            hit[m.shard_of(format!("k{i}").as_bytes()).id as usize] += 1;
+        }
+        assert!(hit.iter().all(|&h| (1000..1500).contains(&h)), "{hit:?}");
+    }
+
+    #[test]
+    fn bad_parameters_and_bad_maps_are_refused() {
+        assert_eq!(ClusterMap::initial(BTreeMap::new(), 1, 1), Err(MapError::NoNodes));
+        assert_eq!(ClusterMap::initial(nodes(2), 0, 1), Err(MapError::Shards(0)));
+        assert_eq!(ClusterMap::initial(nodes(2), 4, 3), Err(MapError::ReplicationFactor { rf: 3, nodes: 2 }));
+        let good = ClusterMap::initial(nodes(3), 4, 3).unwrap();
+        let mut m = good.clone();
+        m.partitions[7] = 99;
+        assert_eq!(m.validate(), Err(MapError::UnknownShard { partition: 7, shard: 99 }));
+        let mut m = good.clone();
+        m.shards[1].replicas[2] = m.shards[1].replicas[0];
+        assert_eq!(m.validate(), Err(MapError::Replicas(1)));
+        let mut m = good.clone();
+        m.shards[2].replicas[0] = 42;
+        assert_eq!(m.validate(), Err(MapError::UnknownNode { shard: 2, node: 42 }));
+        let mut m = good;
+        m.partitions.pop();
+        assert_eq!(m.validate(), Err(MapError::PartitionCount(PARTITIONS as usize - 1)));
+    }
+
+    #[test]
+    fn leaders_change_only_forward_and_bump_the_version() {
+        let mut m = ClusterMap::initial(nodes(3), 2, 3).unwrap();
+        let v = m.version;
+        assert_eq!(m.set_leader(0, 2, 5), Ok(true));
+        assert_eq!(m.version, v + 1);
+        assert_eq!(m.set_leader(0, 1, 4), Ok(false), "an older term is old news");
+        assert_eq!(m.set_leader(0, 3, 5), Ok(false), "one leader per term");
+        assert_eq!(m.set_leader(0, 3, 6), Ok(true));
+        assert_eq!(m.shards()[0].leader, Some(3));
+        assert_eq!(m.set_leader(0, 9, 7), Err(MapError::Leader { shard: 0, node: 9 }));
+        assert_eq!(m.version, v + 2);
+    }
+
+    #[test]
+    fn multi_gets_split_per_shard_keep_every_key_once() {
+        let m = ClusterMap::initial(nodes(3), 4, 3).unwrap();
+        let keys: Vec<String> = (0..100).map(|i| format!("key{i}")).collect();
+        let split = m.split_by_shard(&keys);
+        let mut all: Vec<usize> = split.values().flatten().copied().collect();
+        all.sort();
+        assert_eq!(all, (0..100).collect::<Vec<_>>());
+        for (s, idx) in &split {
+            assert!(idx.iter().all(|&i| m.shard_of(keys[i].as_bytes()).id == *s));
+        }
+    }
+}
