@@ -11,6 +11,7 @@
 
 pub mod access;
 pub mod alloc;
+pub mod cluster;
 pub mod compact;
 pub mod config;
 pub mod counters;

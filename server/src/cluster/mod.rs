@@ -1,0 +1,5 @@
+//! A dmkvd node's part in a cluster: its shards' raft groups, their logs,
+//! and (to come) the peer transport and the metadata group.
+//! docs/replication-plan.md has the shape and the order of work.
+
+pub mod log;
