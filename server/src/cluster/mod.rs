@@ -3,3 +3,4 @@
 //! docs/replication-plan.md has the shape and the order of work.
 
 pub mod log;
+pub mod replica;

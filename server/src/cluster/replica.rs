@@ -1,0 +1,277 @@
+//! One replica of a shard: a raft-rs `RawNode` and the handling of its
+//! `Ready`s, with IO left to the caller (as raft-rs intends): persistence
+//! goes through [`LogStore`], messages and committed entries come back as
+//! an [`Output`] for the caller to send and apply. The same code drives
+//! the shard threads and the deterministic simulation in the tests.
+
+use raft::prelude::{Entry, HardState, Message, Snapshot};
+use raft::storage::MemStorage;
+use raft::{Config, RawNode};
+
+/// A raft log the replica can make durable.
+pub trait LogStore: raft::Storage {
+    /// Persists what a `Ready` carries (entries replace any conflicting
+    /// tail; a snapshot replaces the log).
+    fn persist(&self, entries: &[Entry], hs: Option<&HardState>, snapshot: Option<&Snapshot>) -> raft::Result<()>;
+    /// Records a commit index learned after persisting (a `LightReady`).
+    fn set_commit(&self, commit: u64) -> raft::Result<()>;
+}
+
+impl LogStore for MemStorage {
+    fn persist(&self, entries: &[Entry], hs: Option<&HardState>, snapshot: Option<&Snapshot>) -> raft::Result<()> {
+        let mut w = self.wl();
+        if let Some(s) = snapshot {
+            w.apply_snapshot(s.clone())?;
+        }
+        w.append(entries)?;
+        if let Some(hs) = hs {
+            w.set_hardstate(hs.clone());
+        }
+        Ok(())
+    }
+
+    fn set_commit(&self, commit: u64) -> raft::Result<()> {
+        self.wl().mut_hard_state().commit = commit;
+        Ok(())
+    }
+}
+
+/// What handling one `Ready` produced.
+#[derive(Debug, Default)]
+pub struct Output {
+    /// To send to peers (after the persistence above is done).
+    pub messages: Vec<Message>,
+    /// Committed entries, in order, to apply to the state machine.
+    pub committed: Vec<Entry>,
+}
+
+/// A replica of one shard.
+pub struct Replica<S: LogStore> {
+    node: RawNode<S>,
+}
+
+impl<S: LogStore> Replica<S> {
+    /// A replica with raft id `id` over `storage` (which holds its state,
+    /// empty or recovered).
+    pub fn new(id: u64, storage: S, election_tick: usize, logger: &slog::Logger) -> raft::Result<Self> {
+        let cfg = Config {
+            id,
+            election_tick,
+            heartbeat_tick: (election_tick / 5).max(1),
+            check_quorum: true,
+            pre_vote: true,
+            ..Default::default()
+        };
+        Ok(Replica { node: RawNode::new(&cfg, storage, logger)? })
+    }
+
+    /// The raft node, for queries (role, term, leader).
+    pub fn raft(&self) -> &RawNode<S> {
+        &self.node
+    }
+
+    /// One tick of the logical clock.
+    pub fn tick(&mut self) {
+        self.node.tick();
+    }
+
+    /// A message from a peer.
+    pub fn step(&mut self, m: Message) -> raft::Result<()> {
+        self.node.step(m)
+    }
+
+    /// Proposes a command (only a leader accepts).
+    pub fn propose(&mut self, data: Vec<u8>) -> raft::Result<()> {
+        self.node.propose(vec![], data)
+    }
+
+    /// Handles a `Ready` if there is one: persists, then hands back what to
+    /// send and what to apply. The order is raft-rs's: messages a leader may
+    /// send before persisting, persistence, messages that need it, then the
+    /// light ready after `advance`.
+    pub fn ready(&mut self) -> raft::Result<Option<Output>> {
+        if !self.node.has_ready() {
+            return Ok(None);
+        }
+        let mut rd = self.node.ready();
+        let mut out = Output { messages: rd.take_messages(), committed: Vec::new() };
+        let snapshot = (!rd.snapshot().is_empty()).then(|| rd.snapshot().clone());
+        out.committed = rd.take_committed_entries();
+        self.node.store().persist(rd.entries(), rd.hs(), snapshot.as_ref())?;
+        out.messages.extend(rd.take_persisted_messages());
+        let mut light = self.node.advance(rd);
+        if let Some(commit) = light.commit_index() {
+            self.node.store().set_commit(commit)?;
+        }
+        out.messages.extend(light.take_messages());
+        out.committed.extend(light.take_committed_entries());
+        self.node.advance_apply();
+        Ok(Some(out))
+    }
+}
+
+#[cfg(test)]
+mod sim {
+    //! Three replicas over a simulated network that drops, duplicates and
+    //! reorders messages, with replicas crashing and restarting from what
+    //! they persisted, all from one seed. Checks raft's promises as the
+    //! store relies on them: replicas apply the same commands in the same
+    //! order, and no command acknowledged to a client (applied on the
+    //! leader that took it) is ever lost.
+
+    use super::*;
+    use proptest::prelude::*;
+    use raft::prelude::ConfState;
+    use raft::{StateRole, Storage};
+    use rand::rngs::SmallRng;
+    use rand::{Rng, SeedableRng};
+
+    const NODES: u64 = 3;
+    const ELECTION_TICK: usize = 10;
+
+    struct Node {
+        replica: Option<Replica<MemStorage>>,
+        storage: MemStorage,
+        applied: Vec<Vec<u8>>,
+    }
+
+    fn logger() -> slog::Logger {
+        slog::Logger::root(slog::Discard, slog::o!())
+    }
+
+    fn boot(storage: MemStorage, id: u64) -> Replica<MemStorage> {
+        Replica::new(id, storage, ELECTION_TICK, &logger()).unwrap()
+    }
+
+    /// Runs `steps` steps from `seed`; returns (acknowledged, applied by
+    /// each node) after healing everything and letting it settle.
+    fn run(seed: u64, steps: usize) -> (Vec<Vec<u8>>, Vec<Vec<Vec<u8>>>) {
+        let mut rng = SmallRng::seed_from_u64(seed);
+        let conf = ConfState { voters: (1..=NODES).collect(), ..Default::default() };
+        let mut nodes: Vec<Node> = (1..=NODES)
+            .map(|id| {
+                let storage = MemStorage::new_with_conf_state(conf.clone());
+                Node { replica: Some(boot(storage.clone(), id)), storage, applied: Vec::new() }
+            })
+            .collect();
+        let mut net: Vec<Message> = Vec::new();
+        let mut acked: Vec<Vec<u8>> = Vec::new();
+        // Proposals in flight at a leader: (node, term, data).
+        let mut pending: Vec<(usize, u64, Vec<u8>)> = Vec::new();
+        let mut next = 0u64;
+        for step in 0..steps + 400 {
+            let faults = step < steps;
+            for (i, n) in nodes.iter_mut().enumerate() {
+                let Some(r) = n.replica.as_mut() else {
+                    // A crashed node restarts after a while, from its storage.
+                    if !faults || rng.random_ratio(1, 20) {
+                        n.replica = Some(boot(n.storage.clone(), i as u64 + 1));
+                    }
+                    continue;
+                };
+                r.tick();
+                if faults && rng.random_ratio(1, 300) {
+                    n.replica = None;
+                    n.applied.truncate(0);
+                    // Applied state is rebuilt from the log on restart:
+                    // raft replays from the start (no snapshots here).
+                    pending.retain(|&(p, _, _)| p != i);
+                    continue;
+                }
+                // Proposals stop with the faults, so the commit index can
+                // reach every replica before the logs are compared.
+                if faults && r.raft().raft.state == StateRole::Leader && rng.random_ratio(1, 3) {
+                    let data = format!("v{next}").into_bytes();
+                    next += 1;
+                    if r.propose(data.clone()).is_ok() {
+                        pending.push((i, r.raft().raft.term, data));
+                    }
+                }
+            }
+            // Deliver some of the network, in random order, with losses
+            // and duplicates while faults are on.
+            let mut deliver = std::mem::take(&mut net);
+            if faults {
+                let mut kept = Vec::new();
+                for m in deliver.drain(..) {
+                    match rng.random_range(0..20) {
+                        0 => {}
+                        1 => {
+                            kept.push(m.clone());
+                            kept.push(m);
+                        }
+                        2 => net.push(m),
+                        _ => kept.push(m),
+                    }
+                }
+                let len = kept.len();
+                for j in (1..len).rev() {
+                    kept.swap(j, rng.random_range(0..=j));
+                }
+                deliver = kept;
+            }
+            for m in deliver {
+                let to = (m.to - 1) as usize;
+                if let Some(r) = nodes[to].replica.as_mut() {
+                    let _ = r.step(m);
+                }
+            }
+            for (i, n) in nodes.iter_mut().enumerate() {
+                let Some(r) = n.replica.as_mut() else { continue };
+                while let Some(out) = r.ready().unwrap() {
+                    net.extend(out.messages);
+                    for e in out.committed {
+                        if e.data.is_empty() {
+                            continue;
+                        }
+                        n.applied.push(e.data.to_vec());
+                        // Acknowledged: applied on the leader that took it.
+                        if let Some(k) = pending.iter().position(|(p, _, d)| *p == i && d[..] == e.data[..]) {
+                            acked.push(pending.swap_remove(k).2);
+                        }
+                    }
+                }
+            }
+        }
+        // A restarted replica re-applies from its log: compare committed
+        // logs instead of what each applied in memory.
+        let logs = nodes
+            .iter()
+            .map(|n| {
+                let s = &n.storage;
+                let commit = s.initial_state().unwrap().hard_state.commit;
+                let first = s.first_index().unwrap();
+                s.entries(first, commit + 1, None, raft::GetEntriesContext::empty(false))
+                    .unwrap()
+                    .into_iter()
+                    .filter(|e| !e.data.is_empty())
+                    .map(|e| e.data.to_vec())
+                    .collect()
+            })
+            .collect();
+        (acked, logs)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+        #[test]
+        fn replicas_agree_and_keep_every_acknowledged_command(seed in any::<u64>()) {
+            let (acked, logs) = run(seed, 1500);
+            prop_assert!(!acked.is_empty(), "seed {seed}: nothing was acknowledged");
+            // The same commands in the same order: committed logs are
+            // prefixes of the longest.
+            let longest = logs.iter().max_by_key(|l| l.len()).unwrap();
+            for l in &logs {
+                prop_assert_eq!(&longest[..l.len()], &l[..], "seed {}: logs diverge", seed);
+            }
+            // Every acknowledged command is committed (healed, every
+            // replica has them all).
+            for a in &acked {
+                for l in &logs {
+                    prop_assert!(l.contains(a), "seed {}: acknowledged {:?} lost; log lengths {:?}; in longest: {}", seed, String::from_utf8_lossy(a), logs.iter().map(|l| l.len()).collect::<Vec<_>>(), longest.contains(a));
+                }
+            }
+        }
+    }
+}
