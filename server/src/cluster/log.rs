@@ -141,6 +141,23 @@ impl RaftLog {
     }
 }
 
+impl crate::cluster::replica::LogStore for RaftLog {
+    fn persist(&self, entries: &[Entry], hs: Option<&HardState>, snapshot: Option<&Snapshot>) -> raft::Result<()> {
+        // A process crash keeps what reached the file; `--sync` decides
+        // about power loss (the shard thread passes it; tests need none).
+        RaftLog::persist(self, Persist { entries, hard_state: hs, snapshot, sync: false })
+            .map_err(|e| raft::Error::Store(StorageError::Other(Box::new(e))))
+    }
+
+    fn set_commit(&self, commit: u64) -> raft::Result<()> {
+        let mut hs: HardState =
+            self.engine.get_message(self.shard, HARD_STATE).map_err(storage_err)?.unwrap_or_default();
+        hs.commit = commit;
+        RaftLog::persist(self, Persist { hard_state: Some(&hs), ..Default::default() })
+            .map_err(|e| raft::Error::Store(StorageError::Other(Box::new(e))))
+    }
+}
+
 fn storage_err(e: raft_engine::Error) -> raft::Error {
     raft::Error::Store(StorageError::Other(Box::new(e)))
 }
