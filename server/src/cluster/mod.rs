@@ -2,5 +2,6 @@
 //! and (to come) the peer transport and the metadata group.
 //! docs/replication-plan.md has the shape and the order of work.
 
+pub mod apply;
 pub mod log;
 pub mod replica;

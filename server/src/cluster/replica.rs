@@ -120,9 +120,12 @@ mod sim {
     //! leader that took it) is ever lost.
 
     use super::*;
+    use crate::cluster::apply::{apply, encode_delete, encode_put};
+    use crate::region::Region;
+    use crate::store::Store;
     use proptest::prelude::*;
-    use raft::prelude::ConfState;
     use raft::StateRole;
+    use raft::prelude::ConfState;
     use rand::rngs::SmallRng;
     use rand::{Rng, SeedableRng};
 
@@ -131,7 +134,21 @@ mod sim {
 
     struct Node<S: LogStore> {
         replica: Option<Replica<S>>,
-        applied: Vec<Vec<u8>>,
+        /// The replica's state machine: rebuilt from the log at each
+        /// restart (raft replays committed entries from the start).
+        store: Store,
+    }
+
+    const KEYS: u64 = 40;
+
+    fn store() -> Store {
+        let region = std::sync::Arc::new(Region::create("sim", 2 << 20).unwrap());
+        Store::format(region, 64, 5, 1, std::time::Duration::ZERO).unwrap()
+    }
+
+    /// Every key's (value, version) in `s`.
+    fn dump(s: &Store) -> Vec<Option<(Vec<u8>, u64)>> {
+        (0..KEYS).map(|k| s.get(format!("k{k}").as_bytes()).unwrap().map(|(v, ver)| (v.to_vec(), ver))).collect()
     }
 
     fn logger() -> slog::Logger {
@@ -159,9 +176,8 @@ mod sim {
         power_cycle: impl Fn(),
     ) -> (Vec<Vec<u8>>, Vec<Vec<Vec<u8>>>) {
         let mut rng = SmallRng::seed_from_u64(seed);
-        let mut nodes: Vec<Node<S>> = (0..NODES as usize)
-            .map(|i| Node { replica: Some(boot(open(i), i as u64 + 1)), applied: Vec::new() })
-            .collect();
+        let mut nodes: Vec<Node<S>> =
+            (0..NODES as usize).map(|i| Node { replica: Some(boot(open(i), i as u64 + 1)), store: store() }).collect();
         let mut net: Vec<Message> = Vec::new();
         let mut acked: Vec<Vec<u8>> = Vec::new();
         // Proposals in flight at a leader: (node, term, data).
@@ -173,6 +189,7 @@ mod sim {
                 // Every replica stops at once, and restarts from its store.
                 for n in nodes.iter_mut() {
                     n.replica = None;
+                    n.store = store();
                 }
                 pending.clear();
                 power_cycle();
@@ -191,7 +208,7 @@ mod sim {
                 r.tick();
                 if faults && rng.random_ratio(1, 300) {
                     n.replica = None;
-                    n.applied.truncate(0);
+                    n.store = store();
                     // Applied state is rebuilt from the log on restart:
                     // raft replays from the start (no snapshots here).
                     pending.retain(|&(p, _, _)| p != i);
@@ -200,7 +217,14 @@ mod sim {
                 // Proposals stop with the faults, so the commit index can
                 // reach every replica before the logs are compared.
                 if faults && r.raft().raft.state == StateRole::Leader && rng.random_ratio(1, 3) {
-                    let data = format!("v{next}").into_bytes();
+                    // Unique commands (the value names the proposal), over
+                    // a few keys, with some deletes.
+                    let key = format!("k{}", next % KEYS);
+                    let data = if next % 7 == 3 {
+                        encode_delete(key.as_bytes())
+                    } else {
+                        encode_put(key.as_bytes(), format!("v{next}").as_bytes())
+                    };
                     next += 1;
                     if r.propose(data.clone()).is_ok() {
                         pending.push((i, r.raft().raft.term, data));
@@ -243,7 +267,7 @@ mod sim {
                         if e.data.is_empty() {
                             continue;
                         }
-                        n.applied.push(e.data.to_vec());
+                        apply(&n.store, &e.data).unwrap();
                         // Acknowledged: applied on the leader that took it.
                         if let Some(k) = pending.iter().position(|(p, _, d)| *p == i && d[..] == e.data[..]) {
                             acked.push(pending.swap_remove(k).2);
@@ -268,6 +292,11 @@ mod sim {
                     .collect()
             })
             .collect();
+        // Every replica's store holds the same keys, values and versions.
+        let first = dump(&nodes[0].store);
+        for (i, n) in nodes.iter().enumerate().skip(1) {
+            assert_eq!(dump(&n.store), first, "seed {seed}: replica {} differs from replica 1", i + 1);
+        }
         (acked, logs)
     }
 
