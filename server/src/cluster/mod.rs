@@ -5,3 +5,4 @@
 pub mod apply;
 pub mod log;
 pub mod replica;
+pub mod shard;

@@ -1,0 +1,235 @@
+//! A shard replica's logic above raft: proposals waiting for their entry
+//! to be applied, and what to answer them. Pure (time in ticks, IO by the
+//! caller), like [`Replica`]: the shard thread is a thin driver around it.
+//!
+//! A PUT or DELETE is answered only after its entry is committed and
+//! applied on this replica while it leads: `Ok` with what applying did. A
+//! proposal whose index was taken by another term's entry failed; one
+//! still pending when this replica stops leading has an unknown outcome
+//! (its entry may yet commit under the next leader), and says so.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use raft::StateRole;
+
+use super::apply::{Applied, ApplyError, apply};
+use super::replica::{LogStore, Replica};
+use crate::store::Store;
+
+/// Most proposals waiting for their entry at once; more are refused
+/// (`Busy`) rather than queued without bound.
+pub const MAX_PENDING: usize = 4096;
+
+/// Why a proposal was not (or may not have been) carried out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ProposeError {
+    /// This replica does not lead; the leader it knows of, if any.
+    NotLeader { leader: Option<u64> },
+    /// Too many proposals waiting.
+    Busy,
+    /// Leadership was lost before the entry applied here: it may or may
+    /// not take effect. The client must read before it retries.
+    Unknown,
+    /// Another leader's entry took the proposal's place in the log: it
+    /// did not take effect.
+    Dropped,
+    /// The store refused the command (see [`ApplyError`]).
+    Store(String),
+}
+
+/// What a poll produced.
+#[derive(Debug, Default)]
+pub struct Poll<P> {
+    /// Raft messages for peers.
+    pub messages: Vec<raft::prelude::Message>,
+    /// Answers for proposals, by the caller's id.
+    pub answers: Vec<(P, Result<Applied, ProposeError>)>,
+}
+
+/// One replica of a shard, with its store.
+pub struct ShardCore<S: LogStore, P> {
+    replica: Replica<S>,
+    store: Arc<Store>,
+    /// Proposals by log index: (term proposed in, caller's id).
+    pending: BTreeMap<u64, (u64, P)>,
+    was_leader: bool,
+}
+
+impl<S: LogStore, P> ShardCore<S, P> {
+    pub fn new(replica: Replica<S>, store: Arc<Store>) -> Self {
+        ShardCore { replica, store, pending: BTreeMap::new(), was_leader: false }
+    }
+
+    /// The replica (role, term, leader).
+    pub fn replica(&self) -> &Replica<S> {
+        &self.replica
+    }
+
+    /// The store this replica applies to.
+    pub fn store(&self) -> &Arc<Store> {
+        &self.store
+    }
+
+    pub fn tick(&mut self) {
+        self.replica.tick();
+    }
+
+    pub fn step(&mut self, m: raft::prelude::Message) -> raft::Result<()> {
+        self.replica.step(m)
+    }
+
+    /// Proposes a command (from `apply::encode_*`) for caller `id`.
+    pub fn propose(&mut self, data: Vec<u8>, id: P) -> Result<(), (P, ProposeError)> {
+        let r = &self.replica.raft().raft;
+        if r.state != StateRole::Leader {
+            let leader = (r.leader_id != raft::INVALID_ID).then_some(r.leader_id);
+            return Err((id, ProposeError::NotLeader { leader }));
+        }
+        if self.pending.len() >= MAX_PENDING {
+            return Err((id, ProposeError::Busy));
+        }
+        let term = r.term;
+        if self.replica.propose(data).is_err() {
+            return Err((id, ProposeError::NotLeader { leader: None }));
+        }
+        let index = self.replica.raft().raft.raft_log.last_index();
+        self.pending.insert(index, (term, id));
+        Ok(())
+    }
+
+    /// Handles what raft has ready: persists (through the store of the
+    /// log), applies committed entries, answers proposals.
+    pub fn poll(&mut self) -> Result<Poll<P>, raft::Error> {
+        let mut out = Poll { messages: Vec::new(), answers: Vec::new() };
+        while let Some(ready) = self.replica.ready()? {
+            out.messages.extend(ready.messages);
+            for e in ready.committed {
+                let result = apply(&self.store, &e.data);
+                let Some((term, id)) = self.pending.remove(&e.index) else {
+                    if let Err(ApplyError::Malformed(m)) = &result {
+                        // Every replica stops at the same entry.
+                        return Err(raft::Error::Store(raft::StorageError::Other(m.clone().into())));
+                    }
+                    continue;
+                };
+                let answer = match result {
+                    _ if term != e.term => Err(ProposeError::Dropped),
+                    Ok(a) => Ok(a),
+                    Err(err) => Err(ProposeError::Store(err.to_string())),
+                };
+                out.answers.push((id, answer));
+            }
+        }
+        let leader = self.replica.raft().raft.state == StateRole::Leader;
+        if self.was_leader && !leader {
+            // Entries still pending may commit under the next leader.
+            out.answers.extend(
+                std::mem::take(&mut self.pending).into_values().map(|(_, id)| (id, Err(ProposeError::Unknown))),
+            );
+        }
+        self.was_leader = leader;
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::apply::encode_put;
+    use super::*;
+    use crate::region::Region;
+    use raft::prelude::ConfState;
+    use raft::storage::MemStorage;
+    use std::time::Duration;
+
+    fn core(id: u64) -> ShardCore<MemStorage, u32> {
+        let conf = ConfState { voters: vec![1, 2, 3], ..Default::default() };
+        let logger = slog::Logger::root(slog::Discard, slog::o!());
+        let replica = Replica::new(id, MemStorage::new_with_conf_state(conf), 10, &logger).unwrap();
+        let store = Store::format(Arc::new(Region::create("shard", 2 << 20).unwrap()), 64, 5, 1, Duration::ZERO);
+        ShardCore::new(replica, Arc::new(store.unwrap()))
+    }
+
+    /// Runs `cores` for `rounds` ticks over a perfect network, dropping
+    /// everything to and from `down`; returns the answers.
+    fn drive(
+        cores: &mut [ShardCore<MemStorage, u32>],
+        rounds: usize,
+        down: Option<usize>,
+    ) -> Vec<(u32, Result<Applied, ProposeError>)> {
+        let mut answers = Vec::new();
+        for _ in 0..rounds {
+            let mut net = Vec::new();
+            for (i, c) in cores.iter_mut().enumerate() {
+                if Some(i) == down {
+                    continue;
+                }
+                c.tick();
+                let p = c.poll().unwrap();
+                net.extend(p.messages);
+                answers.extend(p.answers);
+            }
+            while !net.is_empty() {
+                for m in std::mem::take(&mut net) {
+                    let to = (m.to - 1) as usize;
+                    if Some(to) != down {
+                        let _ = cores[to].step(m);
+                    }
+                }
+                for (i, c) in cores.iter_mut().enumerate() {
+                    if Some(i) != down {
+                        let p = c.poll().unwrap();
+                        net.extend(p.messages);
+                        answers.extend(p.answers);
+                    }
+                }
+            }
+        }
+        answers
+    }
+
+    fn leader(cores: &[ShardCore<MemStorage, u32>], down: Option<usize>) -> Option<usize> {
+        (0..cores.len()).find(|&i| Some(i) != down && cores[i].replica().raft().raft.state == StateRole::Leader)
+    }
+
+    #[test]
+    fn puts_are_answered_after_they_apply_and_followers_redirect() {
+        let mut cores: Vec<_> = (1..=3).map(core).collect();
+        drive(&mut cores, 100, None);
+        let l = leader(&cores, None).expect("a leader");
+        let f = (l + 1) % 3;
+        assert_eq!(
+            cores[f].propose(encode_put(b"k", b"v"), 9),
+            Err((9, ProposeError::NotLeader { leader: Some(l as u64 + 1) }))
+        );
+        for n in 0..10u32 {
+            cores[l].propose(encode_put(format!("k{n}").as_bytes(), b"v"), n).unwrap();
+        }
+        let answers = drive(&mut cores, 5, None);
+        let mut ok: Vec<u32> =
+            answers.iter().filter(|(_, r)| matches!(r, Ok(Applied::Put { .. }))).map(|(n, _)| *n).collect();
+        ok.sort();
+        assert_eq!(ok, (0..10).collect::<Vec<_>>());
+        // Applied on every replica.
+        for c in &cores {
+            assert_eq!(c.store().get(b"k9").unwrap().unwrap().0, bytes::Bytes::from_static(b"v"));
+        }
+    }
+
+    #[test]
+    fn a_leader_that_loses_leadership_says_the_outcome_is_unknown() {
+        let mut cores: Vec<_> = (1..=3).map(core).collect();
+        drive(&mut cores, 100, None);
+        let l = leader(&cores, None).expect("a leader");
+        // Cut the leader off, then propose: nothing can commit.
+        let mut isolated = Vec::new();
+        cores[l].propose(encode_put(b"lost?", b"v"), 1).unwrap();
+        for _ in 0..60 {
+            cores[l].tick();
+            isolated.extend(cores[l].poll().unwrap().answers);
+        }
+        // check_quorum made it step down: the proposal's fate is unknown.
+        assert_eq!(isolated, vec![(1, Err(ProposeError::Unknown))]);
+        assert_ne!(cores[l].replica().raft().raft.state, StateRole::Leader);
+    }
+}
