@@ -6,3 +6,4 @@ pub mod apply;
 pub mod log;
 pub mod replica;
 pub mod shard;
+pub mod wire;
