@@ -1,0 +1,220 @@
+//! The shard thread: a thin driver around [`ShardCore`]. It owns the core,
+//! takes inputs (proposals, peers' raft messages) from a bounded queue,
+//! ticks raft on the wall clock, and hands raft's outgoing messages to the
+//! node's transport. One thread per shard replica, so shards write in
+//! parallel (and the store's writer lock is per shard).
+
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError, sync_channel};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use raft::prelude::Message;
+use tokio::sync::oneshot;
+use tracing::{error, warn};
+
+use super::apply::Applied;
+use super::replica::LogStore;
+use super::shard::{ProposeError, ShardCore};
+
+/// Inputs waiting for a shard thread at most; more are refused (`Busy`).
+pub const MAX_INPUTS: usize = 8192;
+/// Raft's logical clock: one tick this often.
+pub const TICK: Duration = Duration::from_millis(10);
+
+/// Where a proposal's answer goes.
+pub type Answer = oneshot::Sender<Result<Applied, ProposeError>>;
+
+enum Input {
+    Propose(Vec<u8>, Answer),
+    Raft(Message),
+    Stop,
+}
+
+/// A running shard thread.
+pub struct ShardThread {
+    tx: SyncSender<Input>,
+    handle: Option<JoinHandle<()>>,
+}
+
+impl ShardThread {
+    /// Starts the thread; `send` carries raft's messages to peers (it must
+    /// not block: queue and drop, raft retransmits).
+    pub fn spawn<S: LogStore + Send + 'static>(
+        name: String,
+        core: ShardCore<S, Answer>,
+        send: impl FnMut(Vec<Message>) + Send + 'static,
+    ) -> std::io::Result<ShardThread> {
+        let (tx, rx) = sync_channel(MAX_INPUTS);
+        let handle = std::thread::Builder::new().name(name).spawn(move || run(core, rx, send))?;
+        Ok(ShardThread { tx, handle: Some(handle) })
+    }
+
+    /// Proposes a command; the answer comes on the returned channel.
+    pub fn propose(&self, data: Vec<u8>) -> oneshot::Receiver<Result<Applied, ProposeError>> {
+        let (answer, rx) = oneshot::channel();
+        if let Err(e) = self.tx.try_send(Input::Propose(data, answer)) {
+            let (TrySendError::Full(input) | TrySendError::Disconnected(input)) = e;
+            if let Input::Propose(_, a) = input {
+                let _ = a.send(Err(ProposeError::Busy));
+            }
+        }
+        rx
+    }
+
+    /// Hands the thread a peer's raft message (dropped if its queue is
+    /// full: raft retransmits).
+    pub fn deliver(&self, m: Message) {
+        let _ = self.tx.try_send(Input::Raft(m));
+    }
+
+    /// A sender of raft messages into this thread, for the transport.
+    pub fn inbox(&self) -> impl Fn(Message) + Send + Sync + 'static {
+        let tx = self.tx.clone();
+        move |m| {
+            let _ = tx.try_send(Input::Raft(m));
+        }
+    }
+
+    /// Stops the thread and waits for it.
+    pub fn stop(mut self) {
+        self.shutdown();
+    }
+
+    fn shutdown(&mut self) {
+        let _ = self.tx.send(Input::Stop);
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Drop for ShardThread {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn run<S: LogStore>(mut core: ShardCore<S, Answer>, rx: Receiver<Input>, mut send: impl FnMut(Vec<Message>)) {
+    let mut next_tick = Instant::now() + TICK;
+    loop {
+        let wait = next_tick.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(wait) {
+            Ok(Input::Propose(data, answer)) => {
+                if let Err((answer, e)) = core.propose(data, answer) {
+                    let _ = answer.send(Err(e));
+                }
+            }
+            Ok(Input::Raft(m)) => {
+                if let Err(e) = core.step(m) {
+                    warn!("raft message refused: {e}");
+                }
+            }
+            Ok(Input::Stop) | Err(RecvTimeoutError::Disconnected) => return,
+            Err(RecvTimeoutError::Timeout) => {}
+        }
+        if Instant::now() >= next_tick {
+            core.tick();
+            next_tick += TICK;
+        }
+        match core.poll() {
+            Ok(p) => {
+                if !p.messages.is_empty() {
+                    send(p.messages);
+                }
+                for (answer, result) in p.answers {
+                    let _ = answer.send(result);
+                }
+            }
+            Err(e) => {
+                // The log or the store failed: this replica stops (the
+                // others carry on; an operator replaces it).
+                error!("shard replica stopped: {e}");
+                return;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::apply::encode_put;
+    use super::super::replica::Replica;
+    use super::*;
+    use crate::region::Region;
+    use crate::store::Store;
+    use raft::prelude::ConfState;
+    use raft::storage::MemStorage;
+    use std::sync::{Arc, Mutex};
+
+    type Inboxes = Arc<Mutex<Vec<Option<Box<dyn Fn(Message) + Send + Sync>>>>>;
+
+    fn start(id: u64, inboxes: &Inboxes) -> (ShardThread, Arc<Store>) {
+        let conf = ConfState { voters: vec![1, 2, 3], ..Default::default() };
+        let logger = slog::Logger::root(slog::Discard, slog::o!());
+        let replica = Replica::new(id, MemStorage::new_with_conf_state(conf), 10, &logger).unwrap();
+        let store = Arc::new(
+            Store::format(Arc::new(Region::create("drv", 2 << 20).unwrap()), 64, 5, 1, Duration::ZERO).unwrap(),
+        );
+        let net = Arc::clone(inboxes);
+        let t = ShardThread::spawn(format!("shard-{id}"), ShardCore::new(replica, Arc::clone(&store)), move |msgs| {
+            let boxes = net.lock().unwrap();
+            for m in msgs {
+                if let Some(Some(f)) = boxes.get(m.to as usize - 1) {
+                    f(m);
+                }
+            }
+        })
+        .unwrap();
+        (t, store)
+    }
+
+    /// Proposes on every thread until one (the leader) applies it.
+    fn put_anywhere(threads: &[Option<ShardThread>], key: &str) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            for t in threads.iter().flatten() {
+                let rx = t.propose(encode_put(key.as_bytes(), b"v"));
+                if let Ok(Ok(Applied::Put { .. })) = rx.blocking_recv() {
+                    return true;
+                }
+            }
+            std::thread::sleep(TICK);
+        }
+        false
+    }
+
+    #[test]
+    fn three_shard_threads_elect_replicate_and_fail_over() {
+        let inboxes: Inboxes = Arc::new(Mutex::new(vec![None, None, None]));
+        let mut threads = Vec::new();
+        let mut stores = Vec::new();
+        for id in 1..=3 {
+            let (t, s) = start(id, &inboxes);
+            inboxes.lock().unwrap()[id as usize - 1] = Some(Box::new(t.inbox()));
+            threads.push(Some(t));
+            stores.push(s);
+        }
+        assert!(put_anywhere(&threads, "before"), "no leader took a PUT");
+        // The leader is the one whose proposals succeed: stop it.
+        let leader = (0..3)
+            .find(|&i| {
+                let rx = threads[i].as_ref().unwrap().propose(encode_put(b"probe", b"v"));
+                matches!(rx.blocking_recv(), Ok(Ok(_)))
+            })
+            .expect("a leader");
+        inboxes.lock().unwrap()[leader] = None;
+        threads[leader].take().unwrap().stop();
+        let t0 = Instant::now();
+        assert!(put_anywhere(&threads, "after"), "no new leader took a PUT");
+        println!("failover to the first acknowledged PUT: {:?}", t0.elapsed());
+        for (i, s) in stores.iter().enumerate() {
+            if i != leader {
+                let deadline = Instant::now() + Duration::from_secs(5);
+                while s.get(b"after").unwrap().is_none() && Instant::now() < deadline {
+                    std::thread::sleep(TICK);
+                }
+                assert!(s.get(b"before").unwrap().is_some() && s.get(b"after").unwrap().is_some(), "replica {i}");
+            }
+        }
+    }
+}
