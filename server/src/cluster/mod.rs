@@ -3,6 +3,7 @@
 //! docs/replication-plan.md has the shape and the order of work.
 
 pub mod apply;
+pub mod config;
 pub mod driver;
 pub mod log;
 pub mod replica;
