@@ -99,6 +99,7 @@ impl Server {
             limits: framed::Limits { idle_timeout: cfg.idle_timeout, frame_timeout: cfg.frame_timeout },
             #[cfg(feature = "rdma")]
             rdma,
+            raft: None,
         });
         Ok(Server {
             listener,

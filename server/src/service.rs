@@ -46,6 +46,8 @@ pub struct Shared {
     pub limits: framed::Limits,
     #[cfg(feature = "rdma")]
     pub rdma: Option<crate::rdma::RdmaRegion>,
+    /// Where peers' raft messages go; `None` on a node outside a cluster.
+    pub raft: Option<Arc<dyn crate::cluster::wire::RaftSink>>,
 }
 
 /// What a connection owns besides its socket.
@@ -135,7 +137,8 @@ impl framed::Handler for Requests {
 /// The role a request needs.
 fn needed_role(op: &Op) -> Role {
     match op {
-        Op::Reregister(_) => Role::Admin,
+        // Peers' raft bytes are parsed only from the admin role.
+        Op::Reregister(_) | Op::Raft(_) => Role::Admin,
         _ => Role::Data,
     }
 }
@@ -328,6 +331,13 @@ async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response
         Some(Op::RdmaConnect(c)) => match rdma_connect(shared, conn, &c.endpoint) {
             Ok(r) => R::RdmaConnect(r),
             Err(e) => return e.with_id(id),
+        },
+        Some(Op::Raft(batch)) => match &shared.raft {
+            None => return error(id, ErrorCode::BadRequest, "this node is not part of a cluster".into()),
+            Some(sink) => match crate::cluster::wire::decode(&batch) {
+                Ok(msgs) => R::Raft(proto::RaftReply { accepted: sink.deliver(batch.from_node, msgs) as u32 }),
+                Err(e) => return error(id, ErrorCode::BadRequest, e.to_string()),
+            },
         },
         Some(Op::Reregister(_)) => match reregister(shared) {
             Ok(_) => R::Reregister(region_info(shared)),

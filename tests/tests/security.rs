@@ -146,10 +146,19 @@ async fn only_authenticated_clients_with_the_right_role_get_in() {
     assert_eq!(data.get("k").await.unwrap().unwrap(), "v".as_bytes(), "the connection stays usable");
     assert_eq!(data.stats().await.unwrap()["region_epoch"], epoch);
 
+    // Nor send raft traffic: a peer's raft bytes are parsed only from the
+    // admin role.
+    let raft = || Op::Raft(proto::RaftBatch { from_node: 2, messages: vec![] });
+    let err = data.send(raft()).await.unwrap().wait(Duration::from_secs(5)).await.unwrap();
+    assert_eq!(code_of(&err), Some(ErrorCode::PermissionDenied));
+
     // The admin role may.
     let admin = Client::connect_with(&srv.rpc, cfg(Some(ADMIN))).await.unwrap();
     admin.reregister().await.unwrap();
     assert_eq!(admin.stats().await.unwrap()["region_epoch"], epoch + 1);
+    // (This node is in no cluster: its raft traffic is refused plainly.)
+    let r = admin.send(raft()).await.unwrap().wait(Duration::from_secs(5)).await.unwrap();
+    assert_eq!(code_of(&r), Some(ErrorCode::BadRequest));
 
     // One-sided reads over the engine need the token too.
     let os = ClientConfig { read_path: ReadPath::OneSided, transport: Some(Transport::Tcp), ..cfg(Some(DATA)) };

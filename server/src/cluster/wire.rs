@@ -25,6 +25,13 @@ pub enum WireError {
     Malformed { shard: u32, why: String },
 }
 
+/// Where a node hands peers' raft messages: its local shard replicas.
+pub trait RaftSink: Send + Sync {
+    /// Delivers messages from node `from`; returns how many named a shard
+    /// this node holds (the rest are dropped).
+    fn deliver(&self, from: u64, msgs: Vec<(u32, Message)>) -> usize;
+}
+
 /// Batches `msgs` (shard, message) from node `from`.
 pub fn encode(from: u64, msgs: &[(u32, Message)]) -> RaftBatch {
     RaftBatch {
