@@ -5,6 +5,7 @@
 pub mod apply;
 pub mod config;
 pub mod driver;
+pub mod local;
 pub mod log;
 pub mod replica;
 pub mod shard;
