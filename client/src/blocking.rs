@@ -62,6 +62,11 @@ impl Client {
         self.rt.block_on(self.inner.stats())
     }
 
+    /// The cluster map as the node knows it, with its replicas' state.
+    pub fn cluster_status(&self) -> Result<dmkv_common::proto::ClusterMapReply, ClientError> {
+        self.rt.block_on(self.inner.cluster_status())
+    }
+
     /// See [`AsyncClient::read_stats`].
     pub fn read_stats(&self) -> crate::ReadStats {
         self.inner.read_stats()

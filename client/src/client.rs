@@ -17,6 +17,7 @@ use crate::conn::{Conn, InFlight};
 use crate::error::ClientError;
 use crate::onesided::{self, AttachOptions, BackendError, OneSided, OneSidedGet, ReadCounters, ReadStats};
 use crate::path::{Admission, ConnHealth, PathSelector, key_hash};
+use crate::router::Router;
 use crate::tls::{Connector, TlsOptions};
 use dmkv_common::auth::{Purpose, Token};
 
@@ -155,6 +156,11 @@ struct Inner {
     rpc_health: ConnHealth,
     rpc_repaths: Arc<AtomicU64>,
     engine_repaths: Arc<AtomicU64>,
+    /// Set when the server is a cluster node: requests then go through
+    /// the router to each key's shard leader.
+    router: std::sync::OnceLock<Router>,
+    /// The server said (in HELLO) that it is a cluster node.
+    cluster_node: std::sync::atomic::AtomicBool,
 }
 
 /// How this client's GETs have been routed (see [`Client::path_stats`]).
@@ -262,13 +268,24 @@ impl Client {
     }
 
     /// Connects with the given settings. Opens one connection now (so a
-    /// wrong address fails here) and checks the protocol version.
+    /// wrong address fails here) and checks the protocol version. If the
+    /// server is a cluster node, loads the cluster map: requests then go to
+    /// each key's shard leader, wherever it is.
     pub async fn connect_with(addr: impl Into<String>, cfg: ClientConfig) -> Result<Client, ClientError> {
+        Client::open(addr.into(), cfg, true).await
+    }
+
+    /// A session with one node, as the cluster router keeps: no map, no
+    /// routing of its own.
+    pub(crate) async fn connect_session(addr: String, cfg: ClientConfig) -> Result<Client, ClientError> {
+        Client::open(addr, cfg, false).await
+    }
+
+    async fn open(addr: String, cfg: ClientConfig, detect_cluster: bool) -> Result<Client, ClientError> {
         let pool: Vec<_> = (0..cfg.pool_size.max(1)).map(|_| Mutex::default()).collect();
         let selector = PathSelector::new(cfg.path);
         selector.set_usable(Path::Rpc, true);
         let rpc_repaths = Arc::new(AtomicU64::new(0));
-        let addr = addr.into();
         let token = match &cfg.token {
             Some(t) => Some(Arc::clone(t)),
             None => match std::env::var(TOKEN_ENV) {
@@ -290,9 +307,16 @@ impl Client {
             selector,
             rpc_repaths,
             engine_repaths: Arc::default(),
+            router: Default::default(),
+            cluster_node: Default::default(),
         };
         let client = Client { inner: Arc::new(inner) };
         client.conn_at(0, client.deadline()).await?;
+        if detect_cluster && client.inner.cluster_node.load(Ordering::Relaxed) {
+            let map = client.cluster_map().await?;
+            let _ = client.inner.router.set(Router::new(map, &client.inner.cfg));
+            return Ok(client);
+        }
         match client.inner.cfg.read_path {
             ReadPath::Rpc => {}
             ReadPath::Auto => {
@@ -451,7 +475,10 @@ impl Client {
         let hello = Op::Hello(proto::Hello { protocol_version: PROTOCOL_VERSION, client_name: "dmkv-client".into() });
         let resp = conn.send(hello).await?.wait(cfg.request_timeout).await?;
         let nonce = match unwrap(resp)? {
-            R::Hello(h) => h.auth_nonce,
+            R::Hello(h) => {
+                self.inner.cluster_node.store(h.cluster, Ordering::Relaxed);
+                h.auth_nonce
+            }
             other => return Err(unexpected(&other)),
         };
         if nonce.is_empty() {
@@ -538,6 +565,14 @@ impl Client {
     pub async fn get_versioned(&self, key: impl AsRef<[u8]>) -> Result<Option<Versioned>, ClientError> {
         let key = key.as_ref();
         check_key(key)?;
+        if let Some(r) = self.inner.router.get() {
+            return r.get(key).await;
+        }
+        self.node_get(key).await
+    }
+
+    /// [`Client::get_versioned`] on this node, without routing.
+    pub(crate) async fn node_get(&self, key: &[u8]) -> Result<Option<Versioned>, ClientError> {
         let sel = &self.inner.selector;
         match self.inner.cfg.read_path {
             ReadPath::Rpc => self.measured_rpc_get(key, sel.admit_fixed(Path::Rpc, key_hash(key))).await,
@@ -577,14 +612,14 @@ impl Client {
                 Err(e) => {
                     // The failure moved traffic to RPC; this GET goes there too.
                     self.detach(&path, &e);
-                    self.rpc_get(key).await
+                    self.node_rpc_get(key).await
                 }
             },
             (Path::Rpc, None) => self.measured_rpc_get(key, adm).await,
             // Detached since the choice: dropping the admission cancels it.
             (Path::OneSided, None) => {
                 drop(adm);
-                self.rpc_get(key).await
+                self.node_rpc_get(key).await
             }
             (Path::Rpc, Some(path)) => match self.measured_rpc_get(key, adm).await {
                 // The RPC path broke under this GET: answer it one-sided.
@@ -621,7 +656,7 @@ impl Client {
                 Ok(None)
             }
             Ok((OneSidedGet::GiveUp, t)) => {
-                let r = self.rpc_get(key).await;
+                let r = self.node_rpc_get(key).await;
                 // The RPC it ended with counts as one more round trip.
                 adm.complete(t.round_trips + 1, t.retries);
                 r.map_err(|e| BackendError::Protocol(format!("fallback RPC failed: {e}")))
@@ -703,6 +738,13 @@ impl Client {
     /// Reads `key` over RPC, whatever the read path.
     pub async fn rpc_get(&self, key: &[u8]) -> Result<Option<Versioned>, ClientError> {
         check_key(key)?;
+        if let Some(r) = self.inner.router.get() {
+            return r.get(key).await;
+        }
+        self.node_rpc_get(key).await
+    }
+
+    async fn node_rpc_get(&self, key: &[u8]) -> Result<Option<Versioned>, ClientError> {
         match self.call(Op::Get(proto::Get { key: Bytes::copy_from_slice(key) })).await? {
             R::Get(g) => Ok(self.learn(key, g)),
             other => Err(unexpected(&other)),
@@ -714,6 +756,14 @@ impl Client {
         let (key, value) = (key.as_ref(), value.as_ref());
         check_key(key)?;
         check_value(value)?;
+        if let Some(r) = self.inner.router.get() {
+            return r.put(key, value).await;
+        }
+        self.node_put(key, value).await
+    }
+
+    /// [`Client::put`] on this node, without routing.
+    pub(crate) async fn node_put(&self, key: &[u8], value: &[u8]) -> Result<u64, ClientError> {
         let op = Op::Put(proto::Put { key: Bytes::copy_from_slice(key), value: Bytes::copy_from_slice(value) });
         match self.call(op).await? {
             R::Put(p) => Ok(p.version),
@@ -725,6 +775,14 @@ impl Client {
     pub async fn delete(&self, key: impl AsRef<[u8]>) -> Result<bool, ClientError> {
         let key = key.as_ref();
         check_key(key)?;
+        if let Some(r) = self.inner.router.get() {
+            return r.delete(key).await;
+        }
+        self.node_delete(key).await
+    }
+
+    /// [`Client::delete`] on this node, without routing.
+    pub(crate) async fn node_delete(&self, key: &[u8]) -> Result<bool, ClientError> {
         match self.call(Op::Delete(proto::Delete { key: Bytes::copy_from_slice(key) })).await? {
             R::Delete(d) => Ok(d.existed),
             other => Err(unexpected(&other)),
@@ -738,6 +796,14 @@ impl Client {
         for k in keys {
             check_key(k.as_ref())?;
         }
+        if let Some(r) = self.inner.router.get() {
+            return r.multi_get(keys).await;
+        }
+        self.node_multi_get(keys).await
+    }
+
+    /// [`Client::multi_get`] on this node, without routing.
+    pub(crate) async fn node_multi_get<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Option<Bytes>>, ClientError> {
         match self.inner.cfg.read_path {
             ReadPath::Rpc => {}
             ReadPath::OneSided => {
@@ -767,7 +833,7 @@ impl Client {
                 }
             }
         }
-        self.rpc_multi_get(keys).await
+        self.node_rpc_multi_get(keys).await
     }
 
     /// A multi-get over `path`; keys whose reads kept failing verification
@@ -796,7 +862,7 @@ impl Client {
         }
         if !rest.is_empty() {
             let rest_keys: Vec<&[u8]> = rest.iter().map(|&i| keys[i].as_ref()).collect();
-            for (i, v) in rest.into_iter().zip(self.rpc_multi_get(&rest_keys).await?) {
+            for (i, v) in rest.into_iter().zip(self.node_rpc_multi_get(&rest_keys).await?) {
                 out[i] = v;
             }
         }
@@ -805,6 +871,13 @@ impl Client {
 
     /// Multi-get over RPC, whatever the read path.
     pub async fn rpc_multi_get<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Option<Bytes>>, ClientError> {
+        if let Some(r) = self.inner.router.get() {
+            return r.multi_get(keys).await;
+        }
+        self.node_rpc_multi_get(keys).await
+    }
+
+    async fn node_rpc_multi_get<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Option<Bytes>>, ClientError> {
         let mut sent = Vec::new();
         for chunk in keys.chunks(MAX_MULTI_GET_KEYS) {
             let ks = chunk.iter().map(|k| Bytes::copy_from_slice(k.as_ref())).collect();
@@ -822,13 +895,34 @@ impl Client {
                 // Too many large values for one reply: fetch them one by one.
                 Err(ClientError::Server { code: ErrorCode::ResponseTooLarge, .. }) => {
                     for k in chunk {
-                        out.push(self.rpc_get(k.as_ref()).await?.map(|v| v.value));
+                        out.push(self.node_rpc_get(k.as_ref()).await?.map(|v| v.value));
                     }
                 }
                 Err(e) => return Err(e),
             }
         }
         Ok(out)
+    }
+
+    /// The cluster map as this node knows it, with its replicas' state
+    /// (`BAD_REQUEST` from a server outside a cluster).
+    pub async fn cluster_status(&self) -> Result<proto::ClusterMapReply, ClientError> {
+        match self.call(Op::GetMap(proto::GetMap {})).await? {
+            R::Map(m) => Ok(m),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// The cluster map as this node knows it, checked.
+    pub async fn cluster_map(&self) -> Result<dmkv_common::cluster::map::ClusterMap, ClientError> {
+        let m = self.cluster_status().await?;
+        dmkv_common::cluster::map::ClusterMap::from_proto(&m)
+            .map_err(|e| ClientError::Protocol(format!("the node sent a bad cluster map: {e}")))
+    }
+
+    /// The cluster router, when the server is a cluster node.
+    pub fn router(&self) -> Option<&Router> {
+        self.inner.router.get()
     }
 
     /// The server's counters.
@@ -874,6 +968,9 @@ impl Client {
 /// Turns a reply into its result, or the server's error into ours.
 pub fn unwrap(resp: Response) -> Result<R, ClientError> {
     match resp.result {
+        Some(R::Error(e)) if e.code == ErrorCode::NotLeader as i32 => {
+            Err(ClientError::NotLeader { leader: (e.leader != 0).then_some(e.leader), map_version: e.map_version })
+        }
         Some(R::Error(e)) => Err(ClientError::Server {
             code: ErrorCode::try_from(e.code).unwrap_or(ErrorCode::Unspecified),
             message: e.message,

@@ -20,6 +20,10 @@ pub enum ClientError {
     /// The server answered with an error; nothing was changed.
     #[error("server error {code:?}: {message}")]
     Server { code: ErrorCode, message: String },
+    /// The node does not lead the key's shard; nothing was changed. The
+    /// cluster router retries at `leader` (if known) within the deadline.
+    #[error("node does not lead the key's shard (leader: {})", leader.map_or("unknown".to_string(), |l| format!("node {l}")))]
+    NotLeader { leader: Option<u64>, map_version: u64 },
     /// The server sent something this client does not understand.
     #[error("protocol error: {0}")]
     Protocol(String),
@@ -40,8 +44,15 @@ impl ClientError {
     pub fn code(&self) -> Option<ErrorCode> {
         match self {
             ClientError::Server { code, .. } => Some(*code),
+            ClientError::NotLeader { .. } => Some(ErrorCode::NotLeader),
             _ => None,
         }
+    }
+
+    /// Whether a request that failed this way may have reached the server
+    /// (and a write taken effect): not when no connection was made.
+    pub fn may_have_been_sent(&self) -> bool {
+        !matches!(self, ClientError::Connect { .. })
     }
 
     /// Whether the way to the server failed (no connection, connection

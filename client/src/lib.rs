@@ -21,6 +21,7 @@ pub mod conn;
 pub mod error;
 pub mod onesided;
 pub mod path;
+pub mod router;
 pub mod tls;
 
 pub use client::{Client, ClientConfig, PathStats, ReadPath, Transport, Versioned};

@@ -72,12 +72,24 @@ enum Cmd {
         #[arg(long, default_value_t = 1000)]
         gets: u32,
     },
+    /// Cluster commands (`dmkv cluster status`).
+    Cluster {
+        #[command(subcommand)]
+        cmd: ClusterCmd,
+    },
     /// Run the YCSB driver (`dmkv-ycsb`) against the server; arguments
     /// after `bench` go to it (try `dmkv bench --help`).
     Bench {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+}
+
+#[derive(Subcommand)]
+enum ClusterCmd {
+    /// Ask every node of the cluster for its state and print shards,
+    /// leaders, terms, commit and applied indexes, and followers' lag.
+    Status,
 }
 
 fn main() -> ExitCode {
@@ -133,7 +145,7 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
         tls,
         ..Default::default()
     };
-    let client = Client::connect_with(cli.server, cfg).map_err(|e| e.to_string())?;
+    let client = Client::connect_with(cli.server, cfg.clone()).map_err(|e| e.to_string())?;
     let mut stdout = std::io::stdout().lock();
     match cli.cmd {
         Cmd::Get { key, raw } => match client.get(&key).map_err(|e| e.to_string())? {
@@ -187,6 +199,76 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
             write!(stdout, "{}", client.path_stats()).map_err(|e| e.to_string())?;
             Ok(ExitCode::SUCCESS)
         }
+        Cmd::Cluster { cmd: ClusterCmd::Status } => {
+            let status = cluster_status(&client, &cfg)?;
+            write!(stdout, "{status}").map_err(|e| e.to_string())?;
+            Ok(ExitCode::SUCCESS)
+        }
         Cmd::Bench { .. } => unreachable!("handled before connecting"),
     }
+}
+
+/// Every node's view, merged into one report.
+fn cluster_status(seed: &Client, cfg: &ClientConfig) -> Result<String, String> {
+    use std::fmt::Write as _;
+    let first = seed.cluster_status().map_err(|e| format!("{e} (is this server a cluster node?)"))?;
+    let mut views = Vec::new();
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{} nodes, {} shards, {} partitions",
+        first.nodes.len(),
+        first.shards.len(),
+        first.partitions.len()
+    );
+    let _ = writeln!(out, "{:<6}{:<24}STATE", "NODE", "RPC");
+    for n in &first.nodes {
+        let state = match Client::connect_with(n.rpc.clone(), cfg.clone()).and_then(|c| c.cluster_status()) {
+            Ok(v) => {
+                views.push(v);
+                "up".to_string()
+            }
+            Err(e) => format!("unreachable: {e}"),
+        };
+        let _ = writeln!(out, "{:<6}{:<24}{state}", n.id, n.rpc);
+    }
+    let _ = writeln!(
+        out,
+        "{:<7}{:<10}{:<8}{:<7}{:<8}{:<24}LAG",
+        "SHARD", "REPLICAS", "LEADER", "TERM", "COMMIT", "APPLIED"
+    );
+    for sh in &first.shards {
+        // The replica that leads in the highest term has the freshest view.
+        let mut lead: Option<(&dmkv_common::proto::ReplicaState, u64)> = None;
+        let mut applied = Vec::new();
+        for v in &views {
+            for r in v.local.iter().filter(|r| r.shard == sh.id) {
+                applied.push(format!("{}:{}", v.node_id, r.applied));
+                if r.role == "leader" && lead.is_none_or(|(l, _)| r.term > l.term) {
+                    lead = Some((r, v.node_id));
+                }
+            }
+        }
+        let replicas: Vec<String> = sh.replicas.iter().map(u64::to_string).collect();
+        let (leader, term, commit, lag) = match lead {
+            Some((r, node)) => {
+                let mut lag: Vec<_> = r.lag.iter().map(|(n, l)| format!("{n}:{l}")).collect();
+                lag.sort();
+                (node.to_string(), r.term.to_string(), r.commit.to_string(), lag.join(" "))
+            }
+            None => ("none".into(), "-".into(), "-".into(), String::new()),
+        };
+        let _ = writeln!(
+            out,
+            "{:<7}{:<10}{:<8}{:<7}{:<8}{:<24}{}",
+            sh.id,
+            replicas.join(","),
+            leader,
+            term,
+            commit,
+            applied.join(" "),
+            lag
+        );
+    }
+    Ok(out)
 }

@@ -208,6 +208,11 @@ impl Keys {
         Ok(Keys { data, admin })
     }
 
+    /// The admin secret a node proves itself with to its peers (the first).
+    pub fn admin_token(&self) -> Option<&Token> {
+        self.admin.first()
+    }
+
     /// Whether authentication is on.
     pub fn enabled(&self) -> bool {
         !self.data.is_empty() || !self.admin.is_empty()

@@ -136,6 +136,16 @@ pub struct Flags {
     /// Close a connection that has begun a frame but not finished it within this.
     #[arg(long, value_name = "MS")]
     pub frame_timeout_ms: Option<u64>,
+    /// Join the cluster described by this file (nodes, shards, replicas);
+    /// needs --node-id. Without it dmkvd serves a single node.
+    #[arg(long, value_name = "FILE")]
+    pub cluster: Option<PathBuf>,
+    /// This node's id in the cluster file.
+    #[arg(long, value_name = "N")]
+    pub node_id: Option<u64>,
+    /// Where a cluster node keeps its raft log (default: memory only).
+    #[arg(long, value_name = "DIR")]
+    pub data_dir: Option<PathBuf>,
 }
 
 /// The TOML file; every field is optional.
@@ -158,6 +168,9 @@ pub struct FileConfig {
     pub rdma: Option<bool>,
     pub auth_file: Option<PathBuf>,
     pub insecure: Option<bool>,
+    pub cluster: Option<PathBuf>,
+    pub node_id: Option<u64>,
+    pub data_dir: Option<PathBuf>,
     pub rkey_rotate_secs: Option<u64>,
     pub tls_cert: Option<PathBuf>,
     pub tls_key: Option<PathBuf>,
@@ -242,6 +255,8 @@ pub struct Config {
     pub rkey_rotate: Option<Duration>,
     /// TLS for RPC and the engine.
     pub tls: Option<TlsFiles>,
+    /// Cluster membership; `None`: a single node.
+    pub cluster: Option<crate::cluster::node::ClusterSetup>,
 }
 
 /// Where the server's TLS material is.
@@ -376,12 +391,55 @@ impl Config {
                 return Err(format!("{name} must be above zero and at most {} seconds", MAX_TIMEOUT.as_secs()));
             }
         }
+        let cluster = match (flags.cluster.or(file.cluster), flags.node_id.or(file.node_id)) {
+            (Some(path), Some(node_id)) => {
+                let text = std::fs::read_to_string(&path)
+                    .map_err(|e| format!("cannot read cluster file {}: {e}", path.display()))?;
+                let config = crate::cluster::config::ClusterConfig::parse(&text)
+                    .map_err(|e| format!("{}: {e}", path.display()))?;
+                let me = config.node(node_id)?;
+                if flags.listen.or(file.listen).is_some_and(|l| l != me.rpc) {
+                    return Err(format!(
+                        "--listen differs from node {node_id}'s rpc address {} in the cluster file",
+                        me.rpc
+                    ));
+                }
+                if !auth.enabled() && !insecure {
+                    let exposed = config.nodes.iter().flat_map(|n| [n.rpc, n.peer]).find(|a| !a.ip().is_loopback());
+                    if let Some(a) = exposed {
+                        return Err(format!(
+                            "refusing to run a cluster on {a} without authentication: peers would take raft \
+                             traffic from anyone; give secrets with --auth-file (with an admin secret) or pass --insecure"
+                        ));
+                    }
+                }
+                if auth.enabled() && auth.admin_token().is_none() {
+                    return Err("a cluster node with authentication needs an admin secret: it proves itself to its \
+                                peers with it"
+                        .into());
+                }
+                Some(crate::cluster::node::ClusterSetup { config, node_id, data_dir: flags.data_dir.or(file.data_dir) })
+            }
+            (None, None) if flags.data_dir.is_some() || file.data_dir.is_some() => {
+                return Err("--data-dir is for cluster nodes (--cluster FILE --node-id N)".into());
+            }
+            (None, None) => None,
+            (Some(_), None) => return Err("--cluster needs --node-id".into()),
+            (None, Some(_)) => return Err("--node-id needs --cluster".into()),
+        };
+        let listen = match &cluster {
+            Some(c) => c.config.node(c.node_id)?.rpc,
+            None => listen,
+        };
+        // One-sided reads in a cluster need the leader's lease in each
+        // shard's region header (not built yet): RPC only until then.
+        let (engine_listen, shm_socket) = if cluster.is_some() { (None, None) } else { (engine_listen, shm_socket) };
         let rdma_device = flags.rdma_device.or(file.rdma_device);
         if rdma_device.is_some() && !cfg!(feature = "rdma") {
             return Err("this dmkvd was built without RDMA support (cargo feature `rdma`)".into());
         }
         Ok(Config {
-            rdma: !flags.no_rdma && file.rdma.unwrap_or(true),
+            rdma: !flags.no_rdma && file.rdma.unwrap_or(true) && cluster.is_none(),
             rdma_device,
             listen,
             engine_listen,
@@ -397,6 +455,7 @@ impl Config {
             insecure,
             rkey_rotate,
             tls,
+            cluster,
             max_connections,
             max_engine_connections,
             max_shm_connections,

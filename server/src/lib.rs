@@ -51,17 +51,44 @@ pub struct Server {
     rkey_rotate: Option<std::time::Duration>,
     max_engine_connections: usize,
     max_shm_connections: usize,
+    /// The peer port of a cluster node.
+    peer: Option<TcpListener>,
+    stop: (watch::Sender<bool>, watch::Receiver<bool>),
 }
 
 impl Server {
     /// Creates the region, formats it, and binds the RPC listener.
     pub async fn bind(cfg: &Config) -> std::io::Result<Server> {
-        let region = Arc::new(Region::create("dmkv-region", cfg.memory as usize)?);
+        let stop = watch::channel(false);
+        let invalid = |e: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, e);
+        let (cluster, peer) = match &cfg.cluster {
+            Some(setup) => {
+                let me = setup.config.node(setup.node_id).map_err(invalid)?;
+                let peer = TcpListener::bind(me.peer).await?;
+                let params = cluster::node::NodeParams {
+                    memory: cfg.memory,
+                    grace: cfg.grace,
+                    max_frame: cfg.max_frame,
+                    token: cfg.auth.admin_token().cloned(),
+                };
+                let node = cluster::node::ClusterNode::start(setup, params, stop.1.clone()).map_err(invalid)?;
+                (Some(Arc::new(node)), Some(peer))
+            }
+            None => (None, None),
+        };
+        // In a cluster the shards' regions hold the data; the node's own
+        // region is the smallest there is until one-sided reads come to
+        // clusters (they read each shard leader's region).
+        let (own_memory, own_buckets) = match cluster {
+            Some(_) => (4 * dmkv_common::limits::MIN_REGION_LEN as u64, 1),
+            None => (cfg.memory, cfg.buckets),
+        };
+        let region = Arc::new(Region::create("dmkv-region", own_memory as usize)?);
         let seed: u64 = rand::random();
         // Epochs start at a random value so a restarted server never reuses one.
         let epoch: u64 = rand::random::<u32>() as u64 + 1;
         let store = Arc::new(
-            Store::format(region, cfg.buckets, seed, epoch, cfg.grace)
+            Store::format(region, own_buckets, seed, epoch, cfg.grace)
                 .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?,
         );
         let compactor = compact::Compactor::spawn(Arc::clone(&store), cfg.compactor)?;
@@ -99,7 +126,8 @@ impl Server {
             limits: framed::Limits { idle_timeout: cfg.idle_timeout, frame_timeout: cfg.frame_timeout },
             #[cfg(feature = "rdma")]
             rdma,
-            raft: None,
+            raft: cluster.as_ref().map(|c| c.sink() as Arc<dyn cluster::wire::RaftSink>),
+            cluster,
         });
         Ok(Server {
             listener,
@@ -110,6 +138,8 @@ impl Server {
             max_engine_connections: cfg.max_engine_connections,
             max_shm_connections: cfg.max_shm_connections,
             rkey_rotate: cfg.rkey_rotate,
+            peer,
+            stop,
         })
     }
 
@@ -133,6 +163,9 @@ impl Server {
     /// The line `dmkvd` prints once it serves: every endpoint as key=value.
     pub fn endpoints_line(&self) -> String {
         let mut line = format!("dmkvd listening rpc={}", self.local_addr());
+        if let Some(p) = &self.peer {
+            line += &format!(" peer={}", p.local_addr().expect("bound listener has an address"));
+        }
         if let Some(a) = self.engine_addr() {
             line += &format!(" engine={a}");
         }
@@ -154,8 +187,20 @@ impl Server {
     /// Serves until `shutdown` resolves, then stops accepting and lets every
     /// connection answer the requests it has read (bounded by a deadline).
     pub async fn serve(self, shutdown: impl std::future::Future<Output = ()>) {
-        let (stop_tx, stop_rx) = watch::channel(false);
+        let (stop_tx, stop_rx) = self.stop;
         let mut side = JoinSet::new();
+        if let Some(l) = self.peer {
+            let (shared, rx) = (Arc::clone(&self.shared), stop_rx.clone());
+            let cap = self.max_connections;
+            side.spawn(async move {
+                let srx = rx.clone();
+                let mut conns = listen::serve(l, "peer", cap, rx, move |(stream, _)| {
+                    service::serve_peer_connection(stream, Arc::clone(&shared), srx.clone())
+                })
+                .await;
+                while conns.join_next().await.is_some() {}
+            });
+        }
         let region = Arc::clone(self.shared.store.region());
         if let Some(l) = self.engine {
             let engine = engine::Engine {

@@ -18,6 +18,7 @@ use tokio::sync::watch;
 use dmkv_common::auth::{Purpose, Role};
 
 use crate::access::Gate;
+use crate::cluster::node::{ClusterError, ClusterNode};
 use crate::compact::{self, Compactor};
 use crate::counters::EngineCounters;
 use crate::framed;
@@ -48,6 +49,9 @@ pub struct Shared {
     pub rdma: Option<crate::rdma::RdmaRegion>,
     /// Where peers' raft messages go; `None` on a node outside a cluster.
     pub raft: Option<Arc<dyn crate::cluster::wire::RaftSink>>,
+    /// This node's shard replicas; `None` outside a cluster (then `store`
+    /// holds the data; in a cluster the shards' stores do).
+    pub cluster: Option<Arc<ClusterNode>>,
 }
 
 /// What a connection owns besides its socket.
@@ -57,6 +61,8 @@ struct ConnState {
     role: Option<Role>,
     /// The challenge sent in this connection's HELLO reply.
     nonce: Option<[u8; dmkv_common::auth::NONCE_LEN]>,
+    /// Accepted on the peer port: raft traffic only.
+    peer_port: bool,
     /// RDMA queue pairs set up over this connection; destroyed with it.
     #[cfg(feature = "rdma")]
     qps: Vec<dmkv_verbs::QueuePair>,
@@ -83,12 +89,23 @@ impl std::fmt::Display for Close {
 /// Serves one connection until the peer closes, sends a malformed frame,
 /// or the server shuts down (after answering every request already read).
 pub async fn serve_connection(stream: TcpStream, shared: Arc<Shared>, shutdown: watch::Receiver<bool>) {
+    serve(stream, shared, shutdown, false).await
+}
+
+/// Serves one connection of the peer port: like [`serve_connection`], but
+/// only HELLO, AUTHENTICATE and RAFT (from the admin role) are answered.
+pub async fn serve_peer_connection(stream: TcpStream, shared: Arc<Shared>, shutdown: watch::Receiver<bool>) {
+    serve(stream, shared, shutdown, true).await
+}
+
+async fn serve(stream: TcpStream, shared: Arc<Shared>, shutdown: watch::Receiver<bool>, peer_port: bool) {
     let peer = stream.peer_addr().ok();
     let _ = stream.set_nodelay(true);
     let state = ConnState {
         peer: peer.map(|a| a.ip()),
         role: shared.gate.initial_role(),
         nonce: None,
+        peer_port,
         #[cfg(feature = "rdma")]
         qps: Vec::new(),
     };
@@ -197,7 +214,7 @@ fn too_large(id: u64, max_frame: usize) -> Response {
 }
 
 fn error(id: u64, code: ErrorCode, message: String) -> Response {
-    Response { id, result: Some(R::Error(proto::Error { code: code as i32, message })) }
+    Response { id, result: Some(R::Error(proto::Error { code: code as i32, message, ..Default::default() })) }
 }
 
 fn store_error(id: u64, e: StoreError) -> Response {
@@ -235,6 +252,17 @@ async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response
             format!("the {} role may not do this; it needs {}", role.name(), needed_role(op).name()),
         );
     }
+    if conn.peer_port && !matches!(req.op, Some(Op::Hello(_) | Op::Authenticate(_) | Op::Raft(_))) {
+        return error(id, ErrorCode::PermissionDenied, "the peer port carries raft traffic only".into());
+    }
+    if let (Some(node), Some(op)) = (&shared.cluster, &req.op)
+        && let Some(r) = cluster_request(node, shared.max_frame, op).await
+    {
+        return match r {
+            Ok(result) => Response { id, result: Some(result) },
+            Err(e) => Response { id, result: Some(R::Error(e)) },
+        };
+    }
     let result = match req.op {
         None => return error(id, ErrorCode::UnknownOp, "request has no operation this server knows".into()),
         Some(Op::Hello(h)) => {
@@ -259,6 +287,7 @@ async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response
                 protocol_version: PROTOCOL_VERSION,
                 server_version: env!("CARGO_PKG_VERSION").into(),
                 auth_nonce,
+                cluster: shared.cluster.is_some(),
             })
         }
         Some(Op::Authenticate(_)) => match conn.role {
@@ -339,12 +368,84 @@ async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response
                 Err(e) => return error(id, ErrorCode::BadRequest, e.to_string()),
             },
         },
+        Some(Op::GetMap(_)) => return error(id, ErrorCode::BadRequest, "this node is not part of a cluster".into()),
         Some(Op::Reregister(_)) => match reregister(shared) {
             Ok(_) => R::Reregister(region_info(shared)),
             Err(e) => return error(id, ErrorCode::Internal, e),
         },
     };
     Response { id, result: Some(result) }
+}
+
+/// Runs a data request on a cluster node (`None`: not a data request).
+async fn cluster_request(node: &ClusterNode, max_frame: usize, op: &Op) -> Option<Result<R, proto::Error>> {
+    Some(
+        match op {
+            Op::Put(p) => node.put(&p.key, &p.value).await.map(|version| R::Put(proto::PutReply { version })),
+            Op::Delete(d) => node.delete(&d.key).await.map(|existed| R::Delete(proto::DeleteReply { existed })),
+            Op::Get(g) => node.get(&g.key).await.map(|v| {
+                R::Get(v.map_or_else(proto::GetReply::default, |(value, version, at)| found(value, version, at)))
+            }),
+            Op::MultiGet(m) => {
+                if m.keys.len() > MAX_MULTI_GET_KEYS {
+                    return Some(Err(plain(
+                        ErrorCode::BadRequest,
+                        format!("multi-get of {} keys exceeds the limit of {MAX_MULTI_GET_KEYS}", m.keys.len()),
+                    )));
+                }
+                let mut values = Vec::with_capacity(m.keys.len());
+                let mut bytes = 0usize;
+                for k in &m.keys {
+                    match node.get(k).await {
+                        Ok(Some((value, version, at))) => {
+                            bytes += value.len();
+                            if bytes > max_frame {
+                                return Some(Err(plain(
+                                    ErrorCode::ResponseTooLarge,
+                                    format!("reply exceeds the maximum frame of {max_frame} bytes"),
+                                )));
+                            }
+                            values.push(found(value, version, at));
+                        }
+                        Ok(None) => values.push(proto::GetReply::default()),
+                        Err(e) => return Some(Err(cluster_refusal(e))),
+                    }
+                }
+                return Some(Ok(R::MultiGet(proto::MultiGetReply { values })));
+            }
+            Op::GetMap(_) => return Some(Ok(R::Map(node.map_reply()))),
+            _ => return None,
+        }
+        .map_err(cluster_refusal),
+    )
+}
+
+fn plain(code: ErrorCode, message: String) -> proto::Error {
+    proto::Error { code: code as i32, message, ..Default::default() }
+}
+
+fn cluster_refusal(e: ClusterError) -> proto::Error {
+    match e {
+        ClusterError::NotLeader { leader, map_version } => proto::Error {
+            code: ErrorCode::NotLeader as i32,
+            message: match leader {
+                Some(l) => format!("this node does not lead the key's shard; node {l} does"),
+                None => "this node does not lead the key's shard; no leader is known yet".into(),
+            },
+            leader: leader.unwrap_or(0),
+            map_version,
+        },
+        ClusterError::Busy => plain(ErrorCode::Busy, "too many requests wait for this shard; retry".into()),
+        ClusterError::Uncertain => plain(
+            ErrorCode::Uncertain,
+            "leadership changed before the write committed: it may or may not have taken effect".into(),
+        ),
+        ClusterError::Store(e) => match store_error(0, e).result {
+            Some(R::Error(e)) => e,
+            _ => plain(ErrorCode::Internal, "store error".into()),
+        },
+        ClusterError::Failed(m) => plain(ErrorCode::Internal, m),
+    }
 }
 
 /// Registers the region anew (new rkey, next epoch) on every transport;
@@ -420,14 +521,47 @@ fn region_info(shared: &Shared) -> proto::RegionInfoReply {
 }
 
 fn stats(shared: &Shared) -> HashMap<String, u64> {
-    let s = &shared.store;
+    let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    let cs = shared.compactor.stats();
+    let mut out: HashMap<String, u64> = HashMap::new();
+    match &shared.cluster {
+        // A cluster node's data is in its shard replicas' stores: sums
+        // (largest for depths and ratios, which do not add up).
+        Some(node) => {
+            let mut replicas = 0;
+            for store in node.stores() {
+                replicas += 1;
+                for (k, v) in store_stats(store) {
+                    let e = out.entry(k.to_string()).or_default();
+                    *e = if k.ends_with("_permille") || k.ends_with("_depth") { (*e).max(v) } else { *e + v };
+                }
+            }
+            out.insert("shard_replicas".into(), replicas);
+        }
+        None => out.extend(store_stats(&shared.store).into_iter().map(|(k, v)| (k.to_string(), v))),
+    }
+    let node = [
+        ("compactor_active", load(&cs.active)),
+        ("compactor_demands", load(&cs.demands)),
+        ("compactor_cpu_micros", load(&cs.cpu_nanos) / 1000),
+        ("region_epoch", shared.registration.epoch()),
+        ("engine_batches", load(&shared.engine_counters.batches)),
+        ("engine_reads", load(&shared.engine_counters.reads)),
+        ("engine_bytes", load(&shared.engine_counters.bytes)),
+        ("engine_rejected_reads", load(&shared.engine_counters.rejected)),
+    ];
+    out.extend(node.into_iter().map(|(k, v)| (k.to_string(), v)));
+    out
+}
+
+/// One store's counters.
+fn store_stats(s: &Store) -> Vec<(&'static str, u64)> {
     let c = &s.counters;
     let space = s.space();
     let unit = dmkv_common::limits::UNIT as u64;
-    let cs = shared.compactor.stats();
     let index = s.index_stats();
     let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
-    [
+    vec![
         ("gets", load(&c.gets)),
         ("get_hits", load(&c.get_hits)),
         ("puts", load(&c.puts)),
@@ -443,9 +577,6 @@ fn stats(shared: &Shared) -> HashMap<String, u64> {
         ("free_bytes", (space.free + space.parked) * unit),
         ("largest_free_bytes", space.largest_free * unit),
         ("fragmentation_permille", space.fragmentation_permille()),
-        ("compactor_active", load(&cs.active)),
-        ("compactor_demands", load(&cs.demands)),
-        ("compactor_cpu_micros", load(&cs.cpu_nanos) / 1000),
         ("compactor_moves", load(&c.compactor_moves)),
         ("compactor_moved_bytes", load(&c.compactor_moved_bytes)),
         ("compactor_windows", load(&c.compactor_ranges)),
@@ -459,13 +590,5 @@ fn stats(shared: &Shared) -> HashMap<String, u64> {
         ("index_load_permille", (load(&c.items) * 1000).checked_div(index.slots).unwrap_or(0)),
         ("index_depth", index.max_depth),
         ("directory_depth", index.dir_depth),
-        ("region_epoch", shared.registration.epoch()),
-        ("engine_batches", load(&shared.engine_counters.batches)),
-        ("engine_reads", load(&shared.engine_counters.reads)),
-        ("engine_bytes", load(&shared.engine_counters.bytes)),
-        ("engine_rejected_reads", load(&shared.engine_counters.rejected)),
     ]
-    .into_iter()
-    .map(|(k, v)| (k.to_string(), v))
-    .collect()
 }

@@ -8,6 +8,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+pub mod cluster;
 pub mod netns;
 
 /// How long a server gets to start and print its address.
@@ -147,6 +148,14 @@ impl ServerProcess {
                     return child.wait().ok();
                 }
             }
+        }
+    }
+
+    /// Kills the process at once (SIGKILL: no shutdown, like a crash).
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
         }
     }
 

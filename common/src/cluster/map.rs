@@ -169,6 +169,50 @@ impl ClusterMap {
         Ok(news)
     }
 
+    /// The map as sent to clients (`local` left for the node to fill in).
+    pub fn to_proto(&self) -> crate::proto::ClusterMapReply {
+        crate::proto::ClusterMapReply {
+            version: self.version,
+            partitions: self.partitions.clone(),
+            shards: self
+                .shards
+                .iter()
+                .map(|s| crate::proto::ShardEntry {
+                    id: s.id,
+                    replicas: s.replicas.clone(),
+                    leader: s.leader.unwrap_or(0),
+                    term: s.term,
+                })
+                .collect(),
+            nodes: self.nodes.iter().map(|(&id, rpc)| crate::proto::NodeAddr { id, rpc: rpc.clone() }).collect(),
+            ..Default::default()
+        }
+    }
+
+    /// A map received from a node, checked before it is used.
+    pub fn from_proto(m: &crate::proto::ClusterMapReply) -> Result<ClusterMap, MapError> {
+        if m.shards.len() > MAX_SHARDS as usize {
+            return Err(MapError::Shards(m.shards.len() as u32));
+        }
+        let map = ClusterMap {
+            version: m.version,
+            partitions: m.partitions.clone(),
+            shards: m
+                .shards
+                .iter()
+                .map(|s| ShardInfo {
+                    id: s.id,
+                    replicas: s.replicas.clone(),
+                    leader: (s.leader != 0).then_some(s.leader),
+                    term: s.term,
+                })
+                .collect(),
+            nodes: m.nodes.iter().map(|n| (n.id, n.rpc.clone())).collect(),
+        };
+        map.validate()?;
+        Ok(map)
+    }
+
     /// Groups `keys` (by index) by the shard that holds them, for a
     /// multi-get split per shard.
     pub fn split_by_shard<K: AsRef<[u8]>>(&self, keys: &[K]) -> BTreeMap<ShardId, Vec<usize>> {
@@ -243,6 +287,20 @@ mod tests {
         assert_eq!(m.shards()[0].leader, Some(3));
         assert_eq!(m.set_leader(0, 9, 7), Err(MapError::Leader { shard: 0, node: 9 }));
         assert_eq!(m.version, v + 2);
+    }
+
+    #[test]
+    fn maps_survive_the_wire_and_bad_ones_are_refused() {
+        let mut m = ClusterMap::initial(nodes(3), 5, 3).unwrap();
+        m.set_leader(3, 2, 7).unwrap();
+        let p = m.to_proto();
+        assert_eq!(ClusterMap::from_proto(&p), Ok(m));
+        let mut bad = p.clone();
+        bad.shards[1].leader = 42;
+        assert_eq!(ClusterMap::from_proto(&bad), Err(MapError::Leader { shard: 1, node: 42 }));
+        let mut bad = p;
+        bad.partitions.truncate(3);
+        assert_eq!(ClusterMap::from_proto(&bad), Err(MapError::PartitionCount(3)));
     }
 
     #[test]

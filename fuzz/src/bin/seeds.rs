@@ -51,8 +51,8 @@ fn responses() -> Vec<Response> {
         rdma_device: String::new(),
     };
     let results = vec![
-        R::Error(proto::Error { code: 3, message: "e".into() }),
-        R::Hello(proto::HelloReply { protocol_version: 1, server_version: "0".into() }),
+        R::Error(proto::Error { code: 3, message: "e".into(), ..Default::default() }),
+        R::Hello(proto::HelloReply { protocol_version: 1, server_version: "0".into(), ..Default::default() }),
         R::Put(proto::PutReply { version: 4 }),
         R::Get(get.clone()),
         R::Delete(proto::DeleteReply { existed: true }),

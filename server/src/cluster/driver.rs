@@ -4,6 +4,8 @@
 //! node's transport. One thread per shard replica, so shards write in
 //! parallel (and the store's writer lock is per shard).
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError, sync_channel};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -23,11 +25,78 @@ pub const TICK: Duration = Duration::from_millis(10);
 
 /// Where a proposal's answer goes.
 pub type Answer = oneshot::Sender<Result<Applied, ProposeError>>;
+/// Where a read's permission goes.
+pub type ReadAnswer = oneshot::Sender<Result<(), ProposeError>>;
 
 enum Input {
     Propose(Vec<u8>, Answer),
+    Read(ReadAnswer),
     Raft(Message),
     Stop,
+}
+
+/// A replica's raft state as last published by its thread (every tick),
+/// for routing answers, the map and `dmkv cluster status`.
+#[derive(Default)]
+pub struct ReplicaStatus {
+    /// `raft::StateRole` as a number (see [`ReplicaStatus::role`]); 4: the
+    /// thread stopped.
+    role: AtomicU64,
+    pub term: AtomicU64,
+    pub leader: AtomicU64,
+    pub commit: AtomicU64,
+    pub applied: AtomicU64,
+    /// Leader only: (follower, entries behind).
+    lag: std::sync::Mutex<Vec<(u64, u64)>>,
+}
+
+impl ReplicaStatus {
+    /// The role's name.
+    pub fn role(&self) -> &'static str {
+        match self.role.load(Ordering::Relaxed) {
+            0 => "follower",
+            1 => "candidate",
+            2 => "leader",
+            3 => "pre-candidate",
+            _ => "stopped",
+        }
+    }
+
+    /// Whether this replica leads (as of the last tick).
+    pub fn is_leader(&self) -> bool {
+        self.role.load(Ordering::Relaxed) == 2
+    }
+
+    /// Followers' lag, when this replica leads.
+    pub fn lag(&self) -> Vec<(u64, u64)> {
+        crate::lock::lock(&self.lag).clone()
+    }
+
+    fn publish<S: LogStore, P, R>(&self, core: &ShardCore<S, P, R>) {
+        let r = &core.replica().raft().raft;
+        let role = match r.state {
+            raft::StateRole::Follower => 0,
+            raft::StateRole::Candidate => 1,
+            raft::StateRole::Leader => 2,
+            raft::StateRole::PreCandidate => 3,
+        };
+        self.role.store(role, Ordering::Relaxed);
+        self.term.store(r.term, Ordering::Relaxed);
+        self.leader.store(r.leader_id, Ordering::Relaxed);
+        self.commit.store(r.raft_log.committed, Ordering::Relaxed);
+        self.applied.store(core.applied(), Ordering::Relaxed);
+        let last = r.raft_log.last_index();
+        let lag = if role == 2 {
+            r.prs().iter().filter(|(id, _)| **id != r.id).map(|(id, p)| (*id, last.saturating_sub(p.matched))).collect()
+        } else {
+            Vec::new()
+        };
+        *crate::lock::lock(&self.lag) = lag;
+    }
+
+    fn stopped(&self) {
+        self.role.store(4, Ordering::Relaxed);
+    }
 }
 
 /// A running shard thread.
@@ -41,12 +110,29 @@ impl ShardThread {
     /// not block: queue and drop, raft retransmits).
     pub fn spawn<S: LogStore + Send + 'static>(
         name: String,
-        core: ShardCore<S, Answer>,
+        core: ShardCore<S, Answer, ReadAnswer>,
+        status: Arc<ReplicaStatus>,
         send: impl FnMut(Vec<Message>) + Send + 'static,
     ) -> std::io::Result<ShardThread> {
         let (tx, rx) = sync_channel(MAX_INPUTS);
-        let handle = std::thread::Builder::new().name(name).spawn(move || run(core, rx, send))?;
+        let handle = std::thread::Builder::new().name(name).spawn(move || {
+            run(core, rx, &status, send);
+            status.stopped();
+        })?;
         Ok(ShardThread { tx, handle: Some(handle) })
+    }
+
+    /// Asks for permission to read the store linearizably (see
+    /// [`ShardCore::read`]); the answer comes on the returned channel.
+    pub fn read(&self) -> oneshot::Receiver<Result<(), ProposeError>> {
+        let (answer, rx) = oneshot::channel();
+        if let Err(e) = self.tx.try_send(Input::Read(answer)) {
+            let (TrySendError::Full(input) | TrySendError::Disconnected(input)) = e;
+            if let Input::Read(a) = input {
+                let _ = a.send(Err(ProposeError::Busy));
+            }
+        }
+        rx
     }
 
     /// Proposes a command; the answer comes on the returned channel.
@@ -94,13 +180,24 @@ impl Drop for ShardThread {
     }
 }
 
-fn run<S: LogStore>(mut core: ShardCore<S, Answer>, rx: Receiver<Input>, mut send: impl FnMut(Vec<Message>)) {
+fn run<S: LogStore>(
+    mut core: ShardCore<S, Answer, ReadAnswer>,
+    rx: Receiver<Input>,
+    status: &ReplicaStatus,
+    mut send: impl FnMut(Vec<Message>),
+) {
     let mut next_tick = Instant::now() + TICK;
+    status.publish(&core);
     loop {
         let wait = next_tick.saturating_duration_since(Instant::now());
         match rx.recv_timeout(wait) {
             Ok(Input::Propose(data, answer)) => {
                 if let Err((answer, e)) = core.propose(data, answer) {
+                    let _ = answer.send(Err(e));
+                }
+            }
+            Ok(Input::Read(answer)) => {
+                if let Err((answer, e)) = core.read(answer) {
                     let _ = answer.send(Err(e));
                 }
             }
@@ -115,6 +212,7 @@ fn run<S: LogStore>(mut core: ShardCore<S, Answer>, rx: Receiver<Input>, mut sen
         if Instant::now() >= next_tick {
             core.tick();
             next_tick += TICK;
+            status.publish(&core);
         }
         match core.poll() {
             Ok(p) => {
@@ -122,6 +220,9 @@ fn run<S: LogStore>(mut core: ShardCore<S, Answer>, rx: Receiver<Input>, mut sen
                     send(p.messages);
                 }
                 for (answer, result) in p.answers {
+                    let _ = answer.send(result);
+                }
+                for (answer, result) in p.reads {
                     let _ = answer.send(result);
                 }
             }
@@ -156,7 +257,8 @@ mod tests {
             Store::format(Arc::new(Region::create("drv", 2 << 20).unwrap()), 64, 5, 1, Duration::ZERO).unwrap(),
         );
         let net = Arc::clone(inboxes);
-        let t = ShardThread::spawn(format!("shard-{id}"), ShardCore::new(replica, Arc::clone(&store)), move |msgs| {
+        let core = ShardCore::new(replica, Arc::clone(&store));
+        let t = ShardThread::spawn(format!("shard-{id}"), core, Arc::default(), move |msgs| {
             let boxes = net.lock().unwrap();
             for m in msgs {
                 if let Some(Some(f)) = boxes.get(m.to as usize - 1) {

@@ -7,6 +7,8 @@ pub mod config;
 pub mod driver;
 pub mod local;
 pub mod log;
+pub mod node;
+pub mod peer;
 pub mod replica;
 pub mod shard;
 pub mod wire;

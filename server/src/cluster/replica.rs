@@ -43,6 +43,9 @@ pub struct Output {
     pub messages: Vec<Message>,
     /// Committed entries, in order, to apply to the state machine.
     pub committed: Vec<Entry>,
+    /// Reads confirmed by a quorum: each may be answered once the state
+    /// machine has applied up to its index.
+    pub read_states: Vec<raft::ReadState>,
 }
 
 /// A replica of one shard.
@@ -85,6 +88,12 @@ impl<S: LogStore> Replica<S> {
         self.node.propose(vec![], data)
     }
 
+    /// Asks raft to confirm, through a quorum, that this replica still
+    /// leads; the answer comes back in [`Output::read_states`] with `ctx`.
+    pub fn read_index(&mut self, ctx: Vec<u8>) {
+        self.node.read_index(ctx)
+    }
+
     /// Handles a `Ready` if there is one: persists, then hands back what to
     /// send and what to apply. The order is raft-rs's: messages a leader may
     /// send before persisting, persistence, messages that need it, then the
@@ -94,7 +103,8 @@ impl<S: LogStore> Replica<S> {
             return Ok(None);
         }
         let mut rd = self.node.ready();
-        let mut out = Output { messages: rd.take_messages(), committed: Vec::new() };
+        let mut out =
+            Output { messages: rd.take_messages(), committed: Vec::new(), read_states: rd.take_read_states() };
         let snapshot = (!rd.snapshot().is_empty()).then(|| rd.snapshot().clone());
         out.committed = rd.take_committed_entries();
         self.node.store().persist(rd.entries(), rd.hs(), snapshot.as_ref())?;

@@ -7,8 +7,14 @@
 //! proposal whose index was taken by another term's entry failed; one
 //! still pending when this replica stops leading has an unknown outcome
 //! (its entry may yet commit under the next leader), and says so.
+//!
+//! A read (an RPC GET) is let through only after a quorum confirmed this
+//! replica still leads (raft's ReadIndex; the reads that arrive between two
+//! polls share one confirmation) and the store has applied up to the index
+//! confirmed: then the store holds every write acknowledged before the read
+//! began, which makes the read linearizable.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
 use raft::StateRole;
@@ -20,6 +26,11 @@ use crate::store::Store;
 /// Most proposals waiting for their entry at once; more are refused
 /// (`Busy`) rather than queued without bound.
 pub const MAX_PENDING: usize = 4096;
+/// Most reads waiting for confirmation at once.
+pub const MAX_PENDING_READS: usize = 16384;
+/// A read confirmation not back after this many ticks is asked again
+/// (its heartbeat round may have been lost).
+pub const READ_RETRY_TICKS: u64 = 20;
 
 /// Why a proposal was not (or may not have been) carried out.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -40,25 +51,80 @@ pub enum ProposeError {
 
 /// What a poll produced.
 #[derive(Debug, Default)]
-pub struct Poll<P> {
+pub struct Poll<P, R = P> {
     /// Raft messages for peers.
     pub messages: Vec<raft::prelude::Message>,
     /// Answers for proposals, by the caller's id.
     pub answers: Vec<(P, Result<Applied, ProposeError>)>,
+    /// Reads that may now read the store (`Ok`), or may not.
+    pub reads: Vec<(R, Result<(), ProposeError>)>,
 }
 
 /// One replica of a shard, with its store.
-pub struct ShardCore<S: LogStore, P> {
+pub struct ShardCore<S: LogStore, P, R = P> {
     replica: Replica<S>,
     store: Arc<Store>,
     /// Proposals by log index: (term proposed in, caller's id).
     pending: BTreeMap<u64, (u64, P)>,
     was_leader: bool,
+    /// Reads asked for since the last poll.
+    new_reads: Vec<R>,
+    /// Reads waiting for a quorum, by context: (tick asked at, reads).
+    confirming: BTreeMap<u64, (u64, Vec<R>)>,
+    /// Reads confirmed at an index, waiting for the store to apply it.
+    confirmed: VecDeque<(u64, Vec<R>)>,
+    pending_reads: usize,
+    next_ctx: u64,
+    ticks: u64,
+    applied: u64,
 }
 
-impl<S: LogStore, P> ShardCore<S, P> {
+impl<S: LogStore, P, R> ShardCore<S, P, R> {
     pub fn new(replica: Replica<S>, store: Arc<Store>) -> Self {
-        ShardCore { replica, store, pending: BTreeMap::new(), was_leader: false }
+        ShardCore {
+            replica,
+            store,
+            pending: BTreeMap::new(),
+            was_leader: false,
+            new_reads: Vec::new(),
+            confirming: BTreeMap::new(),
+            confirmed: VecDeque::new(),
+            pending_reads: 0,
+            next_ctx: 0,
+            ticks: 0,
+            applied: 0,
+        }
+    }
+
+    /// The index of the last entry applied to the store.
+    pub fn applied(&self) -> u64 {
+        self.applied
+    }
+
+    fn not_leader(&self) -> ProposeError {
+        let r = &self.replica.raft().raft;
+        ProposeError::NotLeader { leader: (r.leader_id != raft::INVALID_ID).then_some(r.leader_id) }
+    }
+
+    /// Asks to read the store linearizably for caller `id`: answered in a
+    /// later poll's `reads`.
+    pub fn read(&mut self, id: R) -> Result<(), (R, ProposeError)> {
+        if self.replica.raft().raft.state != StateRole::Leader {
+            return Err((id, self.not_leader()));
+        }
+        if self.pending_reads >= MAX_PENDING_READS {
+            return Err((id, ProposeError::Busy));
+        }
+        self.pending_reads += 1;
+        self.new_reads.push(id);
+        Ok(())
+    }
+
+    fn ask_quorum(&mut self, reads: Vec<R>) {
+        let ctx = self.next_ctx;
+        self.next_ctx += 1;
+        self.replica.read_index(ctx.to_le_bytes().to_vec());
+        self.confirming.insert(ctx, (self.ticks, reads));
     }
 
     /// The replica (role, term, leader).
@@ -72,6 +138,7 @@ impl<S: LogStore, P> ShardCore<S, P> {
     }
 
     pub fn tick(&mut self) {
+        self.ticks += 1;
         self.replica.tick();
     }
 
@@ -83,8 +150,7 @@ impl<S: LogStore, P> ShardCore<S, P> {
     pub fn propose(&mut self, data: Vec<u8>, id: P) -> Result<(), (P, ProposeError)> {
         let r = &self.replica.raft().raft;
         if r.state != StateRole::Leader {
-            let leader = (r.leader_id != raft::INVALID_ID).then_some(r.leader_id);
-            return Err((id, ProposeError::NotLeader { leader }));
+            return Err((id, self.not_leader()));
         }
         if self.pending.len() >= MAX_PENDING {
             return Err((id, ProposeError::Busy));
@@ -100,11 +166,35 @@ impl<S: LogStore, P> ShardCore<S, P> {
 
     /// Handles what raft has ready: persists (through the store of the
     /// log), applies committed entries, answers proposals.
-    pub fn poll(&mut self) -> Result<Poll<P>, raft::Error> {
-        let mut out = Poll { messages: Vec::new(), answers: Vec::new() };
+    pub fn poll(&mut self) -> Result<Poll<P, R>, raft::Error> {
+        let mut out = Poll { messages: Vec::new(), answers: Vec::new(), reads: Vec::new() };
+        if self.replica.raft().raft.state == StateRole::Leader {
+            if !self.new_reads.is_empty() {
+                let reads = std::mem::take(&mut self.new_reads);
+                self.ask_quorum(reads);
+            }
+            let stale: Vec<u64> = self
+                .confirming
+                .iter()
+                .filter(|(_, (at, _))| self.ticks - at >= READ_RETRY_TICKS)
+                .map(|(&ctx, _)| ctx)
+                .collect();
+            for ctx in stale {
+                if let Some((_, reads)) = self.confirming.remove(&ctx) {
+                    self.ask_quorum(reads);
+                }
+            }
+        }
         while let Some(ready) = self.replica.ready()? {
             out.messages.extend(ready.messages);
+            for rs in ready.read_states {
+                let ctx = <[u8; 8]>::try_from(rs.request_ctx.as_slice()).map(u64::from_le_bytes);
+                if let Some((_, reads)) = ctx.ok().and_then(|c| self.confirming.remove(&c)) {
+                    self.confirmed.push_back((rs.index, reads));
+                }
+            }
             for e in ready.committed {
+                self.applied = e.index;
                 let result = apply(&self.store, &e.data);
                 let Some((term, id)) = self.pending.remove(&e.index) else {
                     if let Err(ApplyError::Malformed(m)) = &result {
@@ -121,12 +211,27 @@ impl<S: LogStore, P> ShardCore<S, P> {
                 out.answers.push((id, answer));
             }
         }
+        while self.confirmed.front().is_some_and(|(index, _)| *index <= self.applied) {
+            let (_, reads) = self.confirmed.pop_front().expect("front exists");
+            self.pending_reads -= reads.len();
+            out.reads.extend(reads.into_iter().map(|r| (r, Ok(()))));
+        }
         let leader = self.replica.raft().raft.state == StateRole::Leader;
         if self.was_leader && !leader {
             // Entries still pending may commit under the next leader.
             out.answers.extend(
                 std::mem::take(&mut self.pending).into_values().map(|(_, id)| (id, Err(ProposeError::Unknown))),
             );
+        }
+        if !leader && self.pending_reads > 0 {
+            // Reads are only answered by a leader: the client asks the next.
+            let e = self.not_leader();
+            let waiting = std::mem::take(&mut self.new_reads)
+                .into_iter()
+                .chain(std::mem::take(&mut self.confirming).into_values().flat_map(|(_, r)| r))
+                .chain(std::mem::take(&mut self.confirmed).into_iter().flat_map(|(_, r)| r));
+            out.reads.extend(waiting.map(|r| (r, Err(e.clone()))));
+            self.pending_reads = 0;
         }
         self.was_leader = leader;
         Ok(out)
@@ -150,12 +255,24 @@ mod tests {
         ShardCore::new(replica, Arc::new(store.unwrap()))
     }
 
+    type Reads = Vec<(u32, Result<(), ProposeError>)>;
+
     /// Runs `cores` for `rounds` ticks over a perfect network, dropping
     /// everything to and from `down`; returns the answers.
     fn drive(
         cores: &mut [ShardCore<MemStorage, u32>],
         rounds: usize,
         down: Option<usize>,
+    ) -> Vec<(u32, Result<Applied, ProposeError>)> {
+        drive_reads(cores, rounds, down, &mut Vec::new())
+    }
+
+    /// [`drive`], also collecting read answers in `reads`.
+    fn drive_reads(
+        cores: &mut [ShardCore<MemStorage, u32>],
+        rounds: usize,
+        down: Option<usize>,
+        reads: &mut Reads,
     ) -> Vec<(u32, Result<Applied, ProposeError>)> {
         let mut answers = Vec::new();
         for _ in 0..rounds {
@@ -168,6 +285,7 @@ mod tests {
                 let p = c.poll().unwrap();
                 net.extend(p.messages);
                 answers.extend(p.answers);
+                reads.extend(p.reads);
             }
             while !net.is_empty() {
                 for m in std::mem::take(&mut net) {
@@ -181,6 +299,7 @@ mod tests {
                         let p = c.poll().unwrap();
                         net.extend(p.messages);
                         answers.extend(p.answers);
+                        reads.extend(p.reads);
                     }
                 }
             }
@@ -231,5 +350,33 @@ mod tests {
         // check_quorum made it step down: the proposal's fate is unknown.
         assert_eq!(isolated, vec![(1, Err(ProposeError::Unknown))]);
         assert_ne!(cores[l].replica().raft().raft.state, StateRole::Leader);
+    }
+
+    #[test]
+    fn reads_wait_for_a_quorum_and_the_apply_and_a_cut_off_leader_refuses_them() {
+        let mut cores: Vec<_> = (1..=3).map(core).collect();
+        drive(&mut cores, 100, None);
+        let l = leader(&cores, None).expect("a leader");
+        let f = (l + 1) % 3;
+        assert_eq!(cores[f].read(1), Err((1, ProposeError::NotLeader { leader: Some(l as u64 + 1) })));
+        // A write then a read: the read is let through only once the write
+        // has applied on the leader.
+        cores[l].propose(encode_put(b"k", b"v1"), 7).unwrap();
+        cores[l].read(2).unwrap();
+        let mut reads = Vec::new();
+        let answers = drive_reads(&mut cores, 2, None, &mut reads);
+        assert_eq!(reads, vec![(2, Ok(()))]);
+        assert!(answers.iter().any(|(id, r)| *id == 7 && r.is_ok()));
+        assert!(cores[l].applied() >= 1);
+        // Cut off from the others, a leader never lets a read through: it
+        // steps down and says so.
+        cores[l].read(3).unwrap();
+        let mut isolated = Vec::new();
+        for _ in 0..60 {
+            cores[l].tick();
+            isolated.extend(cores[l].poll().unwrap().reads);
+        }
+        assert_eq!(isolated.len(), 1);
+        assert!(matches!(isolated[0], (3, Err(ProposeError::NotLeader { .. }))), "{isolated:?}");
     }
 }

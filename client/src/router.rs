@@ -1,0 +1,318 @@
+//! The cluster router: which node a key's request goes to, and what to do
+//! when a node answers NOT_LEADER or cannot be reached. [`Routes`] is the
+//! decision logic with no sockets (testable alone); [`Router`] drives it
+//! over one session ([`Client`] in RPC mode) per node.
+//!
+//! A GET goes router → node session → transport: the router picks the
+//! shard's leader, the session sends the request, and a NOT_LEADER answer
+//! or a lost node sends the router to the next candidate, within the
+//! request's deadline.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::time::Duration;
+
+use bytes::Bytes;
+use dmkv_common::cluster::map::{ClusterMap, NodeId, ShardId};
+use dmkv_common::proto::ErrorCode;
+use tokio::time::Instant;
+
+use crate::client::{Client, ClientConfig, ReadPath, Versioned};
+use crate::error::ClientError;
+
+/// First pause before retrying a shard with no known leader; doubles up
+/// to [`MAX_PAUSE`].
+pub const MIN_PAUSE: Duration = Duration::from_millis(5);
+/// Longest pause between tries of one request.
+pub const MAX_PAUSE: Duration = Duration::from_millis(100);
+
+/// Where requests for each shard go: the map, and leaders learned since.
+#[derive(Debug, Clone)]
+pub struct Routes {
+    map: ClusterMap,
+    /// Leaders learned from NOT_LEADER answers and failures, newer than
+    /// the map's.
+    hint: HashMap<ShardId, NodeId>,
+}
+
+impl Routes {
+    pub fn new(map: ClusterMap) -> Routes {
+        Routes { map, hint: HashMap::new() }
+    }
+
+    pub fn map(&self) -> &ClusterMap {
+        &self.map
+    }
+
+    /// The shard of `key` and the node to ask: the leader last learned,
+    /// else the map's, else the first replica.
+    pub fn target(&self, key: &[u8]) -> (ShardId, NodeId) {
+        let sh = self.map.shard_of(key);
+        let node = self.hint.get(&sh.id).copied().or(sh.leader).unwrap_or(sh.replicas[0]);
+        (sh.id, node)
+    }
+
+    /// The RPC address of `node`.
+    pub fn addr(&self, node: NodeId) -> Option<&str> {
+        self.map.nodes.get(&node).map(String::as_str)
+    }
+
+    /// `tried` said it does not lead `shard`, naming `leader` if it knows
+    /// one; returns whether the answer helped (else: pause, then go on).
+    pub fn on_not_leader(&mut self, shard: ShardId, tried: NodeId, leader: Option<NodeId>) -> bool {
+        let replicas = &self.map.shards()[shard as usize].replicas;
+        match leader {
+            Some(l) if l != tried && replicas.contains(&l) => {
+                self.hint.insert(shard, l);
+                true
+            }
+            _ => {
+                self.next_replica(shard, tried);
+                false
+            }
+        }
+    }
+
+    /// `tried` could not be reached: try the next replica.
+    pub fn on_unreachable(&mut self, shard: ShardId, tried: NodeId) {
+        self.next_replica(shard, tried);
+    }
+
+    fn next_replica(&mut self, shard: ShardId, tried: NodeId) {
+        let replicas = &self.map.shards()[shard as usize].replicas;
+        let at = replicas.iter().position(|&n| n == tried).unwrap_or(0);
+        self.hint.insert(shard, replicas[(at + 1) % replicas.len()]);
+    }
+
+    /// Takes what a node's map says of leaders (newer terms win); a map
+    /// with another placement replaces ours.
+    pub fn merge(&mut self, theirs: &ClusterMap) {
+        if theirs.shards().len() != self.map.shards().len()
+            || theirs.shards().iter().zip(self.map.shards()).any(|(a, b)| a.replicas != b.replicas)
+        {
+            self.map = theirs.clone();
+            self.hint.clear();
+            return;
+        }
+        for sh in theirs.shards() {
+            if let Some(l) = sh.leader
+                && self.map.set_leader(sh.id, l, sh.term) == Ok(true)
+            {
+                self.hint.remove(&sh.id);
+            }
+        }
+    }
+}
+
+/// Routes requests to the nodes of a cluster.
+pub struct Router {
+    cfg: ClientConfig,
+    routes: std::sync::Mutex<Routes>,
+    sessions: tokio::sync::Mutex<HashMap<NodeId, Client>>,
+}
+
+/// Whether a request may be sent again after it may have reached a node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Retry {
+    /// Reads: any failure may be retried.
+    Always,
+    /// Writes: only a refusal that changed nothing (NOT_LEADER, BUSY, no
+    /// connection) is retried; a lost reply is the caller's to judge.
+    IfUnsent,
+}
+
+impl Router {
+    /// A router from a map a node gave; sessions are opened on demand.
+    pub fn new(map: ClusterMap, cfg: &ClientConfig) -> Router {
+        // Sessions read over RPC: one-sided reads of a shard leader's
+        // region need its lease in the header (not built yet).
+        let cfg = ClientConfig { read_path: ReadPath::Rpc, ..cfg.clone() };
+        Router { cfg, routes: std::sync::Mutex::new(Routes::new(map)), sessions: Default::default() }
+    }
+
+    /// The routes as they stand.
+    pub fn routes(&self) -> Routes {
+        self.routes.lock().expect("routes lock poisoned").clone()
+    }
+
+    async fn session(&self, node: NodeId) -> Result<Client, ClientError> {
+        if let Some(s) = self.sessions.lock().await.get(&node) {
+            return Ok(s.clone());
+        }
+        let addr = self.routes().addr(node).map(str::to_string).ok_or_else(|| ClientError::Connect {
+            addr: format!("node {node}"),
+            reason: "not in the cluster map".into(),
+        })?;
+        let s = Client::connect_session(addr, self.cfg.clone()).await?;
+        Ok(self.sessions.lock().await.entry(node).or_insert(s).clone())
+    }
+
+    async fn forget(&self, node: NodeId) {
+        self.sessions.lock().await.remove(&node);
+    }
+
+    /// Asks any reachable node for its map and merges it.
+    pub async fn refresh(&self) -> Result<(), ClientError> {
+        let nodes: Vec<NodeId> = self.routes().map().nodes.keys().copied().collect();
+        let mut last = None;
+        for n in nodes {
+            match self.session(n).await {
+                Ok(s) => match s.cluster_map().await {
+                    Ok(m) => {
+                        self.routes.lock().expect("routes lock poisoned").merge(&m);
+                        return Ok(());
+                    }
+                    Err(e) => last = Some(e),
+                },
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.unwrap_or(ClientError::ConnectionClosed))
+    }
+
+    /// Runs `op` against the node that should serve `key`, following
+    /// NOT_LEADER answers and failed nodes until the request's deadline.
+    pub async fn run<T, F, Fut>(&self, key: &[u8], retry: Retry, op: F) -> Result<T, ClientError>
+    where
+        F: Fn(Client) -> Fut,
+        Fut: Future<Output = Result<T, ClientError>>,
+    {
+        let deadline = Instant::now() + self.cfg.request_timeout;
+        let mut pause = MIN_PAUSE;
+        let mut tries = 0u32;
+        loop {
+            tries += 1;
+            let (shard, node) = self.routes.lock().expect("routes lock poisoned").target(key);
+            let failure = match self.session(node).await {
+                Err(e) => {
+                    self.routes.lock().expect("routes lock poisoned").on_unreachable(shard, node);
+                    e
+                }
+                Ok(s) => match op(s).await {
+                    Err(ClientError::NotLeader { leader, .. }) => {
+                        let helped =
+                            self.routes.lock().expect("routes lock poisoned").on_not_leader(shard, node, leader);
+                        if helped {
+                            continue;
+                        }
+                        ClientError::NotLeader { leader, map_version: 0 }
+                    }
+                    Err(e) if e.code() == Some(ErrorCode::Busy) => e,
+                    Err(e) if e.is_transport() && (retry == Retry::Always || !e.may_have_been_sent()) => {
+                        self.forget(node).await;
+                        self.routes.lock().expect("routes lock poisoned").on_unreachable(shard, node);
+                        e
+                    }
+                    Err(e) if e.is_transport() => {
+                        self.forget(node).await;
+                        self.routes.lock().expect("routes lock poisoned").on_unreachable(shard, node);
+                        return Err(e);
+                    }
+                    r => return r,
+                },
+            };
+            if Instant::now() + pause > deadline {
+                tracing::debug!(tries, "cluster request gave up: {failure}");
+                return Err(failure);
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(MAX_PAUSE);
+            if tries.is_multiple_of(4) {
+                let _ = self.refresh().await;
+            }
+        }
+    }
+
+    /// Reads `key` from its shard's leader.
+    pub async fn get(&self, key: &[u8]) -> Result<Option<Versioned>, ClientError> {
+        self.run(key, Retry::Always, |s| async move { s.node_get(key).await }).await
+    }
+
+    /// Writes `key` through its shard's leader.
+    pub async fn put(&self, key: &[u8], value: &[u8]) -> Result<u64, ClientError> {
+        self.run(key, Retry::IfUnsent, |s| async move { s.node_put(key, value).await }).await
+    }
+
+    /// Deletes `key` through its shard's leader.
+    pub async fn delete(&self, key: &[u8]) -> Result<bool, ClientError> {
+        self.run(key, Retry::IfUnsent, |s| async move { s.node_delete(key).await }).await
+    }
+
+    /// Reads many keys: split per shard, the shards asked in parallel.
+    pub async fn multi_get<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Option<Bytes>>, ClientError> {
+        let split = self.routes().map().split_by_shard(keys);
+        let parts = split.into_values().map(|idx| async move {
+            let first = keys[idx[0]].as_ref();
+            let ks: Vec<&[u8]> = idx.iter().map(|&i| keys[i].as_ref()).collect();
+            let ks = &ks;
+            let values = self.run(first, Retry::Always, |s| async move { s.node_multi_get(ks).await }).await?;
+            Ok::<_, ClientError>((idx, values))
+        });
+        let mut out = vec![None; keys.len()];
+        for r in futures_util::future::join_all(parts).await {
+            let (idx, values) = r?;
+            for (i, v) in idx.into_iter().zip(values) {
+                out[i] = v;
+            }
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    fn routes() -> Routes {
+        let nodes: BTreeMap<NodeId, String> = (1..=3).map(|i| (i, format!("127.0.0.1:{}", 7000 + i))).collect();
+        Routes::new(ClusterMap::initial(nodes, 4, 3).unwrap())
+    }
+
+    fn key_of(r: &Routes, shard: ShardId) -> Vec<u8> {
+        (0..).map(|i: u32| format!("k{i}").into_bytes()).find(|k| r.target(k).0 == shard).unwrap()
+    }
+
+    #[test]
+    fn not_leader_answers_and_failures_move_the_route() {
+        let mut r = routes();
+        let k = key_of(&r, 1);
+        let (shard, first) = r.target(&k);
+        assert_eq!(first, r.map().shards()[1].replicas[0], "no leader known: the first replica");
+        // Told who leads: go there.
+        let other = r.map().shards()[1].replicas[2];
+        assert!(r.on_not_leader(shard, first, Some(other)));
+        assert_eq!(r.target(&k), (shard, other));
+        // A leader that is not a replica, or the node itself, does not help.
+        assert!(!r.on_not_leader(shard, other, Some(99)));
+        assert!(!r.on_not_leader(shard, other, Some(other)));
+        // Each unhelpful answer or failure moves on round the replicas.
+        let mut seen = std::collections::BTreeSet::new();
+        for _ in 0..3 {
+            let (_, n) = r.target(&k);
+            seen.insert(n);
+            r.on_unreachable(shard, n);
+        }
+        assert_eq!(seen.len(), 3, "every replica is tried");
+    }
+
+    #[test]
+    fn merged_maps_bring_newer_leaders_only() {
+        let mut r = routes();
+        let k = key_of(&r, 2);
+        let mut theirs = r.map().clone();
+        let l = theirs.shards()[2].replicas[1];
+        theirs.set_leader(2, l, 5).unwrap();
+        r.merge(&theirs);
+        assert_eq!(r.target(&k).1, l);
+        // An older term's leader is old news.
+        let mut old = r.map().clone();
+        let mut older = ClusterMap::initial(old.nodes.clone(), 4, 3).unwrap();
+        older.set_leader(2, old.shards()[2].replicas[2], 4).unwrap();
+        r.merge(&older);
+        assert_eq!(r.target(&k).1, l);
+        old.set_leader(2, old.shards()[2].replicas[0], 6).unwrap();
+        r.merge(&old);
+        assert_eq!(r.target(&k).1, old.shards()[2].replicas[0]);
+    }
+}

@@ -1,0 +1,263 @@
+//! A dmkvd node in a cluster: its shard replicas (each a raft group member
+//! with its own region and store, driven by its own thread), its peer
+//! queues, and its view of the cluster map. The RPC service asks it to
+//! carry out writes (proposed to the key's shard) and linearizable reads.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use dmkv_common::cluster::map::{ClusterMap, NodeId, ShardId};
+use dmkv_common::error::{Error as StoreError, check_key, check_value};
+use dmkv_common::proto;
+use raft::prelude::ConfState;
+use raft::storage::MemStorage;
+use tokio::sync::watch;
+
+use super::apply::{Applied, encode_delete, encode_put};
+use super::config::ClusterConfig;
+use super::driver::{ReplicaStatus, ShardThread};
+use super::local::LocalShards;
+use super::log::RaftLog;
+use super::peer::{Dialer, Peers};
+use super::replica::Replica;
+use super::shard::{ProposeError, ShardCore};
+use crate::region::Region;
+use crate::store::{Location, Store};
+
+/// Raft's election timeout in ticks of [`super::driver::TICK`]: 150 ms,
+/// randomized by raft up to twice that. Heartbeats go every 30 ms.
+pub const ELECTION_TICKS: usize = 15;
+/// Smallest region a shard replica gets.
+pub const MIN_SHARD_MEMORY: u64 = 4 << 20;
+
+/// How a node joins its cluster (`--cluster FILE --node-id N
+/// [--data-dir DIR]`).
+#[derive(Debug, Clone)]
+pub struct ClusterSetup {
+    pub config: ClusterConfig,
+    pub node_id: NodeId,
+    /// Where the raft log lives; `None`: in memory only.
+    pub data_dir: Option<PathBuf>,
+}
+
+/// Why a cluster request was not carried out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClusterError {
+    /// Ask `leader` (if known); this node's map has `map_version`.
+    NotLeader {
+        leader: Option<NodeId>,
+        map_version: u64,
+    },
+    Busy,
+    /// The write may or may not have taken effect.
+    Uncertain,
+    Store(StoreError),
+    Failed(String),
+}
+
+/// One shard replica on this node.
+struct LocalReplica {
+    thread: ShardThread,
+    store: Arc<Store>,
+    status: Arc<ReplicaStatus>,
+}
+
+/// This node's part of the cluster.
+pub struct ClusterNode {
+    pub id: NodeId,
+    map: Mutex<ClusterMap>,
+    replicas: HashMap<ShardId, LocalReplica>,
+    sink: Arc<LocalShards>,
+}
+
+/// What a node needs from the server's configuration.
+pub struct NodeParams {
+    /// Memory for all of this node's replicas together.
+    pub memory: u64,
+    pub grace: Duration,
+    pub max_frame: usize,
+    pub token: Option<dmkv_common::auth::Token>,
+}
+
+impl ClusterNode {
+    /// Opens the log, creates a region and store per local replica, starts
+    /// the shard threads and the peer senders (on the current runtime).
+    pub fn start(setup: &ClusterSetup, p: NodeParams, stop: watch::Receiver<bool>) -> Result<ClusterNode, String> {
+        let cfg = &setup.config;
+        let me = cfg.node(setup.node_id)?.id;
+        let map = cfg.initial_map().map_err(|e| e.to_string())?;
+        let local: Vec<_> = map.shards().iter().filter(|s| s.replicas.contains(&me)).cloned().collect();
+        let peers: Vec<_> = cfg.nodes.iter().filter(|n| n.id != me).map(|n| (n.id, n.peer)).collect();
+        let peers = Arc::new(Peers::start(Dialer { me, token: p.token, max_frame: p.max_frame }, peers, stop));
+        let engine = match &setup.data_dir {
+            Some(dir) => {
+                let raft_dir = dir.join("raft");
+                std::fs::create_dir_all(&raft_dir)
+                    .map_err(|e| format!("cannot create data directory {}: {e}", raft_dir.display()))?;
+                Some(RaftLog::open_engine(&raft_dir.to_string_lossy()).map_err(|e| e.to_string())?)
+            }
+            None => None,
+        };
+        // Whole pages: the region is mapped and read in words.
+        let per_shard = (p.memory / local.len().max(1) as u64 / 4096 * 4096).max(MIN_SHARD_MEMORY);
+        let logger = slog::Logger::root(slog::Discard, slog::o!());
+        let mut replicas = HashMap::new();
+        let mut sink = LocalShards::default();
+        for sh in local {
+            let region = Region::create(&format!("dmkv-shard-{}", sh.id), per_shard as usize)
+                .map_err(|e| format!("shard {}: cannot create its region: {e}", sh.id))?;
+            let epoch = rand::random::<u32>() as u64 + 1;
+            let buckets = per_shard / 4096;
+            let store = Arc::new(
+                Store::format(Arc::new(region), buckets, rand::random(), epoch, p.grace)
+                    .map_err(|e| format!("shard {}: {e}", sh.id))?,
+            );
+            let conf = ConfState { voters: sh.replicas.clone(), ..Default::default() };
+            let status = Arc::new(ReplicaStatus::default());
+            let send = {
+                let (peers, shard) = (Arc::clone(&peers), sh.id);
+                move |msgs: Vec<raft::prelude::Message>| {
+                    for m in msgs {
+                        peers.send(shard, m);
+                    }
+                }
+            };
+            let name = format!("shard-{}", sh.id);
+            let thread = match &engine {
+                Some(engine) => {
+                    let log = RaftLog::new(Arc::clone(engine), u64::from(sh.id));
+                    if raft::Storage::initial_state(&log).map_err(|e| e.to_string())?.conf_state.voters.is_empty() {
+                        log.set_conf_state(&conf).map_err(|e| e.to_string())?;
+                    }
+                    let replica = Replica::new(me, log, ELECTION_TICKS, &logger)
+                        .map_err(|e| format!("shard {}: raft: {e}", sh.id))?;
+                    ShardThread::spawn(name, ShardCore::new(replica, Arc::clone(&store)), Arc::clone(&status), send)
+                }
+                None => {
+                    let replica = Replica::new(me, MemStorage::new_with_conf_state(conf), ELECTION_TICKS, &logger)
+                        .map_err(|e| format!("shard {}: raft: {e}", sh.id))?;
+                    ShardThread::spawn(name, ShardCore::new(replica, Arc::clone(&store)), Arc::clone(&status), send)
+                }
+            }
+            .map_err(|e| format!("shard {}: cannot start its thread: {e}", sh.id))?;
+            sink.insert(sh.id, Box::new(thread.inbox()));
+            replicas.insert(sh.id, LocalReplica { thread, store, status });
+        }
+        Ok(ClusterNode { id: me, map: Mutex::new(map), replicas, sink: Arc::new(sink) })
+    }
+
+    /// Where peers' raft messages go.
+    pub fn sink(&self) -> Arc<LocalShards> {
+        Arc::clone(&self.sink)
+    }
+
+    /// The map with what this node's replicas know of their leaders.
+    pub fn map(&self) -> ClusterMap {
+        let mut map = crate::lock::lock(&self.map);
+        for (&shard, r) in &self.replicas {
+            let leader = r.status.leader.load(std::sync::atomic::Ordering::Relaxed);
+            if leader != 0 {
+                let _ = map.set_leader(shard, leader, r.status.term.load(std::sync::atomic::Ordering::Relaxed));
+            }
+        }
+        map.clone()
+    }
+
+    /// The map as a reply, with this node's replicas' state.
+    pub fn map_reply(&self) -> proto::ClusterMapReply {
+        use std::sync::atomic::Ordering::Relaxed;
+        let mut reply = self.map().to_proto();
+        reply.node_id = self.id;
+        let mut local: Vec<_> = self
+            .replicas
+            .iter()
+            .map(|(&shard, r)| proto::ReplicaState {
+                shard,
+                role: r.status.role().into(),
+                term: r.status.term.load(Relaxed),
+                leader: r.status.leader.load(Relaxed),
+                commit: r.status.commit.load(Relaxed),
+                applied: r.status.applied.load(Relaxed),
+                lag: r.status.lag().into_iter().collect(),
+            })
+            .collect();
+        local.sort_by_key(|r| r.shard);
+        reply.local = local;
+        reply
+    }
+
+    /// The local replica of `key`'s shard, or where to go instead.
+    fn replica_of(&self, key: &[u8]) -> Result<&LocalReplica, ClusterError> {
+        let map = crate::lock::lock(&self.map);
+        let shard = map.shard_of(key);
+        match self.replicas.get(&shard.id) {
+            Some(r) => Ok(r),
+            None => Err(ClusterError::NotLeader { leader: shard.leader, map_version: map.version }),
+        }
+    }
+
+    fn map_version(&self) -> u64 {
+        crate::lock::lock(&self.map).version
+    }
+
+    fn cluster_error(&self, e: ProposeError) -> ClusterError {
+        match e {
+            ProposeError::NotLeader { leader } => ClusterError::NotLeader { leader, map_version: self.map_version() },
+            // Another leader's entry took its place: nothing happened.
+            ProposeError::Dropped => ClusterError::NotLeader { leader: None, map_version: self.map_version() },
+            ProposeError::Busy => ClusterError::Busy,
+            ProposeError::Unknown => ClusterError::Uncertain,
+            ProposeError::Store(s) => ClusterError::Failed(s),
+        }
+    }
+
+    async fn propose(&self, key: &[u8], data: Vec<u8>) -> Result<Applied, ClusterError> {
+        let r = self.replica_of(key)?;
+        match r.thread.propose(data).await {
+            Ok(Ok(a)) => Ok(a),
+            Ok(Err(e)) => Err(self.cluster_error(e)),
+            Err(_) => Err(ClusterError::Failed("the shard's replica stopped".into())),
+        }
+    }
+
+    /// A PUT, answered once committed and applied here.
+    pub async fn put(&self, key: &[u8], value: &[u8]) -> Result<u64, ClusterError> {
+        check_key(key).and_then(|()| check_value(value)).map_err(ClusterError::Store)?;
+        match self.propose(key, encode_put(key, value)).await? {
+            Applied::Put { version } => Ok(version),
+            other => Err(ClusterError::Failed(format!("a PUT applied as {other:?}"))),
+        }
+    }
+
+    /// A DELETE, answered once committed and applied here.
+    pub async fn delete(&self, key: &[u8]) -> Result<bool, ClusterError> {
+        check_key(key).map_err(ClusterError::Store)?;
+        match self.propose(key, encode_delete(key)).await? {
+            Applied::Delete { existed } => Ok(existed),
+            other => Err(ClusterError::Failed(format!("a DELETE applied as {other:?}"))),
+        }
+    }
+
+    /// The store of `key`'s shard, once a read of it is linearizable.
+    async fn readable(&self, key: &[u8]) -> Result<&Store, ClusterError> {
+        let r = self.replica_of(key)?;
+        match r.thread.read().await {
+            Ok(Ok(())) => Ok(&r.store),
+            Ok(Err(e)) => Err(self.cluster_error(e)),
+            Err(_) => Err(ClusterError::Failed("the shard's replica stopped".into())),
+        }
+    }
+
+    /// A linearizable GET on the shard's leader.
+    pub async fn get(&self, key: &[u8]) -> Result<Option<(Bytes, u64, Location)>, ClusterError> {
+        self.readable(key).await?.get_located(key).map_err(ClusterError::Store)
+    }
+
+    /// The stores of this node's replicas (for STATS).
+    pub fn stores(&self) -> impl Iterator<Item = &Arc<Store>> {
+        self.replicas.values().map(|r| &r.store)
+    }
+}
