@@ -5,6 +5,9 @@
 pub mod apply;
 pub mod config;
 pub mod driver;
+#[cfg(test)]
+mod lease_sim;
+pub mod leasing;
 pub mod local;
 pub mod log;
 pub mod node;

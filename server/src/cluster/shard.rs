@@ -19,7 +19,10 @@ use std::sync::Arc;
 
 use raft::StateRole;
 
+use dmkv_common::cluster::lease::LeaseAction;
+
 use super::apply::{Applied, ApplyError, apply};
+use super::leasing::LeaseKeeper;
 use super::replica::{LogStore, Replica};
 use crate::store::Store;
 
@@ -58,6 +61,9 @@ pub struct Poll<P, R = P> {
     pub answers: Vec<(P, Result<Applied, ProposeError>)>,
     /// Reads that may now read the store (`Ok`), or may not.
     pub reads: Vec<(R, Result<(), ProposeError>)>,
+    /// The lease lapsed or leadership was lost while it held: stop
+    /// one-sided reads of the region before anything else.
+    pub fence: bool,
 }
 
 /// One replica of a shard, with its store.
@@ -77,6 +83,12 @@ pub struct ShardCore<S: LogStore, P, R = P> {
     next_ctx: u64,
     ticks: u64,
     applied: u64,
+    /// Leases for one-sided readers; `None`: no leases.
+    leases: Option<LeaseKeeper>,
+    /// This replica's monotonic clock, as last told (ns).
+    now: u64,
+    /// Votes are refused for this many ticks after start (see `step`).
+    quiet_ticks: u64,
 }
 
 impl<S: LogStore, P, R> ShardCore<S, P, R> {
@@ -93,7 +105,30 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
             next_ctx: 0,
             ticks: 0,
             applied: 0,
+            leases: None,
+            now: 0,
+            quiet_ticks: 0,
         }
+    }
+
+    /// Keeps leases for one-sided readers. The replica then refuses to vote
+    /// for its first `election_ticks` ticks: a follower that acknowledged a
+    /// leader's lease round and restarted has forgotten when it last heard
+    /// from that leader, and must not help elect a rival within its lease.
+    pub fn with_leases(mut self, leases: LeaseKeeper, election_ticks: u64) -> Self {
+        self.leases = Some(leases);
+        self.quiet_ticks = election_ticks;
+        self
+    }
+
+    /// Sets this replica's monotonic clock (ns), before a tick or poll.
+    pub fn set_clock(&mut self, now_ns: u64) {
+        self.now = self.now.max(now_ns);
+    }
+
+    /// The lease to publish now: (term, end on this replica's clock).
+    pub fn lease(&self) -> Option<(u64, u64)> {
+        self.leases.as_ref()?.published(self.now, self.applied)
     }
 
     /// The index of the last entry applied to the store.
@@ -143,6 +178,12 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
     }
 
     pub fn step(&mut self, m: raft::prelude::Message) -> raft::Result<()> {
+        use raft::prelude::MessageType::{MsgRequestPreVote, MsgRequestVote};
+        if self.ticks < self.quiet_ticks && matches!(m.get_msg_type(), MsgRequestVote | MsgRequestPreVote) {
+            // Still within an election timeout of starting (see
+            // `with_leases`): a candidate asks again.
+            return Ok(());
+        }
         self.replica.step(m)
     }
 
@@ -167,7 +208,15 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
     /// Handles what raft has ready: persists (through the store of the
     /// log), applies committed entries, answers proposals.
     pub fn poll(&mut self) -> Result<Poll<P, R>, raft::Error> {
-        let mut out = Poll { messages: Vec::new(), answers: Vec::new(), reads: Vec::new() };
+        let mut out = Poll { messages: Vec::new(), answers: Vec::new(), reads: Vec::new(), fence: false };
+        if let Some(k) = self.leases.as_mut() {
+            let r = &self.replica.raft().raft;
+            out.fence |= k.on_role(r.state == StateRole::Leader, r.term) == LeaseAction::Fence;
+            out.fence |= k.poll(self.now) == LeaseAction::Fence;
+            if let Some(ctx) = k.due(self.now) {
+                self.replica.read_index(ctx.to_le_bytes().to_vec());
+            }
+        }
         if self.replica.raft().raft.state == StateRole::Leader {
             if !self.new_reads.is_empty() {
                 let reads = std::mem::take(&mut self.new_reads);
@@ -189,6 +238,11 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
             out.messages.extend(ready.messages);
             for rs in ready.read_states {
                 let ctx = <[u8; 8]>::try_from(rs.request_ctx.as_slice()).map(u64::from_le_bytes);
+                if let (Ok(c), Some(k)) = (ctx, self.leases.as_mut())
+                    && k.on_read_state(c, rs.index)
+                {
+                    continue;
+                }
                 if let Some((_, reads)) = ctx.ok().and_then(|c| self.confirming.remove(&c)) {
                     self.confirmed.push_back((rs.index, reads));
                 }
@@ -234,6 +288,10 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
             self.pending_reads = 0;
         }
         self.was_leader = leader;
+        if let Some(k) = self.leases.as_mut() {
+            let r = &self.replica.raft().raft;
+            out.fence |= k.on_role(leader, r.term) == LeaseAction::Fence;
+        }
         Ok(out)
     }
 }
