@@ -108,6 +108,15 @@ pub struct ClientConfig {
     pub token: Option<Arc<Token>>,
     /// TLS for RPC and engine connections (the server must serve TLS).
     pub tls: Option<TlsOptions>,
+    /// Most this host's wall clock may differ from a cluster node's: a
+    /// one-sided read of a shard leader's region counts only if the lease
+    /// it read ends at least this long after the reads did. 5 ms covers
+    /// NTP on one LAN; raise it where clocks are worse.
+    pub lease_skew: Duration,
+    /// Check cluster leases (always, but for tests that show the check
+    /// is needed).
+    #[doc(hidden)]
+    pub check_leases: bool,
 }
 
 impl Default for ClientConfig {
@@ -125,9 +134,14 @@ impl Default for ClientConfig {
             enforce_grace: true,
             token: None,
             tls: None,
+            lease_skew: DEFAULT_LEASE_SKEW,
+            check_leases: true,
         }
     }
 }
+
+/// Default [`ClientConfig::lease_skew`].
+pub const DEFAULT_LEASE_SKEW: Duration = Duration::from_millis(5);
 
 /// A value read with the version the server gave its write.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -161,6 +175,8 @@ struct Inner {
     router: std::sync::OnceLock<Router>,
     /// The server said (in HELLO) that it is a cluster node.
     cluster_node: std::sync::atomic::AtomicBool,
+    /// A cluster session's one-sided paths, per shard region of its node.
+    pub(crate) shard_paths: crate::session::ShardPaths,
 }
 
 /// How this client's GETs have been routed (see [`Client::path_stats`]).
@@ -272,16 +288,26 @@ impl Client {
     /// server is a cluster node, loads the cluster map: requests then go to
     /// each key's shard leader, wherever it is.
     pub async fn connect_with(addr: impl Into<String>, cfg: ClientConfig) -> Result<Client, ClientError> {
-        Client::open(addr.into(), cfg, true).await
+        Client::open(addr.into(), cfg, None).await
     }
 
     /// A session with one node, as the cluster router keeps: no map, no
     /// routing of its own.
-    pub(crate) async fn connect_session(addr: String, cfg: ClientConfig) -> Result<Client, ClientError> {
-        Client::open(addr, cfg, false).await
+    /// Its one-sided reads are counted in `counters` (the routing client's).
+    pub(crate) async fn connect_session(
+        addr: String,
+        cfg: ClientConfig,
+        counters: Arc<ReadCounters>,
+    ) -> Result<Client, ClientError> {
+        Client::open(addr, cfg, Some(counters)).await
     }
 
-    async fn open(addr: String, cfg: ClientConfig, detect_cluster: bool) -> Result<Client, ClientError> {
+    async fn open(
+        addr: String,
+        cfg: ClientConfig,
+        session_of: Option<Arc<ReadCounters>>,
+    ) -> Result<Client, ClientError> {
+        let detect_cluster = session_of.is_none();
         let pool: Vec<_> = (0..cfg.pool_size.max(1)).map(|_| Mutex::default()).collect();
         let selector = PathSelector::new(cfg.path);
         selector.set_usable(Path::Rpc, true);
@@ -303,18 +329,20 @@ impl Client {
             pool,
             next: AtomicUsize::new(0),
             path: Default::default(),
-            read_counters: Arc::default(),
+            read_counters: session_of.unwrap_or_default(),
             selector,
             rpc_repaths,
             engine_repaths: Arc::default(),
             router: Default::default(),
             cluster_node: Default::default(),
+            shard_paths: Default::default(),
         };
         let client = Client { inner: Arc::new(inner) };
         client.conn_at(0, client.deadline()).await?;
         if detect_cluster && client.inner.cluster_node.load(Ordering::Relaxed) {
             let map = client.cluster_map().await?;
-            let _ = client.inner.router.set(Router::new(map, &client.inner.cfg));
+            let counters = Arc::clone(&client.inner.read_counters);
+            let _ = client.inner.router.set(Router::new(map, &client.inner.cfg, counters));
             return Ok(client);
         }
         match client.inner.cfg.read_path {
@@ -382,6 +410,9 @@ impl Client {
             path_config: cfg.path,
             repaths: Arc::clone(&self.inner.engine_repaths),
             token: self.inner.token.clone(),
+            shard: None,
+            lease_skew: cfg.lease_skew,
+            check_leases: cfg.check_leases,
         };
         let path =
             onesided::attach(self, &info, opts).await.map_err(|e| ClientError::OneSidedUnavailable(e.to_string()))?;
@@ -502,6 +533,14 @@ impl Client {
     }
 
     /// The secret this client proves, if any.
+    pub(crate) fn shard_paths(&self) -> &crate::session::ShardPaths {
+        &self.inner.shard_paths
+    }
+
+    pub(crate) fn read_counters(&self) -> Arc<ReadCounters> {
+        Arc::clone(&self.inner.read_counters)
+    }
+
     pub(crate) fn token(&self) -> Option<&Arc<Token>> {
         self.inner.token.as_ref()
     }
@@ -739,12 +778,12 @@ impl Client {
     pub async fn rpc_get(&self, key: &[u8]) -> Result<Option<Versioned>, ClientError> {
         check_key(key)?;
         if let Some(r) = self.inner.router.get() {
-            return r.get(key).await;
+            return r.rpc_get(key).await;
         }
         self.node_rpc_get(key).await
     }
 
-    async fn node_rpc_get(&self, key: &[u8]) -> Result<Option<Versioned>, ClientError> {
+    pub(crate) async fn node_rpc_get(&self, key: &[u8]) -> Result<Option<Versioned>, ClientError> {
         match self.call(Op::Get(proto::Get { key: Bytes::copy_from_slice(key) })).await? {
             R::Get(g) => Ok(self.learn(key, g)),
             other => Err(unexpected(&other)),
@@ -872,12 +911,15 @@ impl Client {
     /// Multi-get over RPC, whatever the read path.
     pub async fn rpc_multi_get<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Option<Bytes>>, ClientError> {
         if let Some(r) = self.inner.router.get() {
-            return r.multi_get(keys).await;
+            return r.rpc_multi_get(keys).await;
         }
         self.node_rpc_multi_get(keys).await
     }
 
-    async fn node_rpc_multi_get<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Option<Bytes>>, ClientError> {
+    pub(crate) async fn node_rpc_multi_get<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+    ) -> Result<Vec<Option<Bytes>>, ClientError> {
         let mut sent = Vec::new();
         for chunk in keys.chunks(MAX_MULTI_GET_KEYS) {
             let ks = chunk.iter().map(|k| Bytes::copy_from_slice(k.as_ref())).collect();

@@ -22,6 +22,7 @@ pub mod error;
 pub mod onesided;
 pub mod path;
 pub mod router;
+pub mod session;
 pub mod tls;
 
 pub use client::{Client, ClientConfig, PathStats, ReadPath, Transport, Versioned};

@@ -19,12 +19,17 @@ use tokio::time::Instant;
 
 use crate::client::{Client, ClientConfig, ReadPath, Versioned};
 use crate::error::ClientError;
+use crate::onesided::ReadCounters;
 
 /// First pause before retrying a shard with no known leader; doubles up
 /// to [`MAX_PAUSE`].
 pub const MIN_PAUSE: Duration = Duration::from_millis(5);
 /// Longest pause between tries of one request.
 pub const MAX_PAUSE: Duration = Duration::from_millis(100);
+/// A try gets this share of a request's timeout ...
+pub const TRIES_PER_TIMEOUT: u32 = 4;
+/// ... but at least this long.
+pub const MIN_TRY_TIMEOUT: Duration = Duration::from_millis(100);
 
 /// Where requests for each shard go: the map, and leaders learned since.
 #[derive(Debug, Clone)]
@@ -106,7 +111,14 @@ impl Routes {
 
 /// Routes requests to the nodes of a cluster.
 pub struct Router {
+    /// Sessions' settings: RPC for their own reads (a node's regions are
+    /// read per shard, under leases, by `session`).
     cfg: ClientConfig,
+    /// A request's whole time, over every try.
+    deadline: Duration,
+    /// GETs try the key's shard region one-sided first.
+    one_sided: bool,
+    counters: std::sync::Arc<ReadCounters>,
     routes: std::sync::Mutex<Routes>,
     sessions: tokio::sync::Mutex<HashMap<NodeId, Client>>,
 }
@@ -123,11 +135,24 @@ pub enum Retry {
 
 impl Router {
     /// A router from a map a node gave; sessions are opened on demand.
-    pub fn new(map: ClusterMap, cfg: &ClientConfig) -> Router {
-        // Sessions read over RPC: one-sided reads of a shard leader's
-        // region need its lease in the header (not built yet).
-        let cfg = ClientConfig { read_path: ReadPath::Rpc, ..cfg.clone() };
-        Router { cfg, routes: std::sync::Mutex::new(Routes::new(map)), sessions: Default::default() }
+    /// One-sided reads are counted in `counters`.
+    pub fn new(map: ClusterMap, cfg: &ClientConfig, counters: std::sync::Arc<ReadCounters>) -> Router {
+        // `Auto` and `OneSided` both read one-sided where a lease allows
+        // and over RPC elsewhere: in a cluster a lease can lapse at any
+        // time, and the read must still be answered.
+        let one_sided = cfg.read_path != ReadPath::Rpc;
+        // A node that stopped answering (stalled, partitioned away) costs
+        // one try, not the whole request: the rest is left for the others.
+        let per_try = (cfg.request_timeout / TRIES_PER_TIMEOUT).max(MIN_TRY_TIMEOUT);
+        let sessions = ClientConfig { read_path: ReadPath::Rpc, request_timeout: per_try, ..cfg.clone() };
+        Router {
+            cfg: sessions,
+            deadline: cfg.request_timeout,
+            one_sided,
+            counters,
+            routes: std::sync::Mutex::new(Routes::new(map)),
+            sessions: Default::default(),
+        }
     }
 
     /// The routes as they stand.
@@ -143,7 +168,7 @@ impl Router {
             addr: format!("node {node}"),
             reason: "not in the cluster map".into(),
         })?;
-        let s = Client::connect_session(addr, self.cfg.clone()).await?;
+        let s = Client::connect_session(addr, self.cfg.clone(), std::sync::Arc::clone(&self.counters)).await?;
         Ok(self.sessions.lock().await.entry(node).or_insert(s).clone())
     }
 
@@ -177,7 +202,7 @@ impl Router {
         F: Fn(Client) -> Fut,
         Fut: Future<Output = Result<T, ClientError>>,
     {
-        let deadline = Instant::now() + self.cfg.request_timeout;
+        let deadline = Instant::now() + self.deadline;
         let mut pause = MIN_PAUSE;
         let mut tries = 0u32;
         loop {
@@ -223,9 +248,20 @@ impl Router {
         }
     }
 
-    /// Reads `key` from its shard's leader.
+    /// Reads `key` from its shard's leader (one-sided when the client's
+    /// read path allows and the leader's lease covers the reads).
     pub async fn get(&self, key: &[u8]) -> Result<Option<Versioned>, ClientError> {
-        self.run(key, Retry::Always, |s| async move { s.node_get(key).await }).await
+        self.get_via(key, self.one_sided).await
+    }
+
+    /// Reads `key` from its shard's leader over RPC.
+    pub async fn rpc_get(&self, key: &[u8]) -> Result<Option<Versioned>, ClientError> {
+        self.get_via(key, false).await
+    }
+
+    async fn get_via(&self, key: &[u8], one_sided: bool) -> Result<Option<Versioned>, ClientError> {
+        let shard = self.routes().map().shard_of(key).id;
+        self.run(key, Retry::Always, |s| async move { s.shard_get(shard, key, one_sided).await }).await
     }
 
     /// Writes `key` through its shard's leader.
@@ -240,12 +276,27 @@ impl Router {
 
     /// Reads many keys: split per shard, the shards asked in parallel.
     pub async fn multi_get<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Option<Bytes>>, ClientError> {
+        self.multi_get_via(keys, self.one_sided).await
+    }
+
+    /// [`Router::multi_get`] over RPC only.
+    pub async fn rpc_multi_get<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Option<Bytes>>, ClientError> {
+        self.multi_get_via(keys, false).await
+    }
+
+    async fn multi_get_via<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        one_sided: bool,
+    ) -> Result<Vec<Option<Bytes>>, ClientError> {
         let split = self.routes().map().split_by_shard(keys);
-        let parts = split.into_values().map(|idx| async move {
+        let parts = split.into_iter().map(|(shard, idx)| async move {
             let first = keys[idx[0]].as_ref();
             let ks: Vec<&[u8]> = idx.iter().map(|&i| keys[i].as_ref()).collect();
             let ks = &ks;
-            let values = self.run(first, Retry::Always, |s| async move { s.node_multi_get(ks).await }).await?;
+            let values = self
+                .run(first, Retry::Always, |s| async move { s.shard_multi_get(shard, ks, one_sided).await })
+                .await?;
             Ok::<_, ClientError>((idx, values))
         });
         let mut out = vec![None; keys.len()];

@@ -517,6 +517,56 @@ pub fn decode_item(b: &[u8]) -> Result<ItemRef<'_>, LayoutError> {
     })
 }
 
+/// Byte offset of the lease block in the header page (cluster shards):
+/// past the encoded header, on its own 32 bytes.
+pub const LEASE_OFFSET: u64 = 128;
+/// Length of the lease block: term, expiry, applied index, check word.
+pub const LEASE_LEN: usize = 32;
+const _: () = assert!(HEADER_ENCODED_LEN as u64 <= LEASE_OFFSET && LEASE_OFFSET as usize + LEASE_LEN <= HEADER_LEN);
+
+/// What a shard leader publishes in its region for one-sided readers: the
+/// lease it holds (see `cluster::lease`). All zero: no lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseBlock {
+    /// The raft term the lease was granted in.
+    pub term: u64,
+    /// The lease's end, in the leader's wall-clock time (unix ns).
+    pub expiry_unix_ns: u64,
+    /// The index the leader had applied when it published this.
+    pub applied: u64,
+}
+
+impl LeaseBlock {
+    /// The block's bytes; the check word covers the rest (and the region's
+    /// hash seed), so a torn read, a mix of two writes, or a block copied
+    /// from another region never decodes.
+    pub fn encode(&self, hash_seed: u64) -> [u8; LEASE_LEN] {
+        let mut b = [0u8; LEASE_LEN];
+        b[0..8].copy_from_slice(&self.term.to_le_bytes());
+        b[8..16].copy_from_slice(&self.expiry_unix_ns.to_le_bytes());
+        b[16..24].copy_from_slice(&self.applied.to_le_bytes());
+        let check = lease_check(&b[..24], hash_seed);
+        b[24..32].copy_from_slice(&check.to_le_bytes());
+        b
+    }
+
+    /// The lease in `b`, if it holds one that checks out (`None` for the
+    /// all-zero "no lease" block, anything torn, and short reads).
+    pub fn decode(b: &[u8], hash_seed: u64) -> Option<LeaseBlock> {
+        let b: &[u8; LEASE_LEN] = b.get(..LEASE_LEN)?.try_into().ok()?;
+        let word = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+        if word(24) != lease_check(&b[..24], hash_seed) || word(0) == 0 {
+            return None;
+        }
+        Some(LeaseBlock { term: word(0), expiry_unix_ns: word(8), applied: word(16) })
+    }
+}
+
+fn lease_check(b: &[u8], hash_seed: u64) -> u64 {
+    // Never zero, so an all-zero block (no lease) never checks out.
+    xxh3_128_with_seed(b, hash_seed ^ MAGIC) as u64 | 1
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -529,6 +579,37 @@ mod tests {
             any::<u64>(),
             any::<u32>(),
         )
+    }
+
+    #[test]
+    fn lease_blocks_round_trip_and_torn_ones_never_decode() {
+        let l = LeaseBlock { term: 7, expiry_unix_ns: 1_700_000_000_000_000_000, applied: 42 };
+        let b = l.encode(99);
+        assert_eq!(LeaseBlock::decode(&b, 99), Some(l));
+        assert_eq!(LeaseBlock::decode(&b, 98), None, "another region's block");
+        assert_eq!(LeaseBlock::decode(&[0u8; LEASE_LEN], 99), None, "no lease");
+        assert_eq!(LeaseBlock::decode(&b[..LEASE_LEN - 1], 99), None, "short read");
+        // Any one torn byte (from a later write with a longer lease).
+        let later = LeaseBlock { expiry_unix_ns: l.expiry_unix_ns + 60_000_000, ..l }.encode(99);
+        for i in 0..LEASE_LEN {
+            let mut mixed = b;
+            mixed[i] = later[i];
+            if mixed != b && mixed != later {
+                assert_eq!(LeaseBlock::decode(&mixed, 99), None, "byte {i}");
+            }
+        }
+        // Any mix of whole words of the two.
+        for mask in 1u32..15 {
+            let mut mixed = b;
+            for w in 0..4 {
+                if mask & (1 << w) != 0 {
+                    mixed[w * 8..w * 8 + 8].copy_from_slice(&later[w * 8..w * 8 + 8]);
+                }
+            }
+            if mixed != b && mixed != later {
+                assert_eq!(LeaseBlock::decode(&mixed, 99), None, "words {mask:b}");
+            }
+        }
     }
 
     proptest! {

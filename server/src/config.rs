@@ -431,9 +431,14 @@ impl Config {
             Some(c) => c.config.node(c.node_id)?.rpc,
             None => listen,
         };
-        // One-sided reads in a cluster need the leader's lease in each
-        // shard's region header (not built yet): RPC only until then.
-        let (engine_listen, shm_socket) = if cluster.is_some() { (None, None) } else { (engine_listen, shm_socket) };
+        // A cluster node's engine listens beside its RPC address unless
+        // told otherwise.
+        let engine_listen = match &cluster {
+            Some(_) if flags.engine_listen.is_none() && file.engine_listen.is_none() => {
+                engine_listen.map(|_| SocketAddr::new(listen.ip(), 0))
+            }
+            _ => engine_listen,
+        };
         let rdma_device = flags.rdma_device.or(file.rdma_device);
         if rdma_device.is_some() && !cfg!(feature = "rdma") {
             return Err("this dmkvd was built without RDMA support (cargo feature `rdma`)".into());

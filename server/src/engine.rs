@@ -26,8 +26,7 @@ use crate::access::{Denied, Gate, handshake_timeout};
 use crate::counters::EngineCounters;
 use crate::framed;
 use crate::listen;
-use crate::region::Region;
-use crate::registration::Registration;
+use crate::registration::{Served, find_by_rkey};
 
 /// Threads of the engine's runtime: like a NIC's several read engines, so
 /// one busy connection does not hold up the others.
@@ -73,8 +72,8 @@ pub struct Bounds {
 /// What the engine serves and how: the region and its registration, the
 /// counters it keeps, and who may connect.
 pub struct Engine {
-    pub region: Arc<Region>,
-    pub reg: Arc<Registration>,
+    /// The regions it reads (at least one), found by the rkey of each read.
+    pub regions: Arc<[Served]>,
     pub counters: Arc<EngineCounters>,
     pub bounds: Bounds,
     pub gate: Arc<Gate>,
@@ -84,15 +83,9 @@ pub struct Engine {
 /// Accepts engine connections until shutdown.
 pub async fn serve(listener: TcpListener, engine: Engine, shutdown: watch::Receiver<bool>) {
     let rx = shutdown.clone();
-    let Engine { region, reg, counters, bounds, gate, tls } = engine;
+    let Engine { regions, counters, bounds, gate, tls } = engine;
     let mut conns = listen::serve(listener, "engine", bounds.max_connections, shutdown, move |(stream, peer)| {
-        let reads = Reads {
-            region: Arc::clone(&region),
-            reg: Arc::clone(&reg),
-            counters: Arc::clone(&counters),
-            peer,
-            wrs: Vec::new(),
-        };
+        let reads = Reads { regions: Arc::clone(&regions), counters: Arc::clone(&counters), peer, wrs: Vec::new() };
         serve_connection(stream, reads, Arc::clone(&gate), tls.clone(), bounds.limits, rx.clone())
     })
     .await;
@@ -164,8 +157,7 @@ async fn handshake(
 /// One engine connection's reads: checked against the registration like a
 /// NIC would, then copied out of the region.
 struct Reads {
-    region: Arc<Region>,
-    reg: Arc<Registration>,
+    regions: Arc<[Served]>,
     counters: Arc<EngineCounters>,
     peer: SocketAddr,
     /// The batch being answered; kept to reuse its allocation.
@@ -178,18 +170,20 @@ impl framed::Handler for Reads {
     async fn handle_next(&mut self, inbuf: &mut BytesMut, out: &mut BytesMut) -> Result<bool, WireError> {
         let Some(body) = next_frame(inbuf, MAX_REQUEST_FRAME)? else { return Ok(false) };
         let batch_id = decode_request(&body, &mut self.wrs)?;
-        let (rkey, len) = (self.reg.rkey(), self.region.len() as u64);
         let mut reply = ReplyBuilder::new(out, batch_id, self.wrs.len());
         let mut bytes = 0u64;
         for (i, w) in self.wrs.iter().enumerate() {
-            let status = check_read(w, rkey, len, bytes);
+            // An rkey no region has is checked against the first region's,
+            // which refuses it like a NIC would.
+            let target = find_by_rkey(&self.regions, w.rkey).unwrap_or(&self.regions[0]);
+            let status = check_read(w, target.reg.rkey(), target.region.len() as u64, bytes);
             if status == ReadStatus::Success {
                 bytes += w.len as u64;
             } else {
                 self.counters.rejected.fetch_add(1, Ordering::Relaxed);
                 debug!(peer = ?self.peer, ?status, offset = w.offset, len = w.len, "one-sided read rejected");
             }
-            reply.push(i, status, w.len, |dst| self.region.read(w.offset, dst));
+            reply.push(i, status, w.len, |dst| target.region.read(w.offset, dst));
         }
         reply.finish();
         self.counters.batches.fetch_add(1, Ordering::Relaxed);

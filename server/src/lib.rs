@@ -76,9 +76,9 @@ impl Server {
             }
             None => (None, None),
         };
-        // In a cluster the shards' regions hold the data; the node's own
-        // region is the smallest there is until one-sided reads come to
-        // clusters (they read each shard leader's region).
+        // In a cluster the shards' regions hold the data (and are what
+        // one-sided readers read); the node's own region is the smallest
+        // there is.
         let (own_memory, own_buckets) = match cluster {
             Some(_) => (4 * dmkv_common::limits::MIN_REGION_LEN as u64, 1),
             None => (cfg.memory, cfg.buckets),
@@ -201,11 +201,23 @@ impl Server {
                 while conns.join_next().await.is_some() {}
             });
         }
-        let region = Arc::clone(self.shared.store.region());
-        if let Some(l) = self.engine {
-            let engine = engine::Engine {
-                region: Arc::clone(&region),
+        // What one-sided readers may read: the node's region, or in a
+        // cluster each of its shard replicas' (read only under a lease).
+        let served: Arc<[registration::Served]> = match &self.shared.cluster {
+            Some(node) => node
+                .regions()
+                .into_iter()
+                .map(|(_, store, reg)| registration::Served { region: Arc::clone(store.region()), reg })
+                .collect(),
+            None => vec![registration::Served {
+                region: Arc::clone(self.shared.store.region()),
                 reg: Arc::clone(&self.shared.registration),
+            }]
+            .into(),
+        };
+        if let Some(l) = self.engine.filter(|_| !served.is_empty()) {
+            let engine = engine::Engine {
+                regions: Arc::clone(&served),
                 counters: Arc::clone(&self.shared.engine_counters),
                 bounds: engine::Bounds { max_connections: self.max_engine_connections, limits: self.shared.limits },
                 gate: Arc::clone(&self.shared.gate),
@@ -221,11 +233,11 @@ impl Server {
             }
         }
         if let Some(l) = self.shm {
-            let (r, reg, rx) = (Arc::clone(&region), Arc::clone(&self.shared.registration), stop_rx.clone());
+            let (served, rx) = (Arc::clone(&served), stop_rx.clone());
             let cap = self.max_shm_connections;
             let gate = Arc::clone(&self.shared.gate);
             side.spawn(async move {
-                if let Err(e) = shm::serve(l, r, reg, gate, cap, rx).await {
+                if let Err(e) = shm::serve(l, &served, gate, cap, rx).await {
                     warn!("shared-memory handoff stopped: {e}");
                 }
             });

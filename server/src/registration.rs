@@ -4,8 +4,8 @@
 //! random rkey and bumps the epoch, so every old rkey, cached address and
 //! shared-memory handoff stops working.
 
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use dmkv_common::layout::RegionHeader;
 use tokio::sync::watch;
@@ -63,6 +63,21 @@ impl Registration {
         self.epoch_tx.send_replace(h.epoch);
         h.epoch
     }
+}
+
+/// A region one-sided readers may read, with its registration: the
+/// node's one region, or each shard replica's in a cluster. The engine and
+/// the shared-memory handoff find the region by the rkey presented.
+#[derive(Clone)]
+pub struct Served {
+    pub region: Arc<Region>,
+    pub reg: Arc<Registration>,
+}
+
+/// The served region whose current rkey is `rkey` (compared in constant
+/// time per region).
+pub fn find_by_rkey(served: &[Served], rkey: u64) -> Option<&Served> {
+    served.iter().find(|s| dmkv_common::shm_handoff::rkey_matches(rkey, s.reg.rkey()))
 }
 
 fn new_rkey() -> u64 {

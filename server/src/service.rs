@@ -491,24 +491,44 @@ fn rdma_connect(_: &Shared, _: &mut ConnState, _: &[u8]) -> Result<proto::RdmaCo
     Err(Refusal(ErrorCode::BadRequest, "this server was built without RDMA support".into()))
 }
 
-fn region_info(shared: &Shared) -> proto::RegionInfoReply {
-    let reg = &shared.registration;
+fn descriptor(reg: &crate::registration::Registration, store: &Store, region_id: u32) -> proto::RegionDescriptor {
     let h = reg.header();
+    proto::RegionDescriptor {
+        region_id,
+        epoch: h.epoch,
+        length: h.region_len,
+        rkey: reg.rkey(),
+        directory_depth: h.dir_depth,
+        hash_seed: h.hash_seed,
+        index_offset: h.index_offset,
+        data_offset: h.data_offset,
+        data_length: h.data_len,
+        layout_version: LAYOUT_VERSION,
+        grace_nanos: h.grace_nanos,
+        base_addr: store.region().base_ptr() as u64,
+        shard: 0,
+        leased: false,
+    }
+}
+
+fn region_info(shared: &Shared) -> proto::RegionInfoReply {
+    let regions = match &shared.cluster {
+        // Every local replica's region: readers tell the leader's by its
+        // lease (a follower's has none), so leadership changes need no
+        // new descriptors.
+        Some(node) => node
+            .regions()
+            .into_iter()
+            .map(|(shard, store, reg)| proto::RegionDescriptor {
+                shard,
+                leased: true,
+                ..descriptor(&reg, &store, shard + 1)
+            })
+            .collect(),
+        None => vec![descriptor(&shared.registration, &shared.store, shared.region_id)],
+    };
     proto::RegionInfoReply {
-        regions: vec![proto::RegionDescriptor {
-            region_id: shared.region_id,
-            epoch: h.epoch,
-            length: h.region_len,
-            rkey: reg.rkey(),
-            directory_depth: h.dir_depth,
-            hash_seed: h.hash_seed,
-            index_offset: h.index_offset,
-            data_offset: h.data_offset,
-            data_length: h.data_len,
-            layout_version: LAYOUT_VERSION,
-            grace_nanos: h.grace_nanos,
-            base_addr: shared.store.region().base_ptr() as u64,
-        }],
+        regions,
         shm_socket: shared.shm_socket.as_ref().map(|p| p.display().to_string()).unwrap_or_default(),
         engine_addr: shared.engine_addr.map(|a| a.to_string()).unwrap_or_default(),
         host_id: shared.host_id.clone(),

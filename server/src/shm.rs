@@ -37,8 +37,7 @@ use tracing::debug;
 
 use crate::access::{Denied, Gate};
 use crate::listen;
-use crate::region::Region;
-use crate::registration::Registration;
+use crate::registration::{Registration, Served};
 
 /// How long a client gets to send its request: the whole request, so a
 /// client trickling it holds its connection no longer than this.
@@ -83,12 +82,17 @@ impl Drop for ShmListener {
     }
 }
 
-/// What every handoff connection shares.
-struct Ctx {
+/// One region a handoff can give.
+struct Entry {
     /// A read-only reopen of the memfd (sealed too).
     ro: File,
     len: u64,
     reg: Arc<Registration>,
+}
+
+/// What every handoff connection shares.
+struct Ctx {
+    regions: Vec<Entry>,
     gate: Arc<Gate>,
 }
 
@@ -98,16 +102,21 @@ struct Ctx {
 /// send zeros) and counts failures, per uid here.
 pub async fn serve(
     listener: ShmListener,
-    region: Arc<Region>,
-    reg: Arc<Registration>,
+    served: &[Served],
     gate: Arc<Gate>,
     max_connections: usize,
     shutdown: watch::Receiver<bool>,
 ) -> io::Result<()> {
     // A read-only reopen of the memfd: what clients get can only be mapped
     // for reading (and the seals keep a read-write reopen from writing).
-    let ro = File::open(format!("/proc/self/fd/{}", region.fd().as_raw_fd()))?;
-    let ctx = Arc::new(Ctx { ro, len: region.len() as u64, reg, gate });
+    let regions = served
+        .iter()
+        .map(|s| {
+            let ro = File::open(format!("/proc/self/fd/{}", s.region.fd().as_raw_fd()))?;
+            Ok(Entry { ro, len: s.region.len() as u64, reg: Arc::clone(&s.reg) })
+        })
+        .collect::<io::Result<Vec<_>>>()?;
+    let ctx = Arc::new(Ctx { regions, gate });
     let rx = shutdown.clone();
     let mut conns = listen::serve(listener, "shm", max_connections, shutdown, move |stream| {
         handoff(stream, Arc::clone(&ctx), rx.clone())
@@ -131,33 +140,39 @@ fn peer_key(stream: &UnixStream) -> IpAddr {
     }
 }
 
-/// Checks a request: the status to answer.
-fn check(ctx: &Ctx, req: &[u8; handoff::REQUEST_LEN], nonce: &[u8; NONCE_LEN], peer: IpAddr) -> u8 {
+/// Checks a request: the status to answer, and the region it asked for.
+fn check<'c>(
+    ctx: &'c Ctx,
+    req: &[u8; handoff::REQUEST_LEN],
+    nonce: &[u8; NONCE_LEN],
+    peer: IpAddr,
+) -> (u8, Option<&'c Entry>) {
     let (proof, rkey, epoch) = handoff::decode_request(req);
     if ctx.gate.enabled() {
         match ctx.gate.check(Purpose::Shm, Some(peer), nonce, &proof, Role::Data) {
             Ok(_) => {}
-            Err(Denied::RateLimited) => return handoff::STATUS_RATE_LIMITED,
-            Err(Denied::BadProof) => return handoff::STATUS_UNAUTHENTICATED,
+            Err(Denied::RateLimited) => return (handoff::STATUS_RATE_LIMITED, None),
+            Err(Denied::BadProof) => return (handoff::STATUS_UNAUTHENTICATED, None),
         }
     } else if !ctx.gate.allowed(peer) {
-        return handoff::STATUS_RATE_LIMITED;
+        return (handoff::STATUS_RATE_LIMITED, None);
     }
-    let current = epoch == ctx.reg.epoch();
-    if handoff::rkey_matches(rkey, ctx.reg.rkey()) && current {
-        return handoff::STATUS_OK;
+    let found = ctx.regions.iter().find(|e| handoff::rkey_matches(rkey, e.reg.rkey()));
+    if let Some(e) = found
+        && epoch == e.reg.epoch()
+    {
+        return (handoff::STATUS_OK, Some(e));
     }
-    // Only a wrong rkey for the current epoch counts as a guess: a client
+    // Only a wrong rkey for a current epoch counts as a guess: a client
     // that missed a re-registration presents the old pair, and any answer
     // to a wrong epoch is a refusal whatever the rkey, so it tells nothing.
-    if current {
+    if found.is_none() && ctx.regions.iter().any(|e| e.reg.epoch() == epoch) {
         ctx.gate.failed(Purpose::Shm, peer, "shm handoff refused: wrong rkey");
     }
-    handoff::STATUS_REFUSED
+    (handoff::STATUS_REFUSED, None)
 }
 
 async fn handoff(mut stream: UnixStream, ctx: Arc<Ctx>, mut shutdown: watch::Receiver<bool>) {
-    let mut epoch_rx = ctx.reg.subscribe();
     let peer = peer_key(&stream);
     let nonce = ctx.gate.nonce();
     let greeting = handoff::encode_greeting(ctx.gate.enabled(), &nonce);
@@ -170,14 +185,16 @@ async fn handoff(mut stream: UnixStream, ctx: Arc<Ctx>, mut shutdown: watch::Rec
         Ok(Ok(_)) => {}
         _ => return,
     }
-    let status = check(&ctx, &req, &nonce, peer);
-    let ok = status == handoff::STATUS_OK;
-    let reply = handoff::encode_reply(status, ctx.len);
-    if let Err(e) = send_with_fd(&stream, &reply, ok.then_some(&ctx.ro)).await {
+    let (status, entry) = check(&ctx, &req, &nonce, peer);
+    let reply = handoff::encode_reply(status, entry.map_or(0, |e| e.len));
+    if let Err(e) = send_with_fd(&stream, &reply, entry.map(|e| &e.ro)).await {
         debug!("shm handoff failed: {e}");
         return;
     }
-    if !ok {
+    let Some(entry) = entry else { return };
+    let mut epoch_rx = entry.reg.subscribe();
+    // A re-registration between the check and here must close this too.
+    if *epoch_rx.borrow_and_update() != epoch_of(&req) {
         return;
     }
     // Hold the connection open: it is the client's proof that this server
@@ -188,6 +205,10 @@ async fn handoff(mut stream: UnixStream, ctx: Arc<Ctx>, mut shutdown: watch::Rec
         _ = shutdown.changed() => {}
         _ = epoch_rx.changed() => {}
     }
+}
+
+fn epoch_of(req: &[u8; handoff::REQUEST_LEN]) -> u64 {
+    handoff::decode_request(req).2
 }
 
 async fn send_with_fd(stream: &UnixStream, data: &[u8], fd: Option<&File>) -> io::Result<()> {

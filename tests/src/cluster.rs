@@ -77,6 +77,19 @@ impl TestCluster {
         }
     }
 
+    /// Freezes node index `i` (SIGSTOP): its threads stop, its memory
+    /// stays mapped by same-host readers, as a node stalled by its host.
+    pub fn pause(&self, i: usize) {
+        let p = self.nodes[i].as_ref().expect("a running node");
+        assert!(p.signal("STOP"), "kill -STOP node {}", i + 1);
+    }
+
+    /// Lets a paused node run on (SIGCONT).
+    pub fn resume(&self, i: usize) {
+        let p = self.nodes[i].as_ref().expect("a running node");
+        assert!(p.signal("CONT"), "kill -CONT node {}", i + 1);
+    }
+
     /// Node index `i`'s RPC address.
     pub fn rpc(&self, i: usize) -> &str {
         &self.rpc[i]
@@ -97,6 +110,8 @@ impl Drop for TestCluster {
     fn drop(&mut self) {
         for n in &mut self.nodes {
             if let Some(mut p) = n.take() {
+                // A paused node would not act on the stop signal.
+                p.signal("CONT");
                 p.stop();
             }
         }

@@ -159,6 +159,14 @@ impl ServerProcess {
         }
     }
 
+    /// Sends the process a signal by name (`STOP`, `CONT`, ...), as
+    /// `kill -SIG` would; whether it was sent.
+    pub fn signal(&self, sig: &str) -> bool {
+        self.child.as_ref().is_some_and(|c| {
+            Command::new("kill").args([format!("-{sig}"), c.id().to_string()]).status().is_ok_and(|s| s.success())
+        })
+    }
+
     /// Whether the process is still running.
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.as_mut().map(|c| c.try_wait()), Some(Ok(None)))

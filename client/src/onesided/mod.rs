@@ -18,7 +18,10 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use dmkv_common::layout::{DirEntry, KeyHash, LAYOUT_VERSION, RegionHeader, key_hash};
+use dmkv_common::cluster::lease::lease_holds;
+use dmkv_common::layout::{
+    DirEntry, KeyHash, LAYOUT_VERSION, LEASE_LEN, LEASE_OFFSET, LeaseBlock, RegionHeader, key_hash,
+};
 use dmkv_common::proto::{RegionDescriptor, RegionInfoReply};
 use dmkv_common::read::{
     AfterBuckets, Hint, Lookup, MAX_ATTEMPTS, MAX_BATCH_KEYS, Outcome, ReadSpec, Retry, dir_read, judge_dir_entry,
@@ -47,6 +50,12 @@ pub enum BackendError {
     Timeout,
     #[error("one-sided protocol error: {0}")]
     Protocol(String),
+    /// The exception: a cluster shard's region held no lease that covered
+    /// the reads (a follower's, a deposed leader's, or a lease being
+    /// renewed late). Nothing read is returned; ask the leader over RPC.
+    /// The path stays attached.
+    #[error("the region holds no lease covering the reads")]
+    Unleased,
 }
 
 /// The results of one batch of reads: the bytes of each read, in order, or
@@ -119,6 +128,8 @@ pub struct ReadCounters {
     pub directory_reads: AtomicU64,
     /// GETs that used up their attempts and went over RPC.
     pub fallbacks: AtomicU64,
+    /// Batches of a cluster shard's region refused for want of a lease.
+    pub unleased: AtomicU64,
 }
 
 /// A snapshot of [`ReadCounters`].
@@ -132,6 +143,7 @@ pub struct ReadStats {
     pub stale_directory: u64,
     pub directory_reads: u64,
     pub fallbacks: u64,
+    pub unleased: u64,
 }
 
 impl ReadCounters {
@@ -147,6 +159,7 @@ impl ReadCounters {
             stale_directory: l(&self.stale_directory),
             directory_reads: l(&self.directory_reads),
             fallbacks: l(&self.fallbacks),
+            unleased: l(&self.unleased),
         }
     }
 
@@ -190,6 +203,10 @@ pub struct OneSided {
     enforce_grace: bool,
     /// Keys per batch of a multi-get, sized to this path's measured speed.
     batch_keys: AtomicUsize,
+    /// A cluster shard's region: every batch reads the lease block too,
+    /// and its reads count only if the lease outlasted them by this skew
+    /// bound (ns). `None`: a single node's region, no lease.
+    lease_skew_ns: Option<u64>,
 }
 
 /// How to attach a one-sided path.
@@ -212,6 +229,15 @@ pub struct AttachOptions {
     pub repaths: std::sync::Arc<AtomicU64>,
     /// The secret to prove to servers that require authentication.
     pub token: Option<std::sync::Arc<dmkv_common::auth::Token>>,
+    /// Which region: `None`, a single node's (the first); `Some(s)`, the
+    /// region of cluster shard `s`'s replica on this node.
+    pub shard: Option<u32>,
+    /// A cluster region's lease must outlast reads by this much on this
+    /// client's clock (the most clocks differ between hosts).
+    pub lease_skew: Duration,
+    /// Check leases of cluster regions. Only tests that show the check
+    /// matters turn it off.
+    pub check_leases: bool,
 }
 
 /// Picks and attaches a backend for the server described by `info`.
@@ -234,8 +260,24 @@ pub async fn attach(
         path_config,
         repaths,
         token,
+        shard,
+        lease_skew,
+        check_leases,
     } = opts;
-    let desc = info.regions.first().ok_or_else(|| BackendError::Attach("server has no region".into()))?;
+    let desc = match shard {
+        None => info.regions.first().ok_or_else(|| BackendError::Attach("server has no region".into()))?,
+        Some(s) => info
+            .regions
+            .iter()
+            .find(|d| d.leased && d.shard == s)
+            .ok_or_else(|| BackendError::Attach(format!("node holds no replica of shard {s}")))?,
+    };
+    // A shard replica's region is read only under its lease: never as a
+    // single node's.
+    if desc.leased != shard.is_some() {
+        return Err(BackendError::Attach("a cluster shard's region is read through the cluster router".into()));
+    }
+    let lease_skew_ns = (desc.leased && check_leases).then_some(lease_skew.as_nanos() as u64);
     let header = header_of(desc)?;
     let same_host = !info.host_id.is_empty() && info.host_id == local_host_id();
     let mut errors = Vec::new();
@@ -288,6 +330,7 @@ pub async fn attach(
                     clock: Instant::now(),
                     enforce_grace,
                     batch_keys: AtomicUsize::new(MAX_BATCH_KEYS),
+                    lease_skew_ns,
                 });
             }
             Err(e) => errors.push(format!("{t:?}: {e}")),
@@ -517,8 +560,10 @@ impl OneSided {
         if pend.is_empty() {
             return Ok((retry, dir_round));
         }
+        let lease_at = self.push_lease_read(&mut specs);
         let mut reads = Reads::default();
         self.backend.read(&specs, &mut reads).await?;
+        self.check_lease(&reads, lease_at)?;
         let mut item_specs = Vec::new();
         let mut second = Vec::new();
         for (i, mut p) in pend {
@@ -562,8 +607,10 @@ impl OneSided {
         if second.is_empty() {
             return Ok((retry, 1 + dir_round));
         }
+        let lease_at = self.push_lease_read(&mut item_specs);
         let mut items = Reads::default();
         self.backend.read(&item_specs, &mut items).await?;
+        self.check_lease(&items, lease_at)?;
         for (i, p) in second {
             let bufs: Vec<&[u8]> = p.items.clone().map(|j| items.get(j).unwrap_or(&[])).collect();
             match p.look.after_items(p.key, &bufs, self.now()) {
@@ -576,6 +623,33 @@ impl OneSided {
             }
         }
         Ok((retry, 2 + dir_round))
+    }
+
+    /// Adds the lease block's read to a batch of a cluster region's reads;
+    /// where it is.
+    fn push_lease_read(&self, specs: &mut Vec<ReadSpec>) -> Option<usize> {
+        self.lease_skew_ns?;
+        specs.push(ReadSpec { offset: LEASE_OFFSET, len: LEASE_LEN as u32 });
+        Some(specs.len() - 1)
+    }
+
+    /// Whether a batch's reads may be believed: in a cluster region, only
+    /// if the lease read with them outlasts them (clock read after the
+    /// batch completed, plus the skew bound). Bucket and item reads of one
+    /// GET each pass this, so the GET took effect while the region's
+    /// replica led and held every acknowledged write (docs/replication.md).
+    fn check_lease(&self, reads: &Reads, at: Option<usize>) -> Result<(), BackendError> {
+        let (Some(skew), Some(at)) = (self.lease_skew_ns, at) else { return Ok(()) };
+        let ended = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(u64::MAX, |d| d.as_nanos() as u64);
+        match reads.get(at).and_then(|b| LeaseBlock::decode(b, self.header.hash_seed)) {
+            Some(l) if lease_holds(l.expiry_unix_ns, ended, skew) => Ok(()),
+            _ => {
+                self.counters.unleased.fetch_add(1, Ordering::Relaxed);
+                Err(BackendError::Unleased)
+            }
+        }
     }
 
     fn found(&self, key: &[u8], item: &[u8], h: &dmkv_common::read::Hit) -> OneSidedGet {

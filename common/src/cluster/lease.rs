@@ -153,10 +153,17 @@ pub fn trust(p: Published, epoch: u64, read_end_unix_ns: u64, cfg: &LeaseConfig)
     if p.epoch != epoch {
         return Err(Distrust::Epoch);
     }
-    if read_end_unix_ns.saturating_add(cfg.max_skew_ns) >= p.expiry_unix_ns {
+    if !lease_holds(p.expiry_unix_ns, read_end_unix_ns, cfg.max_skew_ns) {
         return Err(Distrust::Expired);
     }
     Ok(())
+}
+
+/// Whether a lease ending at `expiry_unix_ns` (leader's wall clock) covers
+/// reads that ended at `read_end_unix_ns` (reader's wall clock), clocks
+/// differing by at most `max_skew_ns`.
+pub fn lease_holds(expiry_unix_ns: u64, read_end_unix_ns: u64, max_skew_ns: u64) -> bool {
+    read_end_unix_ns.saturating_add(max_skew_ns) < expiry_unix_ns
 }
 
 #[cfg(test)]

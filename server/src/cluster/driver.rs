@@ -10,13 +10,16 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError, sync
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use dmkv_common::layout::{LEASE_LEN, LEASE_OFFSET, LeaseBlock};
 use raft::prelude::Message;
 use tokio::sync::oneshot;
-use tracing::{error, warn};
+use tracing::{error, info, warn};
 
 use super::apply::Applied;
 use super::replica::LogStore;
 use super::shard::{ProposeError, ShardCore};
+use crate::region::Region;
+use crate::registration::Registration;
 
 /// Inputs waiting for a shard thread at most; more are refused (`Busy`).
 pub const MAX_INPUTS: usize = 8192;
@@ -99,6 +102,50 @@ impl ReplicaStatus {
     }
 }
 
+/// Where a shard thread publishes its lease for one-sided readers of its
+/// region (the lease block of the header page), and how it fences.
+pub struct LeasePublisher {
+    region: Arc<Region>,
+    reg: Arc<Registration>,
+    hash_seed: u64,
+    /// What is published: (term, end on the replica's monotonic clock).
+    last: Option<(u64, u64)>,
+}
+
+impl LeasePublisher {
+    pub fn new(region: Arc<Region>, reg: Arc<Registration>, hash_seed: u64) -> LeasePublisher {
+        LeasePublisher { region, reg, hash_seed, last: None }
+    }
+
+    /// Stops one-sided reads of the region: the lease block cleared, then
+    /// a new registration (next epoch, new rkey: the engine refuses the
+    /// old one, shared-memory handoffs close, readers attach again).
+    fn fence(&mut self) {
+        self.region.write(LEASE_OFFSET, &[0u8; LEASE_LEN]);
+        let epoch = self.reg.reregister(&self.region);
+        self.last = None;
+        info!(epoch, "lease lapsed or leadership lost: region fenced");
+    }
+
+    /// Publishes `lease` (term, end on the monotonic clock `now`) if it is
+    /// new. Its end in wall-clock time is taken with the wall clock read
+    /// first, so the published end is never later than the lease's.
+    fn publish(&mut self, lease: Option<(u64, u64)>, applied: u64, clock: &Instant) {
+        // A lease waiting for its round's index to apply keeps the last
+        // one published: that one is still held, and its index applied.
+        let Some((term, end)) = lease else { return };
+        if self.last == Some((term, end)) {
+            return;
+        }
+        let unix_now =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+        let now = clock.elapsed().as_nanos() as u64;
+        let block = LeaseBlock { term, expiry_unix_ns: unix_now.saturating_add(end.saturating_sub(now)), applied };
+        self.region.write(LEASE_OFFSET, &block.encode(self.hash_seed));
+        self.last = Some((term, end));
+    }
+}
+
 /// A running shard thread.
 pub struct ShardThread {
     tx: SyncSender<Input>,
@@ -112,11 +159,12 @@ impl ShardThread {
         name: String,
         core: ShardCore<S, Answer, ReadAnswer>,
         status: Arc<ReplicaStatus>,
+        leases: Option<LeasePublisher>,
         send: impl FnMut(Vec<Message>) + Send + 'static,
     ) -> std::io::Result<ShardThread> {
         let (tx, rx) = sync_channel(MAX_INPUTS);
         let handle = std::thread::Builder::new().name(name).spawn(move || {
-            run(core, rx, &status, send);
+            run(core, rx, &status, leases, send);
             status.stopped();
         })?;
         Ok(ShardThread { tx, handle: Some(handle) })
@@ -184,11 +232,15 @@ fn run<S: LogStore>(
     mut core: ShardCore<S, Answer, ReadAnswer>,
     rx: Receiver<Input>,
     status: &ReplicaStatus,
+    mut leases: Option<LeasePublisher>,
     mut send: impl FnMut(Vec<Message>),
 ) {
+    // The replica's monotonic clock, for its lease.
+    let clock = Instant::now();
     let mut next_tick = Instant::now() + TICK;
     status.publish(&core);
     loop {
+        core.set_clock(clock.elapsed().as_nanos() as u64);
         let wait = next_tick.saturating_duration_since(Instant::now());
         match rx.recv_timeout(wait) {
             Ok(Input::Propose(data, answer)) => {
@@ -206,7 +258,13 @@ fn run<S: LogStore>(
                     warn!("raft message refused: {e}");
                 }
             }
-            Ok(Input::Stop) | Err(RecvTimeoutError::Disconnected) => return,
+            Ok(Input::Stop) | Err(RecvTimeoutError::Disconnected) => {
+                // The lease would lapse on its own; readers stop sooner.
+                if let Some(l) = leases.as_mut().filter(|l| l.last.is_some()) {
+                    l.fence();
+                }
+                return;
+            }
             Err(RecvTimeoutError::Timeout) => {}
         }
         if Instant::now() >= next_tick {
@@ -214,8 +272,17 @@ fn run<S: LogStore>(
             next_tick += TICK;
             status.publish(&core);
         }
+        core.set_clock(clock.elapsed().as_nanos() as u64);
         match core.poll() {
             Ok(p) => {
+                if let Some(l) = leases.as_mut() {
+                    // Before any message goes out: a deposed leader's vote
+                    // for a rival must not precede its fence.
+                    if p.fence {
+                        l.fence();
+                    }
+                    l.publish(core.lease(), core.applied(), &clock);
+                }
                 if !p.messages.is_empty() {
                     send(p.messages);
                 }
@@ -230,6 +297,9 @@ fn run<S: LogStore>(
                 // The log or the store failed: this replica stops (the
                 // others carry on; an operator replaces it).
                 error!("shard replica stopped: {e}");
+                if let Some(l) = leases.as_mut().filter(|l| l.last.is_some()) {
+                    l.fence();
+                }
                 return;
             }
         }
@@ -258,7 +328,7 @@ mod tests {
         );
         let net = Arc::clone(inboxes);
         let core = ShardCore::new(replica, Arc::clone(&store));
-        let t = ShardThread::spawn(format!("shard-{id}"), core, Arc::default(), move |msgs| {
+        let t = ShardThread::spawn(format!("shard-{id}"), core, Arc::default(), None, move |msgs| {
             let boxes = net.lock().unwrap();
             for m in msgs {
                 if let Some(Some(f)) = boxes.get(m.to as usize - 1) {

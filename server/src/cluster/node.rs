@@ -18,18 +18,38 @@ use tokio::sync::watch;
 
 use super::apply::{Applied, encode_delete, encode_put};
 use super::config::ClusterConfig;
-use super::driver::{ReplicaStatus, ShardThread};
+use super::driver::{LeasePublisher, ReplicaStatus, ShardThread, TICK};
+use super::leasing::LeaseKeeper;
 use super::local::LocalShards;
 use super::log::RaftLog;
 use super::peer::{Dialer, Peers};
 use super::replica::Replica;
 use super::shard::{ProposeError, ShardCore};
 use crate::region::Region;
+use crate::registration::Registration;
 use crate::store::{Location, Store};
 
 /// Raft's election timeout in ticks of [`super::driver::TICK`]: 150 ms,
 /// randomized by raft up to twice that. Heartbeats go every 30 ms.
 pub const ELECTION_TICKS: usize = 15;
+/// Most any node's clock rate is taken to differ from true time (ppm):
+/// ten times what a crystal oscillator without NTP drifts.
+pub const LEASE_DRIFT_PPM: u64 = 1000;
+/// Taken off the lease for scheduling between reading a clock and acting.
+pub const LEASE_MARGIN: Duration = Duration::from_millis(20);
+
+/// The lease bounds of this node's shard leaders. The election timeout is
+/// one tick short of raft's: a follower's count starts at a message but
+/// ends on whole ticks.
+pub fn lease_config() -> dmkv_common::cluster::lease::LeaseConfig {
+    dmkv_common::cluster::lease::LeaseConfig {
+        election_timeout_ns: (ELECTION_TICKS as u64 - 1) * TICK.as_nanos() as u64,
+        max_drift_ppm: LEASE_DRIFT_PPM,
+        max_skew_ns: 0,
+        margin_ns: LEASE_MARGIN.as_nanos() as u64,
+    }
+}
+
 /// Smallest region a shard replica gets.
 pub const MIN_SHARD_MEMORY: u64 = 4 << 20;
 
@@ -62,6 +82,7 @@ pub enum ClusterError {
 struct LocalReplica {
     thread: ShardThread,
     store: Arc<Store>,
+    reg: Arc<Registration>,
     status: Arc<ReplicaStatus>,
 }
 
@@ -115,6 +136,10 @@ impl ClusterNode {
                 Store::format(Arc::new(region), buckets, rand::random(), epoch, p.grace)
                     .map_err(|e| format!("shard {}: {e}", sh.id))?,
             );
+            let reg = Arc::new(Registration::new(*store.header()));
+            let publisher =
+                || LeasePublisher::new(Arc::clone(store.region()), Arc::clone(&reg), store.header().hash_seed);
+            let keeper = || LeaseKeeper::new(lease_config()).map_err(|e| e.to_string());
             let conf = ConfState { voters: sh.replicas.clone(), ..Default::default() };
             let status = Arc::new(ReplicaStatus::default());
             let send = {
@@ -134,17 +159,21 @@ impl ClusterNode {
                     }
                     let replica = Replica::new(me, log, ELECTION_TICKS, &logger)
                         .map_err(|e| format!("shard {}: raft: {e}", sh.id))?;
-                    ShardThread::spawn(name, ShardCore::new(replica, Arc::clone(&store)), Arc::clone(&status), send)
+                    let core =
+                        ShardCore::new(replica, Arc::clone(&store)).with_leases(keeper()?, ELECTION_TICKS as u64);
+                    ShardThread::spawn(name, core, Arc::clone(&status), Some(publisher()), send)
                 }
                 None => {
                     let replica = Replica::new(me, MemStorage::new_with_conf_state(conf), ELECTION_TICKS, &logger)
                         .map_err(|e| format!("shard {}: raft: {e}", sh.id))?;
-                    ShardThread::spawn(name, ShardCore::new(replica, Arc::clone(&store)), Arc::clone(&status), send)
+                    let core =
+                        ShardCore::new(replica, Arc::clone(&store)).with_leases(keeper()?, ELECTION_TICKS as u64);
+                    ShardThread::spawn(name, core, Arc::clone(&status), Some(publisher()), send)
                 }
             }
             .map_err(|e| format!("shard {}: cannot start its thread: {e}", sh.id))?;
             sink.insert(sh.id, Box::new(thread.inbox()));
-            replicas.insert(sh.id, LocalReplica { thread, store, status });
+            replicas.insert(sh.id, LocalReplica { thread, store, reg, status });
         }
         Ok(ClusterNode { id: me, map: Mutex::new(map), replicas, sink: Arc::new(sink) })
     }
@@ -254,6 +283,14 @@ impl ClusterNode {
     /// A linearizable GET on the shard's leader.
     pub async fn get(&self, key: &[u8]) -> Result<Option<(Bytes, u64, Location)>, ClusterError> {
         self.readable(key).await?.get_located(key).map_err(ClusterError::Store)
+    }
+
+    /// This node's shard replicas' regions, for one-sided readers: (shard,
+    /// store, registration), by shard.
+    pub fn regions(&self) -> Vec<(ShardId, Arc<Store>, Arc<Registration>)> {
+        let mut v: Vec<_> = self.replicas.iter().map(|(&s, r)| (s, Arc::clone(&r.store), Arc::clone(&r.reg))).collect();
+        v.sort_by_key(|r| r.0);
+        v
     }
 
     /// The stores of this node's replicas (for STATS).
