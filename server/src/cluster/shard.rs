@@ -209,15 +209,19 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
     /// log), applies committed entries, answers proposals.
     pub fn poll(&mut self) -> Result<Poll<P, R>, raft::Error> {
         let mut out = Poll { messages: Vec::new(), answers: Vec::new(), reads: Vec::new(), fence: false };
+        // raft-rs drops a ReadIndex request until the leader has committed
+        // an entry of its term: rounds sent earlier would be lost (and a
+        // lost lease round waits a whole lease before the next).
+        let can_confirm = self.replica.raft().raft.commit_to_current_term();
         if let Some(k) = self.leases.as_mut() {
             let r = &self.replica.raft().raft;
             out.fence |= k.on_role(r.state == StateRole::Leader, r.term) == LeaseAction::Fence;
             out.fence |= k.poll(self.now) == LeaseAction::Fence;
-            if let Some(ctx) = k.due(self.now) {
+            if can_confirm && let Some(ctx) = k.due(self.now) {
                 self.replica.read_index(ctx.to_le_bytes().to_vec());
             }
         }
-        if self.replica.raft().raft.state == StateRole::Leader {
+        if can_confirm && self.replica.raft().raft.state == StateRole::Leader {
             if !self.new_reads.is_empty() {
                 let reads = std::mem::take(&mut self.new_reads);
                 self.ask_quorum(reads);
