@@ -146,6 +146,10 @@ pub struct Flags {
     /// Where a cluster node keeps its raft log (default: memory only).
     #[arg(long, value_name = "DIR")]
     pub data_dir: Option<PathBuf>,
+    /// When a cluster node forces its raft log to disk: always (every
+    /// batch, before acknowledging), batch (every 10 ms) or none.
+    #[arg(long, value_name = "POLICY")]
+    pub sync: Option<crate::cluster::log::SyncPolicy>,
 }
 
 /// The TOML file; every field is optional.
@@ -171,6 +175,7 @@ pub struct FileConfig {
     pub cluster: Option<PathBuf>,
     pub node_id: Option<u64>,
     pub data_dir: Option<PathBuf>,
+    pub sync: Option<crate::cluster::log::SyncPolicy>,
     pub rkey_rotate_secs: Option<u64>,
     pub tls_cert: Option<PathBuf>,
     pub tls_key: Option<PathBuf>,
@@ -418,10 +423,18 @@ impl Config {
                                 peers with it"
                         .into());
                 }
-                Some(crate::cluster::node::ClusterSetup { config, node_id, data_dir: flags.data_dir.or(file.data_dir) })
+                let data_dir = flags.data_dir.or(file.data_dir);
+                let sync = flags.sync.or(file.sync);
+                if sync.is_some() && data_dir.is_none() {
+                    return Err("--sync needs --data-dir: without it the raft log is in memory".into());
+                }
+                Some(crate::cluster::node::ClusterSetup { config, node_id, data_dir, sync: sync.unwrap_or_default() })
             }
             (None, None) if flags.data_dir.is_some() || file.data_dir.is_some() => {
                 return Err("--data-dir is for cluster nodes (--cluster FILE --node-id N)".into());
+            }
+            (None, None) if flags.sync.is_some() || file.sync.is_some() => {
+                return Err("--sync is for cluster nodes with --data-dir".into());
             }
             (None, None) => None,
             (Some(_), None) => return Err("--cluster needs --node-id".into()),
@@ -611,6 +624,38 @@ mod tests {
         let c = Config::resolve(FileConfig::default(), authed).unwrap();
         assert!(c.auth.enabled());
         let _ = std::fs::remove_file(dir);
+    }
+
+    #[test]
+    fn sync_policies_need_a_cluster_data_dir() {
+        use crate::cluster::log::SyncPolicy;
+        let dir = std::env::temp_dir().join(format!("dmkv-sync-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("cluster.toml");
+        std::fs::write(
+            &file,
+            "shards = 1\nreplicas = 1\n[[node]]\nid = 1\nrpc = \"127.0.0.1:7070\"\npeer = \"127.0.0.1:7170\"\n",
+        )
+        .unwrap();
+        let node = |sync: Option<SyncPolicy>, data: bool| Flags {
+            cluster: Some(file.clone()),
+            node_id: Some(1),
+            data_dir: data.then(|| dir.join("data")),
+            sync,
+            ..Flags::default()
+        };
+        let c = Config::resolve(FileConfig::default(), node(None, true)).unwrap();
+        assert_eq!(c.cluster.unwrap().sync, SyncPolicy::Always, "the default");
+        let c = Config::resolve(FileConfig::default(), node(Some(SyncPolicy::Batch), true)).unwrap();
+        assert_eq!(c.cluster.unwrap().sync, SyncPolicy::Batch);
+        let err = Config::resolve(FileConfig::default(), node(Some(SyncPolicy::None), false)).unwrap_err();
+        assert!(err.contains("--sync needs --data-dir"), "{err}");
+        let single = Flags { sync: Some(SyncPolicy::Always), ..Flags::default() };
+        assert!(Config::resolve(FileConfig::default(), single).unwrap_err().contains("cluster nodes"));
+        assert!("sometimes".parse::<SyncPolicy>().unwrap_err().contains("always, batch or none"));
+        let f: FileConfig = toml::from_str("sync = \"none\"").unwrap();
+        assert_eq!(f.sync, Some(SyncPolicy::None));
+        let _ = std::fs::remove_dir_all(dir);
     }
 
     #[test]

@@ -51,12 +51,45 @@ pub struct Persist<'a> {
     pub sync: bool,
 }
 
+/// When the log is forced to disk (`--sync`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SyncPolicy {
+    /// Every ready batch is fsynced before raft goes on: an acknowledged
+    /// write survives power loss of every replica. The default.
+    #[default]
+    Always,
+    /// Written at once (a process crash loses nothing), fsynced every
+    /// [`BATCH_SYNC_INTERVAL`]: a power loss of a majority of a shard's
+    /// replicas within that time can lose acknowledged writes.
+    Batch,
+    /// Written at once, fsynced when the kernel decides.
+    None,
+}
+
+/// How often `--sync batch` forces the log to disk.
+pub const BATCH_SYNC_INTERVAL: std::time::Duration = std::time::Duration::from_millis(10);
+
+impl std::str::FromStr for SyncPolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "always" => Ok(SyncPolicy::Always),
+            "batch" => Ok(SyncPolicy::Batch),
+            "none" => Ok(SyncPolicy::None),
+            _ => Err(format!("unknown sync policy {s:?} (always, batch or none)")),
+        }
+    }
+}
+
 /// One shard's log.
 #[derive(Clone)]
 pub struct RaftLog {
     engine: Arc<Engine>,
     shard: u64,
     dir: String,
+    /// fsync every ready (`SyncPolicy::Always`).
+    sync: bool,
 }
 
 impl RaftLog {
@@ -69,7 +102,13 @@ impl RaftLog {
     /// Shard `shard`'s log in `engine`.
     pub fn new(engine: Arc<Engine>, shard: u64) -> RaftLog {
         let dir = engine.path().to_string();
-        RaftLog { engine, shard, dir }
+        RaftLog { engine, shard, dir, sync: false }
+    }
+
+    /// Forces every ready batch to disk before raft goes on.
+    pub fn with_sync(mut self, sync: bool) -> RaftLog {
+        self.sync = sync;
+        self
     }
 
     fn err(&self, source: raft_engine::Error) -> LogError {
@@ -144,8 +183,8 @@ impl RaftLog {
 impl crate::cluster::replica::LogStore for RaftLog {
     fn persist(&self, entries: &[Entry], hs: Option<&HardState>, snapshot: Option<&Snapshot>) -> raft::Result<()> {
         // A process crash keeps what reached the file; `--sync` decides
-        // about power loss (the shard thread passes it; tests need none).
-        RaftLog::persist(self, Persist { entries, hard_state: hs, snapshot, sync: false })
+        // about power loss.
+        RaftLog::persist(self, Persist { entries, hard_state: hs, snapshot, sync: self.sync })
             .map_err(|e| raft::Error::Store(StorageError::Other(Box::new(e))))
     }
 

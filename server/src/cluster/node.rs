@@ -21,7 +21,7 @@ use super::config::ClusterConfig;
 use super::driver::{LeasePublisher, ReplicaStatus, ShardThread, TICK};
 use super::leasing::LeaseKeeper;
 use super::local::LocalShards;
-use super::log::RaftLog;
+use super::log::{BATCH_SYNC_INTERVAL, RaftLog, SyncPolicy};
 use super::peer::{Dialer, Peers};
 use super::replica::Replica;
 use super::shard::{ProposeError, ShardCore};
@@ -61,6 +61,8 @@ pub struct ClusterSetup {
     pub node_id: NodeId,
     /// Where the raft log lives; `None`: in memory only.
     pub data_dir: Option<PathBuf>,
+    /// When the log is forced to disk.
+    pub sync: super::log::SyncPolicy,
 }
 
 /// Why a cluster request was not carried out.
@@ -112,13 +114,18 @@ impl ClusterNode {
         let map = cfg.initial_map().map_err(|e| e.to_string())?;
         let local: Vec<_> = map.shards().iter().filter(|s| s.replicas.contains(&me)).cloned().collect();
         let peers: Vec<_> = cfg.nodes.iter().filter(|n| n.id != me).map(|n| (n.id, n.peer)).collect();
-        let peers = Arc::new(Peers::start(Dialer { me, token: p.token, max_frame: p.max_frame }, peers, stop));
+        let peers = Arc::new(Peers::start(Dialer { me, token: p.token, max_frame: p.max_frame }, peers, stop.clone()));
         let engine = match &setup.data_dir {
             Some(dir) => {
                 let raft_dir = dir.join("raft");
                 std::fs::create_dir_all(&raft_dir)
                     .map_err(|e| format!("cannot create data directory {}: {e}", raft_dir.display()))?;
-                Some(RaftLog::open_engine(&raft_dir.to_string_lossy()).map_err(|e| e.to_string())?)
+                let engine = RaftLog::open_engine(&raft_dir.to_string_lossy()).map_err(|e| e.to_string())?;
+                if setup.sync == SyncPolicy::Batch {
+                    spawn_batch_sync(Arc::clone(&engine), stop.clone())
+                        .map_err(|e| format!("cannot start the log syncer: {e}"))?;
+                }
+                Some(engine)
             }
             None => None,
         };
@@ -153,7 +160,8 @@ impl ClusterNode {
             let name = format!("shard-{}", sh.id);
             let thread = match &engine {
                 Some(engine) => {
-                    let log = RaftLog::new(Arc::clone(engine), u64::from(sh.id));
+                    let log =
+                        RaftLog::new(Arc::clone(engine), u64::from(sh.id)).with_sync(setup.sync == SyncPolicy::Always);
                     if raft::Storage::initial_state(&log).map_err(|e| e.to_string())?.conf_state.voters.is_empty() {
                         log.set_conf_state(&conf).map_err(|e| e.to_string())?;
                     }
@@ -297,4 +305,18 @@ impl ClusterNode {
     pub fn stores(&self) -> impl Iterator<Item = &Arc<Store>> {
         self.replicas.values().map(|r| &r.store)
     }
+}
+
+/// `--sync batch`: forces the node's log to disk every
+/// [`BATCH_SYNC_INTERVAL`] until the node stops.
+fn spawn_batch_sync(engine: Arc<raft_engine::Engine>, stop: watch::Receiver<bool>) -> std::io::Result<()> {
+    std::thread::Builder::new().name("dmkvd-log-sync".into()).spawn(move || {
+        while !*stop.borrow() {
+            std::thread::sleep(BATCH_SYNC_INTERVAL);
+            if let Err(e) = engine.sync() {
+                tracing::error!("raft log sync failed: {e}");
+            }
+        }
+    })?;
+    Ok(())
 }
