@@ -67,6 +67,7 @@ impl Server {
                 let peer = TcpListener::bind(me.peer).await?;
                 let params = cluster::node::NodeParams {
                     memory: cfg.memory,
+                    compactor: cfg.compactor,
                     grace: cfg.grace,
                     max_frame: cfg.max_frame,
                     token: cfg.auth.admin_token().cloned(),

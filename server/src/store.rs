@@ -560,6 +560,19 @@ impl Store {
         self.in_epoch.load(Ordering::Relaxed)
     }
 
+    /// Whether `extra` more bytes of items keep live items and the index
+    /// (plus two segments for a write that splits) within `percent` of the
+    /// data area. Live bytes are the same on every replica of a shard
+    /// (they applied the same commands), unlike free space, which depends
+    /// on grace periods and compaction: a cluster leader admits a write
+    /// only while this holds, so every replica can apply it.
+    pub fn live_within(&self, extra: u64, percent: u64) -> bool {
+        let c = &self.counters;
+        let live =
+            c.used_bytes.load(Ordering::Relaxed) + c.index_bytes.load(Ordering::Relaxed) + 2 * SEGMENT_LEN as u64;
+        u128::from(live + extra) * 100 <= u128::from(self.header.data_len) * u128::from(percent)
+    }
+
     /// The allocator's free-space figures, in units.
     pub fn space(&self) -> Space {
         lock(&self.writer).alloc.space()

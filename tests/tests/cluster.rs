@@ -175,3 +175,44 @@ fn nodes_restarted_from_their_logs_keep_every_acknowledged_write() {
         }
     });
 }
+
+#[test]
+fn a_full_shard_refuses_writes_and_its_replicas_stay_equal() {
+    let c = TestCluster::start(3, 2, 3, false, &[]);
+    rt().block_on(async {
+        leaders_known(&c, 0).await;
+        let client = Client::connect(c.rpc(0)).await.expect("connect");
+        let value = vec![b'x'; 10 << 10];
+        let (mut stored, mut refused) = (0u32, 0u32);
+        for i in 0..4000 {
+            match client.put(format!("fill{i}"), &value).await {
+                Ok(_) => stored += 1,
+                Err(e) if e.code() == Some(dmkv_client::ErrorCode::OutOfMemory) => refused += 1,
+                Err(e) => panic!("PUT {i}: {e}"),
+            }
+        }
+        println!("{stored} PUTs of 10 KiB stored, {refused} refused for memory");
+        assert!(stored > 500 && refused > 0, "the shards never filled");
+        // Every node holds a replica of both shards: once they applied the
+        // same log, they hold the same items.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let mut items = Vec::new();
+            for i in 0..3 {
+                let s = Client::connect(c.rpc(i)).await.expect("connect").stats().await.expect("stats");
+                items.push(s["items"]);
+            }
+            if items.iter().all(|&n| n == items[0]) {
+                assert_eq!(items[0], u64::from(stored), "every stored PUT, and nothing refused ({items:?})");
+                break;
+            }
+            assert!(Instant::now() < deadline, "replicas differ: {items:?}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        // Still serving: deletes make room for writes again.
+        for i in 0..200 {
+            client.delete(format!("fill{i}")).await.expect("delete");
+        }
+        client.put("after", &value).await.expect("a PUT after deletes");
+    });
+}

@@ -389,4 +389,53 @@ mod tests {
             }
         }
     }
+
+    #[test]
+    fn a_follower_without_room_applies_later_and_skips_nothing() {
+        let inboxes: Inboxes = Arc::new(Mutex::new(vec![None, None, None]));
+        let mut threads = Vec::new();
+        let mut stores = Vec::new();
+        for id in 1..=3 {
+            let (t, s) = start(id, &inboxes);
+            inboxes.lock().unwrap()[id as usize - 1] = Some(Box::new(t.inbox()));
+            threads.push(Some(t));
+            stores.push(s);
+        }
+        assert!(put_anywhere(&threads, "before"), "no leader took a PUT");
+        let leader = (0..3)
+            .find(|&i| {
+                let rx = threads[i].as_ref().unwrap().propose(encode_put(b"probe", b"v"));
+                matches!(rx.blocking_recv(), Ok(Ok(_)))
+            })
+            .expect("a leader");
+        let f = (leader + 1) % 3;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while stores[f].get(b"probe").unwrap().is_none() && Instant::now() < deadline {
+            std::thread::sleep(TICK);
+        }
+        // The follower's memory fills up behind raft's back (as grace
+        // periods and compaction can leave replicas with different room).
+        let junk = vec![7u8; 16 << 10];
+        let mut n = 0;
+        while stores[f].put(format!("junk{n}").as_bytes(), &junk).is_ok() {
+            n += 1;
+        }
+        let big = vec![1u8; 64 << 10];
+        let rx = threads[leader].as_ref().unwrap().propose(encode_put(b"big", &big));
+        assert!(matches!(rx.blocking_recv(), Ok(Ok(Applied::Put { .. }))), "the leader applied it");
+        let rx = threads[leader].as_ref().unwrap().propose(encode_put(b"after", b"v"));
+        assert!(matches!(rx.blocking_recv(), Ok(Ok(Applied::Put { .. }))));
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(stores[f].get(b"big").unwrap().is_none(), "no room: not applied yet");
+        assert!(stores[f].get(b"after").unwrap().is_none(), "nothing after it either");
+        for i in 0..n {
+            stores[f].delete(format!("junk{i}").as_bytes()).unwrap();
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while stores[f].get(b"after").unwrap().is_none() && Instant::now() < deadline {
+            std::thread::sleep(TICK);
+        }
+        assert_eq!(stores[f].get(b"big").unwrap().map(|v| v.0.len()), Some(big.len()), "applied once room came");
+        assert!(stores[f].get(b"after").unwrap().is_some(), "and what followed");
+    }
 }

@@ -5,6 +5,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -24,7 +25,8 @@ use super::local::LocalShards;
 use super::log::{BATCH_SYNC_INTERVAL, RaftLog, SyncPolicy};
 use super::peer::{Dialer, Peers};
 use super::replica::Replica;
-use super::shard::{ProposeError, ShardCore};
+use super::shard::{ProposeError, RoomHook, ShardCore};
+use crate::compact::Compactor;
 use crate::region::Region;
 use crate::registration::Registration;
 use crate::store::{Location, Store};
@@ -49,6 +51,12 @@ pub fn lease_config() -> dmkv_common::cluster::lease::LeaseConfig {
         margin_ns: LEASE_MARGIN.as_nanos() as u64,
     }
 }
+
+/// A leader admits a write while live items, the index, the writes on
+/// their way and this one take at most this share of the data area: below
+/// the store's guarantee (`compact::GUARANTEED_PERCENT`), so that every
+/// replica can apply what the leader admitted.
+pub const ADMIT_PERCENT: u64 = crate::compact::GUARANTEED_PERCENT - 5;
 
 /// Smallest region a shard replica gets.
 pub const MIN_SHARD_MEMORY: u64 = 4 << 20;
@@ -84,6 +92,11 @@ pub enum ClusterError {
 struct LocalReplica {
     thread: ShardThread,
     store: Arc<Store>,
+    /// Its own compactor: each replica's free space is its own.
+    _compactor: Arc<Compactor>,
+    /// Bytes of writes proposed here and not answered yet: admitted
+    /// against the guarantee before they are applied.
+    in_flight: AtomicU64,
     reg: Arc<Registration>,
     status: Arc<ReplicaStatus>,
 }
@@ -100,6 +113,7 @@ pub struct ClusterNode {
 pub struct NodeParams {
     /// Memory for all of this node's replicas together.
     pub memory: u64,
+    pub compactor: crate::compact::Mode,
     pub grace: Duration,
     pub max_frame: usize,
     pub token: Option<dmkv_common::auth::Token>,
@@ -139,10 +153,20 @@ impl ClusterNode {
                 .map_err(|e| format!("shard {}: cannot create its region: {e}", sh.id))?;
             let epoch = rand::random::<u32>() as u64 + 1;
             let buckets = per_shard / 4096;
+            // Every replica of a shard hashes keys alike, so their indexes
+            // split alike and a command that fits one fits all.
             let store = Arc::new(
-                Store::format(Arc::new(region), buckets, rand::random(), epoch, p.grace)
+                Store::format(Arc::new(region), buckets, shard_seed(cfg, sh.id), epoch, p.grace)
                     .map_err(|e| format!("shard {}: {e}", sh.id))?,
             );
+            let compactor = Arc::new(
+                Compactor::spawn(Arc::clone(&store), p.compactor)
+                    .map_err(|e| format!("shard {}: cannot start its compactor: {e}", sh.id))?,
+            );
+            let room = || -> RoomHook {
+                let c = Arc::clone(&compactor);
+                Box::new(move |units| c.after_out_of_memory(units))
+            };
             let reg = Arc::new(Registration::new(*store.header()));
             let publisher =
                 || LeasePublisher::new(Arc::clone(store.region()), Arc::clone(&reg), store.header().hash_seed);
@@ -167,21 +191,26 @@ impl ClusterNode {
                     }
                     let replica = Replica::new(me, log, ELECTION_TICKS, &logger)
                         .map_err(|e| format!("shard {}: raft: {e}", sh.id))?;
-                    let core =
-                        ShardCore::new(replica, Arc::clone(&store)).with_leases(keeper()?, ELECTION_TICKS as u64);
+                    let core = ShardCore::new(replica, Arc::clone(&store))
+                        .with_leases(keeper()?, ELECTION_TICKS as u64)
+                        .with_room(room());
                     ShardThread::spawn(name, core, Arc::clone(&status), Some(publisher()), send)
                 }
                 None => {
                     let replica = Replica::new(me, MemStorage::new_with_conf_state(conf), ELECTION_TICKS, &logger)
                         .map_err(|e| format!("shard {}: raft: {e}", sh.id))?;
-                    let core =
-                        ShardCore::new(replica, Arc::clone(&store)).with_leases(keeper()?, ELECTION_TICKS as u64);
+                    let core = ShardCore::new(replica, Arc::clone(&store))
+                        .with_leases(keeper()?, ELECTION_TICKS as u64)
+                        .with_room(room());
                     ShardThread::spawn(name, core, Arc::clone(&status), Some(publisher()), send)
                 }
             }
             .map_err(|e| format!("shard {}: cannot start its thread: {e}", sh.id))?;
             sink.insert(sh.id, Box::new(thread.inbox()));
-            replicas.insert(sh.id, LocalReplica { thread, store, reg, status });
+            replicas.insert(
+                sh.id,
+                LocalReplica { thread, store, _compactor: compactor, in_flight: AtomicU64::new(0), reg, status },
+            );
         }
         Ok(ClusterNode { id: me, map: Mutex::new(map), replicas, sink: Arc::new(sink) })
     }
@@ -253,6 +282,15 @@ impl ClusterNode {
 
     async fn propose(&self, key: &[u8], data: Vec<u8>) -> Result<Applied, ClusterError> {
         let r = self.replica_of(key)?;
+        // Admitted only while it fits every replica's guarantee with what
+        // is already on its way (a DELETE needs no room but is counted
+        // alike: it is small).
+        let bytes = (data.len() + dmkv_common::layout::ITEM_HEADER_LEN) as u64;
+        let ahead = r.in_flight.fetch_add(bytes, Ordering::Relaxed);
+        let _done = InFlight(&r.in_flight, bytes);
+        if !r.store.live_within(ahead + bytes, ADMIT_PERCENT) {
+            return Err(ClusterError::Store(StoreError::OutOfMemory));
+        }
         match r.thread.propose(data).await {
             Ok(Ok(a)) => Ok(a),
             Ok(Err(e)) => Err(self.cluster_error(e)),
@@ -319,4 +357,20 @@ fn spawn_batch_sync(engine: Arc<raft_engine::Engine>, stop: watch::Receiver<bool
         }
     })?;
     Ok(())
+}
+
+/// Bytes proposed and not yet answered, released when the answer comes.
+struct InFlight<'a>(&'a AtomicU64, u64);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(self.1, Ordering::Relaxed);
+    }
+}
+
+/// The hash seed of `shard`'s stores: the same on every replica (from the
+/// cluster file every node shares), different per shard.
+fn shard_seed(cfg: &ClusterConfig, shard: ShardId) -> u64 {
+    let nodes: Vec<String> = cfg.nodes.iter().map(|n| format!("{}={}/{}", n.id, n.rpc, n.peer)).collect();
+    xxhash_rust::xxh3::xxh3_64(format!("dmkv shard seed {shard} {}", nodes.join(",")).as_bytes())
 }

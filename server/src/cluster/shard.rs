@@ -89,7 +89,21 @@ pub struct ShardCore<S: LogStore, P, R = P> {
     now: u64,
     /// Votes are refused for this many ticks after start (see `step`).
     quiet_ticks: u64,
+    /// Committed entries not applied yet: the store had no room for the
+    /// first. Applied in order, never skipped (every replica must apply
+    /// every command).
+    to_apply: VecDeque<raft::prelude::Entry>,
+    /// The next try to apply waits for this tick.
+    apply_retry_tick: u64,
+    /// Asks the store's compactor for room (units): how long until
+    /// trying again is worth it.
+    room: Option<RoomHook>,
+    /// Tries to apply that found no room.
+    apply_stalls: u64,
 }
+
+/// Asks for `units` of room in the store; how long to wait before trying.
+pub type RoomHook = Box<dyn Fn(u64) -> Option<std::time::Duration> + Send>;
 
 impl<S: LogStore, P, R> ShardCore<S, P, R> {
     pub fn new(replica: Replica<S>, store: Arc<Store>) -> Self {
@@ -108,7 +122,23 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
             leases: None,
             now: 0,
             quiet_ticks: 0,
+            to_apply: VecDeque::new(),
+            apply_retry_tick: 0,
+            room: None,
+            apply_stalls: 0,
         }
+    }
+
+    /// Asks `room` (the store's compactor) for space when a committed
+    /// command finds none.
+    pub fn with_room(mut self, room: RoomHook) -> Self {
+        self.room = Some(room);
+        self
+    }
+
+    /// Tries to apply that found the store without room so far.
+    pub fn apply_stalls(&self) -> u64 {
+        self.apply_stalls
     }
 
     /// Keeps leases for one-sided readers. The replica then refuses to vote
@@ -205,6 +235,47 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
         Ok(())
     }
 
+    /// Applies committed entries in order until one finds no room in the
+    /// store; that one is tried again a tick later (after asking the
+    /// compactor), and nothing after it is applied before it.
+    fn apply_committed(&mut self, out: &mut Poll<P, R>) -> Result<(), raft::Error> {
+        while let Some(e) = self.to_apply.front() {
+            if self.ticks < self.apply_retry_tick {
+                break;
+            }
+            let result = apply(&self.store, &e.data);
+            if let Err(ApplyError::Store(dmkv_common::error::Error::OutOfMemory)) = &result {
+                // The leader admits a write only while it fits every
+                // replica's guarantee (`Store::live_within`): room comes
+                // once grace periods end and the compactor has moved items.
+                self.apply_stalls += 1;
+                let units = (e.data.len() + dmkv_common::layout::ITEM_HEADER_LEN).div_ceil(dmkv_common::limits::UNIT)
+                    + dmkv_common::layout::SEGMENT_UNITS;
+                if let Some(room) = &self.room {
+                    let _ = room(units as u64);
+                }
+                self.apply_retry_tick = self.ticks + 1;
+                break;
+            }
+            let e = self.to_apply.pop_front().expect("front exists");
+            self.applied = e.index;
+            let Some((term, id)) = self.pending.remove(&e.index) else {
+                if let Err(ApplyError::Malformed(m)) = &result {
+                    // Every replica stops at the same entry.
+                    return Err(raft::Error::Store(raft::StorageError::Other(m.clone().into())));
+                }
+                continue;
+            };
+            let answer = match result {
+                _ if term != e.term => Err(ProposeError::Dropped),
+                Ok(a) => Ok(a),
+                Err(err) => Err(ProposeError::Store(err.to_string())),
+            };
+            out.answers.push((id, answer));
+        }
+        Ok(())
+    }
+
     /// Handles what raft has ready: persists (through the store of the
     /// log), applies committed entries, answers proposals.
     pub fn poll(&mut self) -> Result<Poll<P, R>, raft::Error> {
@@ -251,24 +322,9 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
                     self.confirmed.push_back((rs.index, reads));
                 }
             }
-            for e in ready.committed {
-                self.applied = e.index;
-                let result = apply(&self.store, &e.data);
-                let Some((term, id)) = self.pending.remove(&e.index) else {
-                    if let Err(ApplyError::Malformed(m)) = &result {
-                        // Every replica stops at the same entry.
-                        return Err(raft::Error::Store(raft::StorageError::Other(m.clone().into())));
-                    }
-                    continue;
-                };
-                let answer = match result {
-                    _ if term != e.term => Err(ProposeError::Dropped),
-                    Ok(a) => Ok(a),
-                    Err(err) => Err(ProposeError::Store(err.to_string())),
-                };
-                out.answers.push((id, answer));
-            }
+            self.to_apply.extend(ready.committed);
         }
+        self.apply_committed(&mut out)?;
         while self.confirmed.front().is_some_and(|(index, _)| *index <= self.applied) {
             let (_, reads) = self.confirmed.pop_front().expect("front exists");
             self.pending_reads -= reads.len();
