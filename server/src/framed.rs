@@ -64,6 +64,24 @@ pub trait Handler: Send {
     fn logged(_e: &Self::Error) -> bool {
         false
     }
+
+    /// Requests still being worked on (their replies come later, from
+    /// [`Handler::next_deferred`]).
+    fn deferred_len(&self) -> usize {
+        0
+    }
+
+    /// The next reply of a request still being worked on, encoded; `None`
+    /// when there is none.
+    fn next_deferred(&mut self) -> impl Future<Output = Option<BytesMut>> + Send {
+        std::future::ready(None)
+    }
+}
+
+/// What woke a connection's loop.
+enum Woke {
+    Read(usize),
+    Replies(BytesMut),
 }
 
 /// Serves one connection until the peer closes, sends a request `handler`
@@ -87,16 +105,47 @@ pub async fn serve_connection<H: Handler>(
             inbuf.reserve(READ_BUF);
         }
         let (deadline, waiting_for) = clock.deadline();
-        let n = tokio::select! {
+        let deferred = handler.deferred_len() > 0;
+        let woke = tokio::select! {
             r = stream.read_buf(&mut inbuf) => match r {
-                Ok(n) => n,
+                Ok(n) => Woke::Read(n),
                 Err(e) => { debug!(?peer, "{kind} read error: {e}"); return; }
             },
-            _ = tokio::time::sleep_until(deadline) => {
+            Some(b) = handler.next_deferred(), if deferred => Woke::Replies(b),
+            _ = tokio::time::sleep_until(deadline), if !deferred => {
                 debug!(?peer, bytes = inbuf.len(), "closing {kind} connection: {waiting_for:?} timed out");
                 return;
             }
-            _ = shutdown.changed() => return,
+            _ = shutdown.changed() => {
+                // Requests already read are answered, as in-line ones are.
+                while handler.deferred_len() > 0 {
+                    if let Some(b) = handler.next_deferred().await {
+                        out.extend_from_slice(&b);
+                    }
+                }
+                if !out.is_empty() {
+                    let _ = write_out(&mut stream, &mut out, limits).await;
+                }
+                return;
+            }
+        };
+        let n = match woke {
+            Woke::Read(n) => n,
+            Woke::Replies(b) => {
+                out.extend_from_slice(&b);
+                // Whatever else is done goes in the same write.
+                while handler.deferred_len() > 0 {
+                    match futures_util::FutureExt::now_or_never(handler.next_deferred()) {
+                        Some(Some(b)) => out.extend_from_slice(&b),
+                        _ => break,
+                    }
+                }
+                if let Err(e) = write_out(&mut stream, &mut out, limits).await {
+                    debug!(?peer, "{kind} write error: {e}");
+                    return;
+                }
+                continue;
+            }
         };
         if n == 0 {
             if !inbuf.is_empty() {

@@ -110,7 +110,7 @@ async fn serve(stream: TcpStream, shared: Arc<Shared>, shutdown: watch::Receiver
         qps: Vec::new(),
     };
     let (tls, limits) = (shared.tls.clone(), shared.limits);
-    let requests = Requests { decoder: Decoder::new(shared.max_frame), shared, state };
+    let requests = Requests { decoder: Decoder::new(shared.max_frame), shared, state, deferred: Deferred::new() };
     match tls {
         None => framed::serve_connection(stream, peer, "rpc", requests, limits, shutdown).await,
         Some(acceptor) => {
@@ -128,14 +128,71 @@ struct Requests {
     decoder: Decoder,
     shared: Arc<Shared>,
     state: ConnState,
+    /// A cluster node's requests waiting for raft.
+    deferred: Deferred,
+}
+
+/// Requests of one connection a cluster node works on at once (each
+/// waits for raft); more wait for the oldest's reply first.
+pub const MAX_DEFERRED_PER_CONNECTION: usize = 256;
+
+type Deferred = futures_util::stream::FuturesUnordered<std::pin::Pin<Box<dyn Future<Output = BytesMut> + Send>>>;
+
+impl Requests {
+    /// A cluster node's data request: answered when raft has done its
+    /// part, while the connection reads and starts the next ones. Started
+    /// in the order read (the first poll proposes or queues the read), so
+    /// a connection's writes reach the shard in order; replies may come
+    /// back out of order (they carry the request's id).
+    fn deferrable(&self, req: &Request) -> bool {
+        self.shared.cluster.is_some()
+            && !self.state.peer_port
+            && self.state.role.is_none_or(|r| r.allows(Role::Data))
+            && matches!(req.op, Some(Op::Put(_) | Op::Delete(_) | Op::Get(_) | Op::MultiGet(_)))
+    }
+
+    async fn defer(&mut self, req: Request, out: &mut BytesMut) {
+        use futures_util::StreamExt;
+        if self.deferred.len() >= MAX_DEFERRED_PER_CONNECTION
+            && let Some(b) = self.deferred.next().await
+        {
+            out.extend_from_slice(&b);
+        }
+        let shared = Arc::clone(&self.shared);
+        self.deferred.push(Box::pin(async move {
+            let (id, max_frame) = (req.id, shared.max_frame);
+            let node = shared.cluster.as_ref().expect("deferrable: a cluster node");
+            let op = req.op.expect("deferrable: a data op");
+            let resp = match cluster_request(node, max_frame, &op).await {
+                Some(Ok(result)) => Response { id, result: Some(result) },
+                Some(Err(e)) => Response { id, result: Some(R::Error(e)) },
+                None => error(id, ErrorCode::UnknownOp, "not a data request".into()),
+            };
+            let mut b = BytesMut::new();
+            encode_reply(&resp, max_frame, &mut b);
+            b
+        }));
+    }
 }
 
 impl framed::Handler for Requests {
     type Error = Close;
 
+    fn deferred_len(&self) -> usize {
+        self.deferred.len()
+    }
+
+    async fn next_deferred(&mut self) -> Option<BytesMut> {
+        futures_util::StreamExt::next(&mut self.deferred).await
+    }
+
     async fn handle_next(&mut self, inbuf: &mut BytesMut, out: &mut BytesMut) -> Result<bool, Close> {
         let Some(req) = self.decoder.next_message::<Request>(inbuf).map_err(Close::Frame)? else { return Ok(false) };
         let resp = match admit(&self.shared, &mut self.state, &req) {
+            Ok(()) if self.deferrable(&req) => {
+                self.defer(req, out).await;
+                return Ok(true);
+            }
             Ok(()) => handle(&self.shared, &mut self.state, req).await,
             Err(refusal) => {
                 encode_reply(&refusal.with_id(req.id), self.shared.max_frame, out);

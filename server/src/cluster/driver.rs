@@ -23,6 +23,9 @@ use crate::registration::Registration;
 
 /// Inputs waiting for a shard thread at most; more are refused (`Busy`).
 pub const MAX_INPUTS: usize = 8192;
+/// Inputs taken from the queue before the core is polled: bounds how long
+/// raft's messages wait while a burst of proposals is taken in.
+pub const MAX_INPUTS_PER_POLL: usize = 256;
 /// Raft's logical clock: one tick this often.
 pub const TICK: Duration = Duration::from_millis(10);
 
@@ -242,30 +245,46 @@ fn run<S: LogStore>(
     loop {
         core.set_clock(clock.elapsed().as_nanos() as u64);
         let wait = next_tick.saturating_duration_since(Instant::now());
-        match rx.recv_timeout(wait) {
-            Ok(Input::Propose(data, answer)) => {
-                if let Err((answer, e)) = core.propose(data, answer) {
-                    let _ = answer.send(Err(e));
+        // One input, then whatever else is queued (up to a bound): one
+        // ready for all of them, so one log write and one message per
+        // peer carry a whole batch of proposals (group commit).
+        let mut next = rx.recv_timeout(wait);
+        let mut taken = 0;
+        loop {
+            match next {
+                Ok(Input::Propose(data, answer)) => {
+                    if let Err((answer, e)) = core.propose(data, answer) {
+                        let _ = answer.send(Err(e));
+                    }
                 }
-            }
-            Ok(Input::Read(answer)) => {
-                if let Err((answer, e)) = core.read(answer) {
-                    let _ = answer.send(Err(e));
+                Ok(Input::Read(answer)) => {
+                    if let Err((answer, e)) = core.read(answer) {
+                        let _ = answer.send(Err(e));
+                    }
                 }
-            }
-            Ok(Input::Raft(m)) => {
-                if let Err(e) = core.step(m) {
-                    warn!("raft message refused: {e}");
+                Ok(Input::Raft(m)) => {
+                    if let Err(e) = core.step(m) {
+                        warn!("raft message refused: {e}");
+                    }
                 }
-            }
-            Ok(Input::Stop) | Err(RecvTimeoutError::Disconnected) => {
-                // The lease would lapse on its own; readers stop sooner.
-                if let Some(l) = leases.as_mut().filter(|l| l.last.is_some()) {
-                    l.fence();
+                Ok(Input::Stop) | Err(RecvTimeoutError::Disconnected) => {
+                    // The lease would lapse on its own; readers stop sooner.
+                    if let Some(l) = leases.as_mut().filter(|l| l.last.is_some()) {
+                        l.fence();
+                    }
+                    return;
                 }
-                return;
+                Err(RecvTimeoutError::Timeout) => break,
             }
-            Err(RecvTimeoutError::Timeout) => {}
+            taken += 1;
+            if taken >= MAX_INPUTS_PER_POLL {
+                break;
+            }
+            next = match rx.try_recv() {
+                Ok(input) => Ok(input),
+                Err(std::sync::mpsc::TryRecvError::Empty) => break,
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => Err(RecvTimeoutError::Disconnected),
+            };
         }
         if Instant::now() >= next_tick {
             core.tick();
