@@ -100,6 +100,8 @@ pub struct ShardCore<S: LogStore, P, R = P> {
     room: Option<RoomHook>,
     /// Tries to apply that found no room.
     apply_stalls: u64,
+    /// Reads answered under the lease, without a ReadIndex round.
+    lease_reads: u64,
 }
 
 /// Asks for `units` of room in the store; how long to wait before trying.
@@ -126,6 +128,7 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
             apply_retry_tick: 0,
             room: None,
             apply_stalls: 0,
+            lease_reads: 0,
         }
     }
 
@@ -134,6 +137,11 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
     pub fn with_room(mut self, room: RoomHook) -> Self {
         self.room = Some(room);
         self
+    }
+
+    /// Reads answered under the lease so far.
+    pub fn lease_reads(&self) -> u64 {
+        self.lease_reads
     }
 
     /// Tries to apply that found the store without room so far.
@@ -291,6 +299,14 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
             if can_confirm && let Some(ctx) = k.due(self.now) {
                 self.replica.read_index(ctx.to_le_bytes().to_vec());
             }
+        }
+        // Under a lease no rival can be elected and every acknowledged
+        // write is applied (`LeaseKeeper::published`): reads need no round.
+        if !self.new_reads.is_empty() && self.lease().is_some() {
+            let reads = std::mem::take(&mut self.new_reads);
+            self.pending_reads -= reads.len();
+            self.lease_reads += reads.len() as u64;
+            out.reads.extend(reads.into_iter().map(|r| (r, Ok(()))));
         }
         if can_confirm && self.replica.raft().raft.state == StateRole::Leader {
             if !self.new_reads.is_empty() {
@@ -496,5 +512,41 @@ mod tests {
         }
         assert_eq!(isolated.len(), 1);
         assert!(matches!(isolated[0], (3, Err(ProposeError::NotLeader { .. }))), "{isolated:?}");
+    }
+
+    #[test]
+    fn reads_under_the_lease_need_no_round_and_others_do() {
+        use dmkv_common::cluster::lease::LeaseConfig;
+        let cfg =
+            LeaseConfig { election_timeout_ns: 90_000_000, max_drift_ppm: 1000, max_skew_ns: 0, margin_ns: 1_000_000 };
+        let mut cores: Vec<_> = (1..=3).map(|id| core(id).with_leases(LeaseKeeper::new(cfg).unwrap(), 0)).collect();
+        // Ticks of 10 ms on every replica's clock.
+        let mut now = 0u64;
+        let mut step = |cores: &mut Vec<ShardCore<MemStorage, u32>>, rounds: usize, reads: &mut Reads| {
+            for _ in 0..rounds {
+                now += 10_000_000;
+                for c in cores.iter_mut() {
+                    c.set_clock(now);
+                }
+                drive_reads(cores, 1, None, reads);
+            }
+        };
+        let mut reads = Reads::new();
+        step(&mut cores, 100, &mut reads);
+        let l = leader(&cores, None).expect("a leader");
+        assert!(cores[l].lease().is_some(), "the leader holds a lease");
+        cores[l].read(1).unwrap();
+        let p = cores[l].poll().unwrap();
+        assert_eq!(p.reads.len(), 1, "answered at once under the lease");
+        assert_eq!(cores[l].lease_reads(), 1);
+        // Without a lease (its clock past the end, no renewal heard), a
+        // read waits for a quorum round.
+        let far = now + 10_000_000_000;
+        cores[l].set_clock(far);
+        let _ = cores[l].poll().unwrap();
+        cores[l].read(2).unwrap();
+        let p = cores[l].poll().unwrap();
+        assert!(p.reads.is_empty(), "no lease: the read waits for a round");
+        assert_eq!(cores[l].lease_reads(), 1);
     }
 }
