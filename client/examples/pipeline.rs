@@ -22,7 +22,7 @@ async fn main() {
     for (name, make) in [
         (
             "PUT",
-            Box::new(|k: bytes::Bytes| Op::Put(proto::Put { key: k, value: value.clone() }))
+            Box::new(|k: bytes::Bytes| Op::Put(proto::Put { key: k, value: value.clone(), ..Default::default() }))
                 as Box<dyn Fn(bytes::Bytes) -> Op>,
         ),
         ("GET", Box::new(|k: bytes::Bytes| Op::Get(proto::Get { key: k }))),

@@ -803,7 +803,19 @@ impl Client {
 
     /// [`Client::put`] on this node, without routing.
     pub(crate) async fn node_put(&self, key: &[u8], value: &[u8]) -> Result<u64, ClientError> {
-        let op = Op::Put(proto::Put { key: Bytes::copy_from_slice(key), value: Bytes::copy_from_slice(value) });
+        self.node_put_with(key, value, None).await
+    }
+
+    /// [`Client::node_put`] with a write id (cluster writes, so one sent
+    /// again applies once).
+    pub(crate) async fn node_put_with(
+        &self,
+        key: &[u8],
+        value: &[u8],
+        write_id: Option<proto::WriteId>,
+    ) -> Result<u64, ClientError> {
+        let op =
+            Op::Put(proto::Put { key: Bytes::copy_from_slice(key), value: Bytes::copy_from_slice(value), write_id });
         match self.call(op).await? {
             R::Put(p) => Ok(p.version),
             other => Err(unexpected(&other)),
@@ -822,7 +834,16 @@ impl Client {
 
     /// [`Client::delete`] on this node, without routing.
     pub(crate) async fn node_delete(&self, key: &[u8]) -> Result<bool, ClientError> {
-        match self.call(Op::Delete(proto::Delete { key: Bytes::copy_from_slice(key) })).await? {
+        self.node_delete_with(key, None).await
+    }
+
+    /// [`Client::node_delete`] with a write id.
+    pub(crate) async fn node_delete_with(
+        &self,
+        key: &[u8],
+        write_id: Option<proto::WriteId>,
+    ) -> Result<bool, ClientError> {
+        match self.call(Op::Delete(proto::Delete { key: Bytes::copy_from_slice(key), write_id })).await? {
             R::Delete(d) => Ok(d.existed),
             other => Err(unexpected(&other)),
         }

@@ -15,6 +15,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use dmkv_common::cluster::map::{ClusterMap, NodeId, ShardId};
 use dmkv_common::proto::ErrorCode;
+use std::sync::atomic::Ordering;
 use tokio::time::Instant;
 
 use crate::client::{Client, ClientConfig, ReadPath, Versioned};
@@ -118,6 +119,9 @@ pub struct Router {
     deadline: Duration,
     /// GETs try the key's shard region one-sided first.
     one_sided: bool,
+    /// Write ids: this router's random client id, and the next sequence.
+    client_id: u64,
+    next_seq: std::sync::atomic::AtomicU64,
     counters: std::sync::Arc<ReadCounters>,
     routes: std::sync::Mutex<Routes>,
     sessions: tokio::sync::Mutex<HashMap<NodeId, Client>>,
@@ -128,8 +132,9 @@ pub struct Router {
 pub enum Retry {
     /// Reads: any failure may be retried.
     Always,
-    /// Writes: only a refusal that changed nothing (NOT_LEADER, BUSY, no
-    /// connection) is retried; a lost reply is the caller's to judge.
+    /// Writes without an id: only a refusal that changed nothing
+    /// (NOT_LEADER, BUSY, no connection) is retried; a lost reply is the
+    /// caller's to judge.
     IfUnsent,
 }
 
@@ -149,6 +154,8 @@ impl Router {
             cfg: sessions,
             deadline: cfg.request_timeout,
             one_sided,
+            client_id: random_client_id(),
+            next_seq: std::sync::atomic::AtomicU64::new(1),
             counters,
             routes: std::sync::Mutex::new(Routes::new(map)),
             sessions: Default::default(),
@@ -223,6 +230,9 @@ impl Router {
                         ClientError::NotLeader { leader, map_version: 0 }
                     }
                     Err(e) if e.code() == Some(ErrorCode::Busy) => e,
+                    // The write may or may not have committed: sent again
+                    // with its id, it applies at most once.
+                    Err(e) if e.code() == Some(ErrorCode::Uncertain) && retry == Retry::Always => e,
                     Err(e) if e.is_transport() && (retry == Retry::Always || !e.may_have_been_sent()) => {
                         self.forget(node).await;
                         self.routes.lock().expect("routes lock poisoned").on_unreachable(shard, node);
@@ -264,14 +274,23 @@ impl Router {
         self.run(key, Retry::Always, |s| async move { s.shard_get(shard, key, one_sided).await }).await
     }
 
-    /// Writes `key` through its shard's leader.
-    pub async fn put(&self, key: &[u8], value: &[u8]) -> Result<u64, ClientError> {
-        self.run(key, Retry::IfUnsent, |s| async move { s.node_put(key, value).await }).await
+    /// The id of a new write: the same on every try of it, so the shard
+    /// applies it once however often it is sent.
+    fn write_id(&self) -> dmkv_common::proto::WriteId {
+        dmkv_common::proto::WriteId { client: self.client_id, seq: self.next_seq.fetch_add(1, Ordering::Relaxed) }
     }
 
-    /// Deletes `key` through its shard's leader.
+    /// Writes `key` through its shard's leader; sent again after a lost
+    /// reply or a leader change (it applies once).
+    pub async fn put(&self, key: &[u8], value: &[u8]) -> Result<u64, ClientError> {
+        let id = self.write_id();
+        self.run(key, Retry::Always, |s| async move { s.node_put_with(key, value, Some(id)).await }).await
+    }
+
+    /// Deletes `key` through its shard's leader (applied once, as `put`).
     pub async fn delete(&self, key: &[u8]) -> Result<bool, ClientError> {
-        self.run(key, Retry::IfUnsent, |s| async move { s.node_delete(key).await }).await
+        let id = self.write_id();
+        self.run(key, Retry::Always, |s| async move { s.node_delete_with(key, Some(id)).await }).await
     }
 
     /// Reads many keys: split per shard, the shards asked in parallel.
@@ -308,6 +327,17 @@ impl Router {
         }
         Ok(out)
     }
+}
+
+/// 64 random bits for a router's write ids: std's hasher keys are seeded
+/// from the OS once per process and differ per `RandomState`; the time and
+/// process id are mixed in too.
+fn random_client_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    h.write_u32(std::process::id());
+    h.finish()
 }
 
 #[cfg(test)]

@@ -438,8 +438,12 @@ async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response
 async fn cluster_request(node: &ClusterNode, max_frame: usize, op: &Op) -> Option<Result<R, proto::Error>> {
     Some(
         match op {
-            Op::Put(p) => node.put(&p.key, &p.value).await.map(|version| R::Put(proto::PutReply { version })),
-            Op::Delete(d) => node.delete(&d.key).await.map(|existed| R::Delete(proto::DeleteReply { existed })),
+            Op::Put(p) => {
+                node.put(&p.key, &p.value, p.write_id).await.map(|version| R::Put(proto::PutReply { version }))
+            }
+            Op::Delete(d) => {
+                node.delete(&d.key, d.write_id).await.map(|existed| R::Delete(proto::DeleteReply { existed }))
+            }
             Op::Get(g) => node.get(&g.key).await.map(|v| {
                 R::Get(v.map_or_else(proto::GetReply::default, |(value, version, at)| found(value, version, at)))
             }),

@@ -126,7 +126,9 @@ fn killing_a_leader_loses_no_acknowledged_put() {
     );
     assert!(first_after.is_some(), "the shard never took a PUT after its leader was killed");
     assert_eq!(acked.len() + failed, PUTS);
-    assert!(failed <= 100, "{failed} PUTs failed: clients should ride over a failover");
+    // Writes carry ids: one whose reply was lost is sent again and
+    // applies once, so none fails.
+    assert_eq!(failed, 0, "{failed} PUTs failed: clients should ride over a failover");
     // Every acknowledged PUT is there, read through either survivor.
     rt.block_on(async {
         let reader = Client::connect(c.rpc(seed)).await.expect("connect");

@@ -115,7 +115,7 @@ async fn pipelined_requests_on_one_connection() {
     let c = Client::connect_with(&srv.rpc, ClientConfig { pool_size: 1, ..Default::default() }).await.unwrap();
     let mut inflight = Vec::new();
     for i in 0..64u32 {
-        let op = Op::Put(proto::Put { key: format!("p{i}").into(), value: i.to_string().into() });
+        let op = Op::Put(proto::Put { key: format!("p{i}").into(), value: i.to_string().into(), ..Default::default() });
         inflight.push(c.send(op).await.unwrap());
     }
     for f in inflight {
@@ -156,7 +156,7 @@ async fn overwrites_with_changing_sizes_and_maximum_sizes() {
     let mut s = raw_conn(&srv.rpc);
     let put = |id, key: Vec<u8>, value: Vec<u8>| Request {
         id,
-        op: Some(Op::Put(proto::Put { key: key.into(), value: value.into() })),
+        op: Some(Op::Put(proto::Put { key: key.into(), value: value.into(), ..Default::default() })),
     };
     send_raw(&mut s, &put(1, vec![b'k'; MAX_KEY_LEN + 1], vec![]));
     send_raw(&mut s, &put(2, b"k".to_vec(), vec![0; MAX_VALUE_LEN + 1]));
@@ -281,7 +281,11 @@ async fn shutdown_round() -> usize {
     let c = Client::connect_with(&srv.rpc, ClientConfig { pool_size: 1, ..Default::default() }).await.unwrap();
     let mut inflight = Vec::new();
     for i in 0..200u32 {
-        inflight.push(c.send(Op::Put(proto::Put { key: format!("s{i}").into(), value: "v".into() })).await.unwrap());
+        inflight.push(
+            c.send(Op::Put(proto::Put { key: format!("s{i}").into(), value: "v".into(), ..Default::default() }))
+                .await
+                .unwrap(),
+        );
     }
     let status = tokio::task::spawn_blocking(move || srv.stop()).await.unwrap().expect("server exited");
     assert!(status.success(), "{status:?}");

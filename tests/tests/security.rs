@@ -98,7 +98,11 @@ fn code_of(r: &Response) -> Option<ErrorCode> {
 fn put(id: u64, k: &str, v: &str) -> Request {
     Request {
         id,
-        op: Some(Op::Put(proto::Put { key: k.as_bytes().to_vec().into(), value: v.as_bytes().to_vec().into() })),
+        op: Some(Op::Put(proto::Put {
+            key: k.as_bytes().to_vec().into(),
+            value: v.as_bytes().to_vec().into(),
+            ..Default::default()
+        })),
     }
 }
 

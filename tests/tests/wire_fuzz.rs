@@ -236,7 +236,7 @@ impl Fuzzer {
         if roll < 6 {
             let key = Bytes::from(vec![b'B', self.rng.random_range(0..BIG_KEYS)]);
             let len = self.pick(&[MAX_VALUE_LEN, MAX_VALUE_LEN - 1, MAX_VALUE_LEN / 2]);
-            return proto::Put { key, value: self.bytes(len) };
+            return proto::Put { key, value: self.bytes(len), ..Default::default() };
         }
         let value = match roll {
             6..10 => self.bytes(MAX_VALUE_LEN + 1),
@@ -244,7 +244,7 @@ impl Fuzzer {
             60..100 => self.bytes_in(1000..20_000),
             _ => self.bytes_in(1..200),
         };
-        proto::Put { key: self.put_key(), value }
+        proto::Put { key: self.put_key(), value, ..Default::default() }
     }
 
     fn op(&mut self) -> Option<Op> {
@@ -256,7 +256,7 @@ impl Fuzzer {
             }),
             40..300 => Op::Put(self.put()),
             300..600 => Op::Get(proto::Get { key: self.key() }),
-            600..700 => Op::Delete(proto::Delete { key: self.key() }),
+            600..700 => Op::Delete(proto::Delete { key: self.key(), ..Default::default() }),
             700..900 => {
                 let n = match self.rng.random_range(0..20) {
                     0 => 0,

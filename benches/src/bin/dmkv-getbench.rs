@@ -151,7 +151,9 @@ async fn run(a: Args) {
                 assert!(matches!(r.result, Some(proto::response::Result::Put(_))), "put failed: {r:?}");
             }
             let k = key(a.first_key + i);
-            window.push_back(c.send(Op::Put(proto::Put { key: k, value: value.clone() })).await.expect("send"));
+            window.push_back(
+                c.send(Op::Put(proto::Put { key: k, value: value.clone(), ..Default::default() })).await.expect("send"),
+            );
         }
         for f in window {
             f.wait(LOAD_TIMEOUT).await.expect("put reply");

@@ -15,9 +15,9 @@ fn requests() -> Vec<Request> {
     let b = |s: &[u8]| bytes::Bytes::copy_from_slice(s);
     let ops = vec![
         Op::Hello(proto::Hello { protocol_version: 1, client_name: "seed".into() }),
-        Op::Put(proto::Put { key: b(b"key"), value: b(b"value") }),
+        Op::Put(proto::Put { key: b(b"key"), value: b(b"value"), ..Default::default() }),
         Op::Get(proto::Get { key: b(b"key") }),
-        Op::Delete(proto::Delete { key: b(b"key") }),
+        Op::Delete(proto::Delete { key: b(b"key"), ..Default::default() }),
         Op::MultiGet(proto::MultiGet { keys: vec![b(b"a"), b(b""), b(b"ccc")] }),
         Op::Stats(proto::Stats {}),
         Op::RegionInfo(proto::RegionInfo {}),
@@ -49,6 +49,7 @@ fn responses() -> Vec<Response> {
         engine_addr: "127.0.0.1:1".into(),
         host_id: "h".into(),
         rdma_device: String::new(),
+        ..Default::default()
     };
     let results = vec![
         R::Error(proto::Error { code: 3, message: "e".into(), ..Default::default() }),
@@ -138,6 +139,6 @@ fn main() {
     look.extend_from_slice(&item);
     write("read_lookup", "miss-or-items", &look);
 
-    write("shm_handoff", "request", &shm_handoff::encode_request(7, 9));
+    write("shm_handoff", "request", &shm_handoff::encode_request(&[0u8; dmkv_common::auth::PROOF_LEN], 7, 9));
     write("shm_handoff", "reply", &shm_handoff::encode_reply(shm_handoff::STATUS_OK, 1 << 30));
 }

@@ -17,7 +17,7 @@ use raft::prelude::ConfState;
 use raft::storage::MemStorage;
 use tokio::sync::watch;
 
-use super::apply::{Applied, encode_delete, encode_put};
+use super::apply::{Applied, encode_delete_with, encode_put_with};
 use super::config::ClusterConfig;
 use super::driver::{LeasePublisher, ReplicaStatus, ShardThread, TICK};
 use super::leasing::LeaseKeeper;
@@ -299,18 +299,19 @@ impl ClusterNode {
     }
 
     /// A PUT, answered once committed and applied here.
-    pub async fn put(&self, key: &[u8], value: &[u8]) -> Result<u64, ClusterError> {
+    /// `id`: the client's write id, so that a PUT sent again applies once.
+    pub async fn put(&self, key: &[u8], value: &[u8], id: Option<proto::WriteId>) -> Result<u64, ClusterError> {
         check_key(key).and_then(|()| check_value(value)).map_err(ClusterError::Store)?;
-        match self.propose(key, encode_put(key, value)).await? {
+        match self.propose(key, encode_put_with(key, value, id)).await? {
             Applied::Put { version } => Ok(version),
             other => Err(ClusterError::Failed(format!("a PUT applied as {other:?}"))),
         }
     }
 
     /// A DELETE, answered once committed and applied here.
-    pub async fn delete(&self, key: &[u8]) -> Result<bool, ClusterError> {
+    pub async fn delete(&self, key: &[u8], id: Option<proto::WriteId>) -> Result<bool, ClusterError> {
         check_key(key).map_err(ClusterError::Store)?;
-        match self.propose(key, encode_delete(key)).await? {
+        match self.propose(key, encode_delete_with(key, id)).await? {
             Applied::Delete { existed } => Ok(existed),
             other => Err(ClusterError::Failed(format!("a DELETE applied as {other:?}"))),
         }

@@ -21,7 +21,7 @@ use raft::StateRole;
 
 use dmkv_common::cluster::lease::LeaseAction;
 
-use super::apply::{Applied, ApplyError, apply};
+use super::apply::{Applied, ApplyError, Remembered, apply_once};
 use super::leasing::LeaseKeeper;
 use super::replica::{LogStore, Replica};
 use crate::store::Store;
@@ -102,6 +102,8 @@ pub struct ShardCore<S: LogStore, P, R = P> {
     apply_stalls: u64,
     /// Reads answered under the lease, without a ReadIndex round.
     lease_reads: u64,
+    /// Outcomes of identified writes, so a retried one applies once.
+    remembered: Remembered,
 }
 
 /// Asks for `units` of room in the store; how long to wait before trying.
@@ -129,6 +131,7 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
             room: None,
             apply_stalls: 0,
             lease_reads: 0,
+            remembered: Remembered::default(),
         }
     }
 
@@ -251,7 +254,7 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
             if self.ticks < self.apply_retry_tick {
                 break;
             }
-            let result = apply(&self.store, &e.data);
+            let result = apply_once(&self.store, &mut self.remembered, &e.data);
             if let Err(ApplyError::Store(dmkv_common::error::Error::OutOfMemory)) = &result {
                 // The leader admits a write only while it fits every
                 // replica's guarantee (`Store::live_within`): room comes
