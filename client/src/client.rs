@@ -899,7 +899,7 @@ impl Client {
     /// A multi-get over `path`; keys whose reads kept failing verification
     /// are asked over RPC. The outer error is that RPC's; the inner one, the
     /// path's failure (nothing returned).
-    async fn one_sided_multi_get<K: AsRef<[u8]>>(
+    pub(crate) async fn one_sided_multi_get<K: AsRef<[u8]>>(
         &self,
         path: &OneSided,
         keys: &[K],

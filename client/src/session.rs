@@ -126,28 +126,8 @@ impl Client {
         one_sided: bool,
     ) -> Result<Vec<Option<Bytes>>, ClientError> {
         if one_sided && let Some(p) = self.shard_path(shard).await {
-            match p.multi_get(keys).await {
-                Ok(res) => {
-                    let mut out = Vec::with_capacity(keys.len());
-                    let mut rest = Vec::new();
-                    for (i, r) in res.into_iter().enumerate() {
-                        match r {
-                            OneSidedGet::Found(v) => out.push(Some(v.value)),
-                            OneSidedGet::Missing => out.push(None),
-                            OneSidedGet::GiveUp => {
-                                out.push(None);
-                                rest.push(i);
-                            }
-                        }
-                    }
-                    if !rest.is_empty() {
-                        let rest_keys: Vec<&[u8]> = rest.iter().map(|&i| keys[i].as_ref()).collect();
-                        for (i, v) in rest.into_iter().zip(self.node_rpc_multi_get(&rest_keys).await?) {
-                            out[i] = v;
-                        }
-                    }
-                    return Ok(out);
-                }
+            match self.one_sided_multi_get(&p, keys).await? {
+                Ok(values) => return Ok(values),
                 Err(BackendError::Unleased) => {}
                 Err(e) => self.shard_path_failed(shard, &p, &e),
             }

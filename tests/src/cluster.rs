@@ -90,6 +90,26 @@ impl TestCluster {
         assert!(p.signal("CONT"), "kill -CONT node {}", i + 1);
     }
 
+    /// Waits (up to 20 s) until node `i` knows a leader for every shard;
+    /// returns its map.
+    pub async fn leaders_known(&self, i: usize) -> dmkv_common::cluster::map::ClusterMap {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        loop {
+            if let Ok(client) = dmkv_client::Client::connect(self.rpc(i)).await
+                && let Ok(m) = client.cluster_map().await
+                && m.shards().iter().all(|s| s.leader.is_some())
+            {
+                return m;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no leader for every shard within 20 s; node log:\n{}",
+                self.log(i)
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
+
     /// Node index `i`'s RPC address.
     pub fn rpc(&self, i: usize) -> &str {
         &self.rpc[i]

@@ -7,7 +7,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use dmkv_client::Client;
-use dmkv_common::cluster::map::ClusterMap;
 use dmkv_tests::cluster::TestCluster;
 use dmkv_tests::{bin_path, wait_until};
 
@@ -15,26 +14,11 @@ fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime")
 }
 
-/// Waits until node `i` knows a leader for every shard; returns its map.
-async fn leaders_known(c: &TestCluster, i: usize) -> ClusterMap {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        if let Ok(client) = Client::connect(c.rpc(i)).await
-            && let Ok(m) = client.cluster_map().await
-            && m.shards().iter().all(|s| s.leader.is_some())
-        {
-            return m;
-        }
-        assert!(Instant::now() < deadline, "no leader for every shard within 20 s; node log:\n{}", c.log(i));
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 #[test]
 fn a_three_node_cluster_serves_every_shard() {
     let c = TestCluster::start(3, 6, 3, false, &[]);
     rt().block_on(async {
-        leaders_known(&c, 0).await;
+        c.leaders_known(0).await;
         let client = Client::connect(c.rpc(1)).await.expect("connect");
         let map = client.cluster_map().await.expect("map");
         let keys: Vec<String> = (0..300).map(|i| format!("key-{i}")).collect();
@@ -81,7 +65,7 @@ fn killing_a_leader_loses_no_acknowledged_put() {
     const PUTS: usize = 10_000;
     let mut c = TestCluster::start(3, 3, 3, false, &[]);
     let rt = rt();
-    let map = rt.block_on(leaders_known(&c, 1));
+    let map = rt.block_on(c.leaders_known(1));
     let victim_shard = 0;
     let victim = map.shards()[victim_shard as usize].leader.expect("a leader") as usize - 1;
     let seed = (victim + 1) % 3;
@@ -152,7 +136,7 @@ fn nodes_restarted_from_their_logs_keep_every_acknowledged_write() {
     let mut c = TestCluster::start(3, 3, 3, true, &[]);
     let rt = rt();
     rt.block_on(async {
-        leaders_known(&c, 0).await;
+        c.leaders_known(0).await;
         let client = Client::connect(c.rpc(0)).await.expect("connect");
         for i in 0..500 {
             client.put(format!("d{i}"), format!("v{i}")).await.expect("put");
@@ -168,7 +152,7 @@ fn nodes_restarted_from_their_logs_keep_every_acknowledged_write() {
         c.restart(i);
     }
     rt.block_on(async {
-        leaders_known(&c, 2).await;
+        c.leaders_known(2).await;
         let client = Client::connect(c.rpc(2)).await.expect("connect");
         for i in 0..500 {
             let want = (i % 5 != 0).then(|| format!("v{i}"));
@@ -182,7 +166,7 @@ fn nodes_restarted_from_their_logs_keep_every_acknowledged_write() {
 fn a_full_shard_refuses_writes_and_its_replicas_stay_equal() {
     let c = TestCluster::start(3, 2, 3, false, &[]);
     rt().block_on(async {
-        leaders_known(&c, 0).await;
+        c.leaders_known(0).await;
         let client = Client::connect(c.rpc(0)).await.expect("connect");
         let value = vec![b'x'; 10 << 10];
         let (mut stored, mut refused) = (0u32, 0u32);

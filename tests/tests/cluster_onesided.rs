@@ -16,27 +16,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use dmkv_client::{Client, ClientConfig, ReadPath, Transport};
-use dmkv_common::cluster::map::ClusterMap;
 use dmkv_tests::cluster::TestCluster;
 use stateright::semantics::register::{Register, RegisterOp, RegisterRet};
 use stateright::semantics::{ConsistencyTester, LinearizabilityTester};
 
 fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime")
-}
-
-async fn leaders_known(c: &TestCluster, i: usize) -> ClusterMap {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        if let Ok(client) = Client::connect(c.rpc(i)).await
-            && let Ok(m) = client.cluster_map().await
-            && m.shards().iter().all(|s| s.leader.is_some())
-        {
-            return m;
-        }
-        assert!(Instant::now() < deadline, "no leader for every shard within 20 s; node log:\n{}", c.log(i));
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 fn reader_config(t: Transport) -> ClientConfig {
@@ -60,7 +45,7 @@ fn one_sided_gets_read_shard_leaders_and_follow_a_failover() {
     let mut c = TestCluster::start(3, 6, 3, false, &[]);
     let rt = rt();
     rt.block_on(async {
-        let map = leaders_known(&c, 0).await;
+        let map = c.leaders_known(0).await;
         let victim = map.shards()[0].leader.expect("a leader") as usize - 1;
         let via = (victim + 1) % 3;
         let writer = Client::connect(c.rpc(via)).await.expect("connect");
@@ -127,7 +112,7 @@ fn stalled_leader_run(check_leases: bool) -> Run {
     const KEYS: usize = 6;
     let c = TestCluster::start(3, 3, 3, false, &[]);
     let rt = rt();
-    let map = rt.block_on(leaders_known(&c, 0));
+    let map = rt.block_on(c.leaders_known(0));
     let shard = 1;
     let stalled = map.shards()[shard as usize].leader.expect("a leader") as usize - 1;
     let via = (stalled + 1) % 3;

@@ -16,7 +16,6 @@ use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
 use dmkv_client::Client;
-use dmkv_common::cluster::map::ClusterMap;
 use dmkv_tests::cluster::TestCluster;
 use hdrhistogram::Histogram;
 use tokio::sync::Mutex;
@@ -68,20 +67,6 @@ fn main() {
     }
 }
 
-async fn leaders(c: &TestCluster, via: usize) -> ClusterMap {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Ok(client) = Client::connect(c.rpc(via)).await
-            && let Ok(m) = client.cluster_map().await
-            && m.shards().iter().all(|s| s.leader.is_some())
-        {
-            return m;
-        }
-        assert!(Instant::now() < deadline, "no leader for every shard within 30 s");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
@@ -104,7 +89,7 @@ async fn failover(kills: usize, shards: u32) {
     let (mut put_times, mut get_times) = (Vec::new(), Vec::new());
     for k in 0..kills {
         let shard = k as u32 % shards;
-        let map = leaders(&c, 0).await;
+        let map = c.leaders_known(0).await;
         let victim = map.shards()[shard as usize].leader.expect("a leader") as usize - 1;
         let via = (victim + 1) % 3;
         let key = (0..).map(|i| format!("fo-{shard}-{i}")).find(|k| map.shard_of(k.as_bytes()).id == shard).unwrap();
@@ -172,7 +157,7 @@ async fn failover(kills: usize, shards: u32) {
 
 async fn put_latency(sync: &str, puts: usize, concurrency: usize, value_size: usize, nodes: usize) {
     let c = TestCluster::start(nodes, 3, nodes, true, &["--sync", sync]);
-    leaders(&c, 0).await;
+    c.leaders_known(0).await;
     let client = Client::connect(c.rpc(0)).await.expect("connect");
     let value = Arc::new(vec![b'v'; value_size]);
     // Warm-up: sessions to every node, leases, caches.

@@ -374,8 +374,8 @@ mod tests {
         false
     }
 
-    #[test]
-    fn three_shard_threads_elect_replicate_and_fail_over() {
+    /// Three shard threads wired to each other, a first PUT taken.
+    fn three_threads() -> (Inboxes, Vec<Option<ShardThread>>, Vec<Arc<Store>>) {
         let inboxes: Inboxes = Arc::new(Mutex::new(vec![None, None, None]));
         let mut threads = Vec::new();
         let mut stores = Vec::new();
@@ -386,13 +386,24 @@ mod tests {
             stores.push(s);
         }
         assert!(put_anywhere(&threads, "before"), "no leader took a PUT");
-        // The leader is the one whose proposals succeed: stop it.
-        let leader = (0..3)
+        (inboxes, threads, stores)
+    }
+
+    /// The leader: the thread whose proposal succeeds.
+    fn leader_of(threads: &[Option<ShardThread>]) -> usize {
+        (0..threads.len())
             .find(|&i| {
                 let rx = threads[i].as_ref().unwrap().propose(encode_put(b"probe", b"v"));
                 matches!(rx.blocking_recv(), Ok(Ok(_)))
             })
-            .expect("a leader");
+            .expect("a leader")
+    }
+
+    #[test]
+    fn three_shard_threads_elect_replicate_and_fail_over() {
+        let (inboxes, mut threads, stores) = three_threads();
+        // The leader is the one whose proposals succeed: stop it.
+        let leader = leader_of(&threads);
         inboxes.lock().unwrap()[leader] = None;
         threads[leader].take().unwrap().stop();
         let t0 = Instant::now();
@@ -411,22 +422,8 @@ mod tests {
 
     #[test]
     fn a_follower_without_room_applies_later_and_skips_nothing() {
-        let inboxes: Inboxes = Arc::new(Mutex::new(vec![None, None, None]));
-        let mut threads = Vec::new();
-        let mut stores = Vec::new();
-        for id in 1..=3 {
-            let (t, s) = start(id, &inboxes);
-            inboxes.lock().unwrap()[id as usize - 1] = Some(Box::new(t.inbox()));
-            threads.push(Some(t));
-            stores.push(s);
-        }
-        assert!(put_anywhere(&threads, "before"), "no leader took a PUT");
-        let leader = (0..3)
-            .find(|&i| {
-                let rx = threads[i].as_ref().unwrap().propose(encode_put(b"probe", b"v"));
-                matches!(rx.blocking_recv(), Ok(Ok(_)))
-            })
-            .expect("a leader");
+        let (_, threads, stores) = three_threads();
+        let leader = leader_of(&threads);
         let f = (leader + 1) % 3;
         let deadline = Instant::now() + Duration::from_secs(5);
         while stores[f].get(b"probe").unwrap().is_none() && Instant::now() < deadline {
