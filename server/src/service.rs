@@ -454,11 +454,15 @@ async fn cluster_request(node: &ClusterNode, max_frame: usize, op: &Op) -> Optio
                         format!("multi-get of {} keys exceeds the limit of {MAX_MULTI_GET_KEYS}", m.keys.len()),
                     )));
                 }
-                let mut values = Vec::with_capacity(m.keys.len());
+                let got = match node.multi_get(&m.keys).await {
+                    Ok(got) => got,
+                    Err(e) => return Some(Err(cluster_refusal(e))),
+                };
+                let mut values = Vec::with_capacity(got.len());
                 let mut bytes = 0usize;
-                for k in &m.keys {
-                    match node.get(k).await {
-                        Ok(Some((value, version, at))) => {
+                for v in got {
+                    match v {
+                        Some((value, version, at)) => {
                             bytes += value.len();
                             if bytes > max_frame {
                                 return Some(Err(plain(
@@ -468,8 +472,7 @@ async fn cluster_request(node: &ClusterNode, max_frame: usize, op: &Op) -> Optio
                             }
                             values.push(found(value, version, at));
                         }
-                        Ok(None) => values.push(proto::GetReply::default()),
-                        Err(e) => return Some(Err(cluster_refusal(e))),
+                        None => values.push(proto::GetReply::default()),
                     }
                 }
                 return Some(Ok(R::MultiGet(proto::MultiGetReply { values })));

@@ -332,6 +332,19 @@ impl ClusterNode {
         self.readable(key).await?.get_located(key).map_err(ClusterError::Store)
     }
 
+    /// Linearizable GETs of many keys: one read permission per shard
+    /// (a quorum round, or the lease), then every key of that shard.
+    pub async fn multi_get(&self, keys: &[Bytes]) -> Result<Vec<Option<(Bytes, u64, Location)>>, ClusterError> {
+        let mut permitted = std::collections::HashSet::new();
+        let mut out = Vec::with_capacity(keys.len());
+        for k in keys {
+            let shard = crate::lock::lock(&self.map).shard_of(k).id;
+            let store = if permitted.insert(shard) { self.readable(k).await? } else { &self.replica_of(k)?.store };
+            out.push(store.get_located(k).map_err(ClusterError::Store)?);
+        }
+        Ok(out)
+    }
+
     /// This node's shard replicas' regions, for one-sided readers: (shard,
     /// store, registration), by shard.
     pub fn regions(&self) -> Vec<(ShardId, Arc<Store>, Arc<Registration>)> {
