@@ -36,6 +36,11 @@ fn a_three_node_cluster_serves_every_shard() {
         for (k, v) in keys.iter().zip(&got) {
             assert_eq!(v.as_deref(), Some(format!("value of {k}").as_bytes()));
         }
+        // And over RPC: one read permission per shard on its leader.
+        let got = client.rpc_multi_get(&keys).await.expect("RPC multi-get");
+        for (k, v) in keys.iter().zip(&got) {
+            assert_eq!(v.as_deref(), Some(format!("value of {k}").as_bytes()));
+        }
         assert!(client.delete("key-7").await.expect("delete"));
         assert_eq!(client.get("key-7").await.expect("get"), None);
         assert!(!client.delete("key-7").await.expect("delete again"));
