@@ -65,6 +65,9 @@ impl Server {
             Some(setup) => {
                 let me = setup.config.node(setup.node_id).map_err(invalid)?;
                 let peer = TcpListener::bind(me.peer).await?;
+                if cfg.tls.is_some() {
+                    warn!("TLS covers clients only: raft traffic between nodes is authenticated but not encrypted");
+                }
                 let params = cluster::node::NodeParams {
                     memory: cfg.memory,
                     compactor: cfg.compactor,

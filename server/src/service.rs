@@ -109,7 +109,10 @@ async fn serve(stream: TcpStream, shared: Arc<Shared>, shutdown: watch::Receiver
         #[cfg(feature = "rdma")]
         qps: Vec::new(),
     };
-    let (tls, limits) = (shared.tls.clone(), shared.limits);
+    // The peer port speaks plain TCP: peers prove the admin secret on
+    // every connection, but what they replicate is not encrypted (peer TLS
+    // is not built; docs/replication.md).
+    let (tls, limits) = (if peer_port { None } else { shared.tls.clone() }, shared.limits);
     let requests = Requests { decoder: Decoder::new(shared.max_frame), shared, state, deferred: Deferred::new() };
     match tls {
         None => framed::serve_connection(stream, peer, "rpc", requests, limits, shutdown).await,

@@ -369,3 +369,46 @@ fn guessed_engine_rkeys_fail() {
     let r = onesided::decode_reply(&body).unwrap();
     assert!(r.results.iter().all(|(st, _)| *st == ReadStatus::BadRkey), "a guessed rkey read the region");
 }
+
+/// A cluster whose nodes serve TLS: clients reach every shard over TLS
+/// (RPC and one-sided engine reads), and the nodes' raft traffic flows.
+#[test]
+fn a_cluster_with_tls_serves_every_shard() {
+    let dir = TempDir::new("cluster-tls");
+    let p = pki(&dir);
+    let c = dmkv_tests::cluster::TestCluster::start(
+        3,
+        3,
+        3,
+        false,
+        &["--tls-cert", &p.server_cert, "--tls-key", &p.server_key],
+    );
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    rt.block_on(async {
+        let cfg = |path| ClientConfig {
+            tls: tls(&p.ca),
+            read_path: path,
+            transport: Some(Transport::Tcp),
+            ..Default::default()
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        let client = loop {
+            if let Ok(client) = Client::connect_with(c.rpc(0), cfg(ReadPath::Rpc)).await
+                && let Ok(m) = client.cluster_map().await
+                && m.shards().iter().all(|s| s.leader.is_some())
+            {
+                break client;
+            }
+            assert!(std::time::Instant::now() < deadline, "no leaders over TLS: node log:\n{}", c.log(0));
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        for i in 0..60 {
+            client.put(format!("t{i}"), format!("v{i}")).await.expect("put over TLS");
+        }
+        let reader = Client::connect_with(c.rpc(1), cfg(ReadPath::OneSided)).await.unwrap();
+        for i in 0..60 {
+            assert_eq!(reader.get(format!("t{i}")).await.unwrap().as_deref(), Some(format!("v{i}").as_bytes()));
+        }
+        assert!(reader.read_stats().gets > 0, "no GET went one-sided over the TLS engine");
+    });
+}
