@@ -65,6 +65,12 @@ impl Server {
             Some(setup) => {
                 let me = setup.config.node(setup.node_id).map_err(invalid)?;
                 let peer = TcpListener::bind(me.peer).await?;
+                if setup.data_dir.is_none() {
+                    warn!(
+                        "cluster node in memory only (no --data-dir): if it restarts it must not rejoin with its old \
+                         state forgotten; rejoining as a new replica is not built yet (docs/replication.md)"
+                    );
+                }
                 if cfg.tls.is_some() {
                     warn!("TLS covers clients only: raft traffic between nodes is authenticated but not encrypted");
                 }
