@@ -624,6 +624,7 @@ fn stats(shared: &Shared) -> HashMap<String, u64> {
                 }
             }
             out.insert("shard_replicas".into(), replicas);
+            out.extend(node.replica_counters().into_iter().map(|(k, v)| (k.to_string(), v)));
         }
         None => out.extend(store_stats(&shared.store).into_iter().map(|(k, v)| (k.to_string(), v))),
     }

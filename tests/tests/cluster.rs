@@ -36,11 +36,18 @@ fn a_three_node_cluster_serves_every_shard() {
         for (k, v) in keys.iter().zip(&got) {
             assert_eq!(v.as_deref(), Some(format!("value of {k}").as_bytes()));
         }
-        // And over RPC: one read permission per shard on its leader.
+        // And over RPC: one read permission per shard on its leader,
+        // granted by the leader's lease (no quorum round) when it holds one.
         let got = client.rpc_multi_get(&keys).await.expect("RPC multi-get");
         for (k, v) in keys.iter().zip(&got) {
             assert_eq!(v.as_deref(), Some(format!("value of {k}").as_bytes()));
         }
+        let mut lease_reads = 0;
+        for i in 0..3 {
+            lease_reads +=
+                Client::connect(c.rpc(i)).await.expect("connect").stats().await.expect("stats")["shard_lease_reads"];
+        }
+        assert!(lease_reads > 0, "no RPC read was answered under a lease");
         assert!(client.delete("key-7").await.expect("delete"));
         assert_eq!(client.get("key-7").await.expect("get"), None);
         assert!(!client.delete("key-7").await.expect("delete again"));

@@ -52,6 +52,10 @@ pub struct ReplicaStatus {
     pub leader: AtomicU64,
     pub commit: AtomicU64,
     pub applied: AtomicU64,
+    /// RPC reads answered under the lease (no quorum round).
+    pub lease_reads: AtomicU64,
+    /// Tries to apply a committed command that found no room.
+    pub apply_stalls: AtomicU64,
     /// Leader only: (follower, entries behind).
     lag: std::sync::Mutex<Vec<(u64, u64)>>,
 }
@@ -91,6 +95,8 @@ impl ReplicaStatus {
         self.leader.store(r.leader_id, Ordering::Relaxed);
         self.commit.store(r.raft_log.committed, Ordering::Relaxed);
         self.applied.store(core.applied(), Ordering::Relaxed);
+        self.lease_reads.store(core.lease_reads(), Ordering::Relaxed);
+        self.apply_stalls.store(core.apply_stalls(), Ordering::Relaxed);
         let last = r.raft_log.last_index();
         let lag = if role == 2 {
             r.prs().iter().filter(|(id, _)| **id != r.id).map(|(id, p)| (*id, last.saturating_sub(p.matched))).collect()

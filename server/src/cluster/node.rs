@@ -353,6 +353,14 @@ impl ClusterNode {
         v
     }
 
+    /// Counters of this node's replicas, summed (for STATS).
+    pub fn replica_counters(&self) -> [(&'static str, u64); 2] {
+        use std::sync::atomic::Ordering::Relaxed;
+        let sum =
+            |f: fn(&ReplicaStatus) -> &AtomicU64| self.replicas.values().map(|r| f(&r.status).load(Relaxed)).sum();
+        [("shard_lease_reads", sum(|s| &s.lease_reads)), ("shard_apply_stalls", sum(|s| &s.apply_stalls))]
+    }
+
     /// The stores of this node's replicas (for STATS).
     pub fn stores(&self) -> impl Iterator<Item = &Arc<Store>> {
         self.replicas.values().map(|r| &r.store)
