@@ -36,6 +36,9 @@ pub const MIN_RKEY_ROTATE: Duration = Duration::from_secs(1);
 pub const DEFAULT_MAX_ENGINE_CONNECTIONS: usize = 1024;
 /// Most shared-memory handoff connections at once: one per mapping client
 /// process on this host.
+/// Smallest `--raft-log-entries`: below it a busy shard would snapshot
+/// all the time.
+pub const MIN_RAFT_LOG_ENTRIES: u64 = 100;
 pub const DEFAULT_MAX_SHM_CONNECTIONS: usize = 256;
 /// A connection whose peer sends nothing for this long is closed (clients
 /// reconnect when they need to).
@@ -150,6 +153,10 @@ pub struct Flags {
     /// batch, before acknowledging), batch (every 10 ms) or none.
     #[arg(long, value_name = "POLICY")]
     pub sync: Option<crate::cluster::log::SyncPolicy>,
+    /// Entries a shard's raft log holds before it is cut down to a tenth
+    /// (the shard's items saved as a snapshot first, with --data-dir).
+    #[arg(long, value_name = "N")]
+    pub raft_log_entries: Option<u64>,
 }
 
 /// The TOML file; every field is optional.
@@ -176,6 +183,7 @@ pub struct FileConfig {
     pub node_id: Option<u64>,
     pub data_dir: Option<PathBuf>,
     pub sync: Option<crate::cluster::log::SyncPolicy>,
+    pub raft_log_entries: Option<u64>,
     pub rkey_rotate_secs: Option<u64>,
     pub tls_cert: Option<PathBuf>,
     pub tls_key: Option<PathBuf>,
@@ -428,7 +436,23 @@ impl Config {
                 if sync.is_some() && data_dir.is_none() {
                     return Err("--sync needs --data-dir: without it the raft log is in memory".into());
                 }
-                Some(crate::cluster::node::ClusterSetup { config, node_id, data_dir, sync: sync.unwrap_or_default() })
+                let log_limits = match flags.raft_log_entries.or(file.raft_log_entries) {
+                    None => crate::cluster::shard::LogLimits::default(),
+                    Some(n) if n < MIN_RAFT_LOG_ENTRIES => {
+                        return Err(format!("--raft-log-entries must be at least {MIN_RAFT_LOG_ENTRIES}"));
+                    }
+                    Some(n) => crate::cluster::shard::LogLimits { max_entries: n, keep_entries: n / 10 },
+                };
+                Some(crate::cluster::node::ClusterSetup {
+                    config,
+                    node_id,
+                    data_dir,
+                    sync: sync.unwrap_or_default(),
+                    log_limits,
+                })
+            }
+            (None, None) if flags.raft_log_entries.is_some() || file.raft_log_entries.is_some() => {
+                return Err("--raft-log-entries is for cluster nodes (--cluster FILE --node-id N)".into());
             }
             (None, None) if flags.data_dir.is_some() || file.data_dir.is_some() => {
                 return Err("--data-dir is for cluster nodes (--cluster FILE --node-id N)".into());

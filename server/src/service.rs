@@ -63,6 +63,8 @@ struct ConnState {
     nonce: Option<[u8; dmkv_common::auth::NONCE_LEN]>,
     /// Accepted on the peer port: raft traffic only.
     peer_port: bool,
+    /// A peer's raft message arriving in parts (a snapshot).
+    raft_parts: crate::cluster::wire::Assembler,
     /// RDMA queue pairs set up over this connection; destroyed with it.
     #[cfg(feature = "rdma")]
     qps: Vec<dmkv_verbs::QueuePair>,
@@ -106,6 +108,7 @@ async fn serve(stream: TcpStream, shared: Arc<Shared>, shutdown: watch::Receiver
         role: shared.gate.initial_role(),
         nonce: None,
         peer_port,
+        raft_parts: Default::default(),
         #[cfg(feature = "rdma")]
         qps: Vec::new(),
     };
@@ -423,7 +426,7 @@ async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response
         },
         Some(Op::Raft(batch)) => match &shared.raft {
             None => return error(id, ErrorCode::BadRequest, "this node is not part of a cluster".into()),
-            Some(sink) => match crate::cluster::wire::decode(&batch) {
+            Some(sink) => match conn.raft_parts.accept(&batch) {
                 Ok(msgs) => R::Raft(proto::RaftReply { accepted: sink.deliver(batch.from_node, msgs) as u32 }),
                 Err(e) => return error(id, ErrorCode::BadRequest, e.to_string()),
             },

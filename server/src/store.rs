@@ -35,6 +35,7 @@ use crate::alloc::{Allocator, Space};
 use crate::lock::lock;
 use crate::region::Region;
 
+mod dump;
 mod evacuate;
 mod index;
 
@@ -398,6 +399,12 @@ impl Store {
     ///
     /// On any error nothing changed: the old value (if any) stays readable.
     pub fn put(&self, key: &[u8], value: &[u8]) -> Result<u64, Error> {
+        self.put_versioned(key, value, None)
+    }
+
+    /// [`Store::put`] with the version given (`Some`: a restored item,
+    /// which keeps the version it had; later writes get higher ones).
+    fn put_versioned(&self, key: &[u8], value: &[u8], given: Option<u64>) -> Result<u64, Error> {
         check_key(key)?;
         check_value(value)?;
         let kh = key_hash(key, self.header.hash_seed);
@@ -435,8 +442,8 @@ impl Store {
             self.counters.out_of_memory.fetch_add(1, Ordering::Relaxed);
             return Err(Error::OutOfMemory);
         };
-        let version = w.next_version;
-        w.next_version += 1;
+        let version = given.unwrap_or(w.next_version);
+        w.next_version = w.next_version.max(version.saturating_add(1));
         w.scratch.clear();
         encode_item(key, value, version, 0, &mut w.scratch);
         let offset = at * UNIT as u64;

@@ -214,3 +214,78 @@ fn a_full_shard_refuses_writes_and_its_replicas_stay_equal() {
         client.put("after", &value).await.expect("a PUT after deletes");
     });
 }
+
+/// Every node's `items` (summed over its replicas) and one STATS counter.
+async fn items_and(c: &TestCluster, counter: &str) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    for i in 0..3 {
+        let s = Client::connect(c.rpc(i)).await.expect("connect").stats().await.expect("stats");
+        out.push((s["items"], s.get(counter).copied().unwrap_or(0)));
+    }
+    out
+}
+
+#[test]
+fn a_node_far_behind_catches_up_by_snapshot_and_restarts_from_it() {
+    // Logs cut down past 200 entries: the node away misses more than that.
+    // Frames of about 1 MiB: a snapshot (1.6 MB of 4 KiB values per shard)
+    // travels in parts.
+    let mut c = TestCluster::start(3, 3, 3, true, &["--raft-log-entries", "200", "--max-frame", "1100000"]);
+    let big = |i: usize| format!("b{i}-{}", "x".repeat(4000));
+    let rt = rt();
+    let mut want: BTreeMap<String, Option<String>> = BTreeMap::new();
+    rt.block_on(async {
+        c.leaders_known(0).await;
+        let client = Client::connect(c.rpc(0)).await.expect("connect");
+        for i in 0..300 {
+            client.put(format!("s{i}"), format!("a{i}")).await.expect("put");
+            want.insert(format!("s{i}"), Some(format!("a{i}")));
+        }
+    });
+    c.kill(2);
+    rt.block_on(async {
+        let client = Client::connect(c.rpc(0)).await.expect("connect");
+        for i in 0..2000 {
+            let k = format!("s{}", i % 1200);
+            if i % 7 == 3 {
+                client.delete(&k).await.expect("delete");
+                want.insert(k, None);
+            } else {
+                client.put(&k, big(i)).await.expect("put");
+                want.insert(k, Some(big(i)));
+            }
+        }
+    });
+    c.restart(2);
+    let live = want.values().filter(|v| v.is_some()).count() as u64;
+    rt.block_on(async {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let s = items_and(&c, "shard_snapshots_installed").await;
+            if s.iter().all(|&(n, _)| n == live) && s[2].1 > 0 {
+                break;
+            }
+            assert!(Instant::now() < deadline, "node 3 did not catch up by snapshot: {s:?} (want {live} items)");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let built: u64 = items_and(&c, "shard_snapshots_built").await.iter().map(|s| s.1).sum();
+        assert!(built > 0, "no leader built a snapshot");
+    });
+    // Every node restarts from its saved snapshot and what its log kept.
+    for i in 0..3 {
+        c.kill(i);
+    }
+    for i in 0..3 {
+        c.restart(i);
+    }
+    rt.block_on(async {
+        c.leaders_known(2).await;
+        let client = Client::connect(c.rpc(2)).await.expect("connect");
+        for (k, v) in &want {
+            let got = client.get(k).await.expect("get");
+            assert_eq!(got.as_deref(), v.as_deref().map(str::as_bytes), "{k}");
+        }
+        let s = items_and(&c, "shard_snapshots_installed").await;
+        assert!(s.iter().all(|&(n, _)| n == live), "replicas differ after the restart: {s:?}");
+    });
+}

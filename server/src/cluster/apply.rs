@@ -72,6 +72,20 @@ pub struct Remembered {
 }
 
 impl Remembered {
+    /// The remembered writes, oldest first: ((client, seq), outcome).
+    pub fn entries(&self) -> impl Iterator<Item = ((u64, u64), &Applied)> {
+        self.order.iter().filter_map(|id| self.outcomes.get(id).map(|a| (*id, a)))
+    }
+
+    /// Remembers `entries` (oldest first), as a snapshot carried them.
+    pub fn from_entries(entries: impl IntoIterator<Item = ((u64, u64), Applied)>) -> Remembered {
+        let mut r = Remembered::default();
+        for ((client, seq), a) in entries {
+            r.insert(Some(&proto::WriteId { client, seq }), &a);
+        }
+        r
+    }
+
     fn get(&self, id: Option<&proto::WriteId>) -> Option<Applied> {
         id.and_then(|w| self.outcomes.get(&(w.client, w.seq)).cloned())
     }

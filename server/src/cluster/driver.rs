@@ -56,6 +56,10 @@ pub struct ReplicaStatus {
     pub lease_reads: AtomicU64,
     /// Tries to apply a committed command that found no room.
     pub apply_stalls: AtomicU64,
+    /// Snapshots built for followers.
+    pub snapshots_built: AtomicU64,
+    /// Snapshots taken from a leader.
+    pub snapshots_installed: AtomicU64,
     /// Leader only: (follower, entries behind).
     lag: std::sync::Mutex<Vec<(u64, u64)>>,
 }
@@ -97,6 +101,9 @@ impl ReplicaStatus {
         self.applied.store(core.applied(), Ordering::Relaxed);
         self.lease_reads.store(core.lease_reads(), Ordering::Relaxed);
         self.apply_stalls.store(core.apply_stalls(), Ordering::Relaxed);
+        let (built, installed) = core.snapshot_counts();
+        self.snapshots_built.store(built, Ordering::Relaxed);
+        self.snapshots_installed.store(installed, Ordering::Relaxed);
         let last = r.raft_log.last_index();
         let lag = if role == 2 {
             r.prs().iter().filter(|(id, _)| **id != r.id).map(|(id, p)| (*id, last.saturating_sub(p.matched))).collect()

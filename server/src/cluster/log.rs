@@ -8,12 +8,15 @@
 //! compacted entries; both are refused here with an error first (raft-rs
 //! never asks for either outside a snapshot, which resets the log).
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use raft::prelude::{ConfState, Entry, HardState, Snapshot, SnapshotMetadata};
 use raft::{GetEntriesContext, RaftState, StorageError};
 use raft_engine::{Command, Engine, LogBatch, MessageExt};
 use thiserror::Error;
+
+use super::snapshot::{Point, SnapshotSlot};
 
 /// raft-engine's view of raft-rs entries.
 #[derive(Clone)]
@@ -39,6 +42,8 @@ pub enum LogError {
     Hole { shard: u64, at: u64, last: u64 },
     #[error("raft log of shard {shard}: appending at {at} would overwrite compacted entries (first is {first})")]
     Compacted { shard: u64, at: u64, first: u64 },
+    #[error("snapshot file {file}: {source}")]
+    Snapshot { file: PathBuf, source: std::io::Error },
 }
 
 /// What one `Ready` asks to make durable.
@@ -90,6 +95,8 @@ pub struct RaftLog {
     dir: String,
     /// fsync every ready (`SyncPolicy::Always`).
     sync: bool,
+    /// Where the snapshot raft sends to followers comes from.
+    slot: Option<Arc<SnapshotSlot>>,
 }
 
 impl RaftLog {
@@ -102,7 +109,49 @@ impl RaftLog {
     /// Shard `shard`'s log in `engine`.
     pub fn new(engine: Arc<Engine>, shard: u64) -> RaftLog {
         let dir = engine.path().to_string();
-        RaftLog { engine, shard, dir, sync: false }
+        RaftLog { engine, shard, dir, sync: false, slot: None }
+    }
+
+    /// Hands raft the snapshots put in `slot` (without one, followers that
+    /// need a snapshot wait).
+    pub fn with_snapshots(mut self, slot: Arc<SnapshotSlot>) -> RaftLog {
+        self.slot = Some(slot);
+        self
+    }
+
+    /// The file holding this shard's state machine as of its last
+    /// snapshot, beside the log's directory.
+    pub fn snapshot_file(&self) -> PathBuf {
+        PathBuf::from(format!("{}-snapshots", self.dir.trim_end_matches('/')))
+            .join(format!("shard-{}.snap", self.shard))
+    }
+
+    /// The saved snapshot's bytes, if there is one (checked by the caller:
+    /// `snapshot::decode`).
+    pub fn load_snapshot(&self) -> Result<Option<Vec<u8>>, LogError> {
+        let file = self.snapshot_file();
+        match std::fs::read(&file) {
+            Ok(b) => Ok(Some(b)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(source) => Err(LogError::Snapshot { file, source }),
+        }
+    }
+
+    /// Saves a snapshot whole or not at all: written beside, forced to
+    /// disk, renamed over the last one, the directory forced too.
+    fn write_snapshot(&self, data: &[u8]) -> Result<(), LogError> {
+        use std::io::Write;
+        let file = self.snapshot_file();
+        let err = |source| LogError::Snapshot { file: file.clone(), source };
+        let dir = file.parent().unwrap_or(std::path::Path::new("."));
+        std::fs::create_dir_all(dir).map_err(err)?;
+        let tmp = file.with_extension("snap.tmp");
+        let mut f = std::fs::File::create(&tmp).map_err(err)?;
+        f.write_all(data).map_err(err)?;
+        f.sync_all().map_err(err)?;
+        std::fs::rename(&tmp, &file).map_err(err)?;
+        std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(err)?;
+        Ok(())
     }
 
     /// Forces every ready batch to disk before raft goes on.
@@ -124,9 +173,19 @@ impl RaftLog {
     /// Makes what a `Ready` carries durable, in one batch.
     pub fn persist(&self, p: Persist<'_>) -> Result<(), LogError> {
         let mut b = LogBatch::default();
+        let mut hard_state = p.hard_state.cloned();
         if let Some(snap) = p.snapshot {
+            // The state machine first: once the log is replaced by the
+            // snapshot, a restart can only start from the saved state.
+            self.write_snapshot(&snap.data)?;
             // A snapshot replaces the whole log.
             let meta = snap.get_metadata();
+            let mut hs = match hard_state.take() {
+                Some(hs) => hs,
+                None => self.engine.get_message(self.shard, HARD_STATE).map_err(|e| self.err(e))?.unwrap_or_default(),
+            };
+            hs.commit = hs.commit.max(meta.index);
+            hard_state = Some(hs);
             b.add_command(self.shard, Command::Clean);
             b.put_message(self.shard, SNAPSHOT_META.to_vec(), meta).map_err(|e| self.err(e))?;
             b.put_message(self.shard, CONF_STATE.to_vec(), meta.get_conf_state()).map_err(|e| self.err(e))?;
@@ -148,7 +207,7 @@ impl RaftLog {
             }
             b.add_entries::<EntryExt>(self.shard, p.entries).map_err(|e| self.err(e))?;
         }
-        if let Some(hs) = p.hard_state {
+        if let Some(hs) = &hard_state {
             b.put_message(self.shard, HARD_STATE.to_vec(), hs).map_err(|e| self.err(e))?;
         }
         if !b.is_empty() {
@@ -161,6 +220,34 @@ impl RaftLog {
     pub fn set_conf_state(&self, cs: &ConfState) -> Result<(), LogError> {
         let mut b = LogBatch::default();
         b.put_message(self.shard, CONF_STATE.to_vec(), cs).map_err(|e| self.err(e))?;
+        self.engine.write(&mut b, true).map_err(|e| self.err(e))?;
+        Ok(())
+    }
+
+    /// Makes the log start after a snapshot at `at` whose state was saved
+    /// but whose install in the log did not happen (a crash in between):
+    /// what the log held up to there is in the snapshot.
+    pub fn finish_install(&self, at: Point) -> Result<(), LogError> {
+        let cs: Option<ConfState> = self.engine.get_message(self.shard, CONF_STATE).map_err(|e| self.err(e))?;
+        let mut hs: HardState =
+            self.engine.get_message(self.shard, HARD_STATE).map_err(|e| self.err(e))?.unwrap_or_default();
+        hs.commit = hs.commit.max(at.index);
+        if at.term > hs.term {
+            // A vote belongs to its term.
+            hs.term = at.term;
+            hs.vote = 0;
+        }
+        let mut meta = SnapshotMetadata { index: at.index, term: at.term, ..Default::default() };
+        if let Some(cs) = &cs {
+            meta.set_conf_state(cs.clone());
+        }
+        let mut b = LogBatch::default();
+        b.add_command(self.shard, Command::Clean);
+        b.put_message(self.shard, SNAPSHOT_META.to_vec(), &meta).map_err(|e| self.err(e))?;
+        if let Some(cs) = &cs {
+            b.put_message(self.shard, CONF_STATE.to_vec(), cs).map_err(|e| self.err(e))?;
+        }
+        b.put_message(self.shard, HARD_STATE.to_vec(), &hs).map_err(|e| self.err(e))?;
         self.engine.write(&mut b, true).map_err(|e| self.err(e))?;
         Ok(())
     }
@@ -186,6 +273,22 @@ impl crate::cluster::replica::LogStore for RaftLog {
         // about power loss.
         RaftLog::persist(self, Persist { entries, hard_state: hs, snapshot, sync: self.sync })
             .map_err(|e| raft::Error::Store(StorageError::Other(Box::new(e))))
+    }
+
+    fn compact(&self, to: u64) -> raft::Result<()> {
+        if to <= raft::Storage::first_index(self)? {
+            return Ok(());
+        }
+        let term = raft::Storage::term(self, to - 1)?;
+        self.compact_to(to, term).map_err(|e| raft::Error::Store(StorageError::Other(Box::new(e))))
+    }
+
+    fn durable(&self) -> bool {
+        true
+    }
+
+    fn save_snapshot(&self, data: &[u8], _at: Point) -> raft::Result<()> {
+        self.write_snapshot(data).map_err(|e| raft::Error::Store(StorageError::Other(Box::new(e))))
     }
 
     fn set_commit(&self, commit: u64) -> raft::Result<()> {
@@ -256,9 +359,11 @@ impl raft::Storage for RaftLog {
         Ok(self.engine.last_index(self.shard).unwrap_or(snap_index).max(snap_index))
     }
 
-    fn snapshot(&self, _request_index: u64, _to: u64) -> raft::Result<Snapshot> {
-        // Snapshots carry the shard's items; the shard builds them (to come).
-        Err(raft::Error::Store(StorageError::SnapshotTemporarilyUnavailable))
+    fn snapshot(&self, request_index: u64, _to: u64) -> raft::Result<Snapshot> {
+        match &self.slot {
+            Some(slot) => slot.for_raft(request_index),
+            None => Err(raft::Error::Store(StorageError::SnapshotTemporarilyUnavailable)),
+        }
     }
 }
 

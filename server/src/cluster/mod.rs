@@ -1,5 +1,5 @@
 //! A dmkvd node's part in a cluster: its shards' raft groups, their logs,
-//! and (to come) the peer transport and the metadata group.
+//! their snapshots and the peer transport.
 //! docs/replication-plan.md has the shape and the order of work.
 
 pub mod apply;
@@ -14,4 +14,5 @@ pub mod node;
 pub mod peer;
 pub mod replica;
 pub mod shard;
+pub mod snapshot;
 pub mod wire;

@@ -14,9 +14,9 @@ use dmkv_common::cluster::map::{ClusterMap, NodeId, ShardId};
 use dmkv_common::error::{Error as StoreError, check_key, check_value};
 use dmkv_common::proto;
 use raft::prelude::ConfState;
-use raft::storage::MemStorage;
 use tokio::sync::watch;
 
+use super::apply::Remembered;
 use super::apply::{Applied, encode_delete_with, encode_put_with};
 use super::config::ClusterConfig;
 use super::driver::{LeasePublisher, ReplicaStatus, ShardThread, TICK};
@@ -24,8 +24,9 @@ use super::leasing::LeaseKeeper;
 use super::local::LocalShards;
 use super::log::{BATCH_SYNC_INTERVAL, RaftLog, SyncPolicy};
 use super::peer::{Dialer, Peers};
-use super::replica::Replica;
+use super::replica::{MemLog, Replica};
 use super::shard::{ProposeError, RoomHook, ShardCore};
+use super::snapshot::{self as snap, SnapshotSlot};
 use crate::compact::Compactor;
 use crate::region::Region;
 use crate::registration::Registration;
@@ -71,6 +72,8 @@ pub struct ClusterSetup {
     pub data_dir: Option<PathBuf>,
     /// When the log is forced to disk.
     pub sync: super::log::SyncPolicy,
+    /// When shard logs are compacted.
+    pub log_limits: super::shard::LogLimits,
 }
 
 /// Why a cluster request was not carried out.
@@ -182,26 +185,33 @@ impl ClusterNode {
                 }
             };
             let name = format!("shard-{}", sh.id);
+            let slot = Arc::new(SnapshotSlot::default());
             let thread = match &engine {
                 Some(engine) => {
-                    let log =
-                        RaftLog::new(Arc::clone(engine), u64::from(sh.id)).with_sync(setup.sync == SyncPolicy::Always);
+                    let log = RaftLog::new(Arc::clone(engine), u64::from(sh.id))
+                        .with_sync(setup.sync == SyncPolicy::Always)
+                        .with_snapshots(Arc::clone(&slot));
                     if raft::Storage::initial_state(&log).map_err(|e| e.to_string())?.conf_state.voters.is_empty() {
                         log.set_conf_state(&conf).map_err(|e| e.to_string())?;
                     }
+                    let (applied, remembered) = recover(&log, &store).map_err(|e| format!("shard {}: {e}", sh.id))?;
+                    let replica = Replica::new_at(me, log, ELECTION_TICKS, applied, &logger)
+                        .map_err(|e| format!("shard {}: raft: {e}", sh.id))?;
+                    let core = ShardCore::new(replica, Arc::clone(&store))
+                        .with_leases(keeper()?, ELECTION_TICKS as u64)
+                        .with_room(room())
+                        .with_snapshots(setup.log_limits, slot)
+                        .restored(applied, remembered);
+                    ShardThread::spawn(name, core, Arc::clone(&status), Some(publisher()), send)
+                }
+                None => {
+                    let log = MemLog::new(conf, Arc::clone(&slot));
                     let replica = Replica::new(me, log, ELECTION_TICKS, &logger)
                         .map_err(|e| format!("shard {}: raft: {e}", sh.id))?;
                     let core = ShardCore::new(replica, Arc::clone(&store))
                         .with_leases(keeper()?, ELECTION_TICKS as u64)
-                        .with_room(room());
-                    ShardThread::spawn(name, core, Arc::clone(&status), Some(publisher()), send)
-                }
-                None => {
-                    let replica = Replica::new(me, MemStorage::new_with_conf_state(conf), ELECTION_TICKS, &logger)
-                        .map_err(|e| format!("shard {}: raft: {e}", sh.id))?;
-                    let core = ShardCore::new(replica, Arc::clone(&store))
-                        .with_leases(keeper()?, ELECTION_TICKS as u64)
-                        .with_room(room());
+                        .with_room(room())
+                        .with_snapshots(setup.log_limits, slot);
                     ShardThread::spawn(name, core, Arc::clone(&status), Some(publisher()), send)
                 }
             }
@@ -354,17 +364,38 @@ impl ClusterNode {
     }
 
     /// Counters of this node's replicas, summed (for STATS).
-    pub fn replica_counters(&self) -> [(&'static str, u64); 2] {
+    pub fn replica_counters(&self) -> [(&'static str, u64); 4] {
         use std::sync::atomic::Ordering::Relaxed;
         let sum =
             |f: fn(&ReplicaStatus) -> &AtomicU64| self.replicas.values().map(|r| f(&r.status).load(Relaxed)).sum();
-        [("shard_lease_reads", sum(|s| &s.lease_reads)), ("shard_apply_stalls", sum(|s| &s.apply_stalls))]
+        [
+            ("shard_lease_reads", sum(|s| &s.lease_reads)),
+            ("shard_apply_stalls", sum(|s| &s.apply_stalls)),
+            ("shard_snapshots_built", sum(|s| &s.snapshots_built)),
+            ("shard_snapshots_installed", sum(|s| &s.snapshots_installed)),
+        ]
     }
 
     /// The stores of this node's replicas (for STATS).
     pub fn stores(&self) -> impl Iterator<Item = &Arc<Store>> {
         self.replicas.values().map(|r| &r.store)
     }
+}
+
+/// Restores `store` from the shard's saved snapshot, if it has one;
+/// returns the index it is at and the writes it remembers. A snapshot
+/// saved while the log was being replaced by it (a crash in between) is
+/// installed in the log now.
+fn recover(log: &RaftLog, store: &Store) -> Result<(u64, Remembered), String> {
+    let Some(bytes) = log.load_snapshot().map_err(|e| e.to_string())? else { return Ok((0, Remembered::default())) };
+    let file = log.snapshot_file();
+    let d = snap::decode(&bytes).map_err(|e| format!("{}: {e}", file.display()))?;
+    let remembered = snap::restore(store, &d).map_err(|e| format!("{}: {e}", file.display()))?;
+    let commit = raft::Storage::initial_state(log).map_err(|e| e.to_string())?.hard_state.commit;
+    if d.at.index > commit {
+        log.finish_install(d.at).map_err(|e| e.to_string())?;
+    }
+    Ok((d.at.index, remembered))
 }
 
 /// `--sync batch`: forces the node's log to disk every
@@ -395,4 +426,40 @@ impl Drop for InFlight<'_> {
 fn shard_seed(cfg: &ClusterConfig, shard: ShardId) -> u64 {
     let nodes: Vec<String> = cfg.nodes.iter().map(|n| format!("{}={}/{}", n.id, n.rpc, n.peer)).collect();
     xxhash_rust::xxh3::xxh3_64(format!("dmkv shard seed {shard} {}", nodes.join(",")).as_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::snapshot::{Point, encode};
+    use raft::prelude::{Snapshot, SnapshotMetadata};
+
+    fn store() -> Store {
+        Store::format(Arc::new(Region::create("recover", 4 << 20).unwrap()), 64, 1, 1, Duration::ZERO).unwrap()
+    }
+
+    #[test]
+    fn a_saved_snapshot_restores_and_a_damaged_one_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let engine = RaftLog::open_engine(dir.path().join("raft").to_str().unwrap()).unwrap();
+        let log = RaftLog::new(engine, 4);
+        assert_eq!(recover(&log, &store()).unwrap().0, 0, "nothing saved: from the start");
+        let from = store();
+        from.put(b"k", b"v").unwrap();
+        let at = Point { index: 42, term: 3 };
+        let mut sn = Snapshot { data: encode(&from, &Remembered::default(), at).into(), ..Default::default() };
+        sn.set_metadata(SnapshotMetadata { index: 42, term: 3, ..Default::default() });
+        // Taken from a leader: saved, and the log starts after it.
+        crate::cluster::replica::LogStore::persist(&log, &[], None, Some(&sn)).unwrap();
+        let to = store();
+        assert_eq!(recover(&log, &to).unwrap().0, 42);
+        assert_eq!(to.get(b"k").unwrap().unwrap().0, bytes::Bytes::from_static(b"v"));
+        assert_eq!(raft::Storage::first_index(&log).unwrap(), 43);
+        let mut bytes = std::fs::read(log.snapshot_file()).unwrap();
+        let n = bytes.len();
+        bytes[n / 2] ^= 0xff;
+        std::fs::write(log.snapshot_file(), bytes).unwrap();
+        let err = recover(&log, &store()).unwrap_err();
+        assert!(err.contains("shard-4.snap") && err.contains("checksum"), "{err}");
+    }
 }

@@ -176,6 +176,17 @@ async fn pump(d: &Dialer, stream: TcpStream, rx: &mut mpsc::Receiver<(u32, Messa
             },
         };
         let mut size = protobuf::Message::compute_size(&first.1) as usize;
+        if size > budget {
+            // A snapshot: in parts, each alone in its frame.
+            for part in wire::encode_parts(d.me, first.0, &first.1, budget) {
+                id += 1;
+                out.clear();
+                let req = Request { id, op: Some(Op::Raft(part)) };
+                frame::encode(&req, d.max_frame, &mut out).map_err(|e| e.to_string())?;
+                wr.write_all(&out).await.map_err(|e| e.to_string())?;
+            }
+            continue;
+        }
         let mut batch = vec![first];
         while batch.len() < MAX_BATCH_MESSAGES {
             let Ok(m) = rx.try_recv() else { break };
@@ -191,8 +202,7 @@ async fn pump(d: &Dialer, stream: TcpStream, rx: &mut mpsc::Receiver<(u32, Messa
         let req = Request { id, op: Some(Op::Raft(wire::encode(d.me, &batch))) };
         out.clear();
         if let Err(e) = frame::encode(&req, d.max_frame, &mut out) {
-            // One message larger than a frame: raft sends it again and it
-            // fails again, so say so loudly.
+            // Within the budget, so never expected: say so loudly.
             warn!("raft batch of {size} bytes does not fit a frame: {e}");
             continue;
         }

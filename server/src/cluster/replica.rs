@@ -4,9 +4,13 @@
 //! an [`Output`] for the caller to send and apply. The same code drives
 //! the shard threads and the deterministic simulation in the tests.
 
-use raft::prelude::{Entry, HardState, Message, Snapshot};
+use std::sync::Arc;
+
+use raft::prelude::{ConfState, Entry, HardState, Message, Snapshot};
 use raft::storage::MemStorage;
 use raft::{Config, RawNode};
+
+use super::snapshot::{Point, SnapshotSlot};
 
 /// A raft log the replica can make durable.
 pub trait LogStore: raft::Storage {
@@ -15,6 +19,17 @@ pub trait LogStore: raft::Storage {
     fn persist(&self, entries: &[Entry], hs: Option<&HardState>, snapshot: Option<&Snapshot>) -> raft::Result<()>;
     /// Records a commit index learned after persisting (a `LightReady`).
     fn set_commit(&self, commit: u64) -> raft::Result<()>;
+    /// Drops the entries before `to` (a snapshot holds what they did).
+    fn compact(&self, to: u64) -> raft::Result<()>;
+    /// Whether the log outlives the process: then the state machine must
+    /// be saved ([`LogStore::save_snapshot`]) before entries are dropped.
+    fn durable(&self) -> bool {
+        false
+    }
+    /// Keeps a snapshot of the state machine for restarts (durable logs).
+    fn save_snapshot(&self, _data: &[u8], _at: Point) -> raft::Result<()> {
+        Ok(())
+    }
 }
 
 impl LogStore for MemStorage {
@@ -34,6 +49,64 @@ impl LogStore for MemStorage {
         self.wl().mut_hard_state().commit = commit;
         Ok(())
     }
+
+    fn compact(&self, to: u64) -> raft::Result<()> {
+        self.wl().compact(to)
+    }
+}
+
+/// A log in memory whose snapshots carry the shard's items (raft-rs's
+/// `MemStorage` alone sends snapshots without data).
+#[derive(Clone)]
+pub struct MemLog {
+    mem: MemStorage,
+    slot: Arc<SnapshotSlot>,
+}
+
+impl MemLog {
+    /// A log starting from `conf`, handing raft the snapshots put in `slot`.
+    pub fn new(conf: ConfState, slot: Arc<SnapshotSlot>) -> MemLog {
+        MemLog { mem: MemStorage::new_with_conf_state(conf), slot }
+    }
+}
+
+impl raft::Storage for MemLog {
+    fn initial_state(&self) -> raft::Result<raft::RaftState> {
+        self.mem.initial_state()
+    }
+    fn entries(
+        &self,
+        low: u64,
+        high: u64,
+        max_size: impl Into<Option<u64>>,
+        context: raft::GetEntriesContext,
+    ) -> raft::Result<Vec<Entry>> {
+        self.mem.entries(low, high, max_size, context)
+    }
+    fn term(&self, idx: u64) -> raft::Result<u64> {
+        self.mem.term(idx)
+    }
+    fn first_index(&self) -> raft::Result<u64> {
+        self.mem.first_index()
+    }
+    fn last_index(&self) -> raft::Result<u64> {
+        self.mem.last_index()
+    }
+    fn snapshot(&self, request_index: u64, _to: u64) -> raft::Result<Snapshot> {
+        self.slot.for_raft(request_index)
+    }
+}
+
+impl LogStore for MemLog {
+    fn persist(&self, entries: &[Entry], hs: Option<&HardState>, snapshot: Option<&Snapshot>) -> raft::Result<()> {
+        self.mem.persist(entries, hs, snapshot)
+    }
+    fn set_commit(&self, commit: u64) -> raft::Result<()> {
+        self.mem.set_commit(commit)
+    }
+    fn compact(&self, to: u64) -> raft::Result<()> {
+        self.mem.compact(to)
+    }
 }
 
 /// What handling one `Ready` produced.
@@ -46,6 +119,9 @@ pub struct Output {
     /// Reads confirmed by a quorum: each may be answered once the state
     /// machine has applied up to its index.
     pub read_states: Vec<raft::ReadState>,
+    /// A leader's snapshot this replica took: the state machine becomes
+    /// its contents before `committed` is applied.
+    pub snapshot: Option<Snapshot>,
 }
 
 /// A replica of one shard.
@@ -57,8 +133,21 @@ impl<S: LogStore> Replica<S> {
     /// A replica with raft id `id` over `storage` (which holds its state,
     /// empty or recovered).
     pub fn new(id: u64, storage: S, election_tick: usize, logger: &slog::Logger) -> raft::Result<Self> {
+        Self::new_at(id, storage, election_tick, 0, logger)
+    }
+
+    /// [`Replica::new`] for a state machine already at `applied` (restored
+    /// from a snapshot): raft hands over only the committed entries after.
+    pub fn new_at(
+        id: u64,
+        storage: S,
+        election_tick: usize,
+        applied: u64,
+        logger: &slog::Logger,
+    ) -> raft::Result<Self> {
         let cfg = Config {
             id,
+            applied,
             election_tick,
             heartbeat_tick: (election_tick / 5).max(1),
             check_quorum: true,
@@ -76,6 +165,17 @@ impl<S: LogStore> Replica<S> {
     /// One tick of the logical clock.
     pub fn tick(&mut self) {
         self.node.tick();
+    }
+
+    /// Tells raft that a snapshot for `to` did not arrive: it makes and
+    /// sends another.
+    pub fn snapshot_failed(&mut self, to: u64) {
+        self.node.report_snapshot(to, raft::SnapshotStatus::Failure)
+    }
+
+    /// The first index still in the log.
+    pub fn first_index(&self) -> u64 {
+        self.node.store().first_index().unwrap_or(1)
     }
 
     /// A message from a peer.
@@ -103,9 +203,13 @@ impl<S: LogStore> Replica<S> {
             return Ok(None);
         }
         let mut rd = self.node.ready();
-        let mut out =
-            Output { messages: rd.take_messages(), committed: Vec::new(), read_states: rd.take_read_states() };
         let snapshot = (!rd.snapshot().is_empty()).then(|| rd.snapshot().clone());
+        let mut out = Output {
+            messages: rd.take_messages(),
+            committed: Vec::new(),
+            read_states: rd.take_read_states(),
+            snapshot: snapshot.clone(),
+        };
         out.committed = rd.take_committed_entries();
         self.node.store().persist(rd.entries(), rd.hs(), snapshot.as_ref())?;
         out.messages.extend(rd.take_persisted_messages());

@@ -24,6 +24,7 @@ use dmkv_common::cluster::lease::LeaseAction;
 use super::apply::{Applied, ApplyError, Remembered, apply_once};
 use super::leasing::LeaseKeeper;
 use super::replica::{LogStore, Replica};
+use super::snapshot::{self as snap, Point, SnapshotSlot};
 use crate::store::Store;
 
 /// Most proposals waiting for their entry at once; more are refused
@@ -104,6 +105,46 @@ pub struct ShardCore<S: LogStore, P, R = P> {
     lease_reads: u64,
     /// Outcomes of identified writes, so a retried one applies once.
     remembered: Remembered,
+    /// Snapshots and log compaction; `None`: the log is kept whole.
+    snapshots: Option<Snapshots>,
+}
+
+/// When a shard's log is cut short (it would grow without bound).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LogLimits {
+    /// The log is compacted once it holds more entries than this...
+    pub max_entries: u64,
+    /// ...down to this many (a follower a little behind catches up from
+    /// entries; one further behind gets a snapshot).
+    pub keep_entries: u64,
+}
+
+impl Default for LogLimits {
+    fn default() -> Self {
+        LogLimits { max_entries: DEFAULT_MAX_LOG_ENTRIES, keep_entries: DEFAULT_MAX_LOG_ENTRIES / 10 }
+    }
+}
+
+/// Entries a shard's log holds before it is compacted, by default.
+pub const DEFAULT_MAX_LOG_ENTRIES: u64 = 100_000;
+/// A snapshot sent to a follower that has not caught up after this many
+/// ticks is taken as lost: raft makes and sends another.
+pub const SNAPSHOT_RETRY_TICKS: u64 = 3000;
+/// A snapshot built for followers is dropped (its memory) after this many
+/// ticks; raft asks for a new one if it needs one.
+pub const SNAPSHOT_KEEP_TICKS: u64 = 1000;
+
+struct Snapshots {
+    limits: LogLimits,
+    /// Where raft's storage finds the snapshot to send.
+    slot: Arc<SnapshotSlot>,
+    /// When the snapshot in the slot was made (tick).
+    made_at: Option<u64>,
+    /// Followers waiting for a snapshot, since (tick).
+    sending: std::collections::HashMap<u64, u64>,
+    /// Snapshots built for followers, and taken from a leader.
+    built: u64,
+    installed: u64,
 }
 
 /// Asks for `units` of room in the store; how long to wait before trying.
@@ -132,7 +173,29 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
             apply_stalls: 0,
             lease_reads: 0,
             remembered: Remembered::default(),
+            snapshots: None,
         }
+    }
+
+    /// Compacts the log within `limits` and builds snapshots for followers
+    /// into `slot` (the one the log's storage hands raft).
+    pub fn with_snapshots(mut self, limits: LogLimits, slot: Arc<SnapshotSlot>) -> Self {
+        self.snapshots =
+            Some(Snapshots { limits, slot, made_at: None, sending: Default::default(), built: 0, installed: 0 });
+        self
+    }
+
+    /// Starts from a state machine restored from a snapshot at `applied`
+    /// (with its remembered writes).
+    pub fn restored(mut self, applied: u64, remembered: Remembered) -> Self {
+        self.applied = applied;
+        self.remembered = remembered;
+        self
+    }
+
+    /// (snapshots built for followers, snapshots installed from a leader).
+    pub fn snapshot_counts(&self) -> (u64, u64) {
+        self.snapshots.as_ref().map_or((0, 0), |s| (s.built, s.installed))
     }
 
     /// Asks `room` (the store's compactor) for space when a committed
@@ -225,6 +288,12 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
             // `with_leases`): a candidate asks again.
             return Ok(());
         }
+        if m.get_msg_type() == raft::prelude::MessageType::MsgSnapshot
+            && let Err(e) = snap::decode(&m.get_snapshot().data)
+        {
+            // Checked before raft takes it: once taken, the log is replaced.
+            return Err(raft::Error::Store(raft::StorageError::Other(format!("snapshot refused: {e}").into())));
+        }
         self.replica.step(m)
     }
 
@@ -287,6 +356,90 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
         Ok(())
     }
 
+    /// Makes the store what a leader's snapshot holds (checked in `step`).
+    fn install(&mut self, sn: &raft::prelude::Snapshot) -> Result<(), raft::Error> {
+        let fail = |e: snap::SnapshotError| raft::Error::Store(raft::StorageError::Other(e.to_string().into()));
+        let d = snap::decode(&sn.data).map_err(fail)?;
+        let index = sn.get_metadata().index;
+        if d.at.index != index {
+            return Err(fail(snap::SnapshotError::WrongPoint { got: d.at.index, want: index }));
+        }
+        self.remembered = snap::restore(&self.store, &d).map_err(fail)?;
+        self.applied = index;
+        // Entries the snapshot already holds.
+        while self.to_apply.front().is_some_and(|e| e.index <= index) {
+            self.to_apply.pop_front();
+        }
+        if let Some(s) = self.snapshots.as_mut() {
+            s.installed += 1;
+        }
+        Ok(())
+    }
+
+    /// The state machine now, as a raft snapshot.
+    fn snapshot_now(&self) -> Result<raft::prelude::Snapshot, raft::Error> {
+        let r = &self.replica.raft().raft;
+        let at = Point { index: self.applied, term: r.raft_log.term(self.applied)? };
+        let mut sn = raft::prelude::Snapshot {
+            data: snap::encode(&self.store, &self.remembered, at).into(),
+            ..Default::default()
+        };
+        let meta = sn.mut_metadata();
+        meta.index = at.index;
+        meta.term = at.term;
+        meta.set_conf_state(r.prs().conf().to_conf_state());
+        Ok(sn)
+    }
+
+    /// Builds the snapshot raft asked for, retries lost ones, drops old
+    /// ones, and compacts the log past its limit (saving the state first
+    /// where the log outlives the process).
+    fn tend_snapshots(&mut self) -> Result<(), raft::Error> {
+        let Some(s) = self.snapshots.as_ref() else { return Ok(()) };
+        if s.slot.wanted() {
+            let sn = self.snapshot_now()?;
+            let s = self.snapshots.as_mut().expect("checked");
+            s.slot.fill(sn);
+            s.made_at = Some(self.ticks);
+            s.built += 1;
+        } else if s.made_at.is_some_and(|t| self.ticks - t >= SNAPSHOT_KEEP_TICKS) {
+            let s = self.snapshots.as_mut().expect("checked");
+            s.slot.clear();
+            s.made_at = None;
+        }
+        let r = &self.replica.raft().raft;
+        let waiting: Vec<u64> = if r.state == StateRole::Leader {
+            r.prs().iter().filter(|(_, p)| p.state == raft::ProgressState::Snapshot).map(|(id, _)| *id).collect()
+        } else {
+            Vec::new()
+        };
+        let s = self.snapshots.as_mut().expect("checked");
+        s.sending.retain(|id, _| waiting.contains(id));
+        let mut lost = Vec::new();
+        for id in waiting {
+            let since = *s.sending.entry(id).or_insert(self.ticks);
+            if self.ticks - since >= SNAPSHOT_RETRY_TICKS {
+                lost.push(id);
+                s.sending.remove(&id);
+            }
+        }
+        let limits = s.limits;
+        for id in lost {
+            self.replica.snapshot_failed(id);
+        }
+        let first = self.replica.first_index();
+        if self.applied + 1 > first + limits.max_entries {
+            let to = (self.applied + 1).saturating_sub(limits.keep_entries).max(first);
+            if self.replica.raft().store().durable() {
+                let sn = self.snapshot_now()?;
+                let at = Point { index: sn.get_metadata().index, term: sn.get_metadata().term };
+                self.replica.raft().store().save_snapshot(&sn.data, at)?;
+            }
+            self.replica.raft().store().compact(to)?;
+        }
+        Ok(())
+    }
+
     /// Handles what raft has ready: persists (through the store of the
     /// log), applies committed entries, answers proposals.
     pub fn poll(&mut self) -> Result<Poll<P, R>, raft::Error> {
@@ -341,9 +494,13 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
                     self.confirmed.push_back((rs.index, reads));
                 }
             }
+            if let Some(sn) = ready.snapshot {
+                self.install(&sn)?;
+            }
             self.to_apply.extend(ready.committed);
         }
         self.apply_committed(&mut out)?;
+        self.tend_snapshots()?;
         while self.confirmed.front().is_some_and(|(index, _)| *index <= self.applied) {
             let (_, reads) = self.confirmed.pop_front().expect("front exists");
             self.pending_reads -= reads.len();
