@@ -9,6 +9,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 pub mod cluster;
+pub mod history;
 pub mod netns;
 
 /// How long a server gets to start and print its address.
