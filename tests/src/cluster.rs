@@ -1,9 +1,17 @@
 //! A cluster of real `dmkvd` processes on loopback for tests: a cluster
 //! file with ports picked at run time, nodes that can be killed (SIGKILL)
 //! and restarted.
+//!
+//! Clients reach every node on 127.0.0.1; each node's peer address (raft
+//! traffic, which nodes also dial from) is on a loopback IP of its own,
+//! `127.A.B.(i+1)`, in a block derived from the process id and a
+//! process-wide counter, so that rules dropping one node's traffic to the
+//! others (see [`crate::partition`]) touch neither client traffic nor
+//! other clusters, in this process or others.
 
-use std::net::TcpListener;
+use std::net::{Ipv4Addr, TcpListener};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use crate::ServerProcess;
 
@@ -14,14 +22,35 @@ pub struct TestCluster {
     /// Node i+1's process (`None`: killed or stopped).
     nodes: Vec<Option<ServerProcess>>,
     rpc: Vec<String>,
+    peer_ips: Vec<Ipv4Addr>,
     args: Vec<String>,
     durable: bool,
 }
 
 fn free_port() -> u16 {
+    free_port_on(Ipv4Addr::LOCALHOST)
+}
+
+fn free_port_on(ip: Ipv4Addr) -> u16 {
     // Bound then released: another process could take it in between, which
     // a test would report as a failed start.
-    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port")
+    TcpListener::bind((ip, 0)).and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port")
+}
+
+/// Clusters started by this process so far.
+static CLUSTERS: AtomicU32 = AtomicU32::new(0);
+
+/// Loopback IPs for the peer addresses of `nodes` nodes: `127.A.B.1` on,
+/// with A in 1..=254 (never 127.0.x.x, where 127.0.0.1 is) and B from the
+/// process id and the count of clusters started. Every 127/8 address is
+/// local on Linux: nothing needs configuring.
+fn peer_ips(nodes: usize) -> Vec<Ipv4Addr> {
+    assert!(nodes <= 254, "at most 254 nodes per test cluster");
+    const BLOCKS: u32 = 254 * 256;
+    let n = CLUSTERS.fetch_add(1, Ordering::Relaxed);
+    let block = std::process::id().wrapping_mul(2_654_435_761).wrapping_add(n.wrapping_mul(97)) % BLOCKS;
+    let (a, b) = (1 + block / 256, block % 256);
+    (1..=nodes).map(|h| Ipv4Addr::new(127, a as u8, b as u8, h as u8)).collect()
 }
 
 impl TestCluster {
@@ -33,8 +62,9 @@ impl TestCluster {
         std::fs::create_dir_all(&dir).expect("cluster test dir");
         let mut text = format!("shards = {shards}\nreplicas = {replicas}\n");
         let mut rpc = Vec::new();
-        for id in 1..=nodes {
-            let (r, p) = (format!("127.0.0.1:{}", free_port()), format!("127.0.0.1:{}", free_port()));
+        let ips = peer_ips(nodes);
+        for (id, ip) in (1..=nodes).zip(&ips) {
+            let (r, p) = (format!("127.0.0.1:{}", free_port()), format!("{ip}:{}", free_port_on(*ip)));
             text += &format!("[[node]]\nid = {id}\nrpc = \"{r}\"\npeer = \"{p}\"\n");
             rpc.push(r);
         }
@@ -45,6 +75,7 @@ impl TestCluster {
             file,
             nodes: (0..nodes).map(|_| None).collect(),
             rpc,
+            peer_ips: ips,
             args: args.iter().map(|s| s.to_string()).collect(),
             durable,
         };
@@ -113,6 +144,18 @@ impl TestCluster {
     /// Node index `i`'s RPC address.
     pub fn rpc(&self, i: usize) -> &str {
         &self.rpc[i]
+    }
+
+    /// The address node index `i` printed for `name` ("rpc", "engine",
+    /// "shm", "peer"), while it runs.
+    pub fn endpoint(&self, i: usize, name: &str) -> Option<&str> {
+        self.nodes[i].as_ref()?.endpoint(name)
+    }
+
+    /// The IP of node index `i`'s peer address, which its raft traffic
+    /// comes from and goes to.
+    pub fn peer_ip(&self, i: usize) -> Ipv4Addr {
+        self.peer_ips[i]
     }
 
     /// The cluster file.

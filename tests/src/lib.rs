@@ -9,7 +9,9 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 pub mod cluster;
+pub mod history;
 pub mod netns;
+pub mod partition;
 
 /// How long a server gets to start and print its address.
 pub const START_DEADLINE: Duration = Duration::from_secs(20);

@@ -34,7 +34,8 @@ const ATTEMPTS: u32 = 64;
 static COUNTER: AtomicU32 = AtomicU32::new(0);
 
 /// Environment variable that, set to `1`, makes tests needing namespaces
-/// fail where they cannot be made instead of skipping.
+/// (or packet rules, [`crate::partition`]) fail where they cannot be made
+/// instead of skipping.
 pub const REQUIRE_ENV: &str = "DMKV_NETNS_TESTS";
 
 /// A network namespace with a veth pair to the root namespace.

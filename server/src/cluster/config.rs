@@ -9,7 +9,7 @@
 //! [[node]]
 //! id = 1
 //! rpc = "127.0.0.1:7070"    # clients
-//! peer = "127.0.0.1:7170"   # raft traffic between nodes
+//! peer = "127.0.0.1:7170"   # raft traffic between nodes; dials to peers leave from its IP
 //! ```
 
 use std::collections::{BTreeMap, BTreeSet};

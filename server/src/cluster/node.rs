@@ -131,7 +131,9 @@ impl ClusterNode {
         let map = cfg.initial_map().map_err(|e| e.to_string())?;
         let local: Vec<_> = map.shards().iter().filter(|s| s.replicas.contains(&me)).cloned().collect();
         let peers: Vec<_> = cfg.nodes.iter().filter(|n| n.id != me).map(|n| (n.id, n.peer)).collect();
-        let peers = Arc::new(Peers::start(Dialer { me, token: p.token, max_frame: p.max_frame }, peers, stop.clone()));
+        let dialer =
+            Dialer { me, token: p.token, max_frame: p.max_frame, source: Dialer::source_of(cfg.node(me)?.peer) };
+        let peers = Arc::new(Peers::start(dialer, peers, stop.clone()));
         let engine = match &setup.data_dir {
             Some(dir) => {
                 let raft_dir = dir.join("raft");

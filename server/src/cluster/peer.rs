@@ -4,9 +4,14 @@
 //! messages over without blocking: each peer has a bounded queue, and a
 //! message that finds it full (or the peer unreachable) is dropped: raft
 //! retransmits.
+//!
+//! Dials leave from the IP of this node's own peer address in the cluster
+//! file (unless that is unspecified, `0.0.0.0` or `::`), so peers, and
+//! firewalls between nodes, see node traffic come from the address the
+//! file names for the node, not whichever address the route picks.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 use bytes::BytesMut;
@@ -16,7 +21,7 @@ use dmkv_common::frame::{self, Decoder};
 use dmkv_common::proto::{self, Request, request::Op, response::Result as R};
 use raft::prelude::Message;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::net::{TcpSocket, TcpStream};
 use tokio::sync::{mpsc, watch};
 use tracing::{debug, info, warn};
 
@@ -43,6 +48,17 @@ pub struct Dialer {
     /// The admin secret (`None`: the cluster runs without authentication).
     pub token: Option<Token>,
     pub max_frame: usize,
+    /// Where dials leave from: the IP of this node's peer address, or
+    /// `None` to let the route pick (see [`Dialer::source_of`]).
+    pub source: Option<IpAddr>,
+}
+
+impl Dialer {
+    /// The source for dials of a node whose peer address is `own`: its IP,
+    /// unless unspecified (the node listens on every address; any will do).
+    pub fn source_of(own: SocketAddr) -> Option<IpAddr> {
+        Some(own.ip()).filter(|ip| !ip.is_unspecified())
+    }
 }
 
 impl Peers {
@@ -114,7 +130,7 @@ async fn send_loop(
 
 /// Connects and authenticates as admin.
 async fn dial(d: &Dialer, addr: SocketAddr) -> Result<TcpStream, String> {
-    let mut s = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+    let mut s = connect_from(d.source, addr).await?;
     let _ = s.set_nodelay(true);
     let mut buf = BytesMut::new();
     let hello = Op::Hello(proto::Hello { protocol_version: PROTOCOL_VERSION, client_name: format!("node-{}", d.me) });
@@ -132,6 +148,17 @@ async fn dial(d: &Dialer, addr: SocketAddr) -> Result<TcpStream, String> {
         R::Authenticate(a) => Err(format!("the peer granted role {}, raft needs admin", a.role)),
         other => Err(format!("authentication refused: {other:?}")),
     }
+}
+
+/// Connects to `addr` from `source` (port picked by the OS), when it is
+/// of the same family; from wherever the route says otherwise.
+async fn connect_from(source: Option<IpAddr>, addr: SocketAddr) -> Result<TcpStream, String> {
+    let Some(ip) = source.filter(|ip| ip.is_ipv4() == addr.is_ipv4()) else {
+        return TcpStream::connect(addr).await.map_err(|e| e.to_string());
+    };
+    let socket = if addr.is_ipv4() { TcpSocket::new_v4() } else { TcpSocket::new_v6() }.map_err(|e| e.to_string())?;
+    socket.bind(SocketAddr::new(ip, 0)).map_err(|e| format!("cannot bind to this node's peer address {ip}: {e}"))?;
+    socket.connect(addr).await.map_err(|e| e.to_string())
 }
 
 async fn call(s: &mut TcpStream, buf: &mut BytesMut, max_frame: usize, id: u64, op: Op) -> Result<R, String> {
@@ -207,5 +234,27 @@ async fn pump(d: &Dialer, stream: TcpStream, rx: &mut mpsc::Receiver<(u32, Messa
             continue;
         }
         wr.write_all(&out).await.map_err(|e| e.to_string())?;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn dials_leave_from_the_nodes_peer_address() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let to = l.local_addr().unwrap();
+        let own: SocketAddr = "127.0.0.7:7170".parse().unwrap();
+        let _s = connect_from(Dialer::source_of(own), to).await.unwrap();
+        let (_, from) = l.accept().await.unwrap();
+        assert_eq!(from.ip(), own.ip());
+        // Unspecified: no binding, the route's source.
+        assert_eq!(Dialer::source_of("0.0.0.0:7170".parse().unwrap()), None);
+        let _s = connect_from(Dialer::source_of("0.0.0.0:7170".parse().unwrap()), to).await.unwrap();
+        assert_eq!(l.accept().await.unwrap().1.ip().to_string(), "127.0.0.1");
+        // Another family: the route's source too.
+        let _s = connect_from(Some("::1".parse().unwrap()), to).await.unwrap();
+        assert_eq!(l.accept().await.unwrap().1.ip().to_string(), "127.0.0.1");
     }
 }
