@@ -91,7 +91,10 @@ impl TestCluster {
         let data = self.dir.join(format!("node{id}"));
         let file = self.file.to_string_lossy().to_string();
         let data = data.to_string_lossy().to_string();
-        let mut args: Vec<&str> = vec!["--cluster", &file, "--node-id", &id, "--memory", "32MiB"];
+        let mut args: Vec<&str> = vec!["--cluster", &file, "--node-id", &id];
+        if !self.args.iter().any(|a| a == "--memory") {
+            args.extend(["--memory", "32MiB"]);
+        }
         if self.durable {
             args.extend(["--data-dir", &data]);
         }

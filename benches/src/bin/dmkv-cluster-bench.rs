@@ -7,6 +7,9 @@
 //!   from its log (`--data-dir`) before the next kill.
 //! - `put-latency`: PUT latency at a fixed concurrency on a 3-node cluster,
 //!   per `--sync` policy.
+//! - `catch-up`: a replica that was down while its shard filled with
+//!   `--mib` MiB restarts; the time until it has applied what the leader
+//!   has (by snapshot: the log was compacted meanwhile).
 //!
 //! Needs dmkvd built (release: `cargo build --release --bin dmkvd`).
 
@@ -54,6 +57,14 @@ enum Cmd {
         #[arg(long, default_value_t = 3)]
         nodes: usize,
     },
+    /// Time for a restarted replica to catch up with a full shard.
+    CatchUp {
+        /// Live data in the shard when the replica restarts (MiB).
+        #[arg(long, default_value_t = 1024)]
+        mib: u64,
+        #[arg(long, default_value_t = 65536)]
+        value_size: usize,
+    },
 }
 
 fn main() {
@@ -64,6 +75,7 @@ fn main() {
         Cmd::PutLatency { sync, puts, concurrency, value_size, nodes } => {
             rt.block_on(put_latency(&sync, puts, concurrency, value_size, nodes))
         }
+        Cmd::CatchUp { mib, value_size } => rt.block_on(catch_up(mib, value_size)),
     }
 }
 
@@ -192,5 +204,67 @@ async fn put_latency(sync: &str, puts: usize, concurrency: usize, value_size: us
         h.value_at_quantile(0.5),
         h.value_at_quantile(0.99),
         h.max()
+    );
+}
+
+async fn catch_up(mib: u64, value_size: usize) {
+    // One shard; room for the data under the leader's admission limit.
+    let memory = format!("{}MiB", mib * 2 + 64);
+    let mut c =
+        TestCluster::start(3, 1, 3, true, &["--memory", &memory, "--sync", "none", "--raft-log-entries", "2000"]);
+    let map = c.leaders_known(0).await;
+    let leader = map.shards()[0].leader.expect("a leader") as usize - 1;
+    let away = (leader + 1) % 3;
+    let via = (leader + 2) % 3;
+    c.kill(away);
+    let client = Client::connect(c.rpc(via)).await.expect("connect");
+    let puts = (mib << 20) as usize / value_size;
+    let filled = Instant::now();
+    let value = vec![b'v'; value_size];
+    let mut tasks = tokio::task::JoinSet::new();
+    for t in 0..16 {
+        let (client, value) = (client.clone(), value.clone());
+        tasks.spawn(async move {
+            let mut failed = 0u64;
+            for i in (t..puts).step_by(16) {
+                while let Err(e) = client.put(format!("cu-{i}"), &value).await {
+                    failed += 1;
+                    assert!(failed < 1000, "PUTs keep failing: {e}");
+                }
+            }
+            failed
+        });
+    }
+    let mut failed = 0;
+    while let Some(f) = tasks.join_next().await {
+        failed += f.expect("filler");
+    }
+    println!(
+        "filled {mib} MiB ({puts} PUTs of {value_size} B) in {:.1} s, {failed} PUTs failed and were sent again",
+        filled.elapsed().as_secs_f64()
+    );
+    let applied = |s: &dmkv_common::proto::ClusterMapReply| s.local.first().map_or(0, |r| r.applied);
+    let target = applied(&client.cluster_status().await.expect("status"));
+    let started = Instant::now();
+    c.restart(away);
+    let deadline = started + Duration::from_secs(600);
+    loop {
+        if let Ok(node) = Client::connect(c.rpc(away)).await
+            && let Ok(s) = node.cluster_status().await
+            && applied(&s) >= target
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no catch-up within 10 minutes");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let took = started.elapsed();
+    let node = Client::connect(c.rpc(away)).await.expect("connect");
+    let stats = node.stats().await.expect("stats");
+    println!(
+        "replica of {mib} MiB caught up in {:.2} s from its restart (snapshots installed: {}, items: {})",
+        took.as_secs_f64(),
+        stats.get("shard_snapshots_installed").copied().unwrap_or(0),
+        stats.get("items").copied().unwrap_or(0)
     );
 }

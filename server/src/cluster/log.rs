@@ -287,8 +287,18 @@ impl crate::cluster::replica::LogStore for RaftLog {
         true
     }
 
-    fn save_snapshot(&self, data: &[u8], _at: Point) -> raft::Result<()> {
-        self.write_snapshot(data).map_err(|e| raft::Error::Store(StorageError::Other(Box::new(e))))
+    fn save_snapshot(&self, data: Vec<u8>) -> std::sync::mpsc::Receiver<Result<(), String>> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let log = self.clone();
+        let spawned = std::thread::Builder::new().name(format!("shard-{}-save", self.shard)).spawn(move || {
+            let _ = tx.send(log.write_snapshot(&data).map_err(|e| e.to_string()));
+        });
+        if let Err(e) = spawned {
+            let (tx, rx2) = std::sync::mpsc::channel();
+            let _ = tx.send(Err(format!("cannot start the snapshot writer: {e}")));
+            return rx2;
+        }
+        rx
     }
 
     fn set_commit(&self, commit: u64) -> raft::Result<()> {

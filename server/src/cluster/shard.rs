@@ -18,6 +18,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
 use raft::StateRole;
+use tracing::warn;
 
 use dmkv_common::cluster::lease::LeaseAction;
 
@@ -145,6 +146,8 @@ struct Snapshots {
     /// Snapshots built for followers, and taken from a leader.
     built: u64,
     installed: u64,
+    /// A snapshot being saved, and where the log is cut once it is.
+    saving: Option<(u64, std::sync::mpsc::Receiver<Result<(), String>>)>,
 }
 
 /// Asks for `units` of room in the store; how long to wait before trying.
@@ -180,8 +183,15 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
     /// Compacts the log within `limits` and builds snapshots for followers
     /// into `slot` (the one the log's storage hands raft).
     pub fn with_snapshots(mut self, limits: LogLimits, slot: Arc<SnapshotSlot>) -> Self {
-        self.snapshots =
-            Some(Snapshots { limits, slot, made_at: None, sending: Default::default(), built: 0, installed: 0 });
+        self.snapshots = Some(Snapshots {
+            limits,
+            slot,
+            made_at: None,
+            sending: Default::default(),
+            built: 0,
+            installed: 0,
+            saving: None,
+        });
         self
     }
 
@@ -427,15 +437,34 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
         for id in lost {
             self.replica.snapshot_failed(id);
         }
+        let s = self.snapshots.as_mut().expect("checked");
+        if let Some((to, rx)) = &s.saving {
+            // The log is cut only once the state it held is on disk.
+            let to = *to;
+            match rx.try_recv() {
+                Err(std::sync::mpsc::TryRecvError::Empty) => return Ok(()),
+                Ok(Ok(())) => {
+                    s.saving = None;
+                    self.replica.raft().store().compact(to)?;
+                }
+                Ok(Err(e)) => {
+                    s.saving = None;
+                    warn!("shard snapshot not saved, the log stays whole for now: {e}");
+                }
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => s.saving = None,
+            }
+            return Ok(());
+        }
         let first = self.replica.first_index();
         if self.applied + 1 > first + limits.max_entries {
             let to = (self.applied + 1).saturating_sub(limits.keep_entries).max(first);
             if self.replica.raft().store().durable() {
-                let sn = self.snapshot_now()?;
-                let at = Point { index: sn.get_metadata().index, term: sn.get_metadata().term };
-                self.replica.raft().store().save_snapshot(&sn.data, at)?;
+                let data = Vec::from(self.snapshot_now()?.data);
+                let rx = self.replica.raft().store().save_snapshot(data);
+                self.snapshots.as_mut().expect("checked").saving = Some((to, rx));
+            } else {
+                self.replica.raft().store().compact(to)?;
             }
-            self.replica.raft().store().compact(to)?;
         }
         Ok(())
     }
