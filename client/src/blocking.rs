@@ -67,6 +67,11 @@ impl Client {
         self.rt.block_on(self.inner.cluster_status())
     }
 
+    /// See [`AsyncClient::replace_replica`].
+    pub fn replace_replica(&self, shard: u32) -> Result<u64, ClientError> {
+        self.rt.block_on(self.inner.replace_replica(shard))
+    }
+
     /// See [`AsyncClient::read_stats`].
     pub fn read_stats(&self) -> crate::ReadStats {
         self.inner.read_stats()

@@ -976,6 +976,16 @@ impl Client {
         }
     }
 
+    /// Admin: replaces this node's replica of `shard` by a new one with no
+    /// state, which joins the shard and catches up from its leader (the
+    /// old one is removed from the members). Returns the new raft id.
+    pub async fn replace_replica(&self, shard: u32) -> Result<u64, ClientError> {
+        match self.call(Op::ReplaceReplica(proto::ReplaceReplica { shard })).await? {
+            R::ReplaceReplica(r) => Ok(r.replica_id),
+            other => Err(unexpected(&other)),
+        }
+    }
+
     /// The cluster map as this node knows it, checked.
     pub async fn cluster_map(&self) -> Result<dmkv_common::cluster::map::ClusterMap, ClientError> {
         let m = self.cluster_status().await?;

@@ -90,6 +90,16 @@ enum ClusterCmd {
     /// Ask every node of the cluster for its state and print shards,
     /// leaders, terms, commit and applied indexes, and followers' lag.
     Status,
+    /// Replace a node's replica of a shard by a new one with no state: it
+    /// joins as a learner, catches up by snapshot, is promoted, and the old
+    /// one is removed (for a replica whose state is lost or damaged).
+    ReplaceReplica {
+        #[arg(long)]
+        shard: u32,
+        /// The node whose replica is replaced.
+        #[arg(long)]
+        node: u64,
+    },
 }
 
 fn main() -> ExitCode {
@@ -204,8 +214,34 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
             write!(stdout, "{status}").map_err(|e| e.to_string())?;
             Ok(ExitCode::SUCCESS)
         }
+        Cmd::Cluster { cmd: ClusterCmd::ReplaceReplica { shard, node } } => {
+            let map = client.cluster_status().map_err(|e| format!("{e} (is this server a cluster node?)"))?;
+            let addr = map
+                .nodes
+                .iter()
+                .find(|n| n.id == node)
+                .ok_or_else(|| format!("node {node} is not in the cluster"))?
+                .rpc
+                .clone();
+            let target = Client::connect_with(addr, cfg.clone()).map_err(|e| e.to_string())?;
+            let id = target.replace_replica(shard).map_err(|e| e.to_string())?;
+            writeln!(
+                stdout,
+                "node {node}'s replica of shard {shard} is now {} (incarnation {}): it joins and catches up; \
+                 `dmkv cluster status` shows it among the members once it has",
+                replica_name(id),
+                id & u64::from(u32::MAX)
+            )
+            .map_err(|e| e.to_string())?;
+            Ok(ExitCode::SUCCESS)
+        }
         Cmd::Bench { .. } => unreachable!("handled before connecting"),
     }
+}
+
+/// A replica's raft id as node.incarnation.
+fn replica_name(id: u64) -> String {
+    format!("{}.{}", dmkv_common::cluster::map::node_of(id), id & u64::from(u32::MAX))
 }
 
 /// Every node's view, merged into one report.
@@ -232,11 +268,8 @@ fn cluster_status(seed: &Client, cfg: &ClientConfig) -> Result<String, String> {
         };
         let _ = writeln!(out, "{:<6}{:<24}{state}", n.id, n.rpc);
     }
-    let _ = writeln!(
-        out,
-        "{:<7}{:<10}{:<8}{:<7}{:<8}{:<24}LAG",
-        "SHARD", "REPLICAS", "LEADER", "TERM", "COMMIT", "APPLIED"
-    );
+    let _ =
+        writeln!(out, "{:<7}{:<32}{:<8}{:<7}{:<8}{:<24}LAG", "SHARD", "MEMBERS", "LEADER", "TERM", "COMMIT", "APPLIED");
     for sh in &first.shards {
         // The replica that leads in the highest term has the freshest view.
         let mut lead: Option<(&dmkv_common::proto::ReplicaState, u64)> = None;
@@ -249,10 +282,16 @@ fn cluster_status(seed: &Client, cfg: &ClientConfig) -> Result<String, String> {
                 }
             }
         }
-        let replicas: Vec<String> = sh.replicas.iter().map(u64::to_string).collect();
+        let mut replicas: Vec<String> = sh.replicas.iter().map(u64::to_string).collect();
+        if let Some((r, _)) = lead {
+            // The members as the leader applied them: node.incarnation,
+            // learners marked ~.
+            replicas = r.voters.iter().map(|&v| replica_name(v)).collect();
+            replicas.extend(r.learners.iter().map(|&l| format!("~{}", replica_name(l))));
+        }
         let (leader, term, commit, lag) = match lead {
             Some((r, node)) => {
-                let mut lag: Vec<_> = r.lag.iter().map(|(n, l)| format!("{n}:{l}")).collect();
+                let mut lag: Vec<_> = r.lag.iter().map(|(n, l)| format!("{}:{l}", replica_name(*n))).collect();
                 lag.sort();
                 (node.to_string(), r.term.to_string(), r.commit.to_string(), lag.join(" "))
             }
@@ -260,7 +299,7 @@ fn cluster_status(seed: &Client, cfg: &ClientConfig) -> Result<String, String> {
         };
         let _ = writeln!(
             out,
-            "{:<7}{:<10}{:<8}{:<7}{:<8}{:<24}{}",
+            "{:<7}{:<32}{:<8}{:<7}{:<8}{:<24}{}",
             sh.id,
             replicas.join(","),
             leader,

@@ -67,8 +67,8 @@ impl Server {
                 let peer = TcpListener::bind(me.peer).await?;
                 if setup.data_dir.is_none() {
                     warn!(
-                        "cluster node in memory only (no --data-dir): if it restarts it must not rejoin with its old \
-                         state forgotten; rejoining as a new replica is not built yet (docs/replication.md)"
+                        "cluster node in memory only (no --data-dir): after a restart its replicas rejoin as new \
+                         members and copy their shards from the leaders (docs/replication.md)"
                     );
                 }
                 if cfg.tls.is_some() {

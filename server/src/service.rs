@@ -218,7 +218,7 @@ impl framed::Handler for Requests {
 fn needed_role(op: &Op) -> Role {
     match op {
         // Peers' raft bytes are parsed only from the admin role.
-        Op::Reregister(_) | Op::Raft(_) => Role::Admin,
+        Op::Reregister(_) | Op::Raft(_) | Op::JoinShard(_) | Op::ReplaceReplica(_) => Role::Admin,
         _ => Role::Data,
     }
 }
@@ -315,7 +315,9 @@ async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response
             format!("the {} role may not do this; it needs {}", role.name(), needed_role(op).name()),
         );
     }
-    if conn.peer_port && !matches!(req.op, Some(Op::Hello(_) | Op::Authenticate(_) | Op::Raft(_))) {
+    if conn.peer_port
+        && !matches!(req.op, Some(Op::Hello(_) | Op::Authenticate(_) | Op::Raft(_) | Op::GetMap(_) | Op::JoinShard(_)))
+    {
         return error(id, ErrorCode::PermissionDenied, "the peer port carries raft traffic only".into());
     }
     if let (Some(node), Some(op)) = (&shared.cluster, &req.op)
@@ -431,7 +433,9 @@ async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response
                 Err(e) => return error(id, ErrorCode::BadRequest, e.to_string()),
             },
         },
-        Some(Op::GetMap(_)) => return error(id, ErrorCode::BadRequest, "this node is not part of a cluster".into()),
+        Some(Op::GetMap(_) | Op::JoinShard(_) | Op::ReplaceReplica(_)) => {
+            return error(id, ErrorCode::BadRequest, "this node is not part of a cluster".into());
+        }
         Some(Op::Reregister(_)) => match reregister(shared) {
             Ok(_) => R::Reregister(region_info(shared)),
             Err(e) => return error(id, ErrorCode::Internal, e),
@@ -484,6 +488,16 @@ async fn cluster_request(node: &ClusterNode, max_frame: usize, op: &Op) -> Optio
                 return Some(Ok(R::MultiGet(proto::MultiGetReply { values })));
             }
             Op::GetMap(_) => return Some(Ok(R::Map(node.map_reply()))),
+            Op::JoinShard(j) => node.join_shard(j.shard, j.replica_id).await.map(|step| {
+                R::JoinShard(proto::JoinShardReply {
+                    done: step == crate::cluster::shard::JoinStep::Done,
+                    step: format!("{step:?}"),
+                })
+            }),
+            Op::ReplaceReplica(r) => node
+                .replace_replica(r.shard)
+                .await
+                .map(|replica_id| R::ReplaceReplica(proto::ReplaceReplicaReply { replica_id })),
             _ => return None,
         }
         .map_err(cluster_refusal),

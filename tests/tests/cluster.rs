@@ -289,3 +289,104 @@ fn a_node_far_behind_catches_up_by_snapshot_and_restarts_from_it() {
         assert!(s.iter().all(|&(n, _)| n == live), "replicas differ after the restart: {s:?}");
     });
 }
+
+/// Whether every shard's leader lists, as its members, node `node`'s replica
+/// with an incarnation other than 1 and no other replica of that node, and
+/// every node holds the same items.
+async fn rejoined(c: &TestCluster, node: u64) -> Result<(), String> {
+    let mut leaders = 0;
+    let mut items = Vec::new();
+    for i in 0..3 {
+        let client = Client::connect(c.rpc(i)).await.map_err(|e| e.to_string())?;
+        let s = client.cluster_status().await.map_err(|e| e.to_string())?;
+        for r in s.local.iter().filter(|r| r.role == "leader") {
+            leaders += 1;
+            let mine: Vec<u64> = r.voters.iter().chain(&r.learners).copied().filter(|&v| v >> 32 == node).collect();
+            if mine.len() != 1 || mine[0] & 0xffff_ffff == 1 || !r.voters.contains(&mine[0]) {
+                return Err(format!("shard {}: node {node}'s members are {mine:?}", r.shard));
+            }
+        }
+        items.push(client.stats().await.map_err(|e| e.to_string())?["items"]);
+    }
+    if leaders != 3 || items.iter().any(|&n| n != items[0]) {
+        return Err(format!("{leaders} leaders, items {items:?}"));
+    }
+    Ok(())
+}
+
+async fn wait_rejoined(c: &TestCluster, node: u64) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match rejoined(c, node).await {
+            Ok(()) => return,
+            Err(e) => assert!(Instant::now() < deadline, "node {node} did not rejoin: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[test]
+fn an_in_memory_node_restarted_rejoins_as_a_new_replica_and_catches_up() {
+    // Short logs: the restarted node catches up by snapshot.
+    let mut c = TestCluster::start(3, 3, 3, false, &["--raft-log-entries", "200"]);
+    let rt = rt();
+    rt.block_on(async {
+        c.leaders_known(0).await;
+        let client = Client::connect(c.rpc(0)).await.expect("connect");
+        for i in 0..900 {
+            client.put(format!("m{i}"), format!("v{i}")).await.expect("put");
+        }
+    });
+    // Node 3 forgets everything: it must come back as a new member, not
+    // vote or acknowledge as the replica it was.
+    c.kill(2);
+    c.restart(2);
+    rt.block_on(wait_rejoined(&c, 3));
+    // Without node 1 every shard needs node 3's new replicas for a quorum.
+    c.kill(0);
+    rt.block_on(async {
+        c.leaders_known(1).await;
+        let client = Client::connect(c.rpc(1)).await.expect("connect");
+        for i in 0..900 {
+            let got = client.get(format!("m{i}")).await.expect("get");
+            assert_eq!(got.as_deref(), Some(format!("v{i}").as_bytes()), "m{i}");
+        }
+        client.put("after", "1").await.expect("a PUT with node 1 down");
+    });
+}
+
+#[test]
+fn replace_replica_swaps_in_a_new_replica_that_catches_up_and_survives_a_restart() {
+    let mut c = TestCluster::start(3, 3, 3, true, &[]);
+    let rt = rt();
+    rt.block_on(async {
+        c.leaders_known(0).await;
+        let client = Client::connect(c.rpc(0)).await.expect("connect");
+        for i in 0..300 {
+            client.put(format!("r{i}"), format!("v{i}")).await.expect("put");
+        }
+    });
+    for shard in 0..3 {
+        let out = std::process::Command::new(bin_path("dmkv"))
+            .args(["--server", c.rpc(0), "cluster", "replace-replica", "--shard", &shard.to_string(), "--node", "2"])
+            .output()
+            .expect("run dmkv cluster replace-replica");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "replace-replica failed: {}", String::from_utf8_lossy(&out.stderr));
+        println!("{text}");
+    }
+    rt.block_on(wait_rejoined(&c, 2));
+    // The new replicas' ids are on disk: after a restart node 2 is still
+    // their member, and with node 1 down they carry the quorum.
+    c.kill(1);
+    c.restart(1);
+    c.kill(0);
+    rt.block_on(async {
+        c.leaders_known(1).await;
+        let client = Client::connect(c.rpc(1)).await.expect("connect");
+        for i in 0..300 {
+            let got = client.get(format!("r{i}")).await.expect("get");
+            assert_eq!(got.as_deref(), Some(format!("v{i}").as_bytes()), "r{i}");
+        }
+    });
+}

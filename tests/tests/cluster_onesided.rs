@@ -108,10 +108,16 @@ fn reads_of_a_stalled_leaders_region_stay_linearizable() {
 
 #[test]
 fn without_the_lease_check_a_stalled_leaders_region_reads_stale() {
-    let run = stalled_leader_run(false);
-    println!(
-        "lease check off: {} writes, {} reads ({} one-sided); linearizable: {}",
-        run.writes, run.reads, run.one_sided_gets, run.linearizable
-    );
-    assert!(!run.linearizable, "the scenario no longer tells a checked reader from an unchecked one");
+    // A stale read needs a write through the new leader while a reader
+    // reads the frozen region: most runs have one, not quite all (1 in 3
+    // did not, on 2 cores busy with the other tests). Up to 3 runs.
+    let stale = (0..3).any(|attempt| {
+        let run = stalled_leader_run(false);
+        println!(
+            "lease check off, run {attempt}: {} writes, {} reads ({} one-sided); linearizable: {}",
+            run.writes, run.reads, run.one_sided_gets, run.linearizable
+        );
+        !run.linearizable
+    });
+    assert!(stale, "the scenario no longer tells a checked reader from an unchecked one");
 }

@@ -26,6 +26,18 @@ pub type NodeId = u64;
 /// A shard's id.
 pub type ShardId = u32;
 
+/// The raft id of incarnation `incarnation` of `node`'s replica of a shard:
+/// a replica that lost its state comes back under a new incarnation, as a
+/// new member, so nothing counts on what it forgot.
+pub fn replica_id(node: NodeId, incarnation: u32) -> u64 {
+    (node << 32) | u64::from(incarnation)
+}
+
+/// The node a replica (raft id) lives on.
+pub fn node_of(replica: u64) -> NodeId {
+    replica >> 32
+}
+
 /// The partition `key` falls in.
 pub fn partition_of(key: &[u8]) -> u32 {
     (xxh3_64_with_seed(key, PARTITION_SEED) % u64::from(PARTITIONS)) as u32

@@ -68,6 +68,13 @@ impl ClusterConfig {
             if n.id == 0 {
                 return Err("cluster file: node id 0 is reserved (raft's \"no node\")".into());
             }
+            if n.id > u64::from(u32::MAX) {
+                return Err(format!(
+                    "cluster file: node id {} is over {} (raft ids hold it in 32 bits)",
+                    n.id,
+                    u32::MAX
+                ));
+            }
             if !ids.insert(n.id) {
                 return Err(format!("cluster file: node id {} appears twice", n.id));
             }

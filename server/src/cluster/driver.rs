@@ -17,7 +17,7 @@ use tracing::{error, info, warn};
 
 use super::apply::Applied;
 use super::replica::LogStore;
-use super::shard::{ProposeError, ShardCore};
+use super::shard::{JoinStep, ProposeError, ShardCore};
 use crate::region::Region;
 use crate::registration::Registration;
 
@@ -38,6 +38,11 @@ enum Input {
     Propose(Vec<u8>, Answer),
     Read(ReadAnswer),
     Raft(Message),
+    Join(u64, oneshot::Sender<Result<JoinStep, ProposeError>>),
+    /// Start as the shard's first members' replica (see `ShardCore::bootstrap`).
+    Bootstrap,
+    /// Go on as a new replica with this id (see `ShardCore::replace`).
+    Replace(u64, oneshot::Sender<Result<(), String>>),
     Stop,
 }
 
@@ -62,6 +67,10 @@ pub struct ReplicaStatus {
     pub snapshots_installed: AtomicU64,
     /// Leader only: (follower, entries behind).
     lag: std::sync::Mutex<Vec<(u64, u64)>>,
+    /// The replica's raft id.
+    pub id: AtomicU64,
+    /// The members (voters, learners) as this replica applied them.
+    members: std::sync::Mutex<(Vec<u64>, Vec<u64>)>,
 }
 
 impl ReplicaStatus {
@@ -84,6 +93,21 @@ impl ReplicaStatus {
     /// Followers' lag, when this replica leads.
     pub fn lag(&self) -> Vec<(u64, u64)> {
         crate::lock::lock(&self.lag).clone()
+    }
+
+    /// The shard's (voters, learners) as this replica applied them.
+    pub fn members(&self) -> (Vec<u64>, Vec<u64>) {
+        crate::lock::lock(&self.members).clone()
+    }
+
+    /// Whether this replica is a voter and the only member on its node:
+    /// nothing left for it to join.
+    pub fn joined(&self) -> bool {
+        let id = self.id.load(Ordering::Relaxed);
+        let (voters, learners) = self.members();
+        let node = dmkv_common::cluster::map::node_of(id);
+        voters.contains(&id)
+            && voters.iter().chain(&learners).all(|&m| m == id || dmkv_common::cluster::map::node_of(m) != node)
     }
 
     fn publish<S: LogStore, P, R>(&self, core: &ShardCore<S, P, R>) {
@@ -111,6 +135,9 @@ impl ReplicaStatus {
             Vec::new()
         };
         *crate::lock::lock(&self.lag) = lag;
+        self.id.store(r.id, Ordering::Relaxed);
+        let conf = r.prs().conf().to_conf_state();
+        *crate::lock::lock(&self.members) = (conf.voters, conf.learners);
     }
 
     fn stopped(&self) {
@@ -211,6 +238,41 @@ impl ShardThread {
         rx
     }
 
+    /// Asks the replica, if it leads, to take the next step making
+    /// `replica` a member (see [`ShardCore::join`]).
+    pub fn join(&self, replica: u64) -> oneshot::Receiver<Result<JoinStep, ProposeError>> {
+        let (answer, rx) = oneshot::channel();
+        if let Err(e) = self.tx.try_send(Input::Join(replica, answer)) {
+            let (TrySendError::Full(input) | TrySendError::Disconnected(input)) = e;
+            if let Input::Join(_, a) = input {
+                let _ = a.send(Err(ProposeError::Busy));
+            }
+        }
+        rx
+    }
+
+    /// Replaces the replica by a new one, `id`, with no state (see
+    /// `ShardCore::replace`).
+    pub fn replace(&self, id: u64) -> oneshot::Receiver<Result<(), String>> {
+        let (answer, rx) = oneshot::channel();
+        if let Err(e) = self.tx.try_send(Input::Replace(id, answer)) {
+            let (TrySendError::Full(input) | TrySendError::Disconnected(input)) = e;
+            if let Input::Replace(_, a) = input {
+                let _ = a.send(Err("the shard's replica is busy or stopped".into()));
+            }
+        }
+        rx
+    }
+
+    /// Starts the replica as one of the shard's first members (see
+    /// `ShardCore::bootstrap`), for whoever decides it.
+    pub fn bootstrapper(&self) -> Box<dyn Fn() + Send + Sync> {
+        let tx = self.tx.clone();
+        Box::new(move || {
+            let _ = tx.send(Input::Bootstrap);
+        })
+    }
+
     /// Hands the thread a peer's raft message (dropped if its queue is
     /// full: raft retransmits).
     pub fn deliver(&self, m: Message) {
@@ -276,10 +338,43 @@ fn run<S: LogStore>(
                     }
                 }
                 Ok(Input::Raft(m)) => {
-                    if let Err(e) = core.step(m) {
+                    // Addressed to an earlier incarnation of this node's
+                    // replica: what it answered, this one never knew.
+                    if m.to == core.id()
+                        && let Err(e) = core.step(m)
+                    {
                         warn!("raft message refused: {e}");
                     }
                 }
+                Ok(Input::Join(replica, answer)) => {
+                    let _ = answer.send(core.join(replica));
+                }
+                Ok(Input::Replace(id, answer)) => {
+                    // Readers stop before the store empties.
+                    if let Some(l) = leases.as_mut() {
+                        l.fence();
+                    }
+                    match core.replace(id) {
+                        Ok(pending) => {
+                            for p in pending {
+                                let _ = p.send(Err(ProposeError::Unknown));
+                            }
+                            info!(id, "replica replaced: joining the shard as a new replica");
+                            let _ = answer.send(Ok(()));
+                        }
+                        Err(e) => {
+                            let _ = answer.send(Err(e.to_string()));
+                        }
+                    }
+                }
+                Ok(Input::Bootstrap) => match core.bootstrap() {
+                    Ok(true) => info!(id = core.id(), "replica starts as one of the shard's first members"),
+                    Ok(false) => {}
+                    Err(e) => {
+                        error!("shard replica could not start: {e}");
+                        return;
+                    }
+                },
                 Ok(Input::Stop) | Err(RecvTimeoutError::Disconnected) => {
                     // The lease would lapse on its own; readers stop sooner.
                     if let Some(l) = leases.as_mut().filter(|l| l.last.is_some()) {

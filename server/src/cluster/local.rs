@@ -27,9 +27,9 @@ impl RaftSink for LocalShards {
     fn deliver(&self, from: u64, msgs: Vec<(u32, Message)>) -> usize {
         let mut accepted = 0;
         for (shard, m) in msgs {
-            // A message must come from the node it says it is from: raft
-            // ids are node ids, and the batch's sender authenticated.
-            if m.from != from {
+            // A message must come from the node it says it is from: a raft
+            // id holds its node's id, and the batch's sender authenticated.
+            if dmkv_common::cluster::map::node_of(m.from) != from {
                 continue;
             }
             if let Some(inbox) = self.inboxes.get(&shard) {
@@ -54,7 +54,8 @@ mod tests {
             let got = Arc::clone(&got);
             local.insert(shard, Box::new(move |m: Message| got.lock().unwrap().push((shard, m.term))));
         }
-        let msg = |from, term| Message { from, term, ..Default::default() };
+        // From replicas of node 7 (any incarnation), and one of node 8.
+        let msg = |node: u64, term| Message { from: (node << 32) | 5, term, ..Default::default() };
         let n = local.deliver(7, vec![(1, msg(7, 10)), (2, msg(7, 11)), (3, msg(7, 12)), (1, msg(8, 13))]);
         assert_eq!(n, 2, "shard 3 is not here; node 8 did not send this batch");
         assert_eq!(*got.lock().unwrap(), vec![(1, 10), (2, 11)]);

@@ -32,6 +32,7 @@ impl MessageExt for EntryExt {
 const HARD_STATE: &[u8] = b"hard_state";
 const CONF_STATE: &[u8] = b"conf_state";
 const SNAPSHOT_META: &[u8] = b"snapshot_meta";
+const REPLICA_ID: &[u8] = b"replica_id";
 
 /// Why the log could not be read or written.
 #[derive(Debug, Error)]
@@ -186,7 +187,12 @@ impl RaftLog {
             };
             hs.commit = hs.commit.max(meta.index);
             hard_state = Some(hs);
+            let id = self.replica_id()?;
             b.add_command(self.shard, Command::Clean);
+            if let Some(id) = id {
+                b.put_message(self.shard, REPLICA_ID.to_vec(), &HardState { term: id, ..Default::default() })
+                    .map_err(|e| self.err(e))?;
+            }
             b.put_message(self.shard, SNAPSHOT_META.to_vec(), meta).map_err(|e| self.err(e))?;
             b.put_message(self.shard, CONF_STATE.to_vec(), meta.get_conf_state()).map_err(|e| self.err(e))?;
         }
@@ -216,6 +222,40 @@ impl RaftLog {
         Ok(())
     }
 
+    /// The raft id this node's replica of the shard has, once decided.
+    pub fn replica_id(&self) -> Result<Option<u64>, LogError> {
+        let v: Option<HardState> = self.engine.get_message(self.shard, REPLICA_ID).map_err(|e| self.err(e))?;
+        // Kept in a HardState's term: raft-engine stores protobuf messages.
+        Ok(v.map(|h| h.term))
+    }
+
+    /// Records the raft id of this node's replica of the shard.
+    pub fn set_replica_id(&self, id: u64) -> Result<(), LogError> {
+        let mut b = LogBatch::default();
+        let v = HardState { term: id, ..Default::default() };
+        b.put_message(self.shard, REPLICA_ID.to_vec(), &v).map_err(|e| self.err(e))?;
+        self.engine.write(&mut b, true).map_err(|e| self.err(e))?;
+        Ok(())
+    }
+
+    /// Empties the shard's log and saved snapshot, for a new replica `id`
+    /// that starts from `conf` with no state.
+    pub fn reset(&self, id: u64, conf: &ConfState) -> Result<(), LogError> {
+        let file = self.snapshot_file();
+        match std::fs::remove_file(&file) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(source) => return Err(LogError::Snapshot { file, source }),
+        }
+        let mut b = LogBatch::default();
+        b.add_command(self.shard, Command::Clean);
+        b.put_message(self.shard, REPLICA_ID.to_vec(), &HardState { term: id, ..Default::default() })
+            .map_err(|e| self.err(e))?;
+        b.put_message(self.shard, CONF_STATE.to_vec(), conf).map_err(|e| self.err(e))?;
+        self.engine.write(&mut b, true).map_err(|e| self.err(e))?;
+        Ok(())
+    }
+
     /// Records a membership change applied at the state machine.
     pub fn set_conf_state(&self, cs: &ConfState) -> Result<(), LogError> {
         let mut b = LogBatch::default();
@@ -241,8 +281,13 @@ impl RaftLog {
         if let Some(cs) = &cs {
             meta.set_conf_state(cs.clone());
         }
+        let id = self.replica_id()?;
         let mut b = LogBatch::default();
         b.add_command(self.shard, Command::Clean);
+        if let Some(id) = id {
+            b.put_message(self.shard, REPLICA_ID.to_vec(), &HardState { term: id, ..Default::default() })
+                .map_err(|e| self.err(e))?;
+        }
         b.put_message(self.shard, SNAPSHOT_META.to_vec(), &meta).map_err(|e| self.err(e))?;
         if let Some(cs) = &cs {
             b.put_message(self.shard, CONF_STATE.to_vec(), cs).map_err(|e| self.err(e))?;
@@ -285,6 +330,10 @@ impl crate::cluster::replica::LogStore for RaftLog {
 
     fn durable(&self) -> bool {
         true
+    }
+
+    fn set_conf(&self, cs: &ConfState) -> raft::Result<()> {
+        self.set_conf_state(cs).map_err(|e| raft::Error::Store(StorageError::Other(Box::new(e))))
     }
 
     fn save_snapshot(&self, data: Vec<u8>) -> std::sync::mpsc::Receiver<Result<(), String>> {

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use dmkv_common::cluster::map::{ClusterMap, NodeId, ShardId};
+use dmkv_common::cluster::map::{ClusterMap, NodeId, ShardId, node_of, replica_id};
 use dmkv_common::error::{Error as StoreError, check_key, check_value};
 use dmkv_common::proto;
 use raft::prelude::ConfState;
@@ -23,9 +23,9 @@ use super::driver::{LeasePublisher, ReplicaStatus, ShardThread, TICK};
 use super::leasing::LeaseKeeper;
 use super::local::LocalShards;
 use super::log::{BATCH_SYNC_INTERVAL, RaftLog, SyncPolicy};
-use super::peer::{Dialer, Peers};
+use super::peer::{self as peer, Dialer, Peers};
 use super::replica::{MemLog, Replica};
-use super::shard::{ProposeError, RoomHook, ShardCore};
+use super::shard::{JoinStep, ProposeError, RoomHook, ShardCore};
 use super::snapshot::{self as snap, SnapshotSlot};
 use crate::compact::Compactor;
 use crate::region::Region;
@@ -133,7 +133,7 @@ impl ClusterNode {
         let peers: Vec<_> = cfg.nodes.iter().filter(|n| n.id != me).map(|n| (n.id, n.peer)).collect();
         let dialer =
             Dialer { me, token: p.token, max_frame: p.max_frame, source: Dialer::source_of(cfg.node(me)?.peer) };
-        let peers = Arc::new(Peers::start(dialer, peers, stop.clone()));
+        let peers = Arc::new(Peers::start(dialer.clone(), peers, stop.clone()));
         let engine = match &setup.data_dir {
             Some(dir) => {
                 let raft_dir = dir.join("raft");
@@ -176,7 +176,9 @@ impl ClusterNode {
             let publisher =
                 || LeasePublisher::new(Arc::clone(store.region()), Arc::clone(&reg), store.header().hash_seed);
             let keeper = || LeaseKeeper::new(lease_config()).map_err(|e| e.to_string());
-            let conf = ConfState { voters: sh.replicas.clone(), ..Default::default() };
+            // The first members: every replica node's first incarnation.
+            let conf =
+                ConfState { voters: sh.replicas.iter().map(|&n| replica_id(n, 1)).collect(), ..Default::default() };
             let status = Arc::new(ReplicaStatus::default());
             let send = {
                 let (peers, shard) = (Arc::clone(&peers), sh.id);
@@ -188,7 +190,13 @@ impl ClusterNode {
             };
             let name = format!("shard-{}", sh.id);
             let slot = Arc::new(SnapshotSlot::default());
-            let thread = match &engine {
+            let first = replica_id(me, 1);
+            // A replica with no state starts as a member-to-be under a new
+            // incarnation; the membership task makes it a first member or
+            // has the leader add it (see `membership`).
+            let fresh = replica_id(me, rand::random_range(2..=u32::MAX));
+            let raft_err = |e: raft::Error| format!("shard {}: raft: {e}", sh.id);
+            let (thread, joining) = match &engine {
                 Some(engine) => {
                     let log = RaftLog::new(Arc::clone(engine), u64::from(sh.id))
                         .with_sync(setup.sync == SyncPolicy::Always)
@@ -196,28 +204,74 @@ impl ClusterNode {
                     if raft::Storage::initial_state(&log).map_err(|e| e.to_string())?.conf_state.voters.is_empty() {
                         log.set_conf_state(&conf).map_err(|e| e.to_string())?;
                     }
+                    let known = log.replica_id().map_err(|e| e.to_string())?;
                     let (applied, remembered) = recover(&log, &store).map_err(|e| format!("shard {}: {e}", sh.id))?;
-                    let replica = Replica::new_at(me, log, ELECTION_TICKS, applied, &logger)
-                        .map_err(|e| format!("shard {}: raft: {e}", sh.id))?;
-                    let core = ShardCore::new(replica, Arc::clone(&store))
+                    let replica =
+                        Replica::new_at(known.unwrap_or(fresh), log.clone(), ELECTION_TICKS, applied, &logger)
+                            .map_err(raft_err)?;
+                    let mut core = ShardCore::new(replica, Arc::clone(&store))
                         .with_leases(keeper()?, ELECTION_TICKS as u64)
                         .with_room(room())
                         .with_snapshots(setup.log_limits, slot)
                         .restored(applied, remembered);
-                    ShardThread::spawn(name, core, Arc::clone(&status), Some(publisher()), send)
+                    let (fresh_log, fresh_logger, fresh_conf) = (log.clone(), logger.clone(), conf.clone());
+                    core = core.with_fresh(Box::new(move |id| {
+                        fresh_log
+                            .reset(id, &fresh_conf)
+                            .map_err(|e| raft::Error::Store(raft::StorageError::Other(e.into())))?;
+                        Replica::new(id, fresh_log.clone(), ELECTION_TICKS, &fresh_logger)
+                    }));
+                    if known.is_none() {
+                        let (log, logger) = (log.clone(), logger.clone());
+                        core = core.with_first_member(Box::new(move || {
+                            log.set_replica_id(first)
+                                .map_err(|e| raft::Error::Store(raft::StorageError::Other(e.into())))?;
+                            Replica::new(first, log, ELECTION_TICKS, &logger)
+                        }));
+                    }
+                    let joining = known.is_none().then(|| {
+                        let log = log.clone();
+                        Box::new(move |id| log.set_replica_id(id).map_err(|e| e.to_string())) as RecordId
+                    });
+                    (ShardThread::spawn(name, core, Arc::clone(&status), Some(publisher()), send), joining)
                 }
                 None => {
-                    let log = MemLog::new(conf, Arc::clone(&slot));
-                    let replica = Replica::new(me, log, ELECTION_TICKS, &logger)
-                        .map_err(|e| format!("shard {}: raft: {e}", sh.id))?;
+                    let replica =
+                        Replica::new(fresh, MemLog::new(conf.clone(), Arc::clone(&slot)), ELECTION_TICKS, &logger)
+                            .map_err(raft_err)?;
+                    let (logger, first_slot) = (logger.clone(), Arc::clone(&slot));
+                    let (fresh_logger, fresh_slot, fresh_conf) = (logger.clone(), Arc::clone(&slot), conf.clone());
                     let core = ShardCore::new(replica, Arc::clone(&store))
+                        .with_fresh(Box::new(move |id| {
+                            let log = MemLog::new(fresh_conf.clone(), Arc::clone(&fresh_slot));
+                            Replica::new(id, log, ELECTION_TICKS, &fresh_logger)
+                        }))
                         .with_leases(keeper()?, ELECTION_TICKS as u64)
                         .with_room(room())
-                        .with_snapshots(setup.log_limits, slot);
-                    ShardThread::spawn(name, core, Arc::clone(&status), Some(publisher()), send)
+                        .with_snapshots(setup.log_limits, slot)
+                        .with_first_member(Box::new(move || {
+                            Replica::new(first, MemLog::new(conf, first_slot), ELECTION_TICKS, &logger)
+                        }));
+                    let joining = Some(Box::new(|_| Ok(())) as RecordId);
+                    (ShardThread::spawn(name, core, Arc::clone(&status), Some(publisher()), send), joining)
                 }
-            }
-            .map_err(|e| format!("shard {}: cannot start its thread: {e}", sh.id))?;
+            };
+            let thread = thread.map_err(|e| format!("shard {}: cannot start its thread: {e}", sh.id))?;
+            let shard_peers: Vec<_> = sh
+                .replicas
+                .iter()
+                .filter(|&&n| n != me)
+                .filter_map(|&n| cfg.nodes.iter().find(|e| e.id == n).map(|e| (n, e.peer)))
+                .collect();
+            tokio::spawn(membership(Membership {
+                shard: sh.id,
+                dialer: dialer.clone(),
+                peers: shard_peers,
+                status: Arc::clone(&status),
+                undecided: joining,
+                bootstrap: thread.bootstrapper(),
+                stop: stop.clone(),
+            }));
             sink.insert(sh.id, Box::new(thread.inbox()));
             replicas.insert(
                 sh.id,
@@ -236,7 +290,7 @@ impl ClusterNode {
     pub fn map(&self) -> ClusterMap {
         let mut map = crate::lock::lock(&self.map);
         for (&shard, r) in &self.replicas {
-            let leader = r.status.leader.load(std::sync::atomic::Ordering::Relaxed);
+            let leader = node_of(r.status.leader.load(std::sync::atomic::Ordering::Relaxed));
             if leader != 0 {
                 let _ = map.set_leader(shard, leader, r.status.term.load(std::sync::atomic::Ordering::Relaxed));
             }
@@ -252,14 +306,20 @@ impl ClusterNode {
         let mut local: Vec<_> = self
             .replicas
             .iter()
-            .map(|(&shard, r)| proto::ReplicaState {
-                shard,
-                role: r.status.role().into(),
-                term: r.status.term.load(Relaxed),
-                leader: r.status.leader.load(Relaxed),
-                commit: r.status.commit.load(Relaxed),
-                applied: r.status.applied.load(Relaxed),
-                lag: r.status.lag().into_iter().collect(),
+            .map(|(&shard, r)| {
+                let (voters, learners) = r.status.members();
+                proto::ReplicaState {
+                    shard,
+                    role: r.status.role().into(),
+                    term: r.status.term.load(Relaxed),
+                    leader: node_of(r.status.leader.load(Relaxed)),
+                    commit: r.status.commit.load(Relaxed),
+                    applied: r.status.applied.load(Relaxed),
+                    lag: r.status.lag().into_iter().collect(),
+                    replica_id: r.status.id.load(Relaxed),
+                    voters,
+                    learners,
+                }
             })
             .collect();
         local.sort_by_key(|r| r.shard);
@@ -283,7 +343,9 @@ impl ClusterNode {
 
     fn cluster_error(&self, e: ProposeError) -> ClusterError {
         match e {
-            ProposeError::NotLeader { leader } => ClusterError::NotLeader { leader, map_version: self.map_version() },
+            ProposeError::NotLeader { leader } => {
+                ClusterError::NotLeader { leader: leader.map(node_of), map_version: self.map_version() }
+            }
             // Another leader's entry took its place: nothing happened.
             ProposeError::Dropped => ClusterError::NotLeader { leader: None, map_version: self.map_version() },
             ProposeError::Busy => ClusterError::Busy,
@@ -357,6 +419,35 @@ impl ClusterNode {
         Ok(out)
     }
 
+    /// A new replica of `shard` (raft id `replica`) asks to be made a
+    /// member: the next step, if this node's replica leads.
+    pub async fn join_shard(&self, shard: ShardId, replica: u64) -> Result<JoinStep, ClusterError> {
+        let Some(r) = self.replicas.get(&shard) else {
+            return Err(ClusterError::Failed(format!("shard {shard} has no replica on node {}", self.id)));
+        };
+        match r.thread.join(replica).await {
+            Ok(Ok(step)) => Ok(step),
+            Ok(Err(e)) => Err(self.cluster_error(e)),
+            Err(_) => Err(ClusterError::Failed("the shard's replica stopped".into())),
+        }
+    }
+
+    /// Replaces this node's replica of `shard` by a new one with no state
+    /// (a new raft id), which joins the shard and catches up from its
+    /// leader; the old one is removed from the shard's members. Returns the
+    /// new raft id.
+    pub async fn replace_replica(&self, shard: ShardId) -> Result<u64, ClusterError> {
+        let Some(r) = self.replicas.get(&shard) else {
+            return Err(ClusterError::Failed(format!("shard {shard} has no replica on node {}", self.id)));
+        };
+        let id = replica_id(self.id, rand::random_range(2..=u32::MAX));
+        match r.thread.replace(id).await {
+            Ok(Ok(())) => Ok(id),
+            Ok(Err(e)) => Err(ClusterError::Failed(e)),
+            Err(_) => Err(ClusterError::Failed("the shard's replica stopped".into())),
+        }
+    }
+
     /// This node's shard replicas' regions, for one-sided readers: (shard,
     /// store, registration), by shard.
     pub fn regions(&self) -> Vec<(ShardId, Arc<Store>, Arc<Registration>)> {
@@ -381,6 +472,84 @@ impl ClusterNode {
     /// The stores of this node's replicas (for STATS).
     pub fn stores(&self) -> impl Iterator<Item = &Arc<Store>> {
         self.replicas.values().map(|r| &r.store)
+    }
+}
+
+/// Records the raft id a replica joins under (durable logs keep it).
+type RecordId = Box<dyn Fn(u64) -> Result<(), String> + Send + Sync>;
+
+/// How often the membership task looks again.
+pub const MEMBERSHIP_INTERVAL: Duration = Duration::from_millis(300);
+
+/// What a shard replica's membership task works with.
+struct Membership {
+    shard: ShardId,
+    dialer: Dialer,
+    /// The other nodes holding the shard: (node, peer address).
+    peers: Vec<(NodeId, std::net::SocketAddr)>,
+    status: Arc<ReplicaStatus>,
+    /// A replica that started with no state, and how to record the id it
+    /// joins under; `None`: it knows who it is.
+    undecided: Option<RecordId>,
+    bootstrap: Box<dyn Fn() + Send + Sync>,
+    stop: watch::Receiver<bool>,
+}
+
+/// Makes a replica a member of its shard and keeps it one. A replica that
+/// started with no state cannot tell a first start from a restart, so it
+/// asks the shard's other nodes: if every one answers and none ever had a
+/// raft term, the shard never ran and the replica becomes one of its first
+/// members (incarnation 1); if any has a term, the shard runs without
+/// this node's forgotten replica, and the replica joins as a new member
+/// (its own incarnation, so it never votes or acknowledges as the old one
+/// did). A joining replica asks the peers until the leader made it a voter
+/// and removed its node's older replicas.
+async fn membership(mut m: Membership) {
+    let mut warned = false;
+    loop {
+        if *m.stop.borrow() {
+            return;
+        }
+        if let Some(record) = &m.undecided {
+            let mut terms = Vec::new();
+            for &(_, addr) in &m.peers {
+                let term = match peer::ask(&m.dialer, addr, proto::request::Op::GetMap(proto::GetMap {})).await {
+                    Ok(proto::response::Result::Map(r)) => r.local.iter().find(|l| l.shard == m.shard).map(|l| l.term),
+                    _ => None,
+                };
+                terms.push(term);
+            }
+            let id = m.status.id.load(Ordering::Relaxed);
+            if terms.iter().any(|t| t.is_some_and(|t| t > 0)) {
+                match record(id) {
+                    Ok(()) => {
+                        tracing::info!(shard = m.shard, id, "the shard runs: joining it as a new replica");
+                        m.undecided = None;
+                    }
+                    Err(e) => tracing::error!(shard = m.shard, "cannot record the replica's id: {e}"),
+                }
+            } else if terms.iter().all(|t| *t == Some(0)) {
+                (m.bootstrap)();
+                m.undecided = None;
+            } else if !warned {
+                tracing::info!(shard = m.shard, "waiting for the shard's other nodes to tell whether it ran before");
+                warned = true;
+            }
+        } else if !m.status.joined() && m.status.id.load(Ordering::Relaxed) != 0 {
+            let join = proto::JoinShard { shard: m.shard, replica_id: m.status.id.load(Ordering::Relaxed) };
+            for &(_, addr) in &m.peers {
+                if let Ok(proto::response::Result::JoinShard(r)) =
+                    peer::ask(&m.dialer, addr, proto::request::Op::JoinShard(join)).await
+                {
+                    tracing::info!(shard = m.shard, step = r.step, "joining the shard");
+                    break;
+                }
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(MEMBERSHIP_INTERVAL) => {}
+            _ = m.stop.changed() => return,
+        }
     }
 }
 

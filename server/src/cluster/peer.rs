@@ -77,7 +77,7 @@ impl Peers {
     /// Queues `m` (of `shard`) for its addressee; drops it if the queue is
     /// full or the peer is unknown.
     pub fn send(&self, shard: u32, m: Message) {
-        if let Some(q) = self.queues.get(&m.to) {
+        if let Some(q) = self.queues.get(&dmkv_common::cluster::map::node_of(m.to)) {
             let _ = q.try_send((shard, m));
         }
     }
@@ -159,6 +159,17 @@ async fn connect_from(source: Option<IpAddr>, addr: SocketAddr) -> Result<TcpStr
     let socket = if addr.is_ipv4() { TcpSocket::new_v4() } else { TcpSocket::new_v6() }.map_err(|e| e.to_string())?;
     socket.bind(SocketAddr::new(ip, 0)).map_err(|e| format!("cannot bind to this node's peer address {ip}: {e}"))?;
     socket.connect(addr).await.map_err(|e| e.to_string())
+}
+
+/// Sends one request to a peer's peer port (authenticated as admin) and
+/// returns its answer; bounded by [`DIAL_TIMEOUT`] in all.
+pub async fn ask(d: &Dialer, addr: SocketAddr, op: Op) -> Result<R, String> {
+    let once = async {
+        let mut s = dial(d, addr).await?;
+        let mut buf = BytesMut::new();
+        call(&mut s, &mut buf, d.max_frame, 3, op).await
+    };
+    tokio::time::timeout(DIAL_TIMEOUT, once).await.unwrap_or_else(|_| Err("timed out".into()))
 }
 
 async fn call(s: &mut TcpStream, buf: &mut BytesMut, max_frame: usize, id: u64, op: Op) -> Result<R, String> {

@@ -21,6 +21,8 @@ pub trait LogStore: raft::Storage {
     fn set_commit(&self, commit: u64) -> raft::Result<()>;
     /// Drops the entries before `to` (a snapshot holds what they did).
     fn compact(&self, to: u64) -> raft::Result<()>;
+    /// Records the members a membership change applied made.
+    fn set_conf(&self, cs: &ConfState) -> raft::Result<()>;
     /// Whether the log outlives the process: then the state machine must
     /// be saved ([`LogStore::save_snapshot`]) before entries are dropped.
     fn durable(&self) -> bool {
@@ -57,6 +59,11 @@ impl LogStore for MemStorage {
 
     fn compact(&self, to: u64) -> raft::Result<()> {
         self.wl().compact(to)
+    }
+
+    fn set_conf(&self, cs: &ConfState) -> raft::Result<()> {
+        self.wl().set_conf_state(cs.clone());
+        Ok(())
     }
 }
 
@@ -111,6 +118,9 @@ impl LogStore for MemLog {
     }
     fn compact(&self, to: u64) -> raft::Result<()> {
         self.mem.compact(to)
+    }
+    fn set_conf(&self, cs: &ConfState) -> raft::Result<()> {
+        self.mem.set_conf(cs)
     }
 }
 
@@ -176,6 +186,24 @@ impl<S: LogStore> Replica<S> {
     /// sends another.
     pub fn snapshot_failed(&mut self, to: u64) {
         self.node.report_snapshot(to, raft::SnapshotStatus::Failure)
+    }
+
+    /// Proposes a membership change (only a leader accepts, one at a time).
+    pub fn propose_conf_change(&mut self, cc: raft::prelude::ConfChange) -> raft::Result<()> {
+        self.node.propose_conf_change(vec![], cc)
+    }
+
+    /// Applies a committed membership change entry; the members it makes.
+    pub fn apply_conf_entry(&mut self, e: &Entry) -> raft::Result<ConfState> {
+        use protobuf::Message as _;
+        use raft::prelude::{ConfChange, ConfChangeV2, EntryType};
+        if e.get_entry_type() == EntryType::EntryConfChange {
+            let cc = ConfChange::parse_from_bytes(&e.data)?;
+            self.node.apply_conf_change(&cc)
+        } else {
+            let cc = ConfChangeV2::parse_from_bytes(&e.data)?;
+            self.node.apply_conf_change(&cc)
+        }
     }
 
     /// The first index still in the log.

@@ -108,7 +108,32 @@ pub struct ShardCore<S: LogStore, P, R = P> {
     remembered: Remembered,
     /// Snapshots and log compaction; `None`: the log is kept whole.
     snapshots: Option<Snapshots>,
+    /// Makes the replica one of the shard's first members, for a replica
+    /// that starts with no state and learns that the shard never ran.
+    first_member: Option<FirstMember<S>>,
+    /// Builds a replica with no state, for [`ShardCore::replace`].
+    fresh: Option<Fresh<S>>,
 }
+
+/// Builds a shard's first-member replica (see [`ShardCore::with_first_member`]).
+pub type FirstMember<S> = Box<dyn FnOnce() -> raft::Result<Replica<S>> + Send>;
+/// Builds a replica with no state under a raft id (see [`ShardCore::replace`]).
+pub type Fresh<S> = Box<dyn FnMut(u64) -> raft::Result<Replica<S>> + Send>;
+
+/// Where a replica joining its shard stands (see [`ShardCore::join`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum JoinStep {
+    /// A membership change was proposed.
+    Proposed(&'static str),
+    /// Nothing to do until then.
+    Waiting(&'static str),
+    /// A voter, and its node has no other replica of the shard.
+    Done,
+}
+
+/// A learner this close to the leader's last index is caught up enough to
+/// vote.
+pub const CAUGHT_UP_ENTRIES: u64 = 64;
 
 /// When a shard's log is cut short (it would grow without bound).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -177,6 +202,55 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
             lease_reads: 0,
             remembered: Remembered::default(),
             snapshots: None,
+            first_member: None,
+            fresh: None,
+        }
+    }
+
+    /// How to build a replica with no state (for [`ShardCore::replace`]).
+    pub fn with_fresh(mut self, fresh: Fresh<S>) -> Self {
+        self.fresh = Some(fresh);
+        self
+    }
+
+    /// Drops this replica's state (log, store, remembered writes) and goes
+    /// on as a new replica `id` that is not a member yet: the shard's
+    /// leader adds it, it catches up by snapshot, and its node's older
+    /// replica is removed (`dmkv cluster replace-replica`). Writes waiting
+    /// here get an unknown outcome.
+    pub fn replace(&mut self, id: u64) -> Result<Vec<P>, raft::Error> {
+        let Some(fresh) = self.fresh.as_mut() else {
+            return Err(raft::Error::Store(raft::StorageError::Other("this replica cannot be replaced".into())));
+        };
+        self.replica = fresh(id)?;
+        self.store
+            .clear(1)
+            .map_err(|e| raft::Error::Store(raft::StorageError::Other(format!("emptying the store: {e}").into())))?;
+        self.applied = 0;
+        self.remembered = Remembered::default();
+        self.to_apply.clear();
+        self.first_member = None;
+        Ok(std::mem::take(&mut self.pending).into_values().map(|(_, p)| p).collect())
+    }
+
+    /// For a replica started with no state, as a new member-to-be: how to
+    /// become one of the shard's first members instead, if it turns out
+    /// the shard never ran ([`ShardCore::bootstrap`]).
+    pub fn with_first_member(mut self, make: FirstMember<S>) -> Self {
+        self.first_member = Some(make);
+        self
+    }
+
+    /// Becomes one of the shard's first members (once, and only before
+    /// anything happened here); whether it did.
+    pub fn bootstrap(&mut self) -> raft::Result<bool> {
+        let untouched = self.applied == 0 && self.replica.raft().raft.term == 0;
+        match self.first_member.take() {
+            Some(make) if untouched => {
+                self.replica = make()?;
+                Ok(true)
+            }
+            _ => Ok(false),
         }
     }
 
@@ -333,6 +407,12 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
             if self.ticks < self.apply_retry_tick {
                 break;
             }
+            if e.get_entry_type() != raft::prelude::EntryType::EntryNormal {
+                let e = self.to_apply.pop_front().expect("front exists");
+                self.apply_membership(&e)?;
+                self.applied = e.index;
+                continue;
+            }
             let result = apply_once(&self.store, &mut self.remembered, &e.data);
             if let Err(ApplyError::Store(dmkv_common::error::Error::OutOfMemory)) = &result {
                 // The leader admits a write only while it fits every
@@ -364,6 +444,64 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
             out.answers.push((id, answer));
         }
         Ok(())
+    }
+
+    /// Applies a committed membership change (every replica at the same
+    /// index), and records the members it makes.
+    fn apply_membership(&mut self, e: &raft::prelude::Entry) -> Result<(), raft::Error> {
+        let cs = self.replica.apply_conf_entry(e)?;
+        self.replica.raft().store().set_conf(&cs)?;
+        tracing::info!(voters = ?cs.voters, learners = ?cs.learners, "shard members changed");
+        Ok(())
+    }
+
+    /// This replica's raft id.
+    pub fn id(&self) -> u64 {
+        self.replica.raft().raft.id
+    }
+
+    /// The next step to make `replica` a member in place of its node's
+    /// older replicas, taken if this replica leads: add it as a learner;
+    /// once it caught up, promote it; then remove the older replicas of its
+    /// node, one at a time. Asked again until it answers `Done`, so a new
+    /// leader carries on where the last one stopped.
+    pub fn join(&mut self, replica: u64) -> Result<JoinStep, ProposeError> {
+        use raft::prelude::{ConfChange, ConfChangeType};
+        let r = &self.replica.raft().raft;
+        if r.state != StateRole::Leader {
+            return Err(self.not_leader());
+        }
+        if replica == 0 || dmkv_common::cluster::map::node_of(replica) == 0 {
+            return Err(ProposeError::Store(format!("{replica} is not a replica id")));
+        }
+        if r.pending_conf_index > self.applied || !r.commit_to_current_term() {
+            return Ok(JoinStep::Waiting("a membership change is under way"));
+        }
+        let conf = r.prs().conf().to_conf_state();
+        let node = dmkv_common::cluster::map::node_of(replica);
+        let change = |ty, id| ConfChange { change_type: ty, node_id: id, ..Default::default() };
+        let (cc, step) = if !conf.voters.contains(&replica) && !conf.learners.contains(&replica) {
+            (change(ConfChangeType::AddLearnerNode, replica), JoinStep::Proposed("added as a learner"))
+        } else if conf.learners.contains(&replica) {
+            let caught_up =
+                r.prs().get(replica).is_some_and(|p| p.matched + CAUGHT_UP_ENTRIES >= r.raft_log.last_index());
+            if !caught_up {
+                return Ok(JoinStep::Waiting("catching up"));
+            }
+            (change(ConfChangeType::AddNode, replica), JoinStep::Proposed("promoted to voter"))
+        } else {
+            let older = conf
+                .voters
+                .iter()
+                .chain(&conf.learners)
+                .find(|&&id| id != replica && dmkv_common::cluster::map::node_of(id) == node);
+            match older {
+                Some(&old) => (change(ConfChangeType::RemoveNode, old), JoinStep::Proposed("older replica removed")),
+                None => return Ok(JoinStep::Done),
+            }
+        };
+        self.replica.propose_conf_change(cc).map_err(|e| ProposeError::Store(e.to_string()))?;
+        Ok(step)
     }
 
     /// Makes the store what a leader's snapshot holds (checked in `step`).
