@@ -82,7 +82,41 @@ impl TestCluster {
         for i in 0..nodes {
             c.restart(i);
         }
+        c.wait_settled(shards, replicas);
         c
+    }
+
+    /// Waits (up to 20 s) until every shard has a leader whose members are
+    /// `replicas` voters on distinct nodes and no learner: nodes that
+    /// start apart can have one join as a new member first.
+    fn wait_settled(&self, shards: u32, replicas: usize) {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        loop {
+            let settled = rt.block_on(async {
+                let mut ok = std::collections::BTreeSet::new();
+                for i in 0..self.rpc.len() {
+                    let Ok(c) = dmkv_client::Client::connect(self.rpc(i)).await else { continue };
+                    let Ok(s) = c.cluster_status().await else { continue };
+                    for r in s.local.iter().filter(|r| r.role == "leader") {
+                        let nodes: std::collections::BTreeSet<u64> = r.voters.iter().map(|v| v >> 32).collect();
+                        if r.learners.is_empty() && r.voters.len() == replicas && nodes.len() == replicas {
+                            ok.insert(r.shard);
+                        }
+                    }
+                }
+                ok.len() == shards as usize
+            });
+            if settled {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the cluster's members did not settle within 20 s; node 1's log:\n{}",
+                self.log(0)
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
     }
 
     /// Starts node index `i` (id `i + 1`) again, or for the first time.

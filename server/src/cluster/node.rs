@@ -480,6 +480,11 @@ type RecordId = Box<dyn Fn(u64) -> Result<(), String> + Send + Sync>;
 
 /// How often the membership task looks again.
 pub const MEMBERSHIP_INTERVAL: Duration = Duration::from_millis(300);
+/// How often a replica with no state asks its peers while it cannot tell
+/// a first start from a restart: often, so that nodes starting together
+/// all see each other before any has a term (a node that sees a term
+/// first joins as a new member, which is safe but slower).
+pub const UNDECIDED_INTERVAL: Duration = Duration::from_millis(20);
 
 /// What a shard replica's membership task works with.
 struct Membership {
@@ -546,8 +551,9 @@ async fn membership(mut m: Membership) {
                 }
             }
         }
+        let wait = if m.undecided.is_some() { UNDECIDED_INTERVAL } else { MEMBERSHIP_INTERVAL };
         tokio::select! {
-            _ = tokio::time::sleep(MEMBERSHIP_INTERVAL) => {}
+            _ = tokio::time::sleep(wait) => {}
             _ = m.stop.changed() => return,
         }
     }
