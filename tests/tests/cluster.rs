@@ -14,6 +14,16 @@ fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime")
 }
 
+/// Waits for leaders, then PUTs `prefix{i}` = `v{i}` for i in 0..n through
+/// node index `via`.
+async fn put_keys(c: &TestCluster, via: usize, prefix: &str, n: usize) {
+    c.leaders_known(via).await;
+    let client = Client::connect(c.rpc(via)).await.expect("connect");
+    for i in 0..n {
+        client.put(format!("{prefix}{i}"), format!("v{i}")).await.expect("put");
+    }
+}
+
 #[test]
 fn a_three_node_cluster_serves_every_shard() {
     let c = TestCluster::start(3, 6, 3, false, &[]);
@@ -330,13 +340,7 @@ fn an_in_memory_node_restarted_rejoins_as_a_new_replica_and_catches_up() {
     // Short logs: the restarted node catches up by snapshot.
     let mut c = TestCluster::start(3, 3, 3, false, &["--raft-log-entries", "200"]);
     let rt = rt();
-    rt.block_on(async {
-        c.leaders_known(0).await;
-        let client = Client::connect(c.rpc(0)).await.expect("connect");
-        for i in 0..900 {
-            client.put(format!("m{i}"), format!("v{i}")).await.expect("put");
-        }
-    });
+    rt.block_on(put_keys(&c, 0, "m", 900));
     // Node 3 forgets everything: it must come back as a new member, not
     // vote or acknowledge as the replica it was.
     c.kill(2);
@@ -359,13 +363,7 @@ fn an_in_memory_node_restarted_rejoins_as_a_new_replica_and_catches_up() {
 fn replace_replica_swaps_in_a_new_replica_that_catches_up_and_survives_a_restart() {
     let mut c = TestCluster::start(3, 3, 3, true, &[]);
     let rt = rt();
-    rt.block_on(async {
-        c.leaders_known(0).await;
-        let client = Client::connect(c.rpc(0)).await.expect("connect");
-        for i in 0..300 {
-            client.put(format!("r{i}"), format!("v{i}")).await.expect("put");
-        }
-    });
+    rt.block_on(put_keys(&c, 0, "r", 300));
     for shard in 0..3 {
         let out = std::process::Command::new(bin_path("dmkv"))
             .args(["--server", c.rpc(0), "cluster", "replace-replica", "--shard", &shard.to_string(), "--node", "2"])

@@ -425,6 +425,17 @@ impl ClusterNode {
         let Some(r) = self.replicas.get(&shard) else {
             return Err(ClusterError::Failed(format!("shard {shard} has no replica on node {}", self.id)));
         };
+        // Only the nodes the cluster file places the shard on hold it.
+        let placed = crate::lock::lock(&self.map)
+            .shards()
+            .iter()
+            .any(|s| s.id == shard && s.replicas.contains(&node_of(replica)));
+        if !placed {
+            return Err(ClusterError::Failed(format!(
+                "replica {replica} is on node {}, which does not hold shard {shard}",
+                node_of(replica)
+            )));
+        }
         match r.thread.join(replica).await {
             Ok(Ok(step)) => Ok(step),
             Ok(Err(e)) => Err(self.cluster_error(e)),

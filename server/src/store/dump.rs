@@ -3,11 +3,8 @@
 //! replica that catches up by snapshot holds what the leader held, down
 //! to the versions.
 
-use std::sync::atomic::Ordering;
-
 use dmkv_common::error::Error;
-use dmkv_common::layout::{Slot, decode_item};
-use dmkv_common::limits::WORDS_PER_BUCKET;
+use dmkv_common::layout::decode_item;
 
 use super::Store;
 use crate::lock::lock;
@@ -20,20 +17,11 @@ impl Store {
     pub fn dump(&self, mut f: impl FnMut(&[u8], &[u8], u64)) -> u64 {
         let w = lock(&self.writer);
         let mut buf = Vec::new();
-        for (_, seg) in self.index.all() {
-            if !seg.live.load(Ordering::Acquire) {
-                continue;
-            }
-            for (pos, word) in seg.words() {
-                if pos % WORDS_PER_BUCKET == 0 {
-                    continue;
-                }
-                let Some(slot) = Slot::unpack(word) else { continue };
-                if self.read_verified(slot, &mut buf)
-                    && let Ok(item) = decode_item(&buf)
-                {
-                    f(item.key, item.value, item.version);
-                }
+        for (_, _, _, slot) in self.live_slots() {
+            if self.read_verified(slot, &mut buf)
+                && let Ok(item) = decode_item(&buf)
+            {
+                f(item.key, item.value, item.version);
             }
         }
         w.next_version

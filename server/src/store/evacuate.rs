@@ -110,22 +110,24 @@ impl Store {
         Some(found)
     }
 
+    /// Every linked slot of the live segments: (segment, word position,
+    /// word, slot). Retired segments hold frozen copies of slots that live
+    /// on in their halves, so they are left out.
+    pub(super) fn live_slots(&self) -> impl Iterator<Item = (u32, usize, u64, Slot)> + '_ {
+        self.index.all().filter(|(_, seg)| seg.live.load(Ordering::Acquire)).flat_map(|(id, seg)| {
+            seg.words()
+                .filter(|(pos, _)| pos % WORDS_PER_BUCKET != 0)
+                .filter_map(move |(pos, word)| Slot::unpack(word).map(|slot| (id, pos, word, slot)))
+        })
+    }
+
     /// The live items overlapping `range`, from the live segments.
     fn scan(&self, range: &Range<u64>) -> Vec<Candidate> {
         let mut found = Vec::new();
-        for (id, seg) in self.index.all() {
-            if !seg.live.load(Ordering::Acquire) {
-                continue;
-            }
-            for (pos, word) in seg.words() {
-                if pos % WORDS_PER_BUCKET == 0 {
-                    continue;
-                }
-                let Some(slot) = Slot::unpack(word) else { continue };
-                let end = slot.offset_units + u64::from(slot.units);
-                if slot.offset_units < range.end && end > range.start {
-                    found.push(Candidate { seg: id, pos, word });
-                }
+        for (id, pos, word, slot) in self.live_slots() {
+            let end = slot.offset_units + u64::from(slot.units);
+            if slot.offset_units < range.end && end > range.start {
+                found.push(Candidate { seg: id, pos, word });
             }
         }
         found
