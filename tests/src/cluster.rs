@@ -142,6 +142,17 @@ impl TestCluster {
         self.nodes[i] = Some(p);
     }
 
+    /// Kills every node with SIGKILL, then starts them all again (from
+    /// their data directories, when durable).
+    pub fn restart_all(&mut self) {
+        for i in 0..self.nodes.len() {
+            self.kill(i);
+        }
+        for i in 0..self.nodes.len() {
+            self.restart(i);
+        }
+    }
+
     /// Kills node index `i` with SIGKILL.
     pub fn kill(&mut self, i: usize) {
         if let Some(mut p) = self.nodes[i].take() {

@@ -167,12 +167,7 @@ fn nodes_restarted_from_their_logs_keep_every_acknowledged_write() {
             assert!(client.delete(format!("d{i}")).await.expect("delete"));
         }
     });
-    for i in 0..3 {
-        c.kill(i);
-    }
-    for i in 0..3 {
-        c.restart(i);
-    }
+    c.restart_all();
     rt.block_on(async {
         c.leaders_known(2).await;
         let client = Client::connect(c.rpc(2)).await.expect("connect");
@@ -282,12 +277,7 @@ fn a_node_far_behind_catches_up_by_snapshot_and_restarts_from_it() {
         assert!(built > 0, "no leader built a snapshot");
     });
     // Every node restarts from its saved snapshot and what its log kept.
-    for i in 0..3 {
-        c.kill(i);
-    }
-    for i in 0..3 {
-        c.restart(i);
-    }
+    c.restart_all();
     rt.block_on(async {
         c.leaders_known(2).await;
         let client = Client::connect(c.rpc(2)).await.expect("connect");
