@@ -321,7 +321,8 @@ pub fn csv(r: &Report) -> String {
 pub const STORE_ORDER: [&str; 4] = ["dmkv", "dmkv-onesided", "memcached", "redis"];
 /// dmkv's entries in reports: the RPC path, and GETs over one-sided reads.
 pub const DMKV_STORES: [&str; 2] = ["dmkv", "dmkv-onesided"];
-/// Throughput dmkv aims for, as a multiple of the better rival.
+/// Throughput dmkv's RPC path aims for, as a multiple of the better rival
+/// (the target the README states).
 pub const GOAL_RATIO: f64 = 1.5;
 
 fn store_rank(s: &str) -> usize {
@@ -421,10 +422,13 @@ pub fn markdown(reports: &[Report]) -> String {
         }
         out.push('\n');
     }
-    let _ = writeln!(out, "### dmkv against the goal ({GOAL_RATIO}× the better of memcached and Redis)\n");
     let _ = writeln!(
         out,
-        "| workload | threads × in flight | mode | dmkv | dmkv ops/s | best rival | rival ops/s | ratio | goal met |"
+        "### dmkv against its target ({GOAL_RATIO}× the throughput of the better of memcached and Redis)\n"
+    );
+    let _ = writeln!(
+        out,
+        "| workload | threads × in flight | mode | dmkv | dmkv ops/s | best rival | rival ops/s | ratio | target met |"
     );
     let _ = writeln!(out, "|---|---|---|---|---:|---|---:|---:|---|");
     for w in &workloads {
