@@ -1,6 +1,6 @@
 //! A dmkvd node's part in a cluster: its shards' raft groups, their logs,
 //! their snapshots and the peer transport.
-//! docs/replication-plan.md has the shape and the order of work.
+//! docs/replication.md has the design, the argument and the failure cases.
 
 pub mod apply;
 pub mod config;
