@@ -16,6 +16,10 @@
 //! (or `<!-- commands: BIN -->` for subcommands) on the line before it;
 //! `complete` after the name means every flag `--help` lists must be in
 //! the table too, not only the other way round.
+//!
+//! Beyond the README, every command any markdown file of the repository
+//! shows (code blocks and inline code starting with one of our binaries)
+//! may only use flags that binary or one of its subcommands accepts.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -415,4 +419,99 @@ fn readme_parsing_reads_what_it_should() {
     assert_eq!((name.as_str(), args.len()), ("dmkv-ycsb", 4));
     assert_eq!(help_flags("  -s, --server <ADDR>  x\n      --raw  y\n  -h, --help\n"), vec!["--server", "--raw"]);
     assert_eq!(cell_flags("`--engine-listen ADDR` / `--no-engine`"), vec!["--engine-listen", "--no-engine"]);
+}
+
+/// Our binaries, as documents name them.
+const BINARIES: [&str; 8] = [
+    "dmkvd",
+    "dmkv",
+    "dmkv-ycsb",
+    "dmkv-ycsb-plot",
+    "dmkv-getbench",
+    "dmkv-pathbench",
+    "dmkv-memutil",
+    "dmkv-cluster-bench",
+];
+
+/// Every long flag a binary or any of its (nested) subcommands accepts.
+fn all_flags(words: &mut Vec<String>, depth: usize, out: &mut Vec<String>) {
+    let help = help_of(words);
+    out.extend(help_flags(&help));
+    if depth == 0 {
+        return;
+    }
+    for sub in help_commands(&help) {
+        words.push(sub);
+        all_flags(words, depth - 1, out);
+        words.pop();
+    }
+}
+
+/// Commands in a markdown text: lines of code blocks and inline code
+/// spans that start with one of our binaries (or a path ending in one).
+fn doc_commands(md: &str) -> Vec<(String, String)> {
+    let mut spans = Vec::new();
+    let mut in_block = false;
+    for line in md.lines() {
+        if line.trim_start().starts_with("```") {
+            in_block = !in_block;
+            continue;
+        }
+        if in_block {
+            spans.push(line.to_string());
+        } else {
+            spans.extend(line.split('`').skip(1).step_by(2).map(str::to_string));
+        }
+    }
+    let mut out = Vec::new();
+    for span in spans {
+        let (cmd, _) = split_comment(&span);
+        for part in cmd.split(" | ") {
+            let mut words = part.split_whitespace();
+            // `cargo run ... --bin NAME -- ARGS` names the binary too.
+            let Some(first) = words.next() else { continue };
+            let (name, rest) = if first == "cargo" && part.contains("--bin ") && part.contains(" -- ") {
+                let name = part.split("--bin ").nth(1).and_then(|s| s.split_whitespace().next()).unwrap_or_default();
+                (name.to_string(), part.split(" -- ").nth(1).unwrap_or_default().to_string())
+            } else {
+                let name = first.rsplit('/').next().unwrap_or_default().to_string();
+                (name, words.collect::<Vec<_>>().join(" "))
+            };
+            if BINARIES.contains(&name.as_str()) {
+                out.push((name, rest));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn documented_commands_use_flags_that_exist() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut docs = vec![root.join("README.md")];
+    for dir in ["docs", "deploy", "tests/rdma-vm", "verbs", "fuzz", "benches"] {
+        let Ok(entries) = std::fs::read_dir(root.join(dir)) else { continue };
+        docs.extend(entries.flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|x| x == "md")));
+    }
+    let mut known: std::collections::HashMap<String, Vec<String>> = Default::default();
+    let mut checked = 0;
+    for doc in &docs {
+        let md = std::fs::read_to_string(doc).unwrap_or_else(|e| panic!("read {}: {e}", doc.display()));
+        for (name, args) in doc_commands(&md) {
+            let flags = known.entry(name.clone()).or_insert_with(|| {
+                let mut out = vec!["--help".to_string(), "--version".to_string()];
+                all_flags(&mut vec![name.clone()], 2, &mut out);
+                out
+            });
+            for f in cell_flags(&args) {
+                assert!(
+                    flags.contains(&f),
+                    "{} shows `{name} ... {f}`, which no `{name} --help` lists",
+                    doc.strip_prefix(&root).unwrap_or(doc).display()
+                );
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked >= 100, "only {checked} documented flags found");
 }
