@@ -107,7 +107,10 @@ impl Args {
     /// The run these flags describe.
     pub fn settings(&self) -> Result<Settings, String> {
         let duration = match self.duration {
-            Some(d) if d.is_finite() && d > 0.0 => Some(Duration::from_secs_f64(d)),
+            Some(d) if d > 0.0 => match Duration::try_from_secs_f64(d) {
+                Ok(d) => Some(d),
+                Err(_) => return Err(format!("--duration {d}: out of range")),
+            },
             Some(_) => return Err("--duration must be a positive number of seconds".into()),
             None => None,
         };

@@ -23,6 +23,8 @@ use crate::workload::{BadValue, Distribution, Mix, OP_KINDS, OpKind, UpdateWrite
 pub const MAX_THREADS: usize = 1024;
 /// Most operations in flight per thread.
 pub const MAX_IN_FLIGHT: usize = 4096;
+/// Slowest `--target-rate` accepted, in operations per second.
+pub const MIN_TARGET_RATE: f64 = 0.001;
 /// Largest value (dmkv's limit; memcached's default item limit is the same).
 pub const MAX_VALUE_SIZE: usize = dmkv_common::limits::MAX_VALUE_LEN;
 /// Operations of a run when neither `--operations` nor `--duration` is given.
@@ -55,9 +57,8 @@ impl FromStr for Warmup {
             None
         };
         match secs {
-            Some(x) if x.is_finite() && x >= 0.0 => {
-                Ok(if x == 0.0 { Warmup::None } else { Warmup::Time(Duration::from_secs_f64(x)) })
-            }
+            Some(0.0) => Ok(Warmup::None),
+            Some(x) if x > 0.0 => Duration::try_from_secs_f64(x).map(Warmup::Time).map_err(|_| bad()),
             Some(_) => Err(bad()),
             None => match s.parse::<u64>().map_err(|_| bad())? {
                 0 => Ok(Warmup::None),
@@ -160,9 +161,11 @@ impl Settings {
             ));
         }
         if let Some(r) = self.target_rate
-            && !(r.is_finite() && r > 0.0)
+            && !(r.is_finite() && r >= MIN_TARGET_RATE)
         {
-            return Err("--target-rate must be a positive number of operations per second".into());
+            // Far below one operation a second, the schedule's times
+            // overflow what a clock can hold.
+            return Err(format!("--target-rate must be at least {MIN_TARGET_RATE} operations per second"));
         }
         match (self.operations, self.duration) {
             (Some(_), Some(_)) => return Err("give --operations or --duration, not both".into()),

@@ -30,7 +30,8 @@ pub const SEGMENT_LEN: usize = SEGMENT_BUCKETS * BUCKET_LEN;
 pub const MAX_DIRECTORY_DEPTH: u32 = 32;
 /// Allocation unit of the data area; items are aligned to it.
 pub const UNIT: usize = 64;
-/// Smallest region the server accepts.
-pub const MIN_REGION_LEN: usize = 1024 * 1024;
+/// Smallest region (`--memory`) dmkvd accepts: room for the header, a
+/// small index and a few maximum-size items.
+pub const MIN_REGION_LEN: usize = 4 * 1024 * 1024;
 /// Largest region a slot's offset field can address (2^33 units).
 pub const MAX_REGION_LEN: u64 = (1u64 << 33) * UNIT as u64;

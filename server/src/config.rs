@@ -8,10 +8,13 @@ use std::time::Duration;
 
 use clap::Parser;
 use dmkv_common::auth::{Keys, Token};
-use dmkv_common::limits::{DEFAULT_MAX_FRAME_LEN, MIN_MAX_FRAME_LEN, MIN_REGION_LEN};
+use dmkv_common::limits::{DEFAULT_MAX_FRAME_LEN, MIN_MAX_FRAME_LEN};
 use serde::Deserialize;
 
 use crate::listen::MAX_CONNECTION_CAP;
+
+pub mod validate;
+pub use validate::{MAX_SOCKET_PATH, human, physical_memory};
 
 /// Default RPC listen address.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:7070";
@@ -52,7 +55,7 @@ pub const MAX_TIMEOUT: Duration = Duration::from_secs(7 * 24 * 3600);
 pub const SHUTDOWN_DRAIN: Duration = Duration::from_secs(5);
 
 /// Command-line flags of `dmkvd`. Every flag overrides the config file.
-#[derive(Debug, Parser, Default)]
+#[derive(Debug, Clone, Parser, Default)]
 #[command(name = "dmkvd", version, about = "dmkv server: a remote-memory key-value store")]
 pub struct Flags {
     /// TOML config file.
@@ -78,7 +81,7 @@ pub struct Flags {
     /// Largest accepted frame, e.g. 2MiB.
     #[arg(long, value_name = "SIZE")]
     pub max_frame: Option<String>,
-    /// Worker threads (default: one per core).
+    /// Worker threads, at least 1 (default: one per core).
     #[arg(long)]
     pub threads: Option<usize>,
     /// Address of the software one-sided engine (default: the RPC host, any port).
@@ -100,8 +103,10 @@ pub struct Flags {
     /// Do not offer RDMA even where a device exists.
     #[arg(long)]
     pub no_rdma: bool,
-    /// Log filter, e.g. info or dmkv_server=debug (RUST_LOG also works).
-    #[arg(long)]
+    /// Log filter, e.g. info or dmkv_server=debug. This (or `log` in the
+    /// config file) wins over RUST_LOG, which applies only when neither is
+    /// given; the default is info.
+    #[arg(long, value_name = "FILTER")]
     pub log: Option<String>,
     /// Secrets clients must prove, per role: TOML (`data = "..."`,
     /// `admin = ["...", "..."]`) or lines of `ROLE TOKEN`. DMKVD_DATA_TOKEN
@@ -160,7 +165,7 @@ pub struct Flags {
 }
 
 /// The TOML file; every field is optional.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FileConfig {
     pub listen: Option<SocketAddr>,
@@ -241,7 +246,9 @@ pub struct Config {
     pub compactor: crate::compact::Mode,
     pub max_frame: usize,
     pub threads: usize,
-    pub log: String,
+    /// The log filter given by `--log` or the file; `None`: RUST_LOG if
+    /// set, else info (see [`log_filter`]).
+    pub log: Option<String>,
     /// Connections served at once by the RPC listener, the engine, and
     /// the shared-memory handoff.
     pub max_connections: usize,
@@ -294,38 +301,59 @@ impl Config {
             Some(path) => read_file(path)?,
             None => FileConfig::default(),
         };
-        Config::resolve(file, flags)
+        let physical = physical_memory();
+        Config::resolve_on(file, flags, physical)
     }
 
-    /// Merges file and flags (flags win) over the defaults and validates.
+    /// Merges file and flags (flags win) over the defaults and validates,
+    /// without checking the region against this machine's memory.
     pub fn resolve(file: FileConfig, flags: Flags) -> Result<Config, String> {
+        Config::resolve_on(file, flags, None)
+    }
+
+    /// [`Config::resolve`] on a machine with `physical` bytes of memory
+    /// (`None`: unknown, not checked).
+    pub fn resolve_on(file: FileConfig, flags: Flags, physical: Option<u64>) -> Result<Config, String> {
+        // Copies to name settings by where they came from, in errors.
+        let (given, in_file, config_path) = (flags.clone(), file.clone(), flags.config.clone());
+        macro_rules! name {
+            ($key:ident) => {
+                validate::setting_name(
+                    stringify!($key),
+                    given.$key.is_none() && in_file.$key.is_some(),
+                    config_path.as_deref(),
+                )
+            };
+        }
         let memory = match flags.memory {
-            Some(s) => parse_size(&s)?,
+            Some(s) => parse_size(&s).map_err(|e| format!("--memory: {e}"))?,
             None => file.memory.map_or(DEFAULT_MEMORY, |s| s.0),
         };
-        if memory < MIN_REGION_LEN as u64 * 4 {
-            return Err(format!("memory {memory} is below the minimum of {} bytes", MIN_REGION_LEN * 4));
-        }
-        // The region is read and written in whole 8-byte words.
-        if !memory.is_multiple_of(8) {
-            return Err(format!("memory {memory} is not a multiple of 8 bytes"));
-        }
         let buckets =
             flags.buckets.or(file.buckets).unwrap_or_else(|| (memory / DEFAULT_BYTES_PER_BUCKET).next_power_of_two());
-        if buckets == 0 || !buckets.is_power_of_two() {
-            return Err(format!("buckets must be a power of two, got {buckets}"));
-        }
+        let buckets_name = (given.buckets.is_some() || in_file.buckets.is_some()).then(|| name!(buckets));
+        validate::region(memory, &name!(memory), buckets, buckets_name.as_deref(), physical)?;
         let max_frame = match flags.max_frame {
-            Some(s) => parse_size(&s)?,
+            Some(s) => parse_size(&s).map_err(|e| format!("--max-frame: {e}"))?,
             None => file.max_frame.map_or(DEFAULT_MAX_FRAME_LEN as u64, |s| s.0),
         };
         if max_frame < MIN_MAX_FRAME_LEN as u64 || max_frame > u32::MAX as u64 {
-            return Err(format!("max_frame must be between {MIN_MAX_FRAME_LEN} and {} bytes", u32::MAX));
+            return Err(format!(
+                "{}: must be between {MIN_MAX_FRAME_LEN} and {} bytes, got {max_frame}",
+                name!(max_frame),
+                u32::MAX
+            ));
         }
-        let threads = flags
-            .threads
-            .or(file.threads)
-            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+        let threads = match flags.threads.or(file.threads) {
+            // A runtime with no worker cannot run anything.
+            Some(0) => return Err(format!("{}: must be at least 1, got 0", name!(threads))),
+            Some(n) => n,
+            None => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        };
+        let log = flags.log.or(file.log);
+        if let Some(filter) = &log {
+            log_filter(Some(filter), None).map_err(|e| format!("{} {filter:?}: {e}", name!(log)))?;
+        }
         let listen = flags.listen.or(file.listen).unwrap_or_else(|| DEFAULT_LISTEN.parse().expect("valid default"));
         let engine_on = !flags.no_engine && file.engine.unwrap_or(true);
         let engine_listen =
@@ -337,11 +365,22 @@ impl Config {
                 .or(file.shm_socket)
                 .unwrap_or_else(|| std::env::temp_dir().join(format!("dmkvd-{}.sock", std::process::id())))
         });
+        if let Some(path) = &shm_socket {
+            let name = name!(shm_socket);
+            validate::parent_exists(&name, path)?;
+            let len = path.as_os_str().len();
+            if len > MAX_SOCKET_PATH {
+                return Err(format!(
+                    "{name} {}: {len} bytes long; a Unix socket path has at most {MAX_SOCKET_PATH}",
+                    path.display()
+                ));
+            }
+        }
         let mut keys = match flags.auth_file.or(file.auth_file) {
             Some(path) => {
-                let text = std::fs::read_to_string(&path)
-                    .map_err(|e| format!("cannot read auth file {}: {e}", path.display()))?;
-                parse_auth(&text).map_err(|e| format!("auth file {}: {e}", path.display()))?
+                let name = name!(auth_file);
+                let text = validate::read_text(&name, &path)?;
+                parse_auth(&text).map_err(|e| format!("{name} {}: {e}", path.display()))?
             }
             None => AuthLists::default(),
         };
@@ -367,7 +406,13 @@ impl Config {
         }
         let tls = match (flags.tls_cert.or(file.tls_cert), flags.tls_key.or(file.tls_key)) {
             (Some(cert), Some(key)) => {
-                Some(TlsFiles { cert, key, client_ca: flags.tls_client_ca.or(file.tls_client_ca) })
+                let client_ca = flags.tls_client_ca.or(file.tls_client_ca);
+                validate::readable_file(&name!(tls_cert), &cert)?;
+                validate::readable_file(&name!(tls_key), &key)?;
+                if let Some(ca) = &client_ca {
+                    validate::readable_file(&name!(tls_client_ca), ca)?;
+                }
+                Some(TlsFiles { cert, key, client_ca })
             }
             (None, None) if flags.tls_client_ca.is_some() || file.tls_client_ca.is_some() => {
                 return Err("tls_client_ca needs tls_cert and tls_key".into());
@@ -406,10 +451,10 @@ impl Config {
         }
         let cluster = match (flags.cluster.or(file.cluster), flags.node_id.or(file.node_id)) {
             (Some(path), Some(node_id)) => {
-                let text = std::fs::read_to_string(&path)
-                    .map_err(|e| format!("cannot read cluster file {}: {e}", path.display()))?;
+                let name = name!(cluster);
+                let text = validate::read_text(&name, &path)?;
                 let config = crate::cluster::config::ClusterConfig::parse(&text)
-                    .map_err(|e| format!("{}: {e}", path.display()))?;
+                    .map_err(|e| format!("{name} {}: {e}", path.display()))?;
                 let me = config.node(node_id)?;
                 if flags.listen.or(file.listen).is_some_and(|l| l != me.rpc) {
                     return Err(format!(
@@ -432,6 +477,9 @@ impl Config {
                         .into());
                 }
                 let data_dir = flags.data_dir.or(file.data_dir);
+                if let Some(dir) = &data_dir {
+                    validate::parent_exists(&name!(data_dir), dir)?;
+                }
                 let sync = flags.sync.or(file.sync);
                 if sync.is_some() && data_dir.is_none() {
                     return Err("--sync needs --data-dir: without it the raft log is in memory".into());
@@ -477,8 +525,11 @@ impl Config {
             _ => engine_listen,
         };
         let rdma_device = flags.rdma_device.or(file.rdma_device);
-        if rdma_device.is_some() && !cfg!(feature = "rdma") {
-            return Err("this dmkvd was built without RDMA support (cargo feature `rdma`)".into());
+        if let Some(dev) = rdma_device.as_ref().filter(|_| !cfg!(feature = "rdma")) {
+            return Err(format!(
+                "{} {dev}: this dmkvd was built without RDMA support (cargo feature `rdma`)",
+                name!(rdma_device)
+            ));
         }
         Ok(Config {
             rdma: !flags.no_rdma && file.rdma.unwrap_or(true) && cluster.is_none(),
@@ -491,8 +542,8 @@ impl Config {
             grace: Duration::from_millis(flags.grace_ms.or(file.grace_ms).unwrap_or(DEFAULT_GRACE.as_millis() as u64)),
             compactor: flags.compactor.or(file.compactor).unwrap_or_default(),
             max_frame: max_frame as usize,
-            threads: threads.max(1),
-            log: flags.log.or(file.log).unwrap_or_else(|| "info".into()),
+            threads,
+            log,
             auth,
             insecure,
             rkey_rotate,
@@ -570,8 +621,20 @@ fn parse_auth(text: &str) -> Result<AuthLists, String> {
 }
 
 fn read_file(path: &Path) -> Result<FileConfig, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read config {}: {e}", path.display()))?;
-    toml::from_str(&text).map_err(|e| format!("invalid config {}: {e}", path.display()))
+    let text = validate::read_text("--config", path)?;
+    toml::from_str(&text).map_err(|e| format!("--config {}: {}", path.display(), validate::toml_error(&e, &text)))
+}
+
+/// The log filter dmkvd runs with: `explicit` (`--log` or `log` in the
+/// file) if given, else `env` (RUST_LOG) if set, else info. Flags win over
+/// the environment as they win over the file.
+pub fn log_filter(explicit: Option<&str>, env: Option<&str>) -> Result<tracing_subscriber::EnvFilter, String> {
+    use tracing_subscriber::EnvFilter;
+    match (explicit, env.filter(|v| !v.trim().is_empty())) {
+        (Some(f), _) => EnvFilter::try_new(f).map_err(|e| format!("invalid log filter: {e}")),
+        (None, Some(v)) => EnvFilter::try_new(v).map_err(|e| format!("RUST_LOG {v:?}: invalid log filter: {e}")),
+        (None, None) => Ok(EnvFilter::new("info")),
+    }
 }
 
 #[cfg(test)]
@@ -692,6 +755,50 @@ mod tests {
         assert!(Config::resolve(FileConfig::default(), bad).is_err());
         let odd = Flags { memory: Some("33554433".into()), ..Flags::default() };
         assert!(Config::resolve(FileConfig::default(), odd).is_err());
+    }
+
+    #[test]
+    fn errors_name_the_flag_or_the_file_key() {
+        let file: FileConfig = toml::from_str("memory = \"1MiB\"\nthreads = 0").unwrap();
+        let flags = Flags { config: Some("dmkvd.toml".into()), ..Flags::default() };
+        let err = Config::resolve(file.clone(), flags).unwrap_err();
+        assert_eq!(err, "dmkvd.toml: memory: 1 MiB is below the smallest region dmkvd accepts, 4 MiB");
+        let flags = Flags { config: Some("dmkvd.toml".into()), memory: Some("4MiB".into()), ..Flags::default() };
+        let err = Config::resolve(file, flags).unwrap_err();
+        assert_eq!(err, "dmkvd.toml: threads: must be at least 1, got 0");
+        let err = Config::resolve(FileConfig::default(), Flags { threads: Some(0), ..Flags::default() }).unwrap_err();
+        assert_eq!(err, "--threads: must be at least 1, got 0");
+        let err = Config::resolve(FileConfig::default(), Flags { memory: Some("lots".into()), ..Flags::default() })
+            .unwrap_err();
+        assert!(err.starts_with("--memory: invalid size"), "{err}");
+        let big = Flags { memory: Some("64GiB".into()), ..Flags::default() };
+        let err = Config::resolve_on(FileConfig::default(), big, Some(8 << 30)).unwrap_err();
+        assert!(err.contains("more than this machine's physical memory, 8 GiB"), "{err}");
+    }
+
+    #[test]
+    fn log_flag_wins_over_rust_log() {
+        assert_eq!(log_filter(Some("error"), Some("debug")).unwrap().to_string(), "error");
+        assert_eq!(log_filter(None, Some("debug")).unwrap().to_string(), "debug");
+        assert_eq!(log_filter(None, Some("")).unwrap().to_string(), "info");
+        assert_eq!(log_filter(None, None).unwrap().to_string(), "info");
+        assert!(log_filter(None, Some("x=notalevel")).unwrap_err().starts_with("RUST_LOG"));
+        let bad = Flags { log: Some("dmkv_server=loud".into()), ..Flags::default() };
+        let err = Config::resolve(FileConfig::default(), bad).unwrap_err();
+        assert!(err.starts_with("--log \"dmkv_server=loud\": invalid log filter"), "{err}");
+    }
+
+    #[test]
+    fn config_file_errors_are_one_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("d.toml");
+        std::fs::write(&path, "listen = \"127.0.0.1:0\"\nmemory = \"lots\"\n").unwrap();
+        let err = read_file(&path).unwrap_err();
+        assert!(!err.contains('\n') && err.contains("d.toml: line 2: invalid size"), "{err}");
+        let err = read_file(&dir.path().join("missing.toml")).unwrap_err();
+        assert!(
+            err.starts_with("--config ") && err.ends_with("missing.toml: cannot read it: No such file or directory")
+        );
     }
 
     #[test]

@@ -37,6 +37,7 @@ use tokio::task::JoinSet;
 use tracing::{info, warn};
 
 pub use config::Config;
+use config::validate::plain;
 use region::Region;
 use service::Shared;
 use store::Store;
@@ -64,7 +65,7 @@ impl Server {
         let (cluster, peer) = match &cfg.cluster {
             Some(setup) => {
                 let me = setup.config.node(setup.node_id).map_err(invalid)?;
-                let peer = TcpListener::bind(me.peer).await?;
+                let peer = TcpListener::bind(me.peer).await.map_err(|e| bind_error("peer", me.peer, e))?;
                 if setup.data_dir.is_none() {
                     warn!(
                         "cluster node in memory only (no --data-dir): after a restart its replicas rejoin as new \
@@ -81,7 +82,8 @@ impl Server {
                     max_frame: cfg.max_frame,
                     token: cfg.auth.admin_token().cloned(),
                 };
-                let node = cluster::node::ClusterNode::start(setup, params, stop.1.clone()).map_err(invalid)?;
+                let node = cluster::node::ClusterNode::start(setup, params, stop.1.clone())
+                    .map_err(|e| invalid(format!("cluster node {}: {e}", setup.node_id)))?;
                 (Some(Arc::new(node)), Some(peer))
             }
             None => (None, None),
@@ -90,31 +92,33 @@ impl Server {
         // one-sided readers read); the node's own region is the smallest
         // there is.
         let (own_memory, own_buckets) = match cluster {
-            Some(_) => (4 * dmkv_common::limits::MIN_REGION_LEN as u64, 1),
+            Some(_) => (dmkv_common::limits::MIN_REGION_LEN as u64, 1),
             None => (cfg.memory, cfg.buckets),
         };
-        let region = Arc::new(Region::create("dmkv-region", own_memory as usize)?);
+        let region = Arc::new(Region::create("dmkv-region", own_memory as usize).map_err(|e| {
+            let size = config::human(own_memory);
+            std::io::Error::new(e.kind(), format!("--memory: cannot create a {size} region: {}", plain(&e)))
+        })?);
         let seed: u64 = rand::random();
         // Epochs start at a random value so a restarted server never reuses one.
         let epoch: u64 = rand::random::<u32>() as u64 + 1;
         let store = Arc::new(
             Store::format(region, own_buckets, seed, epoch, cfg.grace)
-                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?,
+                .map_err(|e| invalid(format!("--memory, --buckets: cannot lay out the region: {e}")))?,
         );
-        let compactor = compact::Compactor::spawn(Arc::clone(&store), cfg.compactor)?;
-        let listener = TcpListener::bind(cfg.listen).await?;
+        let compactor = compact::Compactor::spawn(Arc::clone(&store), cfg.compactor)
+            .map_err(|e| std::io::Error::new(e.kind(), format!("cannot start the compactor: {e}")))?;
+        let listener = TcpListener::bind(cfg.listen).await.map_err(|e| bind_error("rpc", cfg.listen, e))?;
         let engine = match cfg.engine_listen {
-            Some(addr) => Some(TcpListener::bind(addr).await?),
+            Some(addr) => Some(TcpListener::bind(addr).await.map_err(|e| bind_error("engine", addr, e))?),
             None => None,
         };
         let shm = match &cfg.shm_socket {
-            Some(path) => Some(shm::ShmListener::bind(path)?),
+            Some(path) => Some(shm::ShmListener::bind(path).map_err(|e| bind_error("shm", path.display(), e))?),
             None => None,
         };
         let tls = match &cfg.tls {
-            Some(files) => {
-                Some(tls::acceptor(files).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?)
-            }
+            Some(files) => Some(tls::acceptor(files).map_err(invalid)?),
             None => None,
         };
         let registration = Arc::new(registration::Registration::new(*store.header()));
@@ -289,6 +293,12 @@ impl Server {
     }
 }
 
+/// A listener that could not bind, named with its address: dmkvd binds
+/// up to four (rpc, engine, shm, peer) and the OS error alone says not which.
+fn bind_error(kind: &str, addr: impl std::fmt::Display, e: std::io::Error) -> std::io::Error {
+    std::io::Error::new(e.kind(), format!("cannot bind the {kind} listener to {addr}: {}", plain(&e)))
+}
+
 #[cfg(feature = "rdma")]
 fn open_rdma(cfg: &Config, region: &Arc<Region>) -> std::io::Result<Option<rdma::RdmaRegion>> {
     if !cfg.rdma {
@@ -299,7 +309,10 @@ fn open_rdma(cfg: &Config, region: &Arc<Region>) -> std::io::Result<Option<rdma:
             info!(device = r.device_name(), "region registered for RDMA reads");
             Ok(Some(r))
         }
-        Err(e) if cfg.rdma_device.is_some() => Err(std::io::Error::other(format!("RDMA: {e}"))),
+        Err(e) if cfg.rdma_device.is_some() => {
+            let dev = cfg.rdma_device.as_deref().unwrap_or_default();
+            Err(std::io::Error::other(format!("--rdma-device {dev}: {e}")))
+        }
         Err(dmkv_verbs::VerbsError::NoDevice) => {
             info!("no RDMA device: one-sided reads over shared memory and TCP only");
             Ok(None)

@@ -1,52 +1,56 @@
 //! `dmkvd`: runs a dmkv server. With no arguments it serves one node on
 //! 127.0.0.1:7070 with a 256 MiB region.
+//!
+//! Every failure to start is one line on stderr, "dmkvd: ...", naming the
+//! setting or path at fault, and exit code 2.
+
+use std::process::ExitCode;
 
 use clap::Parser;
 use dmkv_server::{Config, Server, config::Flags};
-use tracing_subscriber::EnvFilter;
 
-fn main() -> std::process::ExitCode {
-    let flags = Flags::parse();
-    let cfg = match Config::load(flags) {
-        Ok(c) => c,
+/// Exit code of a failed start.
+const EXIT_START: u8 = 2;
+
+fn main() -> ExitCode {
+    match run(Flags::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("dmkvd: {e}");
-            return std::process::ExitCode::from(2);
+            ExitCode::from(EXIT_START)
         }
-    };
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(&cfg.log));
+    }
+}
+
+fn run(flags: Flags) -> Result<(), String> {
+    let cfg = Config::load(flags)?;
+    let env = std::env::var("RUST_LOG").ok();
+    let filter = dmkv_server::config::log_filter(cfg.log.as_deref(), env.as_deref())?;
     use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
-    let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(cfg.threads).enable_all().build() {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("dmkvd: cannot start runtime: {e}");
-            return std::process::ExitCode::from(2);
-        }
-    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(cfg.threads)
+        .enable_all()
+        .build()
+        .map_err(|e| format!("--threads {}: cannot start the worker threads: {e}", cfg.threads))?;
     rt.block_on(async move {
-        let server = match Server::bind(&cfg).await {
-            Ok(s) => s,
-            Err(e) => {
-                eprintln!("dmkvd: cannot start on {}: {e}", cfg.listen);
-                return std::process::ExitCode::from(2);
-            }
-        };
+        // Server::bind's errors name the listener, file or setting that failed.
+        let server = Server::bind(&cfg).await.map_err(|e| e.to_string())?;
+        let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .map_err(|e| format!("cannot handle SIGTERM: {e}"))?;
         tracing::info!(rpc = %server.local_addr(), memory = cfg.memory, buckets = cfg.buckets, "dmkvd serving");
         // Tests and scripts read this line to learn the port picked at run time.
         println!("{}", server.endpoints_line());
-        server.serve(shutdown_signal()).await;
-        std::process::ExitCode::SUCCESS
+        server.serve(shutdown_signal(term)).await;
+        Ok(())
     })
 }
 
-async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate()).expect("install SIGTERM handler");
+async fn shutdown_signal(mut term: tokio::signal::unix::Signal) {
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {},
         _ = term.recv() => {},

@@ -180,6 +180,12 @@ pub struct Store {
     log_limit: LogLimit,
 }
 
+/// Index segments a store formatted for `bucket_count` buckets starts
+/// with: whole segments, a power of two of them.
+pub fn initial_segments(bucket_count: u64) -> u64 {
+    bucket_count.div_ceil(SEGMENT_BUCKETS as u64).max(1).next_power_of_two()
+}
+
 impl Store {
     /// Formats `region` with an empty index of `bucket_count` buckets to
     /// start with (rounded up to whole segments); it grows from there.
@@ -190,7 +196,7 @@ impl Store {
         epoch: u64,
         grace: Duration,
     ) -> Result<Store, dmkv_common::LayoutError> {
-        let segments = bucket_count.div_ceil(SEGMENT_BUCKETS as u64).max(1).next_power_of_two();
+        let segments = initial_segments(bucket_count);
         let header = RegionHeader::plan(region.len() as u64, segments, hash_seed, epoch, grace.as_nanos() as u64)?;
         let start = header.data_offset / UNIT as u64;
         let end = start + header.data_len / UNIT as u64;

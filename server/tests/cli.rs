@@ -11,8 +11,8 @@ fn help_and_bad_config_exit_codes() {
     assert!(String::from_utf8_lossy(&out.stdout).contains("--memory"));
     let out = Command::new(bin).args(["--memory", "12XB"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("invalid size"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("dmkvd: --memory: invalid size"));
     let out = Command::new(bin).args(["--config", "/nonexistent/dmkvd.toml"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read config"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("dmkvd: --config /nonexistent/dmkvd.toml: cannot read it"));
 }

@@ -58,8 +58,20 @@ impl TestCluster {
     /// with `durable`, each keeps its raft log in its own data directory.
     /// `args` go to every dmkvd.
     pub fn start(nodes: usize, shards: u32, replicas: usize, durable: bool, args: &[&str]) -> TestCluster {
+        TestCluster::try_start(nodes, shards, replicas, durable, args).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`TestCluster::start`] without the panic, for tools (benchmarks)
+    /// that report a cluster that did not come up as an error.
+    pub fn try_start(
+        nodes: usize,
+        shards: u32,
+        replicas: usize,
+        durable: bool,
+        args: &[&str],
+    ) -> Result<TestCluster, String> {
         let dir = std::env::temp_dir().join(format!("dmkv-cluster-{}-{}", std::process::id(), free_port()));
-        std::fs::create_dir_all(&dir).expect("cluster test dir");
+        std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
         let mut text = format!("shards = {shards}\nreplicas = {replicas}\n");
         let mut rpc = Vec::new();
         let ips = peer_ips(nodes);
@@ -69,7 +81,7 @@ impl TestCluster {
             rpc.push(r);
         }
         let file = dir.join("cluster.toml");
-        std::fs::write(&file, text).expect("write cluster file");
+        std::fs::write(&file, text).map_err(|e| format!("cannot write {}: {e}", file.display()))?;
         let mut c = TestCluster {
             dir,
             file,
@@ -80,21 +92,24 @@ impl TestCluster {
             durable,
         };
         for i in 0..nodes {
-            c.restart(i);
+            c.try_restart(i)?;
         }
         // Clients of TLS or authenticating clusters bring their own
         // settings: their tests wait for what they need.
         if !c.args.iter().any(|a| a == "--tls-cert" || a == "--auth-file") {
-            c.wait_settled(shards, replicas);
+            c.wait_settled(shards, replicas)?;
         }
-        c
+        Ok(c)
     }
 
     /// Waits (up to 20 s) until every shard has a leader whose members are
     /// `replicas` voters on distinct nodes and no learner: nodes that
     /// start apart can have one join as a new member first.
-    fn wait_settled(&self, shards: u32, replicas: usize) {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+    fn wait_settled(&self, shards: u32, replicas: usize) -> Result<(), String> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| format!("cannot start a runtime: {e}"))?;
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
         loop {
             let settled = rt.block_on(async {
@@ -112,19 +127,25 @@ impl TestCluster {
                 ok.len() == shards as usize
             });
             if settled {
-                return;
+                return Ok(());
             }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the cluster's members did not settle within 20 s; node 1's log:\n{}",
-                self.log(0)
-            );
+            if std::time::Instant::now() >= deadline {
+                return Err(format!(
+                    "the cluster's members did not settle within 20 s; node 1's last log line: {}",
+                    self.last_log_line(0)
+                ));
+            }
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
     }
 
     /// Starts node index `i` (id `i + 1`) again, or for the first time.
     pub fn restart(&mut self, i: usize) {
+        self.try_restart(i).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`TestCluster::restart`] without the panic.
+    pub fn try_restart(&mut self, i: usize) -> Result<(), String> {
         let id = (i + 1).to_string();
         let data = self.dir.join(format!("node{id}"));
         let file = self.file.to_string_lossy().to_string();
@@ -138,8 +159,10 @@ impl TestCluster {
         }
         args.extend(self.args.iter().map(String::as_str));
         let log = std::fs::File::create(self.dir.join(format!("node{id}.log"))).ok();
-        let p = ServerProcess::start_logged(&[], &self.rpc[i], &args, log).unwrap_or_else(|e| panic!("node {id}: {e}"));
+        let p = ServerProcess::start_logged(&[], &self.rpc[i], &args, log)
+            .map_err(|e| format!("node {id}: {e}: {}", self.last_log_line(i)))?;
         self.nodes[i] = Some(p);
+        Ok(())
     }
 
     /// Kills every node with SIGKILL, then starts them all again (from
@@ -176,19 +199,25 @@ impl TestCluster {
     /// Waits (up to 20 s) until node `i` knows a leader for every shard;
     /// returns its map.
     pub async fn leaders_known(&self, i: usize) -> dmkv_common::cluster::map::ClusterMap {
+        match self.try_leaders_known(i).await {
+            Ok(m) => m,
+            Err(e) => panic!("{e}; node log:\n{}", self.log(i)),
+        }
+    }
+
+    /// [`TestCluster::leaders_known`] without the panic.
+    pub async fn try_leaders_known(&self, i: usize) -> Result<dmkv_common::cluster::map::ClusterMap, String> {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
         loop {
             if let Ok(client) = dmkv_client::Client::connect(self.rpc(i)).await
                 && let Ok(m) = client.cluster_map().await
                 && m.shards().iter().all(|s| s.leader.is_some())
             {
-                return m;
+                return Ok(m);
             }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "no leader for every shard within 20 s; node log:\n{}",
-                self.log(i)
-            );
+            if std::time::Instant::now() >= deadline {
+                return Err(format!("node {}: no leader for every shard within 20 s", i + 1));
+            }
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
     }
@@ -213,6 +242,11 @@ impl TestCluster {
     /// The cluster file.
     pub fn file(&self) -> &std::path::Path {
         &self.file
+    }
+
+    /// The last line node `i` logged, for one-line errors.
+    fn last_log_line(&self, i: usize) -> String {
+        self.log(i).lines().last().unwrap_or("(nothing logged)").to_string()
     }
 
     /// Node `i`'s log so far (for failure messages).

@@ -13,12 +13,14 @@
 //!
 //! Needs dmkvd built (release: `cargo build --release --bin dmkvd`).
 
+use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
 use dmkv_client::Client;
+use dmkv_common::limits::MAX_VALUE_LEN;
 use dmkv_tests::cluster::TestCluster;
 use hdrhistogram::Histogram;
 use tokio::sync::Mutex;
@@ -67,9 +69,23 @@ enum Cmd {
     },
 }
 
-fn main() {
-    let cli = Cli::parse();
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("dmkv-cluster-bench: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<(), String> {
+    check(&cli.cmd)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the runtime: {e}"))?;
     match cli.cmd {
         Cmd::Failover { kills, shards } => rt.block_on(failover(kills, shards)),
         Cmd::PutLatency { sync, puts, concurrency, value_size, nodes } => {
@@ -77,6 +93,48 @@ fn main() {
         }
         Cmd::CatchUp { mib, value_size } => rt.block_on(catch_up(mib, value_size)),
     }
+}
+
+/// Checks the flags clap cannot, before any dmkvd starts.
+fn check(cmd: &Cmd) -> Result<(), String> {
+    let at_least_one = |name: &str, n: u64| if n == 0 { Err(format!("{name} must be at least 1")) } else { Ok(()) };
+    let value = |n: usize| match n {
+        1..=MAX_VALUE_LEN => Ok(()),
+        _ => Err(format!("--value-size {n}: expected 1 to {MAX_VALUE_LEN} bytes")),
+    };
+    match cmd {
+        Cmd::Failover { kills, shards } => {
+            at_least_one("--kills", *kills as u64)?;
+            at_least_one("--shards", u64::from(*shards))
+        }
+        Cmd::PutLatency { sync, puts, concurrency, value_size, nodes } => {
+            if !["always", "batch", "none"].contains(&sync.as_str()) {
+                return Err(format!("--sync {sync:?}: expected always, batch or none"));
+            }
+            at_least_one("--puts", *puts as u64)?;
+            at_least_one("--concurrency", *concurrency as u64)?;
+            at_least_one("--nodes", *nodes as u64)?;
+            value(*value_size)
+        }
+        Cmd::CatchUp { mib, value_size } => {
+            at_least_one("--mib", *mib)?;
+            if mib.checked_mul(2 << 20).is_none() {
+                return Err(format!("--mib {mib} is too large"));
+            }
+            value(*value_size)
+        }
+    }
+}
+
+/// Starts a cluster from async code: its start blocks, and waits on a
+/// runtime of its own, which may not run inside this one's context.
+fn start_cluster(nodes: usize, shards: u32, replicas: usize, args: &[&str]) -> Result<TestCluster, String> {
+    tokio::task::block_in_place(|| TestCluster::try_start(nodes, shards, replicas, true, args))
+        .map_err(|e| format!("the cluster did not start: {e}"))
+}
+
+fn connect_err(e: impl std::fmt::Display) -> String {
+    format!("cannot connect: {e}")
 }
 
 fn ms(d: Duration) -> f64 {
@@ -96,19 +154,23 @@ fn report(name: &str, mut v: Vec<Duration>) {
     );
 }
 
-async fn failover(kills: usize, shards: u32) {
-    let mut c = TestCluster::start(3, shards, 3, true, &[]);
+async fn failover(kills: usize, shards: u32) -> Result<(), String> {
+    let mut c = start_cluster(3, shards, 3, &[])?;
     let (mut put_times, mut get_times) = (Vec::new(), Vec::new());
     for k in 0..kills {
         let shard = k as u32 % shards;
-        let map = c.leaders_known(0).await;
-        let victim = map.shards()[shard as usize].leader.expect("a leader") as usize - 1;
+        let map = c.try_leaders_known(0).await?;
+        let leader = map.shards().get(shard as usize).and_then(|s| s.leader);
+        let victim = leader.ok_or_else(|| format!("shard {shard} has no leader"))? as usize - 1;
         let via = (victim + 1) % 3;
-        let key = (0..).map(|i| format!("fo-{shard}-{i}")).find(|k| map.shard_of(k.as_bytes()).id == shard).unwrap();
-        let writer = Client::connect(c.rpc(via)).await.expect("connect");
-        let reader = Client::connect(c.rpc(via)).await.expect("connect");
-        writer.put(&key, "0").await.expect("first put");
-        reader.get(&key).await.expect("first get");
+        let key = (0u64..)
+            .map(|i| format!("fo-{shard}-{i}"))
+            .find(|k| map.shard_of(k.as_bytes()).id == shard)
+            .ok_or_else(|| format!("no key falls in shard {shard}"))?;
+        let writer = Client::connect(c.rpc(via)).await.map_err(connect_err)?;
+        let reader = Client::connect(c.rpc(via)).await.map_err(connect_err)?;
+        writer.put(&key, "0").await.map_err(|e| format!("first PUT: {e}"))?;
+        reader.get(&key).await.map_err(|e| format!("first GET: {e}"))?;
         let stop = Arc::new(AtomicBool::new(false));
         // Completion times of PUTs and GETs, with when each was sent.
         let puts: Arc<Mutex<Vec<(Instant, Instant)>>> = Arc::default();
@@ -161,39 +223,47 @@ async fn failover(kills: usize, shards: u32) {
         );
         put_times.push(p.unwrap_or(Duration::from_secs(10)));
         get_times.push(g.unwrap_or(Duration::from_secs(10)));
-        c.restart(victim);
+        tokio::task::block_in_place(|| c.try_restart(victim))?;
     }
     report("kill to first acknowledged PUT of the shard", put_times);
     report("kill to first GET (sent after the kill) answered", get_times);
+    Ok(())
 }
 
-async fn put_latency(sync: &str, puts: usize, concurrency: usize, value_size: usize, nodes: usize) {
-    let c = TestCluster::start(nodes, 3, nodes, true, &["--sync", sync]);
-    c.leaders_known(0).await;
-    let client = Client::connect(c.rpc(0)).await.expect("connect");
+async fn put_latency(
+    sync: &str,
+    puts: usize,
+    concurrency: usize,
+    value_size: usize,
+    nodes: usize,
+) -> Result<(), String> {
+    let c = start_cluster(nodes, 3, nodes, &["--sync", sync])?;
+    c.try_leaders_known(0).await?;
+    let client = Client::connect(c.rpc(0)).await.map_err(connect_err)?;
     let value = Arc::new(vec![b'v'; value_size]);
     // Warm-up: sessions to every node, leases, caches.
     for i in 0..1000 {
-        client.put(format!("warm{i}"), value.as_slice()).await.expect("put");
+        client.put(format!("warm{i}"), value.as_slice()).await.map_err(|e| format!("PUT: {e}"))?;
     }
-    let hist: Arc<Mutex<Histogram<u64>>> = Arc::new(Mutex::new(Histogram::new(3).expect("histogram")));
+    let histogram = || Histogram::<u64>::new(3).map_err(|e| format!("histogram: {e}"));
+    let hist: Arc<Mutex<Histogram<u64>>> = Arc::new(Mutex::new(histogram()?));
     let started = Instant::now();
     let tasks: Vec<_> = (0..concurrency)
         .map(|t| {
             let (client, value, hist) = (client.clone(), Arc::clone(&value), Arc::clone(&hist));
             tokio::spawn(async move {
-                let mut local = Histogram::<u64>::new(3).expect("histogram");
+                let mut local = histogram()?;
                 for i in (t..puts).step_by(concurrency) {
                     let sent = Instant::now();
-                    client.put(format!("lat{i}"), value.as_slice()).await.expect("put");
-                    local.record(sent.elapsed().as_micros() as u64).expect("record");
+                    client.put(format!("lat{i}"), value.as_slice()).await.map_err(|e| format!("PUT: {e}"))?;
+                    local.saturating_record(sent.elapsed().as_micros() as u64);
                 }
-                hist.lock().await.add(local).expect("merge");
+                hist.lock().await.add(local).map_err(|e| format!("histogram: {e}"))
             })
         })
         .collect();
     for t in tasks {
-        t.await.expect("task");
+        t.await.map_err(|e| format!("PUT task: {e}"))??;
     }
     let took = started.elapsed();
     let h = hist.lock().await;
@@ -205,19 +275,19 @@ async fn put_latency(sync: &str, puts: usize, concurrency: usize, value_size: us
         h.value_at_quantile(0.99),
         h.max()
     );
+    Ok(())
 }
 
-async fn catch_up(mib: u64, value_size: usize) {
+async fn catch_up(mib: u64, value_size: usize) -> Result<(), String> {
     // One shard; room for the data under the leader's admission limit.
     let memory = format!("{}MiB", mib * 2 + 64);
-    let mut c =
-        TestCluster::start(3, 1, 3, true, &["--memory", &memory, "--sync", "none", "--raft-log-entries", "2000"]);
-    let map = c.leaders_known(0).await;
-    let leader = map.shards()[0].leader.expect("a leader") as usize - 1;
+    let mut c = start_cluster(3, 1, 3, &["--memory", &memory, "--sync", "none", "--raft-log-entries", "2000"])?;
+    let map = c.try_leaders_known(0).await?;
+    let leader = map.shards().first().and_then(|s| s.leader).ok_or("the shard has no leader")? as usize - 1;
     let away = (leader + 1) % 3;
     let via = (leader + 2) % 3;
     c.kill(away);
-    let client = Client::connect(c.rpc(via)).await.expect("connect");
+    let client = Client::connect(c.rpc(via)).await.map_err(connect_err)?;
     let puts = (mib << 20) as usize / value_size;
     let filled = Instant::now();
     let value = vec![b'v'; value_size];
@@ -229,24 +299,26 @@ async fn catch_up(mib: u64, value_size: usize) {
             for i in (t..puts).step_by(16) {
                 while let Err(e) = client.put(format!("cu-{i}"), &value).await {
                     failed += 1;
-                    assert!(failed < 1000, "PUTs keep failing: {e}");
+                    if failed >= 1000 {
+                        return Err(format!("PUTs keep failing: {e}"));
+                    }
                 }
             }
-            failed
+            Ok(failed)
         });
     }
     let mut failed = 0;
     while let Some(f) = tasks.join_next().await {
-        failed += f.expect("filler");
+        failed += f.map_err(|e| format!("filler task: {e}"))??;
     }
     println!(
         "filled {mib} MiB ({puts} PUTs of {value_size} B) in {:.1} s, {failed} PUTs failed and were sent again",
         filled.elapsed().as_secs_f64()
     );
     let applied = |s: &dmkv_common::proto::ClusterMapReply| s.local.first().map_or(0, |r| r.applied);
-    let target = applied(&client.cluster_status().await.expect("status"));
+    let target = applied(&client.cluster_status().await.map_err(|e| format!("cluster status: {e}"))?);
     let started = Instant::now();
-    c.restart(away);
+    tokio::task::block_in_place(|| c.try_restart(away))?;
     let deadline = started + Duration::from_secs(600);
     loop {
         if let Ok(node) = Client::connect(c.rpc(away)).await
@@ -255,16 +327,19 @@ async fn catch_up(mib: u64, value_size: usize) {
         {
             break;
         }
-        assert!(Instant::now() < deadline, "no catch-up within 10 minutes");
+        if Instant::now() >= deadline {
+            return Err("no catch-up within 10 minutes".into());
+        }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let took = started.elapsed();
-    let node = Client::connect(c.rpc(away)).await.expect("connect");
-    let stats = node.stats().await.expect("stats");
+    let node = Client::connect(c.rpc(away)).await.map_err(connect_err)?;
+    let stats = node.stats().await.map_err(|e| format!("STATS: {e}"))?;
     println!(
         "replica of {mib} MiB caught up in {:.2} s from its restart (snapshots installed: {}, items: {})",
         took.as_secs_f64(),
         stats.get("shard_snapshots_installed").copied().unwrap_or(0),
         stats.get("items").copied().unwrap_or(0)
     );
+    Ok(())
 }

@@ -9,12 +9,14 @@
 //! ```
 
 use std::collections::VecDeque;
+use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use clap::Parser;
 use dmkv_benches::generator::{Rng, ScrambledZipfian};
 use dmkv_client::{Client, ClientConfig, ReadPath, Transport};
+use dmkv_common::limits::MAX_VALUE_LEN;
 use dmkv_common::proto::{self, request::Op};
 
 /// Puts in flight while loading.
@@ -37,7 +39,7 @@ struct Args {
     /// Number of the first key loaded (to add keys beside those read).
     #[arg(long, default_value_t = 0)]
     first_key: u64,
-    /// shm, tcp, rdma, or rpc.
+    /// shm, tcp, rdma (builds with the client's `rdma` feature), or rpc.
     #[arg(long, default_value = "shm")]
     transport: String,
     /// uniform or zipfian (0.99, scrambled as in YCSB).
@@ -77,20 +79,56 @@ fn cpu_ms(pid: &str) -> Option<u64> {
 /// Runtime workers of the `--callers` mode.
 const CALLER_WORKERS: usize = 2;
 
-fn main() {
+/// Exit code when the run could not be made or failed (bad flags, an
+/// unreachable server, a transport this build or host lacks).
+const EXIT_ERROR: u8 = 2;
+
+fn main() -> ExitCode {
     let a = Args::parse();
-    let rt = if a.callers > 0 {
-        tokio::runtime::Builder::new_multi_thread().worker_threads(CALLER_WORKERS).enable_all().build()
-    } else {
-        tokio::runtime::Builder::new_current_thread().enable_all().build()
-    };
-    rt.expect("runtime").block_on(run(a));
+    let result = check(&a).and_then(|run_for| {
+        let rt = if a.callers > 0 {
+            tokio::runtime::Builder::new_multi_thread().worker_threads(CALLER_WORKERS).enable_all().build()
+        } else {
+            tokio::runtime::Builder::new_current_thread().enable_all().build()
+        };
+        rt.map_err(|e| format!("cannot start the runtime: {e}"))?.block_on(run(a, run_for))
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("dmkv-getbench: {e}");
+            ExitCode::from(EXIT_ERROR)
+        }
+    }
 }
 
-/// `callers` tasks GET random keys from one shared client until `secs` pass;
-/// prints GETs/s and latency percentiles over all of them.
-async fn run_callers(c: &Client, a: &Args) {
-    let deadline = Instant::now() + Duration::from_secs_f64(a.secs);
+/// Checks the flags clap cannot; returns the run time.
+fn check(a: &Args) -> Result<Duration, String> {
+    if a.keys == 0 {
+        return Err("--keys must be at least 1".into());
+    }
+    if a.first_key.checked_add(a.keys).is_none() {
+        return Err("--first-key plus --keys overflows".into());
+    }
+    if a.value_size > MAX_VALUE_LEN {
+        return Err(format!("--value-size {} is above the largest value, {MAX_VALUE_LEN} bytes", a.value_size));
+    }
+    if a.distribution != "uniform" && a.distribution != "zipfian" {
+        return Err(format!("--distribution {:?}: expected uniform or zipfian", a.distribution));
+    }
+    if a.transport != "rpc" {
+        a.transport.parse::<Transport>().map_err(|e| format!("--transport: {e}, or rpc"))?;
+    }
+    match Duration::try_from_secs_f64(a.secs) {
+        Ok(d) if !d.is_zero() => Ok(d),
+        _ => Err(format!("--secs {}: expected a positive number of seconds", a.secs)),
+    }
+}
+
+/// `callers` tasks GET random keys from one shared client until `run_for`
+/// passes; prints GETs/s and latency percentiles over all of them.
+async fn run_callers(c: &Client, a: &Args, run_for: Duration) -> Result<(), String> {
+    let deadline = Instant::now() + run_for;
     let start = Instant::now();
     let mut tasks = Vec::new();
     for t in 0..a.callers {
@@ -102,18 +140,18 @@ async fn run_callers(c: &Client, a: &Args) {
             let mut bad = 0u64;
             while Instant::now() < deadline {
                 let t0 = Instant::now();
-                let v = c.get(key(rng.below(keys))).await.expect("get");
+                let v = c.get(key(rng.below(keys))).await.map_err(|e| format!("GET: {e}"))?;
                 hist.saturating_record(t0.elapsed().as_nanos() as u64);
                 bad += u64::from(v.is_none_or(|v| v.len() != value_size));
             }
-            (hist, bad)
+            Ok::<_, String>((hist, bad))
         }));
     }
     let mut all = dmkv_benches::report::new_histogram();
     let mut bad = 0;
     for t in tasks {
-        let (h, b) = t.await.expect("caller");
-        all.add(h).expect("same histogram bounds");
+        let (h, b) = t.await.map_err(|e| format!("caller: {e}"))??;
+        all.add(h).map_err(|e| format!("histogram: {e}"))?;
         bad += b;
     }
     let secs = start.elapsed().as_secs_f64();
@@ -131,59 +169,61 @@ async fn run_callers(c: &Client, a: &Args) {
         all.max() as f64 / 1e3,
         c.read_stats(),
     );
+    Ok(())
 }
 
-async fn run(a: Args) {
+async fn run(a: Args, run_for: Duration) -> Result<(), String> {
     let (path, transport) = match a.transport.as_str() {
         "rpc" => (ReadPath::Rpc, None),
-        t => (ReadPath::OneSided, Some(t.parse::<Transport>().unwrap_or_else(|e| panic!("{e}")))),
+        t => (ReadPath::OneSided, Some(t.parse::<Transport>()?)),
     };
     let cfg = ClientConfig { read_path: path, transport, pool_size: 1, ..Default::default() };
-    let c = Client::connect_with(a.server.clone(), cfg).await.unwrap_or_else(|e| panic!("connect: {e}"));
+    let c = Client::connect_with(a.server.clone(), cfg)
+        .await
+        .map_err(|e| format!("cannot connect to {} (--transport {}): {e}", a.server, a.transport))?;
     if a.load {
         let start = Instant::now();
         let value = Bytes::from(vec![b'v'; a.value_size]);
         let mut window = VecDeque::new();
         for i in 0..a.keys {
             if window.len() == LOAD_DEPTH {
-                let f: dmkv_client::conn::InFlight = window.pop_front().expect("non-empty");
-                let r = f.wait(LOAD_TIMEOUT).await.expect("put reply");
-                assert!(matches!(r.result, Some(proto::response::Result::Put(_))), "put failed: {r:?}");
+                let f: dmkv_client::conn::InFlight = window.pop_front().ok_or("load window empty")?;
+                let r = f.wait(LOAD_TIMEOUT).await.map_err(|e| format!("PUT: {e}"))?;
+                if !matches!(r.result, Some(proto::response::Result::Put(_))) {
+                    return Err(format!("PUT failed: {:?}", r.result));
+                }
             }
             let k = key(a.first_key + i);
-            window.push_back(
-                c.send(Op::Put(proto::Put { key: k, value: value.clone(), ..Default::default() })).await.expect("send"),
-            );
+            let put = Op::Put(proto::Put { key: k, value: value.clone(), ..Default::default() });
+            window.push_back(c.send(put).await.map_err(|e| format!("PUT: {e}"))?);
         }
         for f in window {
-            f.wait(LOAD_TIMEOUT).await.expect("put reply");
+            f.wait(LOAD_TIMEOUT).await.map_err(|e| format!("PUT: {e}"))?;
         }
         println!("loaded {} keys of {} B in {:.1}s", a.keys, a.value_size, start.elapsed().as_secs_f64());
     }
     if a.callers > 0 {
-        run_callers(&c, &a).await;
-        return;
+        return run_callers(&c, &a, run_for).await;
     }
     let zipf = ScrambledZipfian::new(0, a.keys - 1);
     let uniform = a.distribution == "uniform";
-    assert!(uniform || a.distribution == "zipfian", "distribution must be uniform or zipfian");
     let mut rng = Rng::new(a.seed);
     let mut pick = move || if uniform { rng.below(a.keys) } else { zipf.next(&mut rng) };
     // Warm up: attach, touch the cache.
     for _ in 0..1000 {
-        c.get(key(pick())).await.expect("get");
+        c.get(key(pick())).await.map_err(|e| format!("GET: {e}"))?;
     }
     let before = c.read_stats();
     let pid = a.server_pid.map(|p| p.to_string());
     let server_cpu0 = pid.as_deref().and_then(cpu_ms);
     let client_cpu0 = cpu_ms("self");
-    let deadline = Instant::now() + Duration::from_secs_f64(a.secs);
+    let deadline = Instant::now() + run_for;
     let start = Instant::now();
     let (mut gets, mut bad) = (0u64, 0u64);
     let mut keys = Vec::with_capacity(a.batch);
     while Instant::now() < deadline {
         if a.batch <= 1 {
-            match c.get(key(pick())).await.expect("get") {
+            match c.get(key(pick())).await.map_err(|e| format!("GET: {e}"))? {
                 Some(v) if v.len() == a.value_size => {}
                 _ => bad += 1,
             }
@@ -191,7 +231,7 @@ async fn run(a: Args) {
         } else {
             keys.clear();
             keys.extend((0..a.batch).map(|_| key(pick())));
-            for v in c.multi_get(&keys).await.expect("multi-get") {
+            for v in c.multi_get(&keys).await.map_err(|e| format!("multi-GET: {e}"))? {
                 if v.is_none_or(|v| v.len() != a.value_size) {
                     bad += 1;
                 }
@@ -200,8 +240,8 @@ async fn run(a: Args) {
         }
     }
     let secs = start.elapsed().as_secs_f64();
-    let server_cpu = pid.as_deref().and_then(cpu_ms).zip(server_cpu0).map(|(b, a)| b - a);
-    let client_cpu = cpu_ms("self").zip(client_cpu0).map(|(b, a)| b - a);
+    let server_cpu = pid.as_deref().and_then(cpu_ms).zip(server_cpu0).map(|(b, a)| b.saturating_sub(a));
+    let client_cpu = cpu_ms("self").zip(client_cpu0).map(|(b, a)| b.saturating_sub(a));
     let rs = c.read_stats();
     println!(
         "transport={} distribution={} batch={} keys={} value={}B: {:.0} GETs/s ({:.2} us/GET), {} GETs in {:.1}s, \
@@ -225,4 +265,5 @@ async fn run(a: Args) {
         rs.directory_reads - before.directory_reads,
         rs.fallbacks - before.fallbacks,
     );
+    Ok(())
 }

@@ -16,8 +16,8 @@
 //! free again. The index is sized large (`--buckets`) so that index slots,
 //! not memory, never run out first.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::io::{BufRead, BufReader, Read};
+use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::Instant;
 
 use clap::Parser;
@@ -97,22 +97,34 @@ impl Drop for Server {
     }
 }
 
-fn start(args: &Args) -> Server {
+/// Starts dmkvd; if it does not come up, the error carries its own
+/// one-line reason (so this tool's error stays one line too).
+fn start(args: &Args) -> Result<Server, String> {
     let mut cmd = Command::new(&args.dmkvd);
     cmd.args(["--listen", "127.0.0.1:0", "--log", "error", "--memory", &args.memory])
         .args(["--buckets", &args.buckets.to_string(), "--grace-ms", &args.grace_ms.to_string()])
         .args(&args.server_arg)
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit());
-    let mut child = cmd.spawn().unwrap_or_else(|e| panic!("starting {}: {e}", args.dmkvd));
+        .stderr(Stdio::piped());
+    let mut child = cmd.spawn().map_err(|e| format!("--dmkvd {}: cannot run it: {e}", args.dmkvd))?;
+    let (Some(stdout), Some(mut stderr)) = (child.stdout.take(), child.stderr.take()) else {
+        return Err("dmkvd's output is not piped".into());
+    };
     let mut line = String::new();
-    BufReader::new(child.stdout.take().expect("piped")).read_line(&mut line).expect("dmkvd's first line");
-    let addr = line
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix("rpc="))
-        .unwrap_or_else(|| panic!("no address in {line:?}"))
-        .to_string();
-    Server { child, addr }
+    let _ = BufReader::new(stdout).read_line(&mut line);
+    let Some(addr) = line.split_whitespace().find_map(|w| w.strip_prefix("rpc=")).map(str::to_string) else {
+        let _ = child.kill();
+        let status = child.wait().map_or("unknown status".into(), |s| s.to_string());
+        let mut why = String::new();
+        let _ = stderr.read_to_string(&mut why);
+        let why = why.lines().last().unwrap_or("no error printed").to_string();
+        return Err(format!("dmkvd ({}) did not start ({status}): {why}", args.dmkvd));
+    };
+    // The server's own errors while it runs still reach the terminal.
+    std::thread::spawn(move || {
+        let _ = std::io::copy(&mut stderr, &mut std::io::stderr());
+    });
+    Ok(Server { child, addr })
 }
 
 #[derive(Default)]
@@ -125,11 +137,12 @@ struct Outcome {
     stats: std::collections::HashMap<String, u64>,
 }
 
-fn run(args: &Args, level: u64, first: Sizes, then: Sizes) -> Outcome {
-    let srv = start(args);
+fn run(args: &Args, level: u64, first: Sizes, then: Sizes) -> Result<Outcome, String> {
+    let srv = start(args)?;
     let c = Client::connect_with(&srv.addr, ClientConfig { read_path: ReadPath::Rpc, ..Default::default() })
-        .expect("connect");
-    let data_units = c.stats().expect("stats")["data_bytes"] / UNIT as u64;
+        .map_err(|e| format!("cannot connect to dmkvd at {}: {e}", srv.addr))?;
+    let stats = c.stats().map_err(|e| format!("STATS: {e}"))?;
+    let data_units = stats.get("data_bytes").copied().ok_or("STATS has no data_bytes")? / UNIT as u64;
     let target = data_units * level / 100;
     let mut rng = Rng::new(args.seed);
     // (key number, units) of live keys.
@@ -138,55 +151,71 @@ fn run(args: &Args, level: u64, first: Sizes, then: Sizes) -> Outcome {
     let mut next_key = 0u64;
     let mut out = Outcome::default();
     let t = Instant::now();
-    let mut put = |sizes: Sizes, out: &mut Outcome, live: &mut u64, live_keys: &mut Vec<(u64, u64)>| {
-        let len = sizes.draw(&mut rng);
-        let key = format!("k{next_key}");
-        next_key += 1;
-        let units = item_units(key.len(), len) as u64;
-        while *live + units > target && !live_keys.is_empty() {
-            let i = rng.below(live_keys.len() as u64) as usize;
-            let (k, u) = live_keys.swap_remove(i);
-            c.delete(format!("k{k}")).expect("delete");
-            *live -= u;
-        }
-        out.puts += 1;
-        match c.put(&key, vec![b'v'; len]) {
-            Ok(_) => {
-                live_keys.push((next_key - 1, units));
-                *live += units;
-                out.peak_live = out.peak_live.max(*live);
+    let mut put =
+        |sizes: Sizes, out: &mut Outcome, live: &mut u64, live_keys: &mut Vec<(u64, u64)>| -> Result<u64, String> {
+            let len = sizes.draw(&mut rng);
+            let key = format!("k{next_key}");
+            next_key += 1;
+            let units = item_units(key.len(), len) as u64;
+            while *live + units > target && !live_keys.is_empty() {
+                let i = rng.below(live_keys.len() as u64) as usize;
+                let (k, u) = live_keys.swap_remove(i);
+                c.delete(format!("k{k}")).map_err(|e| format!("DELETE: {e}"))?;
+                *live -= u;
             }
-            Err(e) => match e.code() {
-                Some(ErrorCode::OutOfMemory) => out.refused += 1,
-                Some(ErrorCode::IndexFull) => out.index_full += 1,
-                _ => panic!("put: {e}"),
-            },
-        }
-        units
-    };
+            out.puts += 1;
+            match c.put(&key, vec![b'v'; len]) {
+                Ok(_) => {
+                    live_keys.push((next_key - 1, units));
+                    *live += units;
+                    out.peak_live = out.peak_live.max(*live);
+                }
+                Err(e) => match e.code() {
+                    Some(ErrorCode::OutOfMemory) => out.refused += 1,
+                    Some(ErrorCode::IndexFull) => out.index_full += 1,
+                    _ => return Err(format!("PUT: {e}")),
+                },
+            }
+            Ok(units)
+        };
     // Fill to the level with the first size; stop early at refusals.
     while live < target * 99 / 100 && out.refused < 100 {
-        put(first, &mut out, &mut live, &mut live_keys);
+        put(first, &mut out, &mut live, &mut live_keys)?;
     }
     // Then write `turnover` × the data area with the second size.
     let mut written = 0u64;
     while (written as f64) < args.turnover * data_units as f64 {
-        written += put(then, &mut out, &mut live, &mut live_keys);
+        written += put(then, &mut out, &mut live, &mut live_keys)?;
     }
     out.secs = t.elapsed().as_secs_f64();
-    out.stats = c.stats().expect("stats");
-    out
+    out.stats = c.stats().map_err(|e| format!("STATS: {e}"))?;
+    Ok(out)
 }
 
-fn main() {
-    let args = Args::parse();
+fn main() -> ExitCode {
+    match run_all(&Args::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("dmkv-memutil: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run_all(args: &Args) -> Result<(), String> {
+    if let Some(l) = args.levels.iter().find(|&&l| l > 100) {
+        return Err(format!("--levels: {l} is above 100 percent"));
+    }
+    if !args.turnover.is_finite() || args.turnover < 0.0 {
+        return Err(format!("--turnover {}: expected a finite number, at least 0", args.turnover));
+    }
     println!(
         "| workload | level | PUTs | refused (OUT_OF_MEMORY) | INDEX_FULL | peak live | compactor moved | compactor CPU | time |"
     );
     println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     for &(name, first, then) in WORKLOADS.iter().filter(|w| w.0.contains(&args.only)) {
         for &level in &args.levels {
-            let o = run(&args, level, first, then);
+            let o = run(args, level, first, then)?;
             let data = o.stats.get("data_bytes").copied().unwrap_or(1) / UNIT as u64;
             let moved = o.stats.get("compactor_moved_bytes").copied();
             let cpu = o.stats.get("compactor_cpu_micros").copied();
@@ -202,4 +231,5 @@ fn main() {
             );
         }
     }
+    Ok(())
 }

@@ -234,7 +234,7 @@ fn parse_lists(a: &Args) -> Result<(Vec<Scenario>, Vec<ReadPath>), String> {
             .collect::<Result<_, _>>()?
     };
     let paths = a.paths.split(',').map(|p| p.trim().parse::<ReadPath>()).collect::<Result<Vec<_>, _>>()?;
-    if paths.is_empty() || a.rounds == 0 || a.duration <= 0.0 {
+    if paths.is_empty() || a.rounds == 0 || a.duration.is_nan() || a.duration <= 0.0 {
         return Err("need at least one path, one round and a positive duration".into());
     }
     Ok((scenarios, paths))
@@ -263,7 +263,8 @@ fn params(a: &Args) -> Params {
 
 fn run(a: &Args) -> Result<ExitCode, String> {
     let (scenarios, paths) = parse_lists(a)?;
-    let dur = Duration::from_secs_f64(a.duration);
+    let dur =
+        Duration::try_from_secs_f64(a.duration).map_err(|_| format!("--duration {}: out of range", a.duration))?;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
     watch_signals();
     let mut rows = Vec::new();

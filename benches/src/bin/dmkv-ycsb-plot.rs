@@ -58,7 +58,8 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("dmkv-ycsb-plot: {e}");
-            ExitCode::FAILURE
+            // As the other tools: 2 when the run could not be made.
+            ExitCode::from(2)
         }
     }
 }

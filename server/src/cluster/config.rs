@@ -55,7 +55,8 @@ impl ClusterConfig {
     /// Parses and checks a cluster file's text; errors say what is wrong
     /// and where.
     pub fn parse(text: &str) -> Result<ClusterConfig, String> {
-        let f: File = toml::from_str(text).map_err(|e| format!("cluster file: {e}"))?;
+        let f: File = toml::from_str(text)
+            .map_err(|e| format!("cluster file: {}", crate::config::validate::toml_error(&e, text)))?;
         if f.node.is_empty() {
             return Err("cluster file: no [[node]] entries".into());
         }

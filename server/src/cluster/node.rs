@@ -59,8 +59,8 @@ pub fn lease_config() -> dmkv_common::cluster::lease::LeaseConfig {
 /// replica can apply what the leader admitted.
 pub const ADMIT_PERCENT: u64 = crate::compact::GUARANTEED_PERCENT - 5;
 
-/// Smallest region a shard replica gets.
-pub const MIN_SHARD_MEMORY: u64 = 4 << 20;
+/// Smallest region a shard replica gets: the smallest region there is.
+pub const MIN_SHARD_MEMORY: u64 = dmkv_common::limits::MIN_REGION_LEN as u64;
 
 /// How a node joins its cluster (`--cluster FILE --node-id N
 /// [--data-dir DIR]`).
