@@ -478,7 +478,7 @@ impl Config {
                 }
                 let data_dir = flags.data_dir.or(file.data_dir);
                 if let Some(dir) = &data_dir {
-                    validate::parent_exists(&name!(data_dir), dir)?;
+                    validate::creatable_dir(&name!(data_dir), dir)?;
                 }
                 let sync = flags.sync.or(file.sync);
                 if sync.is_some() && data_dir.is_none() {

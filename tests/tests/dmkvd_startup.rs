@@ -155,11 +155,14 @@ fn missing_and_invalid_files_are_named() {
         format!("shards = 1\nreplicas = 1\n[[node]]\nid = 1\nrpc = \"127.0.0.1:{rpc}\"\npeer = \"127.0.0.1:{peer}\"\n"),
     )
     .unwrap();
-    let data = dir.join("missing").join("data");
+    // A data directory is made with its parents, but not under a file.
+    let file = dir.join("file");
+    std::fs::write(&file, b"x").unwrap();
+    let data = file.join("data");
     refused(
         &["--cluster", s(&cluster), "--node-id", "1", "--data-dir", s(&data)],
         &[],
-        &[&format!("--data-dir {}: directory {}", s(&data), s(&dir.join("missing")))],
+        &[&format!("--data-dir {}: {} is not a directory", s(&data), s(&file))],
     );
     let _ = std::fs::remove_dir_all(dir);
 }

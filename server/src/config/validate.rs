@@ -141,6 +141,22 @@ pub fn parent_exists(name: &str, path: &Path) -> Result<(), String> {
     }
 }
 
+/// Checks that directory `path` exists or can be made with its parents
+/// (as the data directory is, at start): its nearest existing ancestor
+/// must be a directory.
+pub fn creatable_dir(name: &str, path: &Path) -> Result<(), String> {
+    for dir in path.ancestors().filter(|a| !a.as_os_str().is_empty()) {
+        match std::fs::metadata(dir) {
+            Ok(m) if m.is_dir() => return Ok(()),
+            Ok(_) => return Err(format!("{name} {}: {} is not a directory", path.display(), dir.display())),
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory) => continue,
+            Err(e) => return Err(format!("{name} {}: {}: {}", path.display(), dir.display(), plain(&e))),
+        }
+    }
+    // A relative path whose every ancestor is missing: the working directory.
+    Ok(())
+}
+
 /// Checks that `path` is a file dmkvd can read.
 pub fn readable_file(name: &str, path: &Path) -> Result<(), String> {
     match std::fs::File::open(path).and_then(|f| f.metadata()) {
@@ -228,6 +244,12 @@ mod tests {
             "--shm-socket /nonexistent-dmkv-dir/x.sock: directory /nonexistent-dmkv-dir: No such file or directory"
         );
         assert!(parent_exists("--shm-socket", Path::new("x.sock")).is_ok());
+        assert!(creatable_dir("--data-dir", Path::new("/nonexistent-dmkv-dir/a/b")).is_ok());
+        let file = std::env::temp_dir().join(format!("dmkv-validate-{}", std::process::id()));
+        std::fs::write(&file, b"x").unwrap();
+        let err = creatable_dir("--data-dir", &file.join("d")).unwrap_err();
+        assert!(err.ends_with("is not a directory"), "{err}");
+        let _ = std::fs::remove_file(&file);
         let err = readable_file("--tls-cert", Path::new("/nonexistent-dmkv.pem")).unwrap_err();
         assert!(err.starts_with("--tls-cert /nonexistent-dmkv.pem: cannot read it"), "{err}");
     }
