@@ -169,6 +169,29 @@ fn put_reads_stdin_for_dash_and_set_is_put() {
 }
 
 #[test]
+fn put_at_a_terminal_without_value_fails_at_once() {
+    // `script` runs dmkv with a terminal for its stdin; where it is missing
+    // the unit test of `value_from` stands alone.
+    if Command::new("script").arg("--version").output().is_err() {
+        eprintln!("skipped: no `script` to give dmkv a terminal");
+        return;
+    }
+    let srv = ServerProcess::start(&["--memory", "16MiB"]);
+    let cmd = format!("{} --server {} put k", bin_path("dmkv").display(), srv.rpc);
+    // `timeout`: should dmkv wait for the terminal after all, fail, not hang.
+    let o = Command::new("timeout")
+        .args(["20", "script", "-qec", &cmd, "/dev/null"])
+        .stdin(Stdio::null())
+        .output()
+        .expect("run script");
+    let out = stdout(&o);
+    assert_eq!(o.status.code(), Some(2), "{out}");
+    assert!(out.contains("dmkv: put: give VALUE, or `-` to read the value from standard input"), "{out}");
+    let o = dmkv(&["--server", &srv.rpc, "get", "k"]);
+    assert_eq!(o.status.code(), Some(1), "nothing stored: {}", stdout(&o));
+}
+
+#[test]
 fn bench_help_is_the_drivers() {
     let o = dmkv(&["bench", "--help"]);
     assert!(o.status.success(), "{}", stderr(&o));
