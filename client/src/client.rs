@@ -42,6 +42,17 @@ pub enum ReadPath {
     Rpc,
 }
 
+impl ReadPath {
+    /// The name the CLI and config take (`auto`, `one-sided`, `rpc`).
+    pub fn name(self) -> &'static str {
+        match self {
+            ReadPath::Auto => "auto",
+            ReadPath::OneSided => "one-sided",
+            ReadPath::Rpc => "rpc",
+        }
+    }
+}
+
 impl std::str::FromStr for ReadPath {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
@@ -65,6 +76,23 @@ pub enum Transport {
     Rdma,
 }
 
+impl Transport {
+    /// The name the CLI and config take (`shm`, `tcp`, `rdma`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Transport::Shm => "shm",
+            Transport::Tcp => "tcp",
+            Transport::Rdma => "rdma",
+        }
+    }
+}
+
+impl std::fmt::Display for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 impl std::str::FromStr for Transport {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
@@ -83,6 +111,11 @@ pub struct ClientConfig {
     /// Which way GETs go.
     pub read_path: ReadPath,
     /// Force one one-sided backend (default: the best one available).
+    /// With `ReadPath::Auto` or `OneSided`, connecting fails with
+    /// [`ClientError::TransportUnavailable`] when it cannot be attached,
+    /// rather than reading over RPC. Should the attached path break later,
+    /// `OneSided` GETs fail and `Auto` ones go over RPC while it is
+    /// attached again. `ReadPath::Rpc` never uses it.
     pub transport: Option<Transport>,
     /// RPC connections kept to the server; requests are spread over them,
     /// and one that stays congested is replaced.
@@ -196,7 +229,7 @@ pub struct PathStats {
 impl std::fmt::Display for PathStats {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let c = &self.controller;
-        let transport = self.transport.map_or("none".to_string(), |t| format!("{t:?}").to_lowercase());
+        let transport = self.transport.map_or("none", Transport::name);
         writeln!(f, "preferred {} switches {} transport {transport}", c.preferred.name(), c.switches)?;
         writeln!(
             f,
@@ -340,19 +373,35 @@ impl Client {
         let client = Client { inner: Arc::new(inner) };
         client.conn_at(0, client.deadline()).await?;
         if detect_cluster && client.inner.cluster_node.load(Ordering::Relaxed) {
+            // Shard regions are attached on first read, and a failure then
+            // sends reads over RPC: a forced transport the seed node does
+            // not offer is refused here, before anything goes anywhere.
+            if let (Some(transport), true) = (client.inner.cfg.transport, client.inner.cfg.read_path != ReadPath::Rpc) {
+                let info = client.region_info_full().await?;
+                onesided::offered(&info, transport)
+                    .map_err(|reason| ClientError::TransportUnavailable { transport, reason })?;
+            }
             let map = client.cluster_map().await?;
             let counters = Arc::clone(&client.inner.read_counters);
             let _ = client.inner.router.set(Router::new(map, &client.inner.cfg, counters));
             return Ok(client);
         }
-        match client.inner.cfg.read_path {
-            ReadPath::Rpc => {}
-            ReadPath::Auto => {
+        match (client.inner.cfg.read_path, client.inner.cfg.transport) {
+            (ReadPath::Rpc, _) => {}
+            // A forced transport is what the caller asked for: failing to
+            // attach it is an error, not a reason to read over RPC.
+            (ReadPath::Auto | ReadPath::OneSided, Some(transport)) => {
+                client.attach().await.map_err(|e| match e {
+                    ClientError::OneSidedUnavailable(reason) => ClientError::TransportUnavailable { transport, reason },
+                    other => other,
+                })?;
+            }
+            (ReadPath::Auto, None) => {
                 if let Err(e) = client.attach().await {
                     tracing::debug!("one-sided reads unavailable, using RPC: {e}");
                 }
             }
-            ReadPath::OneSided => {
+            (ReadPath::OneSided, None) => {
                 client.attach().await?;
             }
         }
@@ -414,8 +463,11 @@ impl Client {
             lease_skew: cfg.lease_skew,
             check_leases: cfg.check_leases,
         };
-        let path =
-            onesided::attach(self, &info, opts).await.map_err(|e| ClientError::OneSidedUnavailable(e.to_string()))?;
+        let path = onesided::attach(self, &info, opts).await.map_err(|e| {
+            // A forced transport's reason is the whole story (see `open`).
+            ClientError::OneSidedUnavailable(if cfg.transport.is_some() { attach_reason(e) } else { e.to_string() })
+        })?;
+        debug_assert!(cfg.transport.is_none_or(|t| t == path.transport()), "a forced transport is the only one");
         let path = Arc::new(path);
         let mut st = self.inner.path.lock().expect("path lock poisoned");
         let path = Arc::clone(st.attached.get_or_insert(path));
@@ -474,8 +526,7 @@ impl Client {
     /// [`PoolSlot`]); gives up at `deadline`.
     async fn conn_at(&self, i: usize, deadline: tokio::time::Instant) -> Result<Arc<Conn>, ClientError> {
         let timeout = ClientError::Timeout(self.inner.cfg.request_timeout);
-        let mut slot =
-            tokio::time::timeout_at(deadline, self.inner.pool[i].lock()).await.map_err(|_| timeout.clone())?;
+        let mut slot = tokio::time::timeout_at(deadline, self.inner.pool[i].lock()).await.map_err(|_| timeout)?;
         if let Some(c) = &slot.conn
             && !c.is_closed()
         {
@@ -486,7 +537,7 @@ impl Client {
         {
             return Err(f.error.clone());
         }
-        let result = tokio::time::timeout_at(deadline, self.open_conn()).await.unwrap_or(Err(timeout));
+        let result = self.open_conn(deadline).await;
         match &result {
             Ok(conn) => *slot = PoolSlot { conn: Some(Arc::clone(conn)), failure: None },
             Err(e) => {
@@ -499,12 +550,42 @@ impl Client {
         result
     }
 
-    /// Connects, says HELLO, and authenticates if the server asks.
-    async fn open_conn(&self) -> Result<Arc<Conn>, ClientError> {
+    /// Connects, says HELLO, and authenticates if the server asks, all by
+    /// `deadline`. A peer that answers HELLO as no dmkv server would is
+    /// [`ClientError::NotDmkv`] (or a TLS server met without TLS).
+    async fn open_conn(&self, deadline: tokio::time::Instant) -> Result<Arc<Conn>, ClientError> {
         let cfg = &self.inner.cfg;
-        let conn = Conn::connect(&self.inner.addr, cfg.connect_timeout, cfg.max_frame, self.inner.tls.as_ref()).await?;
+        let addr = &self.inner.addr;
+        let dial = Conn::connect(addr, cfg.connect_timeout, cfg.max_frame, self.inner.tls.as_ref());
+        let conn =
+            tokio::time::timeout_at(deadline, dial).await.map_err(|_| ClientError::Timeout(cfg.request_timeout))??;
         let hello = Op::Hello(proto::Hello { protocol_version: PROTOCOL_VERSION, client_name: "dmkv-client".into() });
-        let resp = conn.send(hello).await?.wait(cfg.request_timeout).await?;
+        let sent = tokio::time::Instant::now();
+        let answer = match conn.send(hello).await {
+            Ok(inflight) => inflight.wait_until(deadline, cfg.request_timeout).await,
+            Err(e) => Err(e),
+        };
+        let resp = match answer {
+            Ok(resp) => resp,
+            Err(ClientError::ConnectionClosed) => {
+                return Err(hello_refused(addr, conn.read_end(), self.inner.tls.is_some()));
+            }
+            // A HELLO left only a sliver of a request's budget proves nothing.
+            Err(ClientError::Timeout(t)) if sent.elapsed() < cfg.request_timeout / 2 => {
+                return Err(ClientError::Timeout(t));
+            }
+            Err(ClientError::Timeout(_)) => {
+                let waited = sent.elapsed();
+                return Err(ClientError::NotDmkv {
+                    addr: addr.clone(),
+                    detail: format!(
+                        "no answer to HELLO within {waited:.0?} (a dmkvd too busy or stalled to answer would not \
+                         either); is it dmkvd's RPC address?"
+                    ),
+                });
+            }
+            Err(e) => return Err(e),
+        };
         let nonce = match unwrap(resp)? {
             R::Hello(h) => {
                 self.inner.cluster_node.store(h.cluster, Ordering::Relaxed);
@@ -525,7 +606,11 @@ impl Client {
             });
         };
         let proof = token.prove(Purpose::Rpc, &nonce).to_vec().into();
-        let resp = conn.send(Op::Authenticate(proto::Authenticate { proof })).await?.wait(cfg.request_timeout).await?;
+        let resp = conn
+            .send(Op::Authenticate(proto::Authenticate { proof }))
+            .await?
+            .wait_until(deadline, cfg.request_timeout)
+            .await?;
         match unwrap(resp)? {
             R::Authenticate(_) => Ok(conn),
             other => Err(unexpected(&other)),
@@ -555,7 +640,7 @@ impl Client {
     /// connection that set them up, and pooled connections get replaced).
     #[cfg(feature = "rdma")]
     pub(crate) async fn dedicated_conn(&self) -> Result<Arc<Conn>, ClientError> {
-        self.open_conn().await
+        self.open_conn(self.deadline()).await
     }
 
     /// Closes every pooled RPC connection, as the path controller does to a
@@ -1035,6 +1120,60 @@ impl Client {
             R::Reregister(r) => Ok(r),
             other => Err(unexpected(&other)),
         }
+    }
+}
+
+/// The error for a peer at `addr` that closed the connection instead of
+/// answering HELLO; `end` says what it sent before, if anything.
+fn hello_refused(addr: &str, end: Option<&crate::conn::ReadEnd>, tls: bool) -> ClientError {
+    let not_dmkv = |detail: String| ClientError::NotDmkv { addr: addr.to_string(), detail };
+    let Some(end) = end else {
+        // The write failed before the reader noticed anything.
+        return not_dmkv("it closed the connection on HELLO; is it dmkvd's RPC address?".into());
+    };
+    let head = end.head.as_slice();
+    // A TLS record header: content type 20..=23, then version 3.x.
+    if !tls && head.len() >= 2 && (20..=23).contains(&head[0]) && head[1] == 3 {
+        return ClientError::Connect {
+            addr: addr.to_string(),
+            reason: "the server speaks TLS: give the CA that signed its certificate (ClientConfig::tls, --tls-ca)"
+                .into(),
+        };
+    }
+    if head.starts_with(&dmkv_common::onesided::ENGINE_MAGIC) {
+        return not_dmkv(
+            "it greets like dmkvd's one-sided engine: that is the engine port; give the RPC address (dmkvd prints \
+             rpc=ADDR)"
+                .into(),
+        );
+    }
+    match &end.error {
+        Some(e) => not_dmkv(format!(
+            "it answered HELLO with bytes that are no dmkv reply ({}: {e}); is it dmkvd's RPC address?",
+            hex_head(head)
+        )),
+        None if !head.is_empty() => not_dmkv(format!(
+            "it answered HELLO with {} bytes that are no dmkv reply ({}) and closed; is it dmkvd's RPC address?",
+            head.len(),
+            hex_head(head)
+        )),
+        None => not_dmkv("it closed the connection on HELLO without a word; is it dmkvd's RPC address?".into()),
+    }
+}
+
+/// The first bytes of a bad reply, as hex and as text where printable.
+fn hex_head(head: &[u8]) -> String {
+    let hex: Vec<String> = head.iter().take(8).map(|b| format!("{b:02x}")).collect();
+    let text: String = head.iter().take(8).map(|&b| if b.is_ascii_graphic() { b as char } else { '.' }).collect();
+    format!("{} {text:?}", hex.join(" "))
+}
+
+/// Why a forced transport could not be attached, without the wrapping
+/// that [`ClientError::TransportUnavailable`] adds itself.
+fn attach_reason(e: BackendError) -> String {
+    match e {
+        BackendError::Attach(why) => why,
+        other => other.to_string(),
     }
 }
 

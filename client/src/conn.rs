@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use bytes::BytesMut;
@@ -34,7 +34,24 @@ pub struct Conn {
     next_id: AtomicU64,
     closed: Arc<AtomicBool>,
     max_frame: usize,
+    /// Why the reader stopped, set before any waiter is woken.
+    end: Arc<OnceLock<ReadEnd>>,
 }
+
+/// How a connection's reader stopped: what the peer sent last (the start
+/// of the bytes no reply was decoded from) and what was wrong with it.
+/// Tells a peer that is no dmkv server (or speaks TLS) from one that hung up.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct ReadEnd {
+    /// Up to [`END_HEAD`] bytes left undecoded.
+    pub head: Vec<u8>,
+    /// The decoder's complaint; `None` when the peer closed (or the read
+    /// failed) with no bad frame.
+    pub error: Option<String>,
+}
+
+/// Bytes of an undecodable reply kept for diagnosis.
+const END_HEAD: usize = 16;
 
 /// A request that was sent and whose reply has not been awaited yet.
 pub struct InFlight {
@@ -103,10 +120,27 @@ impl Conn {
         let closed = Arc::new(AtomicBool::new(false));
         tokio::spawn(write_loop(wr, rx, Arc::clone(&closed)));
         let decoder = Decoder::new(max_frame);
-        tokio::spawn(read_loop(rd, Arc::clone(&pending), Arc::clone(&closed), move |buf: &mut BytesMut| {
-            Ok(decoder.next_message::<Response>(buf).map_err(|e| e.to_string())?.map(|r| (r.id, r)))
-        }));
-        Arc::new(Conn { tx, pending, next_id: AtomicU64::new(1), closed, max_frame })
+        let end: Arc<OnceLock<ReadEnd>> = Arc::default();
+        let record = Arc::clone(&end);
+        tokio::spawn(read_loop(
+            rd,
+            Arc::clone(&pending),
+            Arc::clone(&closed),
+            move |buf: &mut BytesMut| {
+                Ok(decoder.next_message::<Response>(buf).map_err(|e| e.to_string())?.map(|r| (r.id, r)))
+            },
+            move |rest: &[u8], error: Option<String>| {
+                let head = rest[..rest.len().min(END_HEAD)].to_vec();
+                let set = record.set(ReadEnd { head, error }).is_ok();
+                debug_assert!(set, "a reader ends once");
+            },
+        ));
+        Arc::new(Conn { tx, pending, next_id: AtomicU64::new(1), closed, max_frame, end })
+    }
+
+    /// How the reader stopped, once it has (before waiters are woken).
+    pub(crate) fn read_end(&self) -> Option<&ReadEnd> {
+        self.end.get()
     }
 
     /// Whether the connection has failed or been closed by the peer.
@@ -193,13 +227,17 @@ pub(crate) async fn write_loop(
 /// handing each `(id, reply)` to whoever waits for that id; then marks the
 /// connection closed and wakes every waiter. Shared by every pipelined
 /// connection; `next` takes one complete reply off the buffer, if any.
+/// Before anyone is woken, `on_end` gets the bytes left undecoded and
+/// `next`'s complaint, if that is why it stopped.
 pub(crate) async fn read_loop<T>(
     mut rd: impl AsyncRead + Unpin,
     pending: PendingMap<T>,
     closed: Arc<AtomicBool>,
     mut next: impl FnMut(&mut BytesMut) -> Result<Option<(u64, T)>, String>,
+    on_end: impl FnOnce(&[u8], Option<String>),
 ) {
     let mut buf = BytesMut::with_capacity(READ_BUF);
+    let mut bad = None;
     'outer: loop {
         if buf.capacity() - buf.len() < READ_BUF / 4 {
             buf.reserve(READ_BUF);
@@ -220,11 +258,13 @@ pub(crate) async fn read_loop<T>(
                 Ok(None) => break,
                 Err(e) => {
                     tracing::warn!("closing connection: bad reply from server: {e}");
+                    bad = Some(e);
                     break 'outer;
                 }
             }
         }
     }
+    on_end(&buf, bad);
     closed.store(true, Ordering::Release);
     // Dropping the senders wakes every waiter with "connection closed".
     pending.lock().expect("pending poisoned").clear();

@@ -5,16 +5,24 @@ use std::time::Duration;
 use dmkv_common::proto::ErrorCode;
 use thiserror::Error;
 
+use crate::client::Transport;
+
 /// Why a request failed.
 #[derive(Debug, Clone, Error)]
 pub enum ClientError {
     /// The request was refused before sending (bad key or value).
     #[error("invalid request: {0}")]
     Invalid(#[from] dmkv_common::Error),
+    /// No connection could be made: refused, unreachable, timed out, or
+    /// the TLS handshake failed (also: a plaintext client met a TLS server).
     #[error("cannot connect to {addr}: {reason}")]
     Connect { addr: String, reason: String },
+    /// The connection was lost before the reply came; a write may or may
+    /// not have taken effect.
     #[error("connection closed")]
     ConnectionClosed,
+    /// No reply within the request timeout; a write may or may not have
+    /// taken effect.
     #[error("no reply within {0:?}")]
     Timeout(Duration),
     /// The server answered with an error; nothing was changed.
@@ -27,10 +35,23 @@ pub enum ClientError {
     /// The server sent something this client does not understand.
     #[error("protocol error: {0}")]
     Protocol(String),
+    /// The peer at `addr` accepted a connection but did not answer the
+    /// HELLO every connection starts with as a dmkv server does: it closed,
+    /// sent something else (the engine port, another service), or stayed
+    /// silent. Nothing was sent but the HELLO.
+    #[error("{addr} does not speak dmkv's RPC protocol: {detail}")]
+    NotDmkv { addr: String, detail: String },
     /// One-sided reads were required (`ReadPath::OneSided`) but are not
     /// possible with this server.
     #[error("one-sided reads unavailable: {0}")]
     OneSidedUnavailable(String),
+    /// At connect, the one-sided backend forced by `ClientConfig::transport`
+    /// cannot be attached (the server does not offer it, is on another
+    /// host, this client was built without it, or attaching failed);
+    /// `reason` says which. The client is not made, rather than reading
+    /// over another backend or RPC.
+    #[error("transport {transport} unavailable: {reason}")]
+    TransportUnavailable { transport: Transport, reason: String },
     /// The client's settings cannot be used (a bad token or TLS file).
     #[error("bad client configuration: {0}")]
     Config(String),
@@ -50,14 +71,45 @@ impl ClientError {
     }
 
     /// Whether a request that failed this way may have reached the server
-    /// (and a write taken effect): not when no connection was made.
+    /// (and a write taken effect): not when it was refused before sending
+    /// or no working connection was made.
     pub fn may_have_been_sent(&self) -> bool {
-        !matches!(self, ClientError::Connect { .. })
+        !matches!(
+            self,
+            ClientError::Invalid(_)
+                | ClientError::Connect { .. }
+                | ClientError::NotDmkv { .. }
+                | ClientError::TransportUnavailable { .. }
+                | ClientError::Config(_)
+                | ClientError::RequestTooLarge { .. }
+        )
     }
 
     /// Whether the way to the server failed (no connection, connection
-    /// lost, no reply in time) rather than the request itself.
+    /// lost, no reply in time, a peer that is no dmkv server) rather than
+    /// the request itself.
     pub fn is_transport(&self) -> bool {
-        matches!(self, ClientError::Connect { .. } | ClientError::ConnectionClosed | ClientError::Timeout(_))
+        matches!(
+            self,
+            ClientError::Connect { .. }
+                | ClientError::ConnectionClosed
+                | ClientError::Timeout(_)
+                | ClientError::NotDmkv { .. }
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_refused_before_sending_were_not_sent() {
+        let not_dmkv = ClientError::NotDmkv { addr: "a:1".into(), detail: "x".into() };
+        assert!(not_dmkv.is_transport() && !not_dmkv.may_have_been_sent());
+        let forced = ClientError::TransportUnavailable { transport: Transport::Rdma, reason: "r".into() };
+        assert!(!forced.is_transport() && !forced.may_have_been_sent());
+        assert_eq!(forced.to_string(), "transport rdma unavailable: r");
+        assert!(ClientError::Timeout(Duration::from_secs(1)).may_have_been_sent());
     }
 }

@@ -3,12 +3,12 @@
 //! Exit codes: 0 success, 1 key not found, 2 any error (with a one-line
 //! message on stderr).
 
-use std::io::{Read, Write};
+use std::io::{IsTerminal, Read, Write};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use dmkv_client::{ClientConfig, ReadPath, TlsOptions, Token, Transport, blocking::Client};
 
 #[derive(Parser)]
@@ -24,8 +24,11 @@ struct Cli {
     /// now), one-sided, or rpc.
     #[arg(long, default_value = "auto")]
     path: ReadPath,
-    /// Force a one-sided backend: shm or tcp (default: the best available).
-    #[arg(long)]
+    /// Force a one-sided backend: rdma, shm (same host only) or tcp (the
+    /// server's engine) [default: the best available]. If the server does
+    /// not offer it (or this build lacks it), dmkv fails with exit 2 and
+    /// says why, rather than reading over RPC. Not with --path rpc.
+    #[arg(long, value_name = "rdma|shm|tcp")]
     transport: Option<Transport>,
     /// File holding the secret to prove to a server that requires
     /// authentication (default: the DMKV_TOKEN environment variable).
@@ -56,7 +59,9 @@ enum Cmd {
         #[arg(long)]
         raw: bool,
     },
-    /// Store VALUE (or standard input, if VALUE is omitted) under KEY.
+    /// Store VALUE under KEY; `-` (or no VALUE, with standard input not a
+    /// terminal) stores standard input.
+    #[command(alias = "set")]
     Put { key: String, value: Option<String> },
     /// Delete KEY.
     #[command(alias = "delete")]
@@ -77,10 +82,14 @@ enum Cmd {
         #[command(subcommand)]
         cmd: ClusterCmd,
     },
-    /// Run the YCSB driver (`dmkv-ycsb`) against the server; arguments
-    /// after `bench` go to it (try `dmkv bench --help`).
+    /// Run the YCSB driver (`dmkv-ycsb`) against the server: arguments
+    /// after `bench` go to it (`dmkv bench --help` lists them), and so do
+    /// --server, --path, --transport, --tls-ca and --token-file given
+    /// before `bench`, unless repeated after it.
+    #[command(disable_help_flag = true)]
     Bench {
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        /// Arguments for dmkv-ycsb.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, value_name = "DMKV_YCSB_ARGS")]
         args: Vec<String>,
     },
 }
@@ -103,8 +112,13 @@ enum ClusterCmd {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
-    match run(cli) {
+    let matches = Cli::command().get_matches();
+    let explicit = Explicit::of(&matches);
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
+    match run(cli, explicit) {
         Ok(code) => code,
         Err(msg) => {
             eprintln!("dmkv: {msg}");
@@ -113,14 +127,60 @@ fn main() -> ExitCode {
     }
 }
 
+/// Which global options the user gave (on the command line or through the
+/// environment) rather than left at their defaults: only those are passed
+/// on to `dmkv-ycsb`, whose own defaults differ per backend.
+#[derive(Debug, Clone, Copy, Default)]
+struct Explicit {
+    server: bool,
+    path: bool,
+}
+
+impl Explicit {
+    fn of(m: &clap::ArgMatches) -> Explicit {
+        let given = |id| {
+            matches!(
+                m.value_source(id),
+                Some(clap::parser::ValueSource::CommandLine | clap::parser::ValueSource::EnvVariable)
+            )
+        };
+        Explicit { server: given("server"), path: given("path") }
+    }
+}
+
+/// The `dmkv-ycsb` arguments for `dmkv [GLOBALS] bench ARGS`: the globals
+/// it shares with dmkv, unless ARGS give them again, then ARGS untouched
+/// (`--help` included: it gets dmkv-ycsb's help).
+fn bench_args(cli: &Cli, explicit: Explicit, args: &[String]) -> Result<Vec<String>, String> {
+    if cli.tls_server_name.is_some() || cli.tls_cert.is_some() {
+        return Err("dmkv bench: dmkv-ycsb takes no --tls-server-name, --tls-cert or --tls-key".into());
+    }
+    let has = |flag: &str| args.iter().any(|a| a == flag || a.strip_prefix(flag).is_some_and(|r| r.starts_with('=')));
+    let mut out = Vec::new();
+    let mut pass = |flag: &str, value: Option<String>| {
+        if let Some(v) = value
+            && !has(flag)
+        {
+            out.push(flag.to_string());
+            out.push(v);
+        }
+    };
+    pass("--server", explicit.server.then(|| cli.server.clone()));
+    pass("--path", explicit.path.then(|| cli.path.name().to_string()));
+    pass("--transport", cli.transport.map(|t| t.name().to_string()));
+    pass("--tls-ca", cli.tls_ca.as_ref().map(|p| p.display().to_string()));
+    out.extend(args.iter().cloned());
+    Ok(out)
+}
+
 /// Runs `dmkv-ycsb` from next to this binary (or from PATH).
-fn bench(server: &str, args: &[String]) -> Result<ExitCode, String> {
+fn bench(args: &[String], token: Option<String>) -> Result<ExitCode, String> {
     let sibling = std::env::current_exe().ok().and_then(|e| Some(e.parent()?.join("dmkv-ycsb"))).filter(|p| p.exists());
     let exe = sibling.unwrap_or_else(|| "dmkv-ycsb".into());
     let mut cmd = std::process::Command::new(&exe);
-    let wants_help = args.iter().any(|a| a == "--help" || a == "-h");
-    if !wants_help && !args.iter().any(|a| a == "--server" || a.starts_with("--server=")) {
-        cmd.args(["--server", server]);
+    // dmkv-ycsb takes its secret from the environment only.
+    if let Some(t) = token {
+        cmd.env(dmkv_client::client::TOKEN_ENV, t.trim());
     }
     let status = cmd.args(args).status().map_err(|e| {
         format!("cannot run {}: {e} (build it with `cargo build --release --bin dmkv-ycsb`)", exe.display())
@@ -128,10 +188,48 @@ fn bench(server: &str, args: &[String]) -> Result<ExitCode, String> {
     Ok(ExitCode::from(status.code().unwrap_or(2).clamp(0, 255) as u8))
 }
 
-fn run(cli: Cli) -> Result<ExitCode, String> {
-    if let Cmd::Bench { args } = &cli.cmd {
-        return bench(&cli.server, args);
+/// Where `put` takes its value from.
+#[derive(Debug, PartialEq, Eq)]
+enum ValueFrom {
+    Arg(String),
+    Stdin,
+}
+
+/// `put KEY VALUE`, `put KEY -` (standard input), or `put KEY` with
+/// standard input piped in; `put KEY` at a terminal would wait for input
+/// the user may not know is wanted, so it is refused.
+fn value_from(value: Option<String>, stdin_is_terminal: bool) -> Result<ValueFrom, String> {
+    match value {
+        Some(v) if v == "-" => Ok(ValueFrom::Stdin),
+        Some(v) => Ok(ValueFrom::Arg(v)),
+        None if stdin_is_terminal => {
+            Err("put: give VALUE, or `-` to read the value from standard input (`dmkv put KEY -`)".into())
+        }
+        None => Ok(ValueFrom::Stdin),
     }
+}
+
+fn run(cli: Cli, explicit: Explicit) -> Result<ExitCode, String> {
+    if let Cmd::Bench { args } = &cli.cmd {
+        let args = bench_args(&cli, explicit, args)?;
+        let token = match &cli.token_file {
+            Some(path) => Some(
+                std::fs::read_to_string(path).map_err(|e| format!("cannot read token file {}: {e}", path.display()))?,
+            ),
+            None => None,
+        };
+        return bench(&args, token);
+    }
+    if let (Some(t), ReadPath::Rpc) = (cli.transport, cli.path) {
+        return Err(format!(
+            "--transport {t} forces a one-sided backend, but --path rpc reads only over RPC: drop one"
+        ));
+    }
+    // Before connecting: a refused `put` must not wait for a server first.
+    let put_value = match &cli.cmd {
+        Cmd::Put { value, .. } => Some(value_from(value.clone(), std::io::stdin().is_terminal())?),
+        _ => None,
+    };
     let token = match &cli.token_file {
         Some(path) => {
             let text =
@@ -171,14 +269,15 @@ fn run(cli: Cli) -> Result<ExitCode, String> {
                 Ok(ExitCode::from(1))
             }
         },
-        Cmd::Put { key, value } => {
-            let value = match value {
-                Some(v) => v.into_bytes(),
-                None => {
+        Cmd::Put { key, .. } => {
+            let value = match put_value {
+                Some(ValueFrom::Arg(v)) => v.into_bytes(),
+                Some(ValueFrom::Stdin) => {
                     let mut buf = Vec::new();
                     std::io::stdin().read_to_end(&mut buf).map_err(|e| format!("reading stdin: {e}"))?;
                     buf
                 }
+                None => unreachable!("decided above for every put"),
             };
             client.put(&key, &value).map_err(|e| e.to_string())?;
             Ok(ExitCode::SUCCESS)
@@ -310,4 +409,42 @@ fn cluster_status(seed: &Client, cfg: &ClientConfig) -> Result<String, String> {
         );
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn put_at_a_terminal_needs_a_value_or_dash() {
+        let err = value_from(None, true).unwrap_err();
+        assert_eq!(err, "put: give VALUE, or `-` to read the value from standard input (`dmkv put KEY -`)");
+        assert_eq!(value_from(None, false), Ok(ValueFrom::Stdin));
+        assert_eq!(value_from(Some("-".into()), true), Ok(ValueFrom::Stdin));
+        assert_eq!(value_from(Some("v".into()), true), Ok(ValueFrom::Arg("v".into())));
+    }
+
+    fn bench_of(argv: &[&str]) -> Result<Vec<String>, String> {
+        let m = Cli::command().try_get_matches_from(argv).unwrap();
+        let cli = Cli::from_arg_matches(&m).unwrap();
+        let Cmd::Bench { args } = &cli.cmd else { panic!("not bench") };
+        bench_args(&cli, Explicit::of(&m), args)
+    }
+
+    #[test]
+    fn bench_gets_explicit_globals_unless_repeated() {
+        assert_eq!(bench_of(&["dmkv", "bench", "--help"]).unwrap(), ["--help"]);
+        assert_eq!(
+            bench_of(&["dmkv", "--server", "h:1", "--path", "rpc", "--transport", "tcp", "bench", "--records", "9"])
+                .unwrap(),
+            ["--server", "h:1", "--path", "rpc", "--transport", "tcp", "--records", "9"]
+        );
+        assert_eq!(
+            bench_of(&["dmkv", "--server", "h:1", "--path", "rpc", "bench", "--server=h:2", "--path", "auto"]).unwrap(),
+            ["--server=h:2", "--path", "auto"]
+        );
+        // `--server-x` is not `--server`.
+        assert_eq!(bench_of(&["dmkv", "-s", "h:1", "bench", "--server-x"]).unwrap(), ["--server", "h:1", "--server-x"]);
+        assert!(bench_of(&["dmkv", "--tls-ca", "ca", "--tls-server-name", "n", "bench"]).is_err());
+    }
 }

@@ -163,9 +163,18 @@ async fn one_sided_reads_follow_a_growing_index() {
 async fn forced_transport_without_support_fails_clearly() {
     let srv = ServerProcess::start(&["--memory", "16MiB", "--no-shm", "--no-engine"]);
     for t in [Transport::Shm, Transport::Tcp, Transport::Rdma] {
-        let err = Client::connect_with(&srv.rpc, cfg(ReadPath::OneSided, Some(t))).await.err().expect("must fail");
-        assert!(matches!(err, ClientError::OneSidedUnavailable(_)), "{err}");
+        // Forced, in either path that reads one-sided: refused at connect,
+        // never read over RPC instead.
+        for path in [ReadPath::OneSided, ReadPath::Auto] {
+            let err = Client::connect_with(&srv.rpc, cfg(path, Some(t))).await.err().expect("must fail");
+            assert!(matches!(err, ClientError::TransportUnavailable { transport, .. } if transport == t), "{err}");
+            assert!(err.to_string().starts_with(&format!("transport {t} unavailable: the server ")), "{err}");
+        }
+        // RPC only: the forced transport is never used, so never checked.
+        Client::connect_with(&srv.rpc, cfg(ReadPath::Rpc, Some(t))).await.unwrap();
     }
+    let err = Client::connect_with(&srv.rpc, cfg(ReadPath::OneSided, None)).await.err().expect("must fail");
+    assert!(matches!(err, ClientError::OneSidedUnavailable(_)), "{err}");
     let auto = Client::connect(&srv.rpc).await.unwrap();
     assert_eq!(auto.one_sided_transport(), None);
     auto.put("k", "v").await.unwrap();

@@ -102,18 +102,19 @@ impl EngineConn {
         let pending: Pending = Arc::default();
         let closed = Arc::new(AtomicBool::new(false));
         tokio::spawn(write_loop(wr, rx, Arc::clone(&closed)));
-        tokio::spawn(read_loop(rd, Arc::clone(&pending), Arc::clone(&closed), |buf: &mut BytesMut| match next_frame(
-            buf,
-            MAX_REPLY_FRAME,
-        )
-        .map_err(|e| e.to_string())?
-        {
-            Some(body) if body.len() >= 8 => {
-                Ok(Some((u64::from_le_bytes(body[..8].try_into().expect("8 bytes")), body)))
-            }
-            Some(_) => Err("engine reply shorter than its batch id".into()),
-            None => Ok(None),
-        }));
+        tokio::spawn(read_loop(
+            rd,
+            Arc::clone(&pending),
+            Arc::clone(&closed),
+            |buf: &mut BytesMut| match next_frame(buf, MAX_REPLY_FRAME).map_err(|e| e.to_string())? {
+                Some(body) if body.len() >= 8 => {
+                    Ok(Some((u64::from_le_bytes(body[..8].try_into().expect("8 bytes")), body)))
+                }
+                Some(_) => Err("engine reply shorter than its batch id".into()),
+                None => Ok(None),
+            },
+            |_, _| {},
+        ));
         EngineConn { tx, pending, next: AtomicU64::new(1), closed, rkey, timeout }
     }
 

@@ -279,44 +279,39 @@ pub async fn attach(
     }
     let lease_skew_ns = (desc.leased && check_leases).then_some(lease_skew.as_nanos() as u64);
     let header = header_of(desc)?;
-    let same_host = !info.host_id.is_empty() && info.host_id == local_host_id();
-    let mut errors = Vec::new();
     let candidates: &[Transport] = match forced {
         Some(t) => &[t][..],
         None => &[Transport::Rdma, Transport::Shm, Transport::Tcp],
     };
+    let mut errors = Vec::new();
     for &t in candidates {
-        let attempt = match t {
-            Transport::Shm if info.shm_socket.is_empty() => {
-                Err(BackendError::Attach("server offers no shared memory".into()))
-            }
-            Transport::Shm if !same_host => Err(BackendError::Attach("server is on another host".into())),
-            Transport::Shm => {
-                shm::ShmRegion::attach(&info.shm_socket, desc.rkey, desc.epoch, token.as_deref(), timeout)
-                    .await
-                    .map(Backend::Shm)
-            }
-            Transport::Tcp if info.engine_addr.is_empty() => {
-                Err(BackendError::Attach("server offers no one-sided engine".into()))
-            }
-            Transport::Tcp => {
-                let health =
-                    crate::path::ConnHealth::new(engine_connections, path_config, std::sync::Arc::clone(&repaths));
-                match engine_dialer(client, info) {
-                    Ok(dialer) => engine::EnginePool::connect(
-                        &info.engine_addr,
-                        desc.rkey,
-                        timeout,
-                        engine_connections,
-                        health,
-                        dialer,
-                    )
-                    .await
-                    .map(Backend::Engine),
-                    Err(e) => Err(e),
+        let attempt = match offered(info, t) {
+            Err(why) => Err(BackendError::Attach(why)),
+            Ok(()) => match t {
+                Transport::Shm => {
+                    shm::ShmRegion::attach(&info.shm_socket, desc.rkey, desc.epoch, token.as_deref(), timeout)
+                        .await
+                        .map(Backend::Shm)
                 }
-            }
-            Transport::Rdma => attach_rdma(client, info, desc.epoch, timeout).await,
+                Transport::Tcp => {
+                    let health =
+                        crate::path::ConnHealth::new(engine_connections, path_config, std::sync::Arc::clone(&repaths));
+                    match engine_dialer(client, info) {
+                        Ok(dialer) => engine::EnginePool::connect(
+                            &info.engine_addr,
+                            desc.rkey,
+                            timeout,
+                            engine_connections,
+                            health,
+                            dialer,
+                        )
+                        .await
+                        .map(Backend::Engine),
+                        Err(e) => Err(e),
+                    }
+                }
+                Transport::Rdma => attach_rdma(client, desc.epoch, timeout).await,
+            },
         };
         match attempt {
             Ok(backend) => {
@@ -333,11 +328,38 @@ pub async fn attach(
                     lease_skew_ns,
                 });
             }
-            Err(e) => errors.push(format!("{t:?}: {e}")),
+            // A forced transport's own reason, for `TransportUnavailable`.
+            Err(e) if forced.is_some() => return Err(e),
+            Err(e) => errors.push(format!("{t}: {e}")),
         }
     }
+    debug_assert_eq!(errors.len(), candidates.len(), "every candidate failed once");
     Err(BackendError::Attach(errors.join("; ")))
 }
+
+/// Whether the server described by `info` offers transport `t` to this
+/// client at all; if not, why, in words for whoever forced `t`. Passing
+/// does not promise that attaching works (connections may still fail).
+pub fn offered(info: &RegionInfoReply, t: Transport) -> Result<(), String> {
+    match t {
+        Transport::Shm if info.shm_socket.is_empty() => {
+            Err("the server does not offer shared memory (dmkvd --no-shm, or shm = false)".into())
+        }
+        Transport::Shm if info.host_id.is_empty() || info.host_id != local_host_id() => {
+            Err("the server is on another host; shared memory works only on the server's host".into())
+        }
+        Transport::Tcp if info.engine_addr.is_empty() => {
+            Err("the server does not offer its one-sided engine (dmkvd --no-engine, or engine = false)".into())
+        }
+        Transport::Rdma if info.rdma_device.is_empty() => Err(NO_SERVER_RDMA.into()),
+        Transport::Rdma if !cfg!(feature = "rdma") => Err(NO_CLIENT_RDMA.into()),
+        Transport::Shm | Transport::Tcp | Transport::Rdma => Ok(()),
+    }
+}
+
+const NO_SERVER_RDMA: &str = "the server has no region registered for RDMA (it found no RDMA device, \
+                              runs with --no-rdma, or was built without the `rdma` feature)";
+const NO_CLIENT_RDMA: &str = "this client was built without RDMA support (cargo feature `rdma`)";
 
 /// How to reach the engine: with TLS when it speaks it (and this client
 /// is configured for TLS), proving the client's token.
@@ -353,21 +375,14 @@ fn engine_dialer(client: &crate::Client, info: &RegionInfoReply) -> Result<engin
 }
 
 #[cfg(feature = "rdma")]
-async fn attach_rdma(
-    client: &crate::Client,
-    info: &RegionInfoReply,
-    epoch: u64,
-    timeout: Duration,
-) -> Result<Backend, BackendError> {
-    if info.rdma_device.is_empty() {
-        return Err(BackendError::Attach("server offers no RDMA".into()));
-    }
+async fn attach_rdma(client: &crate::Client, epoch: u64, timeout: Duration) -> Result<Backend, BackendError> {
     rdma::RdmaPath::attach(client, epoch, timeout).await.map(|p| Backend::Rdma(Box::new(p)))
 }
 
 #[cfg(not(feature = "rdma"))]
-async fn attach_rdma(_: &crate::Client, _: &RegionInfoReply, _: u64, _: Duration) -> Result<Backend, BackendError> {
-    Err(BackendError::Attach("this client was built without RDMA support (cargo feature `rdma`)".into()))
+async fn attach_rdma(_: &crate::Client, _: u64, _: Duration) -> Result<Backend, BackendError> {
+    // `offered` refuses RDMA in builds without it.
+    Err(BackendError::Attach(NO_CLIENT_RDMA.into()))
 }
 
 fn header_of(d: &RegionDescriptor) -> Result<RegionHeader, BackendError> {
