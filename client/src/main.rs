@@ -61,10 +61,10 @@ enum Cmd {
     },
     /// Store VALUE under KEY; `-` (or no VALUE, with standard input not a
     /// terminal) stores standard input.
-    #[command(alias = "set")]
+    #[command(visible_alias = "set")]
     Put { key: String, value: Option<String> },
     /// Delete KEY.
-    #[command(alias = "delete")]
+    #[command(visible_alias = "delete")]
     Del { key: String },
     /// Print the server's counters.
     Stats,

@@ -515,3 +515,25 @@ fn documented_commands_use_flags_that_exist() {
     }
     assert!(checked >= 100, "only {checked} documented flags found");
 }
+
+#[test]
+fn readme_lists_every_client_error() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../client/src/error.rs");
+    let src = std::fs::read_to_string(&path).expect("read client/src/error.rs");
+    let body = src.split("pub enum ClientError {").nth(1).expect("ClientError in error.rs");
+    let body = &body[..body.find("\n}").expect("end of ClientError")];
+    // Variants: lines at the enum's indentation that start with a capital.
+    let variants: Vec<&str> = body
+        .lines()
+        .filter(|l| l.starts_with("    ") && !l.starts_with("     "))
+        .map(str::trim)
+        .filter(|l| l.starts_with(|c: char| c.is_ascii_uppercase()))
+        .filter_map(|l| l.split(|c: char| !c.is_ascii_alphanumeric()).next())
+        .collect();
+    assert!(variants.len() >= 10, "found only {variants:?} in ClientError");
+    let md = readme();
+    for v in variants {
+        let named = md.contains(&format!("`{v}`")) || md.contains(&format!("`{v} {{"));
+        assert!(named, "README's ClientError table lacks `{v}`");
+    }
+}
