@@ -923,19 +923,28 @@ mod tests {
     fn latency_is_timed_after_the_value_is_built() {
         // Values of 1 MiB take a while to build; an in-memory store answers
         // at once, so an UPDATE's latency must be far below the build time.
+        // Timed builds before and after the run, the faster counting: a
+        // latency that included the build would be at least that, plus the
+        // store's copy. Other work on the machine slows both alike, so the
+        // bound is a ratio with room for that noise (0.35 seen under load,
+        // well under 0.1 on a quiet machine).
         let size = MAX_VALUE_SIZE;
-        let t = Instant::now();
-        let built = (0..5).map(|i| make_value(1, i, i, size).len()).sum::<usize>();
-        let build_us = t.elapsed().as_secs_f64() * 1e6 / 5.0;
-        assert_eq!(built, 5 * size);
+        let build_us = || {
+            let t = Instant::now();
+            let built = (0..5).map(|i| make_value(1, i, i, size).len()).sum::<usize>();
+            assert_eq!(built, 5 * size);
+            t.elapsed().as_secs_f64() * 1e6 / 5.0
+        };
+        let before = build_us();
         let store = Arc::new(MemStore::default());
         let s = Settings { value_size: size, threads: 1, in_flight: 1, ..mem_settings(Workload::A, 10, 100) };
         let r = run_mem(&s, &store);
+        let build_us = before.min(build_us());
         assert_eq!(r.comparability, "YCSB-comparable", "one operation in flight per thread");
         let update = r.run.op("UPDATE").unwrap();
         assert!(update.count > 20, "{} updates", update.count);
         assert!(
-            update.p50_us < build_us / 4.0,
+            update.p50_us < build_us * 0.6,
             "UPDATE p50 {:.0} µs, building a value {build_us:.0} µs",
             update.p50_us
         );

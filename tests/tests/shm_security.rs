@@ -215,7 +215,9 @@ async fn the_shm_handoff_wants_a_proof_and_the_current_rkey() {
     assert_eq!(raw_handoff(sock, shm(&data), rkey, epoch).await, handoff::STATUS_RATE_LIMITED);
     let err = Client::connect_with(&srv.rpc, cfg(ReadPath::OneSided, Some(Transport::Shm), Some(&data))).await.err();
     match err {
-        Some(ClientError::OneSidedUnavailable(m)) => assert!(m.contains("too many failed attempts"), "{m}"),
+        Some(ClientError::TransportUnavailable { transport: Transport::Shm, reason }) => {
+            assert!(reason.contains("too many failed attempts"), "{reason}")
+        }
         other => panic!("attached while rate-limited: {other:?}"),
     }
     // The reader attached before keeps reading: its mapping is its own.
