@@ -213,7 +213,11 @@ LOAD_AFTER="$(cut -d' ' -f1-3 /proc/loadavg)"
 
 log "plots, tables and the runs' summary"
 first_csv="$(ls "$RESULTS"/*.csv | head -1)"
-{ head -1 "$first_csv"; for f in "$RESULTS"/*.csv; do tail -n +2 "$f"; done; } > docs/benchmarks.csv
+# One file per run; the first column names the run (store-workload-config-round).
+{
+    echo "run,$(head -1 "$first_csv")"
+    for f in "$RESULTS"/*.csv; do tail -n +2 "$f" | sed "s/^/$(basename "$f" .csv),/"; done
+} > docs/benchmarks.csv
 log "plots and tables"
 record "$BIN/dmkv-ycsb-plot" --out-dir docs --markdown "$RESULTS/tables.md" "$RESULTS/*.json"
 "$BIN/dmkv-ycsb-plot" --out-dir docs --markdown "$RESULTS/tables.md" "$RESULTS"/*.json
