@@ -82,6 +82,11 @@ impl Client {
         self.inner.path_stats()
     }
 
+    /// See [`AsyncClient::register_metrics`].
+    pub fn register_metrics(&self, registry: &mut prometheus_client::registry::Registry) {
+        self.inner.register_metrics(registry);
+    }
+
     /// See [`AsyncClient::one_sided_transport`].
     pub fn one_sided_transport(&self) -> Option<crate::Transport> {
         self.inner.one_sided_transport()

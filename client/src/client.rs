@@ -212,6 +212,17 @@ struct Inner {
     pub(crate) shard_paths: crate::session::ShardPaths,
 }
 
+/// A [`Client`] that may have been dropped (see [`Client::downgrade`]).
+#[derive(Debug, Clone)]
+pub(crate) struct WeakClient(std::sync::Weak<Inner>);
+
+impl WeakClient {
+    /// The client, while some clone of it is alive.
+    pub(crate) fn upgrade(&self) -> Option<Client> {
+        self.0.upgrade().map(|inner| Client { inner })
+    }
+}
+
 /// How this client's GETs have been routed (see [`Client::path_stats`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PathStats {
@@ -491,7 +502,8 @@ impl Client {
         self.inner.path.lock().expect("path lock poisoned").attached.as_ref().map(|p| p.transport())
     }
 
-    /// Counters of this client's one-sided reads.
+    /// Counters of this client's reads: one-sided ones, their retries and
+    /// fallbacks, and the keys read over RPC.
     pub fn read_stats(&self) -> ReadStats {
         self.inner.read_counters.snapshot()
     }
@@ -505,6 +517,12 @@ impl Client {
             rpc_repaths: self.inner.rpc_repaths.load(Ordering::Relaxed),
             engine_repaths: self.inner.engine_repaths.load(Ordering::Relaxed),
         }
+    }
+
+    /// A handle that does not keep the client (and its connections) alive,
+    /// for metrics collectors that outlive it.
+    pub(crate) fn downgrade(&self) -> WeakClient {
+        WeakClient(Arc::downgrade(&self.inner))
     }
 
     /// The server address.
@@ -818,7 +836,9 @@ impl Client {
 
     /// The value of an RPC GET's reply; where the server says the key's
     /// slot is, the one-sided path caches it for its next GET of the key.
+    /// Every key answered over RPC passes here, so it is counted here.
     fn learn(&self, key: &[u8], g: proto::GetReply) -> Option<Versioned> {
+        self.inner.read_counters.rpc_gets.fetch_add(1, Ordering::Relaxed);
         if !g.found {
             return None;
         }

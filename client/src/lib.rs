@@ -19,6 +19,7 @@ pub mod blocking;
 pub mod client;
 pub mod conn;
 pub mod error;
+pub mod metrics;
 pub mod onesided;
 pub mod path;
 pub mod router;

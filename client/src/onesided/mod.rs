@@ -130,6 +130,10 @@ pub struct ReadCounters {
     pub fallbacks: AtomicU64,
     /// Batches of a cluster shard's region refused for want of a lease.
     pub unleased: AtomicU64,
+    /// Keys read over RPC (GETs, each key of a multi-get, fallbacks and
+    /// probes): kept here beside the one-sided count so the client's
+    /// metrics can split all its reads by path (the server sees only these).
+    pub rpc_gets: AtomicU64,
 }
 
 /// A snapshot of [`ReadCounters`].
@@ -144,6 +148,7 @@ pub struct ReadStats {
     pub directory_reads: u64,
     pub fallbacks: u64,
     pub unleased: u64,
+    pub rpc_gets: u64,
 }
 
 impl ReadCounters {
@@ -160,6 +165,7 @@ impl ReadCounters {
             directory_reads: l(&self.directory_reads),
             fallbacks: l(&self.fallbacks),
             unleased: l(&self.unleased),
+            rpc_gets: l(&self.rpc_gets),
         }
     }
 

@@ -1,0 +1,129 @@
+//! The client's Prometheus metrics against a real dmkvd: the counters move
+//! by exactly the GETs made, and `promtool check metrics` accepts the text.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+use dmkv_client::{Client, ClientConfig, ReadPath};
+use dmkv_tests::ServerProcess;
+use prometheus_client::registry::Registry;
+
+/// Every sample of the text format, by its series (`name{labels}`).
+fn samples(text: &str) -> HashMap<String, f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .map(|l| {
+            let (series, value) = l.rsplit_once(' ').expect("a sample line has a value");
+            (series.to_string(), value.parse().expect("a numeric value"))
+        })
+        .collect()
+}
+
+fn encode(registry: &Registry) -> String {
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, registry).unwrap();
+    text
+}
+
+/// `text` (OpenMetrics, as prometheus-client writes it and Prometheus
+/// scrapes it) in the classic text format, the only one `promtool check
+/// metrics` reads: there a counter family is named with its `_total`
+/// suffix, and there are no UNIT or EOF lines. Names, labels, values, help
+/// and types are untouched, so the lint still sees everything it checks.
+fn classic_text(text: &str) -> String {
+    let counters: Vec<&str> =
+        text.lines().filter_map(|l| l.strip_prefix("# TYPE ")?.strip_suffix(" counter")).collect();
+    let mut out = String::new();
+    for line in text.lines() {
+        if line.starts_with("# UNIT ") || line == "# EOF" {
+            continue;
+        }
+        let meta = ["# HELP ", "# TYPE "].into_iter().find(|p| line.starts_with(p));
+        match meta.map(|p| (p, line[p.len()..].split_once(' ').unwrap_or((&line[p.len()..], "")))) {
+            Some((p, (name, rest))) if counters.contains(&name) => out.push_str(&format!("{p}{name}_total {rest}")),
+            _ => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
+}
+
+/// Runs `promtool check metrics` on `text`; promtool is part of the
+/// test's contract, so a machine without it fails rather than skips.
+fn promtool_check(text: &str) {
+    let text = &classic_text(text);
+    let mut child = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("promtool not found: install the `prometheus` package (apt-get install prometheus)");
+    child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "promtool check metrics failed:\n{}{}\n--- text ---\n{text}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[tokio::test]
+async fn client_metrics_count_one_sided_and_rpc_gets_exactly() {
+    let srv = ServerProcess::start(&["--memory", "64MiB"]);
+    // A fixed one-sided path: no probes, so every count below is exact.
+    let cfg = ClientConfig { read_path: ReadPath::OneSided, pool_size: 1, ..Default::default() };
+    let client = Client::connect_with(&srv.rpc, cfg).await.unwrap();
+    for i in 0..10 {
+        client.put(format!("k{i}"), "v").await.unwrap();
+    }
+    let mut registry = Registry::default();
+    client.register_metrics(&mut registry);
+    let before = samples(&encode(&registry));
+    for name in [
+        "dmkv_client_gets_total{path=\"one_sided\"}",
+        "dmkv_client_gets_total{path=\"rpc\"}",
+        "dmkv_client_one_sided_retries_total{cause=\"torn\"}",
+        "dmkv_client_rpc_fallbacks_total",
+        "dmkv_client_path_switches_total",
+        "dmkv_client_path_window{path=\"rpc\"}",
+        "dmkv_client_path_delay_seconds{path=\"one_sided\"}",
+        "dmkv_client_path_requests_total{path=\"one_sided\"}",
+        "dmkv_client_path_failures_total{path=\"rpc\"}",
+    ] {
+        assert!(before.contains_key(name), "{name} missing from:\n{before:#?}");
+    }
+
+    for i in 0..7 {
+        assert!(client.get(format!("k{i}")).await.unwrap().is_some());
+    }
+    assert_eq!(client.get("absent").await.unwrap(), None);
+    for i in 0..3 {
+        assert!(client.rpc_get(format!("k{i}").as_bytes()).await.unwrap().is_some());
+    }
+    let keys: Vec<String> = (0..5).map(|i| format!("k{i}")).collect();
+    client.rpc_multi_get(&keys).await.unwrap();
+
+    let text = encode(&registry);
+    let after = samples(&text);
+    let moved = |name: &str| after[name] - before[name];
+    assert_eq!(moved("dmkv_client_gets_total{path=\"one_sided\"}"), 8.0, "{text}");
+    assert_eq!(moved("dmkv_client_gets_total{path=\"rpc\"}"), 3.0 + 5.0, "{text}");
+    // Explicit RPC reads bypass the path controller; one-sided GETs do not.
+    assert_eq!(moved("dmkv_client_path_requests_total{path=\"one_sided\"}"), 8.0, "{text}");
+    assert_eq!(moved("dmkv_client_path_requests_total{path=\"rpc\"}"), 0.0, "{text}");
+    assert_eq!(moved("dmkv_client_rpc_fallbacks_total"), 0.0, "{text}");
+    assert_eq!(moved("dmkv_client_path_failures_total{path=\"one_sided\"}"), 0.0, "{text}");
+    assert!(after["dmkv_client_path_delay_seconds{path=\"one_sided\"}"] > 0.0, "{text}");
+    assert!(after["dmkv_client_path_window{path=\"one_sided\"}"] > 0.0, "{text}");
+    // The server saw only the RPC reads: the reason these metrics exist.
+    assert_eq!(client.stats().await.unwrap()["gets"], 3 + 5);
+    promtool_check(&text);
+
+    // The registry does not keep the client alive; its series go with it.
+    drop(client);
+    let gone = encode(&registry);
+    assert!(!gone.contains("dmkv_client_gets_total"), "{gone}");
+}
