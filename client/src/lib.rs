@@ -25,6 +25,7 @@ pub mod path;
 pub mod router;
 pub mod session;
 pub mod tls;
+pub mod top;
 
 pub use client::{Client, ClientConfig, PathStats, ReadPath, Transport, Versioned};
 pub use dmkv_common::auth::Token;

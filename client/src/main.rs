@@ -77,6 +77,18 @@ enum Cmd {
         #[arg(long, default_value_t = 1000)]
         gets: u32,
     },
+    /// A live view of the node, or of every node of its cluster, refreshed
+    /// every interval: per node requests/s by op, p50/p99 latency (µs) of
+    /// GETs and PUTs, GET hit ratio, region bytes used and free, items,
+    /// one-sided reads the server's engine served, and replication lag.
+    Top {
+        /// Time between refreshes (e.g. 1s, 500ms).
+        #[arg(long, default_value = "1s", value_parser = dmkv_client::top::parse_interval)]
+        interval: Duration,
+        /// Stop after this many refreshes [default: run until interrupted].
+        #[arg(long)]
+        iterations: Option<u64>,
+    },
     /// Cluster commands (`dmkv cluster status`).
     Cluster {
         #[command(subcommand)]
@@ -308,6 +320,10 @@ fn run(cli: Cli, explicit: Explicit) -> Result<ExitCode, String> {
             write!(stdout, "{}", client.path_stats()).map_err(|e| e.to_string())?;
             Ok(ExitCode::SUCCESS)
         }
+        Cmd::Top { interval, iterations } => {
+            top(&client, &cfg, interval, iterations, &mut stdout)?;
+            Ok(ExitCode::SUCCESS)
+        }
         Cmd::Cluster { cmd: ClusterCmd::Status } => {
             let status = cluster_status(&client, &cfg)?;
             write!(stdout, "{status}").map_err(|e| e.to_string())?;
@@ -336,6 +352,100 @@ fn run(cli: Cli, explicit: Explicit) -> Result<ExitCode, String> {
         }
         Cmd::Bench { .. } => unreachable!("handled before connecting"),
     }
+}
+
+/// A node `dmkv top` watches.
+struct Watched {
+    name: String,
+    addr: String,
+    client: Result<Client, String>,
+    /// Whether it is a cluster node (then its lag is asked for too).
+    cluster: bool,
+}
+
+impl Watched {
+    /// Its STATS and, for a cluster node, the largest lag of the shards it
+    /// leads; an error says why the node did not answer.
+    fn poll(&self) -> Result<(dmkv_client::top::Snapshot, Option<u64>), String> {
+        let c = self.client.as_ref().map_err(Clone::clone)?;
+        let stats = c.stats().map_err(|e| e.to_string())?;
+        let lag = match self.cluster {
+            true => {
+                let st = c.cluster_status().map_err(|e| e.to_string())?;
+                let leading = st.local.iter().filter(|r| r.role == "leader");
+                Some(leading.flat_map(|r| r.lag.values().copied()).max().unwrap_or(0))
+            }
+            false => None,
+        };
+        Ok((stats, lag))
+    }
+}
+
+/// `dmkv top`: polls every node's STATS each interval and draws the rows
+/// of [`dmkv_client::top`]; in place on a terminal, as successive blocks
+/// otherwise (for logs and pipes). Ctrl-C ends it: there is no terminal
+/// state to restore (the screen is only cleared, never switched).
+fn top(
+    seed: &Client,
+    cfg: &ClientConfig,
+    interval: Duration,
+    iterations: Option<u64>,
+    out: &mut impl Write,
+) -> Result<(), String> {
+    use dmkv_client::top;
+    let nodes: Vec<Watched> = match seed.cluster_status() {
+        Ok(map) => map
+            .nodes
+            .iter()
+            .map(|n| Watched {
+                name: n.id.to_string(),
+                addr: n.rpc.clone(),
+                client: Client::connect_with(n.rpc.clone(), cfg.clone()).map_err(|e| e.to_string()),
+                cluster: true,
+            })
+            .collect(),
+        // Not a cluster node: the node alone.
+        Err(_) => vec![Watched {
+            name: seed.as_async().addr().to_string(),
+            addr: seed.as_async().addr().to_string(),
+            client: Client::connect_with(seed.as_async().addr().to_string(), cfg.clone()).map_err(|e| e.to_string()),
+            cluster: false,
+        }],
+    };
+    let terminal = std::io::stdout().is_terminal();
+    let poll_all = || nodes.iter().map(Watched::poll).collect::<Vec<_>>();
+    let mut before = poll_all();
+    let mut taken = std::time::Instant::now();
+    let mut shown = 0u64;
+    while iterations.is_none_or(|n| shown < n) {
+        std::thread::sleep(interval);
+        let after = poll_all();
+        let elapsed = taken.elapsed();
+        taken = std::time::Instant::now();
+        let mut rows = Vec::new();
+        let mut notes = String::new();
+        for (node, (b, a)) in nodes.iter().zip(before.iter().zip(&after)) {
+            match (b, a) {
+                (Ok((b, _)), Ok((a, lag))) => rows.push(top::row(&node.name, b, a, elapsed, *lag)),
+                // Answered now but not before: rates start next interval.
+                (Err(_), Ok(_)) => notes.push_str(&format!("node {} ({}): back\n", node.name, node.addr)),
+                (_, Err(e)) => notes.push_str(&format!("node {} ({}): unreachable: {e}\n", node.name, node.addr)),
+            }
+        }
+        let frame = format!(
+            "dmkv top: {} node(s), every {interval:?}; latencies in us; ENGINE/s counts one-sided reads over TCP \
+             only (shared-memory and RDMA reads never reach the server)\n{}{notes}",
+            nodes.len(),
+            top::render(&rows)
+        );
+        // Home and clear, then the frame: the view stays in place.
+        let clear = if terminal { "\x1b[H\x1b[2J" } else { "" };
+        let gap = if terminal { "" } else { "\n" };
+        write!(out, "{clear}{frame}{gap}").and_then(|()| out.flush()).map_err(|e| e.to_string())?;
+        before = after;
+        shown += 1;
+    }
+    Ok(())
 }
 
 /// A replica's raft id as node.incarnation.

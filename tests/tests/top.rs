@@ -1,0 +1,62 @@
+//! `dmkv top` against a live dmkvd under traffic: two plain blocks (stdout
+//! is a pipe), with the expected columns and the PUTs counted.
+
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use dmkv_client::{Client, ClientConfig, ReadPath};
+use dmkv_tests::{ServerProcess, bin_path};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn top_shows_each_interval_with_a_put_rate() {
+    let srv = ServerProcess::start(&["--memory", "64MiB"]);
+    let cfg = ClientConfig { read_path: ReadPath::Rpc, pool_size: 1, ..Default::default() };
+    let client = Client::connect_with(&srv.rpc, cfg).await.unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let traffic = tokio::spawn({
+        let stop = Arc::clone(&stop);
+        async move {
+            let mut i = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                client.put(format!("k{}", i % 100), "v").await.unwrap();
+                client.get(format!("k{}", i % 200)).await.unwrap();
+                i += 1;
+            }
+            i
+        }
+    });
+    let rpc = srv.rpc.clone();
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(bin_path("dmkv"))
+            .args(["--server", &rpc, "top", "--interval", "200ms", "--iterations", "2"])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    stop.store(true, Ordering::Relaxed);
+    assert!(traffic.await.unwrap() > 0);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    // Not a terminal: no escape codes, one block per interval.
+    assert!(!text.contains('\x1b'), "{text:?}");
+    let blocks: Vec<&str> = text.split("dmkv top: ").filter(|b| !b.is_empty()).collect();
+    assert_eq!(blocks.len(), 2, "{text}");
+    for block in blocks {
+        let lines: Vec<&str> = block.lines().collect();
+        let heads: Vec<&str> = lines[1].split_whitespace().collect();
+        assert_eq!(heads, dmkv_client::top::COLUMNS, "{block}");
+        let cells: Vec<&str> = lines[2].split_whitespace().collect();
+        assert_eq!(cells.len(), heads.len(), "{block}");
+        let cell = |name: &str| cells[heads.iter().position(|h| *h == name).unwrap()];
+        assert_eq!(cell("NODE"), srv.rpc, "{block}");
+        let puts: f64 = cell("PUT/s").trim_end_matches('k').parse().unwrap();
+        assert!(puts > 0.0, "no PUTs counted:\n{block}");
+        // Half the GETs are of keys never written.
+        let hit: f64 = cell("HIT%").parse().unwrap();
+        assert!((0.0..100.0).contains(&hit), "{block}");
+        assert_eq!(cell("LAG"), "-", "not a cluster node:\n{block}");
+        assert_ne!(cell("ITEMS"), "-", "{block}");
+    }
+}
