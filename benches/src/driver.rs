@@ -18,6 +18,7 @@ use crate::backend::{BackendKind, DmkvConn, DmkvOptions, KvConn, MemcachedConn, 
 use crate::generator::{EtaGrowth, KeyChooser, Rng, derive, key_name, zipfian_key_space};
 use crate::report::{ALL_OPS, OpStats, PhaseStats, Report, new_histogram};
 use crate::workload::{BadValue, Distribution, Mix, OP_KINDS, OpKind, UpdateWrites, Workload, check_value, make_value};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 /// Most client threads.
 pub const MAX_THREADS: usize = 1024;
@@ -548,20 +549,51 @@ where
         gate: Gate::new(s.threads),
         start: OnceLock::new(),
     });
+    let bar = if load { load_bar(s.records) } else { ProgressBar::hidden() };
+    let done = std::sync::atomic::AtomicBool::new(false);
     let stats = std::thread::scope(|scope| {
+        // The bar follows the inserts handed out, from a thread of its own
+        // so the client threads' measured loops do not pay for it.
+        if !bar.is_hidden() {
+            scope.spawn(|| {
+                while !done.load(Ordering::Acquire) {
+                    bar.set_position(p.next_insert.load(Ordering::Relaxed).min(s.records));
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            });
+        }
         let handles: Vec<_> = (0..s.threads as u64)
             .map(|t| {
                 let p = Arc::clone(&p);
                 scope.spawn(move || thread_main(p, t, connect))
             })
             .collect();
-        handles
+        let stats = handles
             .into_iter()
             .map(|h| h.join().unwrap_or_else(|_| Err("a client thread panicked".into())))
-            .collect::<Result<Vec<Stats>, String>>()
-    })?;
+            .collect::<Result<Vec<Stats>, String>>();
+        done.store(true, Ordering::Release);
+        stats
+    });
+    bar.finish_and_clear();
+    let stats = stats?;
     let kinds: &[OpKind] = if load { &[OpKind::Insert] } else { &OP_KINDS };
     Ok(summarise(&stats, kinds, mix, load, !load && s.target_rate.is_some()))
+}
+
+/// The load phase's progress bar on stderr: drawn only on a terminal
+/// (indicatif hides a terminal target that is not one) and never under CI
+/// (`CI` set), whose logs keep no cursor movements.
+fn load_bar(records: u64) -> ProgressBar {
+    if std::env::var_os("CI").is_some() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::with_draw_target(Some(records), ProgressDrawTarget::stderr());
+    // The template is a constant: a bad one is a bug, not an input.
+    if let Ok(style) = ProgressStyle::with_template("load {bar:40} {pos}/{len} records {per_sec} eta {eta}") {
+        bar.set_style(style);
+    }
+    bar
 }
 
 /// The phase's statistics from every thread's. Throughput is operations
