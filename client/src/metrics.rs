@@ -22,7 +22,7 @@
 //! dropped, its metrics disappear from the registry's output.
 //!
 //! Several clients in one registry: give each its own label with
-//! `registry.sub_registry_with_label(("client", "name".into()))`, or the
+//! `registry.sub_registry_with_label(("client".into(), "name".into()))`, or the
 //! series of two clients would collide.
 
 use prometheus_client::collector::Collector;

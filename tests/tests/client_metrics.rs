@@ -122,6 +122,16 @@ async fn client_metrics_count_one_sided_and_rpc_gets_exactly() {
     assert_eq!(client.stats().await.unwrap()["gets"], 3 + 5);
     promtool_check(&text);
 
+    // Two clients in one registry keep apart by a label of their own.
+    let mut labelled = Registry::default();
+    client.register_metrics(labelled.sub_registry_with_label(("client".into(), "a".into())));
+    client.register_metrics(labelled.sub_registry_with_label(("client".into(), "b".into())));
+    let both = samples(&encode(&labelled));
+    for c in ["a", "b"] {
+        let series = format!("dmkv_client_gets_total{{client=\"{c}\",path=\"rpc\"}}");
+        assert_eq!(both.get(&series), Some(&8.0), "{series} in {both:#?}");
+    }
+
     // The registry does not keep the client alive; its series go with it.
     drop(client);
     let gone = encode(&registry);
