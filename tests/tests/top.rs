@@ -60,3 +60,38 @@ async fn top_shows_each_interval_with_a_put_rate() {
         assert_ne!(cell("ITEMS"), "-", "{block}");
     }
 }
+
+/// Against a cluster node, one row per node of the cluster, each with a
+/// replication lag (the largest of the shards it leads; 0 when it leads
+/// none or its followers are caught up).
+#[test]
+fn top_of_a_cluster_shows_every_node_with_its_lag() {
+    let c = dmkv_tests::cluster::TestCluster::start(3, 3, 3, false, &[]);
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        c.leaders_known(0).await;
+        let client = Client::connect(c.rpc(0)).await.unwrap();
+        for i in 0..50 {
+            client.put(format!("k{i}"), "v").await.unwrap();
+        }
+    });
+    let out = Command::new(bin_path("dmkv"))
+        .args(["--server", c.rpc(0), "top", "--interval", "200ms", "--iterations", "1"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(lines[0].starts_with("dmkv top: 3 node(s)"), "{text}");
+    let heads: Vec<&str> = lines[1].split_whitespace().collect();
+    let mut nodes = Vec::new();
+    for line in lines[2..].iter().filter(|l| !l.is_empty()) {
+        let cells: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(cells.len(), heads.len(), "{text}");
+        nodes.push(cells[0].to_string());
+        let lag = cells[heads.iter().position(|h| *h == "LAG").unwrap()];
+        assert!(lag.parse::<u64>().is_ok(), "lag {lag:?} of a cluster node:\n{text}");
+    }
+    nodes.sort();
+    assert_eq!(nodes.len(), 3, "{text}");
+}
