@@ -295,6 +295,11 @@ impl Server {
                 }
             });
         }
+        // Every listener is bound (the kernel queues connections from
+        // then on) and the others' loops are started; the RPC loop starts
+        // below without yielding. Set before the metrics loop can answer,
+        // so /readyz never says 503 to a server that printed its line.
+        self.shared.metrics.serving.store(true, std::sync::atomic::Ordering::Relaxed);
         if let Some(l) = self.metrics {
             let (shared, rx) = (Arc::clone(&self.shared), stop_rx.clone());
             side.spawn(async move {
@@ -307,8 +312,6 @@ impl Server {
                 conns.shutdown().await;
             });
         }
-        // Every listener is bound and its loop started: /readyz may say so.
-        self.shared.metrics.serving.store(true, std::sync::atomic::Ordering::Relaxed);
         let shared = Arc::clone(&self.shared);
         let rx = stop_rx.clone();
         let stats = Arc::clone(&self.shared.metrics.rpc);

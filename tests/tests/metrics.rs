@@ -105,7 +105,8 @@ async fn metrics_count_traffic_exactly_and_pass_promtool() {
     assert!(sample(&after, r#"dmkv_connections_accepted_total{listener="rpc"}"#) >= 1.0);
     // This scrape's own connection is open while it is encoded.
     assert_eq!(sample(&after, r#"dmkv_connections{listener="metrics"}"#), 1.0);
-    assert_eq!(sample(&after, r#"dmkv_build_info{version="0.1.0"}"#), 1.0);
+    let version = env!("CARGO_PKG_VERSION");
+    assert_eq!(sample(&after, &format!(r#"dmkv_build_info{{version="{version}"}}"#)), 1.0);
     assert_eq!(delta("dmkv_items"), PUTS as f64);
     assert_eq!(sample(&after, "dmkv_region_size_bytes"), (16u64 << 20) as f64);
     assert!(sample(&after, "dmkv_region_used_bytes") > 0.0);
