@@ -79,15 +79,16 @@ impl Gate {
     /// the handoff socket) a guessed rkey.
     pub fn failed(&self, purpose: Purpose, peer: IpAddr, what: &str) {
         match lock(&self.failures).failed(peer, Instant::now()) {
-            Failure::Log => warn!(ip = %peer, ?purpose, "{what}"),
+            Failure::Log => warn!(peer = %peer, code = "unauthenticated", ?purpose, "{what}"),
             Failure::Blocked => warn!(
-                ip = %peer,
+                peer = %peer,
+                code = "unauthenticated",
                 ?purpose,
                 "{what}: {} failures; refusing this address for {:?}",
                 dmkv_common::auth::MAX_FAILURES,
                 dmkv_common::auth::FAILURE_WINDOW
             ),
-            Failure::Quiet => debug!(ip = %peer, ?purpose, "{what} (address blocked)"),
+            Failure::Quiet => debug!(peer = %peer, code = "unauthenticated", ?purpose, "{what} (address blocked)"),
         }
     }
 

@@ -108,6 +108,13 @@ pub struct Flags {
     /// given; the default is info.
     #[arg(long, value_name = "FILTER")]
     pub log: Option<String>,
+    /// Log line format: text, or json (one object per line).
+    #[arg(long, value_name = "FORMAT")]
+    pub log_format: Option<LogFormat>,
+    /// Serve Prometheus metrics at /metrics, and /healthz and /readyz, on
+    /// this address (default: off). Unauthenticated: see docs/operations.md.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_listen: Option<SocketAddr>,
     /// Secrets clients must prove, per role: TOML (`data = "..."`,
     /// `admin = ["...", "..."]`) or lines of `ROLE TOKEN`. DMKVD_DATA_TOKEN
     /// and DMKVD_ADMIN_TOKEN add one each.
@@ -164,6 +171,17 @@ pub struct Flags {
     pub raft_log_entries: Option<u64>,
 }
 
+/// How dmkvd writes its log lines (to stderr).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Text,
+    /// One JSON object per line, fields at the top level.
+    Json,
+}
+
 /// The TOML file; every field is optional.
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -176,6 +194,8 @@ pub struct FileConfig {
     pub max_frame: Option<Size>,
     pub threads: Option<usize>,
     pub log: Option<String>,
+    pub log_format: Option<LogFormat>,
+    pub metrics_listen: Option<SocketAddr>,
     pub engine_listen: Option<SocketAddr>,
     pub engine: Option<bool>,
     pub shm_socket: Option<PathBuf>,
@@ -249,6 +269,10 @@ pub struct Config {
     /// The log filter given by `--log` or the file; `None`: RUST_LOG if
     /// set, else info (see [`log_filter`]).
     pub log: Option<String>,
+    /// How log lines are written.
+    pub log_format: LogFormat,
+    /// Where `/metrics`, `/healthz` and `/readyz` are served; `None`: off.
+    pub metrics_listen: Option<SocketAddr>,
     /// Connections served at once by the RPC listener, the engine, and
     /// the shared-memory handoff.
     pub max_connections: usize,
@@ -544,6 +568,8 @@ impl Config {
             max_frame: max_frame as usize,
             threads,
             log,
+            log_format: flags.log_format.or(file.log_format).unwrap_or_default(),
+            metrics_listen: flags.metrics_listen.or(file.metrics_listen),
             auth,
             insecure,
             rkey_rotate,

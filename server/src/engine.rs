@@ -78,35 +78,42 @@ pub struct Engine {
     pub bounds: Bounds,
     pub gate: Arc<Gate>,
     pub tls: Option<TlsAcceptor>,
+    /// Counts the engine's connections and bytes.
+    pub stats: Arc<crate::metrics::ListenerStats>,
 }
 
 /// Accepts engine connections until shutdown.
 pub async fn serve(listener: TcpListener, engine: Engine, shutdown: watch::Receiver<bool>) {
     let rx = shutdown.clone();
-    let Engine { regions, counters, bounds, gate, tls } = engine;
-    let mut conns = listen::serve(listener, "engine", bounds.max_connections, shutdown, move |(stream, peer)| {
+    let Engine { regions, counters, bounds, gate, tls, stats } = engine;
+    let conn_stats = Arc::clone(&stats);
+    let mut conns = listen::serve(listener, stats, bounds.max_connections, shutdown, move |(stream, peer)| {
         let reads = Reads { regions: Arc::clone(&regions), counters: Arc::clone(&counters), peer, wrs: Vec::new() };
-        serve_connection(stream, reads, Arc::clone(&gate), tls.clone(), bounds.limits, rx.clone())
+        let conn =
+            Conn { gate: Arc::clone(&gate), tls: tls.clone(), limits: bounds.limits, stats: Arc::clone(&conn_stats) };
+        serve_connection(stream, reads, conn, rx.clone())
     })
     .await;
     conns.shutdown().await;
 }
 
-/// Runs TLS (if on) and the handshake, then serves reads until the peer
-/// closes.
-async fn serve_connection(
-    mut stream: TcpStream,
-    reads: Reads,
+/// What each engine connection shares with the others.
+struct Conn {
     gate: Arc<Gate>,
     tls: Option<TlsAcceptor>,
     limits: framed::Limits,
-    shutdown: watch::Receiver<bool>,
-) {
+    stats: Arc<crate::metrics::ListenerStats>,
+}
+
+/// Runs TLS (if on) and the handshake, then serves reads until the peer
+/// closes.
+async fn serve_connection(mut stream: TcpStream, reads: Reads, conn: Conn, shutdown: watch::Receiver<bool>) {
+    let Conn { gate, tls, limits, stats } = conn;
     let peer = reads.peer;
     let _ = stream.set_nodelay(true);
     match tls {
         None => match tokio::time::timeout(handshake_timeout(&limits), handshake(&mut stream, &gate, peer)).await {
-            Ok(Ok(())) => framed::serve_connection(stream, Some(peer), "engine", reads, limits, shutdown).await,
+            Ok(Ok(())) => framed::serve_connection(stream, Some(peer), stats, reads, limits, shutdown).await,
             Ok(Err(e)) => debug!(?peer, "engine handshake failed: {e}"),
             Err(_) => debug!(?peer, "engine handshake timed out"),
         },
@@ -117,7 +124,7 @@ async fn serve_connection(
                 Ok::<_, std::io::Error>(s)
             };
             match tokio::time::timeout(handshake_timeout(&limits), work).await {
-                Ok(Ok(s)) => framed::serve_connection(s, Some(peer), "engine", reads, limits, shutdown).await,
+                Ok(Ok(s)) => framed::serve_connection(s, Some(peer), stats, reads, limits, shutdown).await,
                 Ok(Err(e)) => debug!(?peer, "engine TLS or handshake failed: {e}"),
                 Err(_) => debug!(?peer, "engine handshake timed out"),
             }

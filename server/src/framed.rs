@@ -86,17 +86,22 @@ enum Woke {
 
 /// Serves one connection until the peer closes, sends a request `handler`
 /// rejects, overstays `limits`, or the server shuts down (after answering
-/// every request already read). `kind` names the listener in logs.
+/// every request already read). `stats` names the listener in logs and
+/// counts its bytes.
 /// `stream` is TCP, or TLS over TCP: reads and writes take turns, so it
 /// need not be split.
 pub async fn serve_connection<H: Handler>(
     mut stream: impl AsyncRead + AsyncWrite + Unpin + Send,
     peer: Option<std::net::SocketAddr>,
-    kind: &str,
+    stats: std::sync::Arc<crate::metrics::ListenerStats>,
     mut handler: H,
     limits: Limits,
     mut shutdown: watch::Receiver<bool>,
 ) {
+    let kind = stats.name;
+    // Logged as a plain address (not `Some(..)`), for grep and JSON logs.
+    let peer_s = peer.map_or_else(|| "-".to_string(), |p| p.to_string());
+    let peer = peer_s.as_str();
     let mut inbuf = BytesMut::with_capacity(READ_BUF);
     let mut out = BytesMut::new();
     let mut clock = ReadClock::new(limits, Instant::now());
@@ -108,12 +113,15 @@ pub async fn serve_connection<H: Handler>(
         let deferred = handler.deferred_len() > 0;
         let woke = tokio::select! {
             r = stream.read_buf(&mut inbuf) => match r {
-                Ok(n) => Woke::Read(n),
-                Err(e) => { debug!(?peer, "{kind} read error: {e}"); return; }
+                Ok(n) => {
+                    stats.received.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+                    Woke::Read(n)
+                }
+                Err(e) => { debug!(peer, listener = kind, "{kind} read error: {e}"); return; }
             },
             Some(b) = handler.next_deferred(), if deferred => Woke::Replies(b),
             _ = tokio::time::sleep_until(deadline), if !deferred => {
-                debug!(?peer, bytes = inbuf.len(), "closing {kind} connection: {waiting_for:?} timed out");
+                debug!(peer, listener = kind, bytes = inbuf.len(), "closing {kind} connection: {waiting_for:?} timed out");
                 return;
             }
             _ = shutdown.changed() => {
@@ -124,7 +132,7 @@ pub async fn serve_connection<H: Handler>(
                     }
                 }
                 if !out.is_empty() {
-                    let _ = write_out(&mut stream, &mut out, limits).await;
+                    let _ = write_out(&mut stream, &mut out, limits, &stats).await;
                 }
                 return;
             }
@@ -140,8 +148,8 @@ pub async fn serve_connection<H: Handler>(
                         _ => break,
                     }
                 }
-                if let Err(e) = write_out(&mut stream, &mut out, limits).await {
-                    debug!(?peer, "{kind} write error: {e}");
+                if let Err(e) = write_out(&mut stream, &mut out, limits, &stats).await {
+                    debug!(peer, listener = kind, "{kind} write error: {e}");
                     return;
                 }
                 continue;
@@ -149,7 +157,7 @@ pub async fn serve_connection<H: Handler>(
         };
         if n == 0 {
             if !inbuf.is_empty() {
-                warn!(?peer, bytes = inbuf.len(), "{kind} connection closed in the middle of a frame");
+                warn!(peer, listener = kind, bytes = inbuf.len(), "{kind} connection closed in the middle of a frame");
             }
             return;
         }
@@ -165,23 +173,23 @@ pub async fn serve_connection<H: Handler>(
                 }
             }
             if out.len() >= MAX_PENDING_REPLY_BYTES
-                && let Err(e) = write_out(&mut stream, &mut out, limits).await
+                && let Err(e) = write_out(&mut stream, &mut out, limits, &stats).await
             {
-                debug!(?peer, "{kind} write error: {e}");
+                debug!(peer, listener = kind, "{kind} write error: {e}");
                 return;
             }
         }
         if !out.is_empty()
-            && let Err(e) = write_out(&mut stream, &mut out, limits).await
+            && let Err(e) = write_out(&mut stream, &mut out, limits, &stats).await
         {
-            debug!(?peer, "{kind} write error: {e}");
+            debug!(peer, listener = kind, "{kind} write error: {e}");
             return;
         }
         if let Some(e) = close_reason {
             if H::logged(&e) {
-                debug!(?peer, "closing {kind} connection: {e}");
+                debug!(peer, listener = kind, "closing {kind} connection: {e}");
             } else {
-                warn!(?peer, "closing {kind} connection: {e}");
+                warn!(peer, listener = kind, "closing {kind} connection: {e}");
             }
             return;
         }
@@ -198,7 +206,12 @@ pub async fn serve_connection<H: Handler>(
 /// Writes, flushes and clears `out`; a peer that does not take it within
 /// the idle timeout is given up on, as one that sends nothing would be.
 /// Flushing matters for TLS, which holds written bytes until flushed.
-async fn write_out<W: AsyncWrite + Unpin>(wr: &mut W, out: &mut BytesMut, limits: Limits) -> std::io::Result<()> {
+async fn write_out<W: AsyncWrite + Unpin>(
+    wr: &mut W,
+    out: &mut BytesMut,
+    limits: Limits,
+    stats: &crate::metrics::ListenerStats,
+) -> std::io::Result<()> {
     let write = async {
         wr.write_all(out).await?;
         wr.flush().await
@@ -207,6 +220,7 @@ async fn write_out<W: AsyncWrite + Unpin>(wr: &mut W, out: &mut BytesMut, limits
         Ok(r) => r?,
         Err(_) => return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "peer not reading replies")),
     }
+    stats.sent.fetch_add(out.len() as u64, std::sync::atomic::Ordering::Relaxed);
     out.clear();
     Ok(())
 }

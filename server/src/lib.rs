@@ -19,6 +19,7 @@ pub mod engine;
 pub mod framed;
 pub mod listen;
 pub mod lock;
+pub mod metrics;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 pub mod region;
@@ -54,6 +55,8 @@ pub struct Server {
     max_shm_connections: usize,
     /// The peer port of a cluster node.
     peer: Option<TcpListener>,
+    /// `/metrics`, `/healthz`, `/readyz`, with `--metrics-listen`.
+    metrics: Option<TcpListener>,
     stop: (watch::Sender<bool>, watch::Receiver<bool>),
 }
 
@@ -113,6 +116,10 @@ impl Server {
             Some(addr) => Some(TcpListener::bind(addr).await.map_err(|e| bind_error("engine", addr, e))?),
             None => None,
         };
+        let metrics = match cfg.metrics_listen {
+            Some(addr) => Some(TcpListener::bind(addr).await.map_err(|e| bind_error("metrics", addr, e))?),
+            None => None,
+        };
         let shm = match &cfg.shm_socket {
             Some(path) => Some(shm::ShmListener::bind(path).map_err(|e| bind_error("shm", path.display(), e))?),
             None => None,
@@ -142,6 +149,7 @@ impl Server {
             rdma,
             raft: cluster.as_ref().map(|c| c.sink() as Arc<dyn cluster::wire::RaftSink>),
             cluster,
+            metrics: Arc::default(),
         });
         Ok(Server {
             listener,
@@ -153,6 +161,7 @@ impl Server {
             max_shm_connections: cfg.max_shm_connections,
             rkey_rotate: cfg.rkey_rotate,
             peer,
+            metrics,
             stop,
         })
     }
@@ -186,11 +195,19 @@ impl Server {
         if let Some(p) = self.shm_socket() {
             line += &format!(" shm={}", p.display());
         }
+        if let Some(a) = self.metrics_addr() {
+            line += &format!(" metrics={a}");
+        }
         #[cfg(feature = "rdma")]
         if let Some(r) = &self.shared.rdma {
             line += &format!(" rdma={}", r.device_name());
         }
         line
+    }
+
+    /// The metrics address actually bound, if `--metrics-listen` is on.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics.as_ref().and_then(|l| l.local_addr().ok())
     }
 
     /// The RPC address actually bound (useful with port 0).
@@ -208,7 +225,8 @@ impl Server {
             let cap = self.max_connections;
             side.spawn(async move {
                 let srx = rx.clone();
-                let mut conns = listen::serve(l, "peer", cap, rx, move |(stream, _)| {
+                let stats = Arc::clone(&shared.metrics.peer);
+                let mut conns = listen::serve(l, stats, cap, rx, move |(stream, _)| {
                     service::serve_peer_connection(stream, Arc::clone(&shared), srx.clone())
                 })
                 .await;
@@ -236,6 +254,7 @@ impl Server {
                 bounds: engine::Bounds { max_connections: self.max_engine_connections, limits: self.shared.limits },
                 gate: Arc::clone(&self.shared.gate),
                 tls: self.shared.tls.clone(),
+                stats: Arc::clone(&self.shared.metrics.engine),
             };
             match engine::spawn_thread(l, engine, stop_rx.clone()) {
                 Ok(done) => {
@@ -250,8 +269,9 @@ impl Server {
             let (served, rx) = (Arc::clone(&served), stop_rx.clone());
             let cap = self.max_shm_connections;
             let gate = Arc::clone(&self.shared.gate);
+            let stats = Arc::clone(&self.shared.metrics.shm);
             side.spawn(async move {
-                if let Err(e) = shm::serve(l, &served, gate, cap, rx).await {
+                if let Err(e) = shm::serve(l, &served, gate, cap, stats, rx).await {
                     warn!("shared-memory handoff stopped: {e}");
                 }
             });
@@ -263,8 +283,11 @@ impl Server {
                 loop {
                     tokio::select! {
                         _ = tick.tick() => {
-                            if let Err(e) = service::reregister(&shared) {
-                                warn!("scheduled rkey rotation failed: {e}");
+                            match service::reregister(&shared) {
+                                Ok(_) => {
+                                    shared.metrics.rkey_rotations.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                                }
+                                Err(e) => warn!("scheduled rkey rotation failed: {e}"),
                             }
                         }
                         _ = rx.changed() => break,
@@ -272,9 +295,27 @@ impl Server {
                 }
             });
         }
+        // Every listener is bound (the kernel queues connections from
+        // then on) and the others' loops are started; the RPC loop starts
+        // below without yielding. Set before the metrics loop can answer,
+        // so /readyz never says 503 to a server that printed its line.
+        self.shared.metrics.serving.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(l) = self.metrics {
+            let (shared, rx) = (Arc::clone(&self.shared), stop_rx.clone());
+            side.spawn(async move {
+                let stats = Arc::clone(&shared.metrics.metrics);
+                let mut conns = listen::serve(l, stats, metrics::MAX_METRICS_CONNECTIONS, rx, move |(stream, _)| {
+                    metrics::serve_connection(stream, Arc::clone(&shared))
+                })
+                .await;
+                // Scrapes are not worth waiting for at shutdown.
+                conns.shutdown().await;
+            });
+        }
         let shared = Arc::clone(&self.shared);
         let rx = stop_rx.clone();
-        let accept = listen::serve(self.listener, "rpc", self.max_connections, stop_rx, move |(stream, _)| {
+        let stats = Arc::clone(&self.shared.metrics.rpc);
+        let accept = listen::serve(self.listener, stats, self.max_connections, stop_rx, move |(stream, _)| {
             service::serve_connection(stream, Arc::clone(&shared), rx.clone())
         });
         let stop = async {

@@ -61,13 +61,14 @@ impl Listener for UnixListener {
 
 /// Accepts connections on `listener` until `shutdown` turns true (or its
 /// sender is gone), running `handle(conn)` as a task per connection with
-/// at most `max_connections` at once. `kind` names the listener in logs.
+/// at most `max_connections` at once. `stats` names the listener in logs
+/// and counts its connections.
 ///
 /// Returns the connections still running, for the caller to drain or
 /// abort; the listener is closed by then.
 pub async fn serve<L, F, Fut>(
     listener: L,
-    kind: &'static str,
+    stats: Arc<crate::metrics::ListenerStats>,
     max_connections: usize,
     mut shutdown: watch::Receiver<bool>,
     mut handle: F,
@@ -77,6 +78,7 @@ where
     F: FnMut(L::Conn) -> Fut,
     Fut: Future<Output = ()> + Send + 'static,
 {
+    let kind = stats.name;
     assert!((1..=MAX_CONNECTION_CAP).contains(&max_connections), "{kind}: connection cap {max_connections}");
     let permits = Arc::new(Semaphore::new(max_connections));
     let mut conns = JoinSet::new();
@@ -115,7 +117,14 @@ where
             }
         };
         let conn = handle(conn);
+        stats.accepted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        stats.open.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let open = Arc::clone(&stats);
         conns.spawn(async move {
+            // Counted closed also when the task is aborted (at shutdown).
+            let _closed = OnDrop(move || {
+                open.open.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+            });
             conn.await;
             drop(permit);
         });
@@ -123,6 +132,15 @@ where
     }
     drop(listener);
     conns
+}
+
+/// Runs its closure when dropped.
+struct OnDrop<F: FnMut()>(F);
+
+impl<F: FnMut()> Drop for OnDrop<F> {
+    fn drop(&mut self) {
+        (self.0)()
+    }
 }
 
 /// Resolves once the server is shutting down.

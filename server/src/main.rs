@@ -7,7 +7,8 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use dmkv_server::{Config, Server, config::Flags};
+use dmkv_server::config::{Flags, LogFormat};
+use dmkv_server::{Config, Server};
 
 /// Exit code of a failed start.
 const EXIT_START: u8 = 2;
@@ -27,11 +28,13 @@ fn run(flags: Flags) -> Result<(), String> {
     let env = std::env::var("RUST_LOG").ok();
     let filter = dmkv_server::config::log_filter(cfg.log.as_deref(), env.as_deref())?;
     use std::io::IsTerminal;
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
+    let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match cfg.log_format {
+        LogFormat::Text => logs.with_ansi(std::io::stderr().is_terminal()).init(),
+        // Fields at the top level (not under "fields"), so that a filter
+        // such as jq's .peer or .shard finds them.
+        LogFormat::Json => logs.json().flatten_event(true).with_current_span(false).init(),
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(cfg.threads)
         .enable_all()
@@ -45,6 +48,7 @@ fn run(flags: Flags) -> Result<(), String> {
         tracing::info!(rpc = %server.local_addr(), memory = cfg.memory, buckets = cfg.buckets, "dmkvd serving");
         // Tests and scripts read this line to learn the port picked at run time.
         println!("{}", server.endpoints_line());
+        notify(sd_notify::NotifyState::Ready);
         server.serve(shutdown_signal(term)).await;
         Ok(())
     })
@@ -56,4 +60,17 @@ async fn shutdown_signal(mut term: tokio::signal::unix::Signal) {
         _ = term.recv() => {},
     }
     tracing::info!("signal received");
+    notify(sd_notify::NotifyState::Stopping);
+}
+
+/// Tells systemd (a `Type=notify` unit) where dmkvd is; nothing happens
+/// without NOTIFY_SOCKET. A failure is logged, not fatal: the service
+/// serves either way.
+fn notify(state: sd_notify::NotifyState) {
+    if std::env::var_os("NOTIFY_SOCKET").is_none_or(|s| s.is_empty()) {
+        return;
+    }
+    if let Err(e) = sd_notify::notify(&[state]) {
+        tracing::warn!("sd_notify: {e}");
+    }
 }

@@ -52,6 +52,8 @@ pub struct Shared {
     /// This node's shard replicas; `None` outside a cluster (then `store`
     /// holds the data; in a cluster the shards' stores do).
     pub cluster: Option<Arc<ClusterNode>>,
+    /// Request counts and latencies, per-listener bytes and connections.
+    pub metrics: Arc<crate::metrics::Metrics>,
 }
 
 /// What a connection owns besides its socket.
@@ -116,17 +118,23 @@ async fn serve(stream: TcpStream, shared: Arc<Shared>, shutdown: watch::Receiver
     // every connection, but what they replicate is not encrypted (peer TLS
     // is not built; docs/replication.md).
     let (tls, limits) = (if peer_port { None } else { shared.tls.clone() }, shared.limits);
+    let stats = Arc::clone(if peer_port { &shared.metrics.peer } else { &shared.metrics.rpc });
     let requests = Requests { decoder: Decoder::new(shared.max_frame), shared, state, deferred: Deferred::new() };
     match tls {
-        None => framed::serve_connection(stream, peer, "rpc", requests, limits, shutdown).await,
+        None => framed::serve_connection(stream, peer, stats, requests, limits, shutdown).await,
         Some(acceptor) => {
             match tokio::time::timeout(crate::access::handshake_timeout(&limits), acceptor.accept(stream)).await {
-                Ok(Ok(s)) => framed::serve_connection(s, peer, "rpc", requests, limits, shutdown).await,
-                Ok(Err(e)) => tracing::debug!(?peer, "TLS handshake failed: {e}"),
-                Err(_) => tracing::debug!(?peer, "TLS handshake timed out"),
+                Ok(Ok(s)) => framed::serve_connection(s, peer, stats, requests, limits, shutdown).await,
+                Ok(Err(e)) => tracing::debug!(peer = %display_peer(peer), "TLS handshake failed: {e}"),
+                Err(_) => tracing::debug!(peer = %display_peer(peer), "TLS handshake timed out"),
             }
         }
     }
+}
+
+/// A peer's address for logs: plain, or "-" when unknown.
+fn display_peer(peer: Option<std::net::SocketAddr>) -> String {
+    peer.map_or_else(|| "-".into(), |p| p.to_string())
 }
 
 /// One RPC connection's requests, run against the store.
@@ -157,7 +165,7 @@ impl Requests {
             && matches!(req.op, Some(Op::Put(_) | Op::Delete(_) | Op::Get(_) | Op::MultiGet(_)))
     }
 
-    async fn defer(&mut self, req: Request, out: &mut BytesMut) {
+    async fn defer(&mut self, req: Request, started: std::time::Instant, out: &mut BytesMut) {
         use futures_util::StreamExt;
         if self.deferred.len() >= MAX_DEFERRED_PER_CONNECTION
             && let Some(b) = self.deferred.next().await
@@ -167,6 +175,7 @@ impl Requests {
         let shared = Arc::clone(&self.shared);
         self.deferred.push(Box::pin(async move {
             let (id, max_frame) = (req.id, shared.max_frame);
+            let op_index = crate::metrics::op_index(req.op.as_ref());
             let node = shared.cluster.as_ref().expect("deferrable: a cluster node");
             let op = req.op.expect("deferrable: a data op");
             let resp = match cluster_request(node, max_frame, &op).await {
@@ -174,6 +183,7 @@ impl Requests {
                 Some(Err(e)) => Response { id, result: Some(R::Error(e)) },
                 None => error(id, ErrorCode::UnknownOp, "not a data request".into()),
             };
+            shared.metrics.record(op_index, &resp, started.elapsed());
             let mut b = BytesMut::new();
             encode_reply(&resp, max_frame, &mut b);
             b
@@ -194,17 +204,27 @@ impl framed::Handler for Requests {
 
     async fn handle_next(&mut self, inbuf: &mut BytesMut, out: &mut BytesMut) -> Result<bool, Close> {
         let Some(req) = self.decoder.next_message::<Request>(inbuf).map_err(Close::Frame)? else { return Ok(false) };
+        let started = std::time::Instant::now();
+        let op = crate::metrics::op_index(req.op.as_ref());
+        // The peer port's raft traffic is not client requests.
+        let counted = !self.state.peer_port;
         let resp = match admit(&self.shared, &mut self.state, &req) {
             Ok(()) if self.deferrable(&req) => {
-                self.defer(req, out).await;
+                self.defer(req, started, out).await;
                 return Ok(true);
             }
             Ok(()) => handle(&self.shared, &mut self.state, req).await,
             Err(refusal) => {
+                if counted {
+                    self.shared.metrics.record_error(op, refusal.0, started.elapsed());
+                }
                 encode_reply(&refusal.with_id(req.id), self.shared.max_frame, out);
                 return Err(Close::Unauthenticated);
             }
         };
+        if counted {
+            self.shared.metrics.record(op, &resp, started.elapsed());
+        }
         encode_reply(&resp, self.shared.max_frame, out);
         Ok(true)
     }
@@ -540,6 +560,7 @@ pub fn reregister(shared: &Shared) -> Result<u64, String> {
         r.reregister().map_err(|e| format!("RDMA re-registration failed: {e}"))?;
     }
     let epoch = shared.registration.reregister(shared.store.region());
+    shared.metrics.reregistrations.fetch_add(1, Ordering::Relaxed);
     tracing::info!(epoch, "region registered anew");
     Ok(epoch)
 }
@@ -656,6 +677,7 @@ fn stats(shared: &Shared) -> HashMap<String, u64> {
         ("engine_rejected_reads", load(&shared.engine_counters.rejected)),
     ];
     out.extend(node.into_iter().map(|(k, v)| (k.to_string(), v)));
+    shared.metrics.stats_into(&mut out);
     out
 }
 

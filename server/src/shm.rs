@@ -105,6 +105,7 @@ pub async fn serve(
     served: &[Served],
     gate: Arc<Gate>,
     max_connections: usize,
+    stats: Arc<crate::metrics::ListenerStats>,
     shutdown: watch::Receiver<bool>,
 ) -> io::Result<()> {
     // A read-only reopen of the memfd: what clients get can only be mapped
@@ -118,7 +119,7 @@ pub async fn serve(
         .collect::<io::Result<Vec<_>>>()?;
     let ctx = Arc::new(Ctx { regions, gate });
     let rx = shutdown.clone();
-    let mut conns = listen::serve(listener, "shm", max_connections, shutdown, move |stream| {
+    let mut conns = listen::serve(listener, stats, max_connections, shutdown, move |stream| {
         handoff(stream, Arc::clone(&ctx), rx.clone())
     })
     .await;

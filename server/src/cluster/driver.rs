@@ -71,9 +71,20 @@ pub struct ReplicaStatus {
     pub id: AtomicU64,
     /// The members (voters, learners) as this replica applied them.
     members: std::sync::Mutex<(Vec<u64>, Vec<u64>)>,
+    /// Times the leader this replica knows changed to another known one.
+    pub leader_changes: AtomicU64,
+    /// Bytes of the last snapshot built for followers.
+    pub snapshot_bytes: AtomicU64,
+    /// The shard, for log lines.
+    shard: u32,
 }
 
 impl ReplicaStatus {
+    /// The status of a replica of `shard`.
+    pub fn for_shard(shard: u32) -> ReplicaStatus {
+        ReplicaStatus { shard, ..Default::default() }
+    }
+
     /// The role's name.
     pub fn role(&self) -> &'static str {
         match self.role.load(Ordering::Relaxed) {
@@ -120,7 +131,18 @@ impl ReplicaStatus {
         };
         self.role.store(role, Ordering::Relaxed);
         self.term.store(r.term, Ordering::Relaxed);
-        self.leader.store(r.leader_id, Ordering::Relaxed);
+        let before = self.leader.swap(r.leader_id, Ordering::Relaxed);
+        if before != r.leader_id && r.leader_id != 0 {
+            self.leader_changes.fetch_add(1, Ordering::Relaxed);
+            // One line per change, with the fields to grep for.
+            info!(
+                shard = self.shard,
+                term = r.term,
+                leader = dmkv_common::cluster::map::node_of(r.leader_id),
+                leads = role == 2,
+                "shard leader changed"
+            );
+        }
         self.commit.store(r.raft_log.committed, Ordering::Relaxed);
         self.applied.store(core.applied(), Ordering::Relaxed);
         self.lease_reads.store(core.lease_reads(), Ordering::Relaxed);
@@ -128,6 +150,7 @@ impl ReplicaStatus {
         let (built, installed) = core.snapshot_counts();
         self.snapshots_built.store(built, Ordering::Relaxed);
         self.snapshots_installed.store(installed, Ordering::Relaxed);
+        self.snapshot_bytes.store(core.snapshot_bytes(), Ordering::Relaxed);
         let last = r.raft_log.last_index();
         let lag = if role == 2 {
             r.prs().iter().filter(|(id, _)| **id != r.id).map(|(id, p)| (*id, last.saturating_sub(p.matched))).collect()

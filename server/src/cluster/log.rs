@@ -217,7 +217,12 @@ impl RaftLog {
             b.put_message(self.shard, HARD_STATE.to_vec(), hs).map_err(|e| self.err(e))?;
         }
         if !b.is_empty() {
+            let started = std::time::Instant::now();
             self.engine.write(&mut b, p.sync).map_err(|e| self.err(e))?;
+            // Unsynced writes reach the page cache only: not an fsync.
+            if p.sync {
+                crate::metrics::FSYNC.observe(started.elapsed());
+            }
         }
         Ok(())
     }

@@ -110,6 +110,8 @@ pub struct ClusterNode {
     map: Mutex<ClusterMap>,
     replicas: HashMap<ShardId, LocalReplica>,
     sink: Arc<LocalShards>,
+    /// The raft log's engine, with `--data-dir` (its size is a metric).
+    log: Option<Arc<raft_engine::Engine>>,
 }
 
 /// What a node needs from the server's configuration.
@@ -179,7 +181,7 @@ impl ClusterNode {
             // The first members: every replica node's first incarnation.
             let conf =
                 ConfState { voters: sh.replicas.iter().map(|&n| replica_id(n, 1)).collect(), ..Default::default() };
-            let status = Arc::new(ReplicaStatus::default());
+            let status = Arc::new(ReplicaStatus::for_shard(sh.id));
             let send = {
                 let (peers, shard) = (Arc::clone(&peers), sh.id);
                 move |msgs: Vec<raft::prelude::Message>| {
@@ -278,7 +280,7 @@ impl ClusterNode {
                 LocalReplica { thread, store, _compactor: compactor, in_flight: AtomicU64::new(0), reg, status },
             );
         }
-        Ok(ClusterNode { id: me, map: Mutex::new(map), replicas, sink: Arc::new(sink) })
+        Ok(ClusterNode { id: me, map: Mutex::new(map), replicas, sink: Arc::new(sink), log: engine })
     }
 
     /// Where peers' raft messages go.
@@ -480,6 +482,18 @@ impl ClusterNode {
         ]
     }
 
+    /// Each local replica's status, by shard (for metrics and readiness).
+    pub fn statuses(&self) -> Vec<(ShardId, Arc<ReplicaStatus>)> {
+        let mut v: Vec<_> = self.replicas.iter().map(|(&s, r)| (s, Arc::clone(&r.status))).collect();
+        v.sort_by_key(|r| r.0);
+        v
+    }
+
+    /// Bytes of the raft log on disk (0 when it is in memory only).
+    pub fn log_bytes(&self) -> u64 {
+        self.log.as_ref().map_or(0, |e| e.get_used_size() as u64)
+    }
+
     /// The stores of this node's replicas (for STATS).
     pub fn stores(&self) -> impl Iterator<Item = &Arc<Store>> {
         self.replicas.values().map(|r| &r.store)
@@ -592,7 +606,10 @@ fn spawn_batch_sync(engine: Arc<raft_engine::Engine>, stop: watch::Receiver<bool
     std::thread::Builder::new().name("dmkvd-log-sync".into()).spawn(move || {
         while !*stop.borrow() {
             std::thread::sleep(BATCH_SYNC_INTERVAL);
-            if let Err(e) = engine.sync() {
+            let started = std::time::Instant::now();
+            let synced = engine.sync();
+            crate::metrics::FSYNC.observe(started.elapsed());
+            if let Err(e) = synced {
                 tracing::error!("raft log sync failed: {e}");
             }
         }

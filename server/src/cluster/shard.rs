@@ -171,6 +171,8 @@ struct Snapshots {
     /// Snapshots built for followers, and taken from a leader.
     built: u64,
     installed: u64,
+    /// Bytes of the last snapshot built.
+    last_bytes: u64,
     /// A snapshot being saved, and where the log is cut once it is.
     saving: Option<(u64, std::sync::mpsc::Receiver<Result<(), String>>)>,
 }
@@ -264,6 +266,7 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
             sending: Default::default(),
             built: 0,
             installed: 0,
+            last_bytes: 0,
             saving: None,
         });
         self
@@ -280,6 +283,11 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
     /// (snapshots built for followers, snapshots installed from a leader).
     pub fn snapshot_counts(&self) -> (u64, u64) {
         self.snapshots.as_ref().map_or((0, 0), |s| (s.built, s.installed))
+    }
+
+    /// Bytes of the last snapshot built for followers (0: none yet).
+    pub fn snapshot_bytes(&self) -> u64 {
+        self.snapshots.as_ref().map_or(0, |s| s.last_bytes)
     }
 
     /// Asks `room` (the store's compactor) for space when a committed
@@ -547,6 +555,7 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
         if s.slot.wanted() {
             let sn = self.snapshot_now()?;
             let s = self.snapshots.as_mut().expect("checked");
+            s.last_bytes = sn.get_data().len() as u64;
             s.slot.fill(sn);
             s.made_at = Some(self.ticks);
             s.built += 1;

@@ -1,0 +1,686 @@
+//! What dmkvd counts about itself, and how it is read: Prometheus text at
+//! `/metrics` (with `/healthz` and `/readyz`) on `--metrics-listen`, and
+//! the request counts and latency histograms in STATS too. The metric
+//! names are a contract (docs/operations.md lists them): dashboards and
+//! `dmkv top` read them.
+//!
+//! The hot path only adds to fixed arrays of relaxed atomics; everything
+//! else (region space, shard state, engine counters) is read at scrape
+//! time from where the server keeps it already, so there is no second
+//! bookkeeping to drift from STATS.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
+
+use bytes::Bytes;
+use dmkv_common::proto::{ErrorCode, Response, request::Op, response::Result as R};
+use http_body_util::Full;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, NoLabelSet};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::registry::Registry;
+use tokio::net::TcpStream;
+
+use crate::service::Shared;
+
+/// The operations requests are counted by (`op` label).
+pub const OPS: [&str; 7] = ["get", "put", "delete", "multi_get", "stats", "region_info", "other"];
+/// Latency histogram buckets: upper bounds from [`FIRST_BOUND_US`]
+/// doubling, plus +Inf.
+pub const LATENCY_BUCKETS: usize = 20;
+/// The smallest latency bucket's upper bound, in microseconds.
+pub const FIRST_BOUND_US: u64 = 10;
+/// Error codes counted per op (the protocol's codes are below this; a
+/// larger one is counted as `internal`).
+const ERROR_CODES: usize = 32;
+/// Result slots per op: ok, not_found, then one per error code.
+const RESULTS: usize = 2 + ERROR_CODES;
+const OK: usize = 0;
+const NOT_FOUND: usize = 1;
+
+/// Connections the metrics listener serves at once; scrapers are few.
+pub const MAX_METRICS_CONNECTIONS: usize = 16;
+/// Largest request head the metrics listener reads (hyper's minimum
+/// buffer is 8 KiB); anything larger is refused by hyper.
+pub const MAX_METRICS_REQUEST_BYTES: usize = 16 * 1024;
+/// How long a metrics client may take to send its request head.
+pub const METRICS_HEADER_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long one metrics connection may last in all (one request each:
+/// keep-alive is off, so a scraper cannot hold a connection open).
+pub const METRICS_CONNECTION_TIMEOUT: Duration = Duration::from_secs(10);
+/// A cluster node is ready while each local replica has applied to
+/// within this many entries of the commit index it knows.
+pub const READY_MAX_APPLY_LAG: u64 = 64;
+
+/// Latency of one kind of request, and how its requests ended.
+struct OpStats {
+    results: [AtomicU64; RESULTS],
+    /// Per bucket (not cumulative); the last is +Inf.
+    buckets: [AtomicU64; LATENCY_BUCKETS + 1],
+    sum_nanos: AtomicU64,
+}
+
+impl Default for OpStats {
+    fn default() -> Self {
+        OpStats {
+            results: std::array::from_fn(|_| AtomicU64::new(0)),
+            buckets: std::array::from_fn(|_| AtomicU64::new(0)),
+            sum_nanos: AtomicU64::new(0),
+        }
+    }
+}
+
+/// What one listener moved: bytes and connections.
+#[derive(Debug)]
+pub struct ListenerStats {
+    /// The `listener` label, and the listener's name in logs.
+    pub name: &'static str,
+    pub received: AtomicU64,
+    pub sent: AtomicU64,
+    pub open: AtomicU64,
+    pub accepted: AtomicU64,
+}
+
+impl ListenerStats {
+    /// Counters for the listener called `name`.
+    pub fn new(name: &'static str) -> Arc<ListenerStats> {
+        Arc::new(ListenerStats {
+            name,
+            received: AtomicU64::new(0),
+            sent: AtomicU64::new(0),
+            open: AtomicU64::new(0),
+            accepted: AtomicU64::new(0),
+        })
+    }
+}
+
+/// The server's own counters (what is not already kept elsewhere).
+pub struct Metrics {
+    ops: [OpStats; OPS.len()],
+    pub rpc: Arc<ListenerStats>,
+    pub engine: Arc<ListenerStats>,
+    pub shm: Arc<ListenerStats>,
+    pub peer: Arc<ListenerStats>,
+    pub metrics: Arc<ListenerStats>,
+    /// Region registrations after the first (per region).
+    pub reregistrations: AtomicU64,
+    /// Re-registrations done by `--rkey-rotate-secs`.
+    pub rkey_rotations: AtomicU64,
+    /// Set once every listener is up.
+    pub serving: AtomicBool,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics {
+            ops: std::array::from_fn(|_| OpStats::default()),
+            rpc: ListenerStats::new("rpc"),
+            engine: ListenerStats::new("engine"),
+            shm: ListenerStats::new("shm"),
+            peer: ListenerStats::new("peer"),
+            metrics: ListenerStats::new("metrics"),
+            reregistrations: AtomicU64::new(0),
+            rkey_rotations: AtomicU64::new(0),
+            serving: AtomicBool::new(false),
+        }
+    }
+}
+
+/// The `op` index of a request.
+pub fn op_index(op: Option<&Op>) -> usize {
+    match op {
+        Some(Op::Get(_)) => 0,
+        Some(Op::Put(_)) => 1,
+        Some(Op::Delete(_)) => 2,
+        Some(Op::MultiGet(_)) => 3,
+        Some(Op::Stats(_)) => 4,
+        Some(Op::RegionInfo(_)) => 5,
+        _ => 6,
+    }
+}
+
+/// How a reply ended: ok, not_found (a GET that found nothing, a DELETE of
+/// nothing), or its error code.
+fn result_index(resp: &Response) -> usize {
+    match &resp.result {
+        Some(R::Error(e)) => {
+            let code = usize::try_from(e.code).ok().filter(|&c| c < ERROR_CODES);
+            2 + code.unwrap_or(ErrorCode::Internal as usize)
+        }
+        Some(R::Get(g)) if !g.found => NOT_FOUND,
+        Some(R::Delete(d)) if !d.existed => NOT_FOUND,
+        _ => OK,
+    }
+}
+
+/// Whether result `i` of op `op` is always shown (ok always; not_found
+/// for the ops that can find nothing), or only once it happened.
+fn always_shown(op: usize, i: usize) -> bool {
+    i == OK || (i == NOT_FOUND && matches!(OPS[op], "get" | "delete"))
+}
+
+/// The `result` label of a result slot.
+fn result_name(i: usize) -> String {
+    match i {
+        OK => "ok".into(),
+        NOT_FOUND => "not_found".into(),
+        _ => match ErrorCode::try_from((i - 2) as i32) {
+            Ok(c) => c.as_str_name().to_ascii_lowercase(),
+            Err(_) => format!("code_{}", i - 2),
+        },
+    }
+}
+
+/// The histogram bucket of a latency: the first whose bound it does not
+/// exceed (bounds are inclusive, as Prometheus's `le`).
+fn bucket_of(nanos: u64) -> usize {
+    let first = FIRST_BOUND_US * 1000;
+    let q = nanos.saturating_sub(1) / first;
+    ((u64::BITS - q.leading_zeros()) as usize).min(LATENCY_BUCKETS)
+}
+
+/// A bucket's upper bound in microseconds.
+fn bound_us(i: usize) -> u64 {
+    FIRST_BOUND_US << i
+}
+
+impl Metrics {
+    /// Counts one request of kind `op` answered with `resp` after `took`.
+    pub fn record(&self, op: usize, resp: &Response, took: Duration) {
+        self.record_result(op, result_index(resp), took);
+    }
+
+    /// Counts one request refused with `code` before it ran.
+    pub fn record_error(&self, op: usize, code: ErrorCode, took: Duration) {
+        self.record_result(op, 2 + code as usize, took);
+    }
+
+    fn record_result(&self, op: usize, result: usize, took: Duration) {
+        let Some(s) = self.ops.get(op) else { return };
+        let nanos = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
+        s.results[result.min(RESULTS - 1)].fetch_add(1, Relaxed);
+        s.buckets[bucket_of(nanos)].fetch_add(1, Relaxed);
+        s.sum_nanos.fetch_add(nanos, Relaxed);
+    }
+
+    /// The request counts and latency histograms as STATS keys:
+    /// `latency_us_<op>_le_<bound>` (cumulative), `_le_inf`, `_count`,
+    /// `_sum` (microseconds), and `requests_<op>_<result>` (ok always,
+    /// not_found for get and delete, error codes once seen).
+    pub fn stats_into(&self, out: &mut HashMap<String, u64>) {
+        for (op, (name, s)) in OPS.iter().zip(&self.ops).enumerate() {
+            let mut cumulative = 0;
+            for (i, b) in s.buckets.iter().enumerate() {
+                cumulative += b.load(Relaxed);
+                let key = if i < LATENCY_BUCKETS {
+                    format!("latency_us_{name}_le_{}", bound_us(i))
+                } else {
+                    format!("latency_us_{name}_le_inf")
+                };
+                out.insert(key, cumulative);
+            }
+            out.insert(format!("latency_us_{name}_count"), cumulative);
+            out.insert(format!("latency_us_{name}_sum"), s.sum_nanos.load(Relaxed) / 1000);
+            for (i, r) in s.results.iter().enumerate() {
+                let n = r.load(Relaxed);
+                if always_shown(op, i) || n > 0 {
+                    out.insert(format!("requests_{name}_{}", result_name(i)), n);
+                }
+            }
+        }
+    }
+
+    fn listeners(&self) -> [&ListenerStats; 5] {
+        [&self.rpc, &self.engine, &self.shm, &self.peer, &self.metrics]
+    }
+}
+
+/// The raft log's fsyncs (process-wide: the log is one per process).
+pub static FSYNC: FsyncHistogram = FsyncHistogram::new();
+
+/// A latency histogram with the request buckets, for the raft log's syncs.
+pub struct FsyncHistogram {
+    buckets: [AtomicU64; LATENCY_BUCKETS + 1],
+    sum_nanos: AtomicU64,
+}
+
+impl FsyncHistogram {
+    const fn new() -> Self {
+        FsyncHistogram { buckets: [const { AtomicU64::new(0) }; LATENCY_BUCKETS + 1], sum_nanos: AtomicU64::new(0) }
+    }
+
+    /// Counts one sync that took `took`.
+    pub fn observe(&self, took: Duration) {
+        let nanos = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
+        self.buckets[bucket_of(nanos)].fetch_add(1, Relaxed);
+        self.sum_nanos.fetch_add(nanos, Relaxed);
+    }
+}
+
+/// Whether the server serves, or why not (one line, for `/readyz`).
+pub fn readiness(shared: &Shared) -> Result<(), String> {
+    if !shared.metrics.serving.load(Relaxed) {
+        return Err("starting: listeners not up yet".into());
+    }
+    if let Some(node) = &shared.cluster {
+        for (shard, st) in node.statuses() {
+            if st.leader.load(Relaxed) == 0 {
+                return Err(format!("shard {shard}: no leader known"));
+            }
+            let (commit, applied) = (st.commit.load(Relaxed), st.applied.load(Relaxed));
+            if commit.saturating_sub(applied) > READY_MAX_APPLY_LAG {
+                return Err(format!("shard {shard}: applied {applied} of {commit} committed entries"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Everything `/metrics` shows, in the Prometheus text format.
+pub fn render(shared: &Arc<Shared>) -> Result<String, std::fmt::Error> {
+    let mut registry = Registry::default();
+    registry.register_collector(Box::new(Scrape(Arc::clone(shared))));
+    let mut out = String::new();
+    prometheus_client::encoding::prometheus_text::encode(&mut out, &registry)?;
+    Ok(out)
+}
+
+/// Reads the server's state at scrape time.
+struct Scrape(Arc<Shared>);
+
+impl std::fmt::Debug for Scrape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Scrape")
+    }
+}
+
+type Labels<'a> = Vec<(&'static str, &'a str)>;
+
+/// One metric family of constant values.
+fn family<'a, M: EncodeMetric>(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    kind: MetricType,
+    series: impl IntoIterator<Item = (Labels<'a>, M)>,
+) -> std::fmt::Result {
+    let mut m = enc.encode_descriptor(name, help, None, kind)?;
+    for (labels, v) in series {
+        v.encode(m.encode_family(&labels)?)?;
+    }
+    Ok(())
+}
+
+fn counter<'a>(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    series: impl IntoIterator<Item = (Labels<'a>, u64)>,
+) -> std::fmt::Result {
+    family(enc, name, help, MetricType::Counter, series.into_iter().map(|(l, v)| (l, ConstCounter::new(v))))
+}
+
+fn gauge<'a>(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    series: impl IntoIterator<Item = (Labels<'a>, u64)>,
+) -> std::fmt::Result {
+    let to_i64 = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+    family(enc, name, help, MetricType::Gauge, series.into_iter().map(|(l, v)| (l, ConstGauge::new(to_i64(v)))))
+}
+
+/// A histogram's series from per-bucket counts and a sum in nanoseconds.
+fn histogram(
+    m: &mut prometheus_client::encoding::MetricEncoder,
+    labels: &Labels,
+    buckets: &[AtomicU64; LATENCY_BUCKETS + 1],
+    sum_nanos: &AtomicU64,
+) -> std::fmt::Result {
+    let counts: Vec<(f64, u64)> = buckets
+        .iter()
+        .enumerate()
+        .map(|(i, b)| {
+            let bound = if i < LATENCY_BUCKETS { bound_us(i) as f64 / 1e6 } else { f64::INFINITY };
+            (bound, b.load(Relaxed))
+        })
+        .collect();
+    let count = counts.iter().map(|c| c.1).sum();
+    let sum = sum_nanos.load(Relaxed) as f64 / 1e9;
+    m.encode_family(labels)?.encode_histogram::<NoLabelSet>(sum, count, &counts, None)
+}
+
+impl Collector for Scrape {
+    fn encode(&self, mut enc: DescriptorEncoder) -> std::fmt::Result {
+        let shared = &self.0;
+        let m = &shared.metrics;
+        gauge(
+            &mut enc,
+            "dmkv_build_info",
+            "Always 1; the version label says which dmkvd this is.",
+            [(vec![("version", env!("CARGO_PKG_VERSION"))], 1)],
+        )?;
+        let names: Vec<String> = (0..RESULTS).map(result_name).collect();
+        let mut series = Vec::new();
+        for (o, (op, s)) in OPS.iter().zip(&m.ops).enumerate() {
+            for (i, r) in s.results.iter().enumerate() {
+                let n = r.load(Relaxed);
+                if always_shown(o, i) || n > 0 {
+                    series.push((vec![("op", *op), ("result", names[i].as_str())], n));
+                }
+            }
+        }
+        counter(&mut enc, "dmkv_requests", "RPC requests answered, by operation and result.", series)?;
+        let mut h = enc.encode_descriptor(
+            "dmkv_request_duration_seconds",
+            "Time from reading an RPC request to its reply being ready.",
+            None,
+            MetricType::Histogram,
+        )?;
+        for (op, s) in OPS.iter().zip(&m.ops) {
+            histogram(&mut h, &vec![("op", *op)], &s.buckets, &s.sum_nanos)?;
+        }
+        let per_listener = |f: fn(&ListenerStats) -> &AtomicU64| {
+            m.listeners().map(|l| (vec![("listener", l.name)], f(l).load(Relaxed)))
+        };
+        counter(&mut enc, "dmkv_received_bytes", "Bytes read from connections.", per_listener(|l| &l.received))?;
+        counter(&mut enc, "dmkv_sent_bytes", "Bytes written to connections.", per_listener(|l| &l.sent))?;
+        gauge(&mut enc, "dmkv_connections", "Connections open now.", per_listener(|l| &l.open))?;
+        counter(&mut enc, "dmkv_connections_accepted", "Connections accepted.", per_listener(|l| &l.accepted))?;
+        let e = &shared.engine_counters;
+        let one = |v: &AtomicU64| [(Labels::new(), v.load(Relaxed))];
+        counter(&mut enc, "dmkv_engine_reads", "One-sided reads served by the software engine.", one(&e.reads))?;
+        counter(&mut enc, "dmkv_engine_read_bytes", "Bytes of one-sided reads served by the engine.", one(&e.bytes))?;
+        counter(
+            &mut enc,
+            "dmkv_engine_rejected_reads",
+            "One-sided reads the engine refused (unknown rkey, out of bounds).",
+            one(&e.rejected),
+        )?;
+        let regions = match &shared.cluster {
+            Some(node) => node.regions().len() as u64,
+            None => 1,
+        };
+        counter(
+            &mut enc,
+            "dmkv_region_registrations",
+            "Region registrations: one per region at start, and one per re-registration.",
+            [(Labels::new(), regions + m.reregistrations.load(Relaxed))],
+        )?;
+        counter(
+            &mut enc,
+            "dmkv_rkey_rotations",
+            "Scheduled re-registrations (--rkey-rotate-secs).",
+            one(&m.rkey_rotations),
+        )?;
+        let space = space(shared);
+        let g = |v: u64| [(Labels::new(), v)];
+        gauge(&mut enc, "dmkv_region_size_bytes", "Bytes of the data regions.", g(space.size))?;
+        gauge(&mut enc, "dmkv_region_used_bytes", "Bytes of the data areas allocated to items.", g(space.used))?;
+        gauge(
+            &mut enc,
+            "dmkv_region_free_bytes",
+            "Bytes of the data areas free or in their grace period.",
+            g(space.free),
+        )?;
+        gauge(
+            &mut enc,
+            "dmkv_region_largest_free_bytes",
+            "The largest free extent of any region (the largest item that fits without compaction).",
+            g(space.largest_free),
+        )?;
+        gauge(&mut enc, "dmkv_index_bytes", "Bytes of the hash indexes.", g(space.index))?;
+        gauge(&mut enc, "dmkv_items", "Items stored (in a cluster: in this node's replicas).", g(space.items))?;
+        counter(
+            &mut enc,
+            "dmkv_compactor_moved_bytes",
+            "Bytes the compactor moved to defragment free space.",
+            g(space.moved),
+        )?;
+        if let Some(node) = &shared.cluster {
+            shard_families(&mut enc, node)?;
+        }
+        Ok(())
+    }
+}
+
+/// The regions' space, summed over a cluster node's replicas (largest
+/// free: the largest of any).
+#[derive(Default)]
+struct Space {
+    size: u64,
+    used: u64,
+    free: u64,
+    largest_free: u64,
+    index: u64,
+    items: u64,
+    moved: u64,
+}
+
+fn space(shared: &Shared) -> Space {
+    let stores: Vec<&Arc<crate::store::Store>> = match &shared.cluster {
+        Some(node) => node.stores().collect(),
+        None => vec![&shared.store],
+    };
+    let unit = dmkv_common::limits::UNIT as u64;
+    let mut s = Space::default();
+    for st in stores {
+        let sp = st.space();
+        s.size += st.header().region_len;
+        s.used += sp.used * unit;
+        s.free += (sp.free + sp.parked) * unit;
+        s.largest_free = s.largest_free.max(sp.largest_free * unit);
+        s.index += st.counters.index_bytes.load(Relaxed);
+        s.items += st.counters.items.load(Relaxed);
+        s.moved += st.counters.compactor_moved_bytes.load(Relaxed);
+    }
+    s
+}
+
+fn shard_families(enc: &mut DescriptorEncoder, node: &crate::cluster::node::ClusterNode) -> std::fmt::Result {
+    let statuses = node.statuses();
+    let shards: Vec<String> = statuses.iter().map(|(s, _)| s.to_string()).collect();
+    let per = |f: &dyn Fn(&crate::cluster::driver::ReplicaStatus) -> u64| -> Vec<(Labels, u64)> {
+        statuses.iter().zip(&shards).map(|((_, st), name)| (vec![("shard", name.as_str())], f(st))).collect()
+    };
+    gauge(enc, "dmkv_shard_raft_term", "The raft term this node's replica is in.", per(&|s| s.term.load(Relaxed)))?;
+    gauge(enc, "dmkv_shard_leader", "1 if this node's replica leads the shard.", per(&|s| u64::from(s.is_leader())))?;
+    gauge(
+        enc,
+        "dmkv_shard_commit_index",
+        "The commit index this node's replica knows.",
+        per(&|s| s.commit.load(Relaxed)),
+    )?;
+    gauge(
+        enc,
+        "dmkv_shard_applied_index",
+        "The last entry this node's replica applied.",
+        per(&|s| s.applied.load(Relaxed)),
+    )?;
+    let lags: Vec<(String, Vec<(String, u64)>)> = statuses
+        .iter()
+        .zip(&shards)
+        .map(|((_, st), name)| (name.clone(), st.lag().into_iter().map(|(f, n)| (f.to_string(), n)).collect()))
+        .collect();
+    let series = lags.iter().flat_map(|(shard, followers)| {
+        followers.iter().map(move |(f, n)| (vec![("shard", shard.as_str()), ("follower", f.as_str())], *n))
+    });
+    gauge(
+        enc,
+        "dmkv_shard_follower_lag_entries",
+        "On the leader: entries each follower (raft id) is behind the leader's log.",
+        series,
+    )?;
+    counter(
+        enc,
+        "dmkv_shard_leader_changes",
+        "Times this node's replica saw the shard's leader change.",
+        per(&|s| s.leader_changes.load(Relaxed)),
+    )?;
+    gauge(
+        enc,
+        "dmkv_shard_snapshot_bytes",
+        "Size of the last snapshot this node's replica built for a follower.",
+        per(&|s| s.snapshot_bytes.load(Relaxed)),
+    )?;
+    gauge(
+        enc,
+        "dmkv_raft_log_bytes",
+        "Bytes of this node's raft log (raft-engine's files; 0 without --data-dir).",
+        [(Labels::new(), node.log_bytes())],
+    )?;
+    let mut h = enc.encode_descriptor(
+        "dmkv_raft_fsync_duration_seconds",
+        "Time the raft log took to reach disk, per synced write or batch sync.",
+        None,
+        MetricType::Histogram,
+    )?;
+    histogram(&mut h, &Labels::new(), &FSYNC.buckets, &FSYNC.sum_nanos)
+}
+
+/// Serves one metrics connection: one request, bounded in size and time.
+pub async fn serve_connection(stream: TcpStream, shared: Arc<Shared>) {
+    use hyper::server::conn::http1;
+    let stats = Arc::clone(&shared.metrics.metrics);
+    let svc = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+        let shared = Arc::clone(&shared);
+        async move { Ok::<_, Infallible>(respond(&shared, req.method(), req.uri().path())) }
+    });
+    let io = hyper_util::rt::TokioIo::new(Counted { inner: stream, stats });
+    let conn = http1::Builder::new()
+        .keep_alive(false)
+        .max_buf_size(MAX_METRICS_REQUEST_BYTES)
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(METRICS_HEADER_TIMEOUT)
+        .serve_connection(io, svc);
+    match tokio::time::timeout(METRICS_CONNECTION_TIMEOUT, conn).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::debug!(listener = "metrics", "metrics connection: {e}"),
+        Err(_) => tracing::debug!(listener = "metrics", "metrics connection timed out"),
+    }
+}
+
+/// The reply to `method path`.
+fn respond(shared: &Arc<Shared>, method: &hyper::Method, path: &str) -> hyper::Response<Full<Bytes>> {
+    let reply = |status: u16, ctype: &'static str, body: String| {
+        let mut r = hyper::Response::new(Full::new(Bytes::from(body)));
+        *r.status_mut() = hyper::StatusCode::from_u16(status).unwrap_or(hyper::StatusCode::INTERNAL_SERVER_ERROR);
+        if let Ok(v) = hyper::header::HeaderValue::from_str(ctype) {
+            r.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
+        }
+        r
+    };
+    const PLAIN: &str = "text/plain; charset=utf-8";
+    if method != hyper::Method::GET && method != hyper::Method::HEAD {
+        return reply(405, PLAIN, "only GET\n".into());
+    }
+    match path {
+        "/metrics" => match render(shared) {
+            Ok(text) => reply(200, prometheus_client::encoding::prometheus_text::CONTENT_TYPE, text),
+            Err(_) => reply(500, PLAIN, "cannot encode the metrics\n".into()),
+        },
+        "/healthz" => reply(200, PLAIN, "ok\n".into()),
+        "/readyz" => match readiness(shared) {
+            Ok(()) => reply(200, PLAIN, "ready\n".into()),
+            Err(why) => {
+                let mut body = why;
+                let _ = writeln!(body);
+                reply(503, PLAIN, body)
+            }
+        },
+        _ => reply(404, PLAIN, "not found: try /metrics, /healthz or /readyz\n".into()),
+    }
+}
+
+/// A stream that counts its bytes into a listener's counters.
+pub struct Counted<S> {
+    pub inner: S,
+    pub stats: Arc<ListenerStats>,
+}
+
+impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Counted<S> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let r = std::pin::Pin::new(&mut self.inner).poll_read(cx, buf);
+        self.stats.received.fetch_add((buf.filled().len() - before) as u64, Relaxed);
+        r
+    }
+}
+
+impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Counted<S> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let r = std::pin::Pin::new(&mut self.inner).poll_write(cx, buf);
+        if let std::task::Poll::Ready(Ok(n)) = &r {
+            self.stats.sent.fetch_add(*n as u64, Relaxed);
+        }
+        r
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_are_inclusive_upper_bounds_doubling_from_10us() {
+        assert_eq!(bucket_of(0), 0);
+        assert_eq!(bucket_of(10_000), 0);
+        assert_eq!(bucket_of(10_001), 1);
+        assert_eq!(bucket_of(20_000), 1);
+        assert_eq!(bucket_of(20_001), 2);
+        assert_eq!(bucket_of(40_000), 2);
+        let last = bound_us(LATENCY_BUCKETS - 1) * 1000;
+        assert_eq!(bucket_of(last), LATENCY_BUCKETS - 1);
+        assert_eq!(bucket_of(last + 1), LATENCY_BUCKETS);
+        assert_eq!(bucket_of(u64::MAX), LATENCY_BUCKETS);
+    }
+
+    #[test]
+    fn stats_keys_are_cumulative_with_count_and_sum() {
+        let m = Metrics::default();
+        let ok = Response { id: 1, result: Some(R::Put(Default::default())) };
+        m.record(1, &ok, Duration::from_micros(15));
+        m.record(1, &ok, Duration::from_micros(5));
+        m.record_error(0, ErrorCode::NotLeader, Duration::from_micros(1));
+        let mut out = HashMap::new();
+        m.stats_into(&mut out);
+        assert_eq!(out["latency_us_put_le_10"], 1);
+        assert_eq!(out["latency_us_put_le_20"], 2);
+        assert_eq!(out["latency_us_put_le_inf"], 2);
+        assert_eq!(out["latency_us_put_count"], 2);
+        assert_eq!(out["latency_us_put_sum"], 20);
+        assert_eq!(out["requests_put_ok"], 2);
+        assert_eq!(out["requests_get_not_leader"], 1);
+        assert_eq!(out["requests_get_not_found"], 0);
+        assert!(!out.contains_key("requests_put_not_found"));
+        assert!(!out.contains_key("requests_get_busy"));
+    }
+}
