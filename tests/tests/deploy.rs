@@ -116,3 +116,38 @@ fn the_sysusers_file_creates_the_dmkv_user() {
         all.lines().filter(|l| !l.starts_with("Creating ") && !l.starts_with("Would write ")).collect();
     assert!(odd.is_empty(), "systemd-sysusers:\n{all}");
 }
+
+/// The Kubernetes version the manifests are checked against: the oldest
+/// the StatefulSet's fields need is well below it.
+const KUBERNETES: &str = "1.30.0";
+
+#[test]
+fn the_kubernetes_manifests_validate() {
+    let dir = repo().join("deploy/k8s");
+    let mut files: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
+        .map(|p| p.display().to_string())
+        .collect();
+    files.sort();
+    assert!(files.len() >= 5, "deploy/k8s holds {files:?}");
+    let mut args = vec!["-k", KUBERNETES, "--strict"];
+    args.extend(files.iter().map(String::as_str));
+    let out = run("kubernetes-validate", &args, "pip install kubernetes-validate");
+    let all = text(&out);
+    assert!(out.status.success(), "kubernetes-validate:\n{all}");
+    // Every resource passed, and these are the ones there are.
+    for kind in [
+        "configmap/dmkv",
+        "secret/dmkv-auth",
+        "service/dmkv",
+        "service/dmkv-client",
+        "statefulset/dmkv",
+        "poddisruptionbudget/dmkv",
+    ] {
+        assert!(all.contains(&format!("passed for resource {kind} ")), "{kind} not validated:\n{all}");
+    }
+    let bad: Vec<&str> = all.lines().filter(|l| !l.starts_with("INFO ") || !l.contains(" passed ")).collect();
+    assert!(bad.is_empty(), "kubernetes-validate:\n{all}");
+}
