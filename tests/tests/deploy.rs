@@ -8,6 +8,7 @@
 //! A missing tool fails its test (with the install command): a skipped
 //! check is no check. `.ci/run` installs them all.
 
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -169,7 +170,7 @@ fn the_containerfile_lints_clean() {
     // user the Kubernetes pods name, and exposes the ports they use.
     let file = read("deploy/Containerfile");
     let last_stage = file.rsplit("\nFROM ").next().unwrap();
-    let user = last_stage.lines().filter_map(|l| l.strip_prefix("USER ")).last();
+    let user = last_stage.lines().filter_map(|l| l.strip_prefix("USER ")).next_back();
     assert_eq!(user, Some("10001:10001"), "the runtime stage's USER");
     assert!(last_stage.contains("ENTRYPOINT [\"/usr/local/bin/dmkvd\"]"), "the runtime stage runs dmkvd");
     let sts = read("deploy/k8s/statefulset.yaml");
@@ -181,4 +182,153 @@ fn the_containerfile_lints_clean() {
         );
         assert!(sts.contains(&format!("containerPort: {port}")), "the StatefulSet's port {port}");
     }
+}
+
+/// The metric families dmkvd and the client export, as named in the
+/// metrics contract (histograms by family name, without
+/// `_bucket`/`_sum`/`_count`). Once a live dmkvd serves `/metrics`, the
+/// families of a scrape (its `# TYPE` lines) can replace this list:
+/// [`dashboard_metric_names`] gives what the dashboard needs of it.
+const EXPORTED: &[&str] = &[
+    // dmkvd
+    "dmkv_build_info",
+    "dmkv_requests_total",
+    "dmkv_request_duration_seconds",
+    "dmkv_received_bytes_total",
+    "dmkv_sent_bytes_total",
+    "dmkv_connections",
+    "dmkv_connections_accepted_total",
+    "dmkv_engine_reads_total",
+    "dmkv_engine_read_bytes_total",
+    "dmkv_engine_rejected_reads_total",
+    "dmkv_region_registrations_total",
+    "dmkv_rkey_rotations_total",
+    "dmkv_region_size_bytes",
+    "dmkv_region_used_bytes",
+    "dmkv_region_free_bytes",
+    "dmkv_region_largest_free_bytes",
+    "dmkv_index_bytes",
+    "dmkv_items",
+    "dmkv_compactor_moved_bytes_total",
+    "dmkv_shard_raft_term",
+    "dmkv_shard_leader",
+    "dmkv_shard_commit_index",
+    "dmkv_shard_applied_index",
+    "dmkv_shard_follower_lag_entries",
+    "dmkv_shard_leader_changes_total",
+    "dmkv_shard_snapshot_bytes",
+    "dmkv_raft_log_bytes",
+    "dmkv_raft_fsync_duration_seconds",
+    // the client library
+    "dmkv_client_gets_total",
+    "dmkv_client_one_sided_retries_total",
+    "dmkv_client_rpc_fallbacks_total",
+    "dmkv_client_path_switches_total",
+    "dmkv_client_path_window",
+    "dmkv_client_path_delay_seconds",
+    "dmkv_client_path_requests_total",
+    "dmkv_client_path_failures_total",
+];
+
+/// The PromQL of a Grafana dashboard: every panel's and row's `expr`, and
+/// the templating variables' queries (`label_values(SELECTOR, LABEL)`
+/// gives its selector), with Grafana's variables replaced by values that
+/// make them plain PromQL.
+fn dashboard_queries(dash: &serde_json::Value) -> Vec<String> {
+    fn walk(v: &serde_json::Value, out: &mut Vec<String>) {
+        match v {
+            serde_json::Value::Object(m) => {
+                for (k, v) in m {
+                    match (k.as_str(), v) {
+                        ("expr" | "query", serde_json::Value::String(s)) => out.push(s.clone()),
+                        _ => walk(v, out),
+                    }
+                }
+            }
+            serde_json::Value::Array(a) => a.iter().for_each(|v| walk(v, out)),
+            _ => {}
+        }
+    }
+    let vars: Vec<String> = dash["templating"]["list"]
+        .as_array()
+        .map(|l| l.iter().filter_map(|v| v["name"].as_str().map(String::from)).collect())
+        .unwrap_or_default();
+    let mut raw = Vec::new();
+    walk(&dash["panels"], &mut raw);
+    for v in dash["templating"]["list"].as_array().into_iter().flatten() {
+        // A data source variable's query is the data source type.
+        if v["type"] != "datasource" {
+            walk(v, &mut raw);
+        }
+    }
+    raw.into_iter()
+        .map(|q| {
+            let mut q = q.trim().to_string();
+            if let Some(inner) = q.strip_prefix("label_values(").and_then(|r| r.strip_suffix(')')) {
+                q = inner.rsplit_once(',').map_or(inner, |(sel, _label)| sel).trim().to_string();
+            }
+            for builtin in ["$__rate_interval", "$__interval", "$__range"] {
+                q = q.replace(builtin, "5m");
+            }
+            for v in &vars {
+                q = q.replace(&format!("${{{v}}}"), ".*").replace(&format!("${v}"), ".*");
+            }
+            q
+        })
+        .collect()
+}
+
+/// The metric families a Grafana dashboard's queries read: the names of
+/// their selectors, parsed as PromQL, with a histogram's
+/// `_bucket`/`_sum`/`_count` cut to its family's name. Panics on a query
+/// that does not parse.
+fn dashboard_metric_names(dash: &serde_json::Value) -> BTreeSet<String> {
+    use promql_parser::parser::{self, Expr};
+    use promql_parser::util::{ExprVisitor, walk_expr};
+    struct Names(BTreeSet<String>);
+    impl ExprVisitor for Names {
+        type Error = ();
+        fn pre_visit(&mut self, e: &Expr) -> Result<bool, ()> {
+            let name = match e {
+                Expr::VectorSelector(vs) => vs.name.as_ref(),
+                Expr::MatrixSelector(ms) => ms.vs.name.as_ref(),
+                _ => None,
+            };
+            if let Some(n) = name {
+                let family = ["_bucket", "_sum", "_count"].iter().find_map(|s| n.strip_suffix(s)).unwrap_or(n);
+                self.0.insert(family.to_string());
+            }
+            Ok(true)
+        }
+    }
+    let mut names = Names(BTreeSet::new());
+    for q in dashboard_queries(dash) {
+        let expr = parser::parse(&q).unwrap_or_else(|e| panic!("dashboard query does not parse: {e}\n{q}"));
+        walk_expr(&mut names, &expr).unwrap();
+    }
+    names.0
+}
+
+#[test]
+fn the_grafana_dashboard_reads_only_exported_metrics() {
+    let dash: serde_json::Value = serde_json::from_str(&read("deploy/grafana/dmkv.json"))
+        .unwrap_or_else(|e| panic!("deploy/grafana/dmkv.json: {e}"));
+    // Every panel shows something, under an id of its own.
+    let panels = dash["panels"].as_array().expect("a panels list");
+    let mut ids = BTreeSet::new();
+    for p in panels {
+        assert!(ids.insert(p["id"].as_u64().expect("a panel id")), "panel id {} twice", p["id"]);
+        if p["type"] != "row" {
+            let exprs = p["targets"].as_array().map_or(0, |t| t.iter().filter(|t| t["expr"].is_string()).count());
+            assert!(exprs > 0, "panel {:?} has no query", p["title"]);
+        }
+    }
+    let used = dashboard_metric_names(&dash);
+    let exported: BTreeSet<String> = EXPORTED.iter().map(|s| s.to_string()).collect();
+    let unknown: Vec<&String> = used.difference(&exported).collect();
+    assert!(unknown.is_empty(), "the dashboard reads metrics nothing exports: {unknown:?}");
+    // The dashboard covers what the exporters name (a family added to the
+    // contract gets a panel).
+    let unused: Vec<&String> = exported.difference(&used).collect();
+    assert!(unused.is_empty(), "exported metrics no panel shows: {unused:?}");
 }
