@@ -187,8 +187,10 @@ fn the_containerfile_lints_clean() {
 /// The metric families dmkvd and the client export, as named in the
 /// metrics contract (histograms by family name, without
 /// `_bucket`/`_sum`/`_count`). Once a live dmkvd serves `/metrics`, the
-/// families of a scrape (its `# TYPE` lines) can replace this list:
-/// [`dashboard_metric_names`] gives what the dashboard needs of it.
+/// sample names of a scrape (histogram suffixes cut the same way; a
+/// counter's samples end in `_total` even where its `# TYPE` line does
+/// not) can replace this list: [`dashboard_metric_names`] gives what the
+/// dashboard needs of it.
 const EXPORTED: &[&str] = &[
     // dmkvd
     "dmkv_build_info",
@@ -331,4 +333,169 @@ fn the_grafana_dashboard_reads_only_exported_metrics() {
     // contract gets a panel).
     let unused: Vec<&String> = exported.difference(&used).collect();
     assert!(unused.is_empty(), "exported metrics no panel shows: {unused:?}");
+}
+
+/// The block scalars (`KEY: |`) under `data:` of a ConfigMap file.
+fn configmap_data(yaml: &str) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = Vec::new();
+    let mut in_data = false;
+    for line in yaml.lines() {
+        if line == "data:" {
+            in_data = true;
+        } else if in_data && let Some(key) = line.strip_prefix("  ").and_then(|l| l.strip_suffix(": |")) {
+            out.push((key.to_string(), String::new()));
+        } else if in_data && let Some((_, body)) = out.last_mut() {
+            if let Some(l) = line.strip_prefix("    ") {
+                body.push_str(l);
+                body.push('\n');
+            } else if line.trim().is_empty() {
+                body.push('\n');
+            } else if !line.starts_with("  #") {
+                in_data = false;
+            }
+        }
+    }
+    out
+}
+
+/// `GET path` on `addr`: the status code (0 when it cannot connect).
+fn http_status(addr: &str, path: &str) -> u16 {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect(addr) else { return 0 };
+    let _ = s.set_read_timeout(Some(std::time::Duration::from_secs(2)));
+    if s.write_all(format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes()).is_err() {
+        return 0;
+    }
+    let mut resp = String::new();
+    let _ = s.read_to_string(&mut resp);
+    resp.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0)
+}
+
+/// The pods' own start script and settings (configmap.yaml), run as
+/// three pods would run them: pod dmkv-K on address 127.0.14.(K+1), the
+/// stable names resolved by a stand-in `getent`, the mounts moved to a
+/// temp directory. The three dmkvd nodes must form a cluster that is
+/// ready (the StatefulSet's readiness probe) and serves a PUT on one node
+/// and a GET on another.
+#[test]
+fn the_kubernetes_start_script_forms_a_cluster() {
+    let data = configmap_data(&read("deploy/k8s/configmap.yaml"));
+    let get =
+        |k: &str| data.iter().find(|(key, _)| key == k).unwrap_or_else(|| panic!("no {k} in configmap.yaml")).1.clone();
+    let dir = TempDir::new("k8s-start");
+    let root = dir.0.display().to_string();
+    let moved = |text: String| {
+        text.replace("/etc/dmkv/config/", &format!("{root}/config/"))
+            .replace("/etc/dmkv/auth/auth.toml", &format!("{root}/auth.toml"))
+            .replace("/var/lib/dmkv", &format!("{root}/$HOSTNAME/data"))
+            .replace("/tmp/cluster.toml", &format!("{root}/$HOSTNAME/cluster.toml"))
+            // Three "pods" share one host: metrics on the pod address.
+            .replace("\"0.0.0.0:$METRICS_PORT\"", "\"$me:$METRICS_PORT\"")
+    };
+    std::fs::create_dir_all(dir.path("config")).unwrap();
+    std::fs::create_dir_all(dir.path("bin")).unwrap();
+    for f in ["dmkvd.toml", "cluster.env", "start.sh"] {
+        std::fs::write(dir.path(&format!("config/{f}")), moved(get(f))).unwrap();
+    }
+    let env = get("cluster.env");
+    let setting = |k: &str| -> String {
+        env.lines().find_map(|l| l.strip_prefix(&format!("{k}="))).unwrap_or_else(|| panic!("no {k}")).to_string()
+    };
+    let nodes: usize = setting("NODES").parse().unwrap();
+    assert_eq!(nodes, 3, "the ConfigMap's NODES");
+    assert!(read("deploy/k8s/statefulset.yaml").contains(&format!("replicas: {nodes}\n")), "StatefulSet replicas");
+    let (rpc_port, metrics_port) = (setting("RPC_PORT"), setting("METRICS_PORT"));
+    let ip = |k: usize| format!("127.0.14.{}", k + 1);
+    let mut getent = String::from("#!/bin/sh\n[ \"$1\" = hosts ] || exit 2\ncase $2 in\n");
+    for k in 0..nodes {
+        getent.push_str(&format!("  dmkv-{k}.dmkv) echo \"{} $2\" ;;\n", ip(k)));
+    }
+    getent.push_str("  *) exit 2 ;;\nesac\n");
+    let fake = dir.path("bin/getent");
+    std::fs::write(&fake, getent).unwrap();
+    std::fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let (data_token, admin_token) = ("k8s-test-data-0123456789abcdef", "k8s-test-admin-0123456789abcdef");
+    std::fs::write(dir.path("auth.toml"), format!("data = \"{data_token}\"\nadmin = \"{admin_token}\"\n")).unwrap();
+    let dmkvd = find_bin("dmkvd").unwrap_or_else(|e| panic!("{e}"));
+    let path = format!(
+        "{}:{}:{}",
+        dir.path("bin").display(),
+        dmkvd.parent().unwrap().display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+
+    struct Pods(Vec<std::process::Child>);
+    impl Drop for Pods {
+        fn drop(&mut self) {
+            for c in &mut self.0 {
+                let _ = Command::new("kill").arg("-TERM").arg(c.id().to_string()).status();
+            }
+            for c in &mut self.0 {
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+                while c.try_wait().ok().flatten().is_none() && std::time::Instant::now() < deadline {
+                    std::thread::sleep(std::time::Duration::from_millis(50));
+                }
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+    }
+    let mut pods = Pods(Vec::new());
+    for k in 0..nodes {
+        let host = format!("dmkv-{k}");
+        std::fs::create_dir_all(dir.path(&host)).unwrap();
+        let log = std::fs::File::create(dir.path(&format!("{host}.log"))).unwrap();
+        let child = Command::new("sh")
+            .arg(dir.path("config/start.sh"))
+            .env("HOSTNAME", &host)
+            .env("POD_IP", ip(k))
+            .env("PATH", &path)
+            .stdin(std::process::Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        pods.0.push(child);
+    }
+    let logs = || {
+        (0..nodes)
+            .map(|k| {
+                let f = dir.path(&format!("dmkv-{k}.log"));
+                format!("--- dmkv-{k}:\n{}", std::fs::read_to_string(f).unwrap_or_default())
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !(0..nodes).all(|k| http_status(&format!("{}:{metrics_port}", ip(k)), "/readyz") == 200) {
+        for (k, c) in pods.0.iter_mut().enumerate() {
+            if let Some(status) = c.try_wait().unwrap() {
+                panic!("dmkv-{k} exited ({status}):\n{}", logs());
+            }
+        }
+        assert!(std::time::Instant::now() < deadline, "the pods are not all ready after 60 s:\n{}", logs());
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    for k in 0..nodes {
+        assert_eq!(http_status(&format!("{}:{metrics_port}", ip(k)), "/healthz"), 200, "dmkv-{k} /healthz");
+    }
+    // Each node's cluster file names every node by its address.
+    let file = std::fs::read_to_string(dir.path("dmkv-1/cluster.toml")).unwrap();
+    for k in 0..nodes {
+        assert!(file.contains(&format!("rpc = \"{}:{rpc_port}\"", ip(k))), "dmkv-1's cluster file:\n{file}");
+    }
+    let dmkv = find_bin("dmkv").unwrap_or_else(|e| panic!("{e}"));
+    let cli = |k: usize, args: &[&str]| {
+        let out = Command::new(&dmkv)
+            .arg("--server")
+            .arg(format!("{}:{rpc_port}", ip(k)))
+            .args(args)
+            .env("DMKV_TOKEN", data_token)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "dmkv {args:?} on dmkv-{k}: {}\n{}", text(&out), logs());
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    cli(0, &["put", "k8s-key", "k8s-value"]);
+    assert_eq!(cli(2, &["get", "k8s-key"]), "k8s-value");
 }
