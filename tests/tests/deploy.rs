@@ -360,15 +360,22 @@ fn configmap_data(yaml: &str) -> Vec<(String, String)> {
 
 /// `GET path` on `addr`: the status code (0 when it cannot connect).
 fn http_status(addr: &str, path: &str) -> u16 {
+    http_get(addr, path).0
+}
+
+/// `GET path` on `addr`: the status code (0 when it cannot connect) and
+/// the body.
+fn http_get(addr: &str, path: &str) -> (u16, String) {
     use std::io::{Read, Write};
-    let Ok(mut s) = std::net::TcpStream::connect(addr) else { return 0 };
+    let Ok(mut s) = std::net::TcpStream::connect(addr) else { return (0, String::new()) };
     let _ = s.set_read_timeout(Some(std::time::Duration::from_secs(2)));
     if s.write_all(format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes()).is_err() {
-        return 0;
+        return (0, String::new());
     }
     let mut resp = String::new();
     let _ = s.read_to_string(&mut resp);
-    resp.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0)
+    let code = resp.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (code, resp.split_once("\r\n\r\n").map_or(String::new(), |(_, b)| b.to_string()))
 }
 
 /// The pods' own start script and settings (configmap.yaml), run as
@@ -498,4 +505,25 @@ fn the_kubernetes_start_script_forms_a_cluster() {
     };
     cli(0, &["put", "k8s-key", "k8s-value"]);
     assert_eq!(cli(2, &["get", "k8s-key"]), "k8s-value");
+
+    // The dashboard's server metrics are what these nodes export: the
+    // sample names of their scrapes, histogram suffixes cut.
+    let mut scraped = BTreeSet::new();
+    for k in 0..nodes {
+        let (code, body) = http_get(&format!("{}:{metrics_port}", ip(k)), "/metrics");
+        assert_eq!(code, 200, "dmkv-{k} /metrics");
+        for name in body.lines().filter(|l| !l.starts_with('#')).filter_map(|l| l.split(['{', ' ']).next()) {
+            let family = ["_bucket", "_sum", "_count"].iter().find_map(|s| name.strip_suffix(s)).unwrap_or(name);
+            scraped.insert(family.to_string());
+        }
+    }
+    let dash: serde_json::Value = serde_json::from_str(&read("deploy/grafana/dmkv.json")).unwrap();
+    let missing: Vec<String> = dashboard_metric_names(&dash)
+        .into_iter()
+        .filter(|n| !n.starts_with("dmkv_client_") && !scraped.contains(n))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "the dashboard reads server metrics no node exports: {missing:?}\nexported: {scraped:?}"
+    );
 }
