@@ -7,7 +7,7 @@
 //! README's order, with `DMKV_SERVER` pointing at it. Substitutions, all
 //! listed here: `dmkv-ycsb` gets `--server` and a shorter run
 //! (`--records`, `--duration`, `--warmup`), and writes its files in a temp
-//! directory. A block that runs `deploy/local-cluster.sh start` runs
+//! directory; `dmkv top` stops after two refreshes (`--iterations 2`). A block that runs `deploy/local-cluster.sh start` runs
 //! whole against that cluster, started by the script with the test's
 //! binaries, ports picked at run time and a temp directory. Commands that
 //! are not ours (`cargo test`, `cargo build`, `apt-get`) are not run.
@@ -260,6 +260,10 @@ fn every_readme_command_runs_as_written() {
                     Step::Bin { name, args } => {
                         let bin: PathBuf = find_bin(name).unwrap_or_else(|e| panic!("`{}`: {e}", c.line));
                         let mut args = args.clone();
+                        // `top` runs until stopped: two refreshes show it works.
+                        if name == "dmkv" && args.first().is_some_and(|a| a == "top") {
+                            set_flag(&mut args, "--iterations", "2");
+                        }
                         if name == "dmkv-ycsb" {
                             set_flag(&mut args, "--server", &target);
                             set_flag(&mut args, "--records", "1000");
