@@ -12,6 +12,7 @@ pub mod cluster;
 pub mod history;
 pub mod netns;
 pub mod partition;
+pub mod prom;
 
 /// How long a server gets to start and print its address.
 pub const START_DEADLINE: Duration = Duration::from_secs(20);

@@ -2,11 +2,10 @@
 //! by exactly the GETs made, and `promtool check metrics` accepts the text.
 
 use std::collections::HashMap;
-use std::io::Write;
-use std::process::{Command, Stdio};
 
 use dmkv_client::{Client, ClientConfig, ReadPath};
 use dmkv_tests::ServerProcess;
+use dmkv_tests::prom::promtool_check;
 use prometheus_client::registry::Registry;
 
 /// Every sample of the text format, by its series (`name{labels}`).
@@ -24,50 +23,6 @@ fn encode(registry: &Registry) -> String {
     let mut text = String::new();
     prometheus_client::encoding::text::encode(&mut text, registry).unwrap();
     text
-}
-
-/// `text` (OpenMetrics, as prometheus-client writes it and Prometheus
-/// scrapes it) in the classic text format, the only one `promtool check
-/// metrics` reads: there a counter family is named with its `_total`
-/// suffix, and there are no UNIT or EOF lines. Names, labels, values, help
-/// and types are untouched, so the lint still sees everything it checks.
-fn classic_text(text: &str) -> String {
-    let counters: Vec<&str> =
-        text.lines().filter_map(|l| l.strip_prefix("# TYPE ")?.strip_suffix(" counter")).collect();
-    let mut out = String::new();
-    for line in text.lines() {
-        if line.starts_with("# UNIT ") || line == "# EOF" {
-            continue;
-        }
-        let meta = ["# HELP ", "# TYPE "].into_iter().find(|p| line.starts_with(p));
-        match meta.map(|p| (p, line[p.len()..].split_once(' ').unwrap_or((&line[p.len()..], "")))) {
-            Some((p, (name, rest))) if counters.contains(&name) => out.push_str(&format!("{p}{name}_total {rest}")),
-            _ => out.push_str(line),
-        }
-        out.push('\n');
-    }
-    out
-}
-
-/// Runs `promtool check metrics` on `text`; promtool is part of the
-/// test's contract, so a machine without it fails rather than skips.
-fn promtool_check(text: &str) {
-    let text = &classic_text(text);
-    let mut child = Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("promtool not found: install the `prometheus` package (apt-get install prometheus)");
-    child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "promtool check metrics failed:\n{}{}\n--- text ---\n{text}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 #[tokio::test]

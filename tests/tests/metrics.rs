@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use dmkv_client::{Client, ClientConfig, ReadPath, Token};
 use dmkv_tests::cluster::TestCluster;
+use dmkv_tests::prom::promtool_check;
 use dmkv_tests::{ServerProcess, find_bin, wait_until};
 
 /// A plain HTTP/1.1 GET: (status, body). The server closes after one
@@ -38,26 +39,6 @@ fn samples(text: &str) -> HashMap<String, f64> {
 
 fn sample(all: &HashMap<String, f64>, series: &str) -> f64 {
     *all.get(series).unwrap_or_else(|| panic!("no series {series} in the scrape"))
-}
-
-/// Runs `promtool check metrics` on a scrape; promtool must be installed
-/// (.ci/run installs it): its absence fails the test.
-fn promtool_check(text: &str) {
-    let mut child = Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("promtool (Debian package prometheus) must be installed: {e}"));
-    child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "promtool check metrics failed:\n{}{}\n--- scrape:\n{text}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 fn rpc_only() -> ClientConfig {
