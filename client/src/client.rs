@@ -499,7 +499,11 @@ impl Client {
 
     /// The one-sided backend GETs use now, if any.
     pub fn one_sided_transport(&self) -> Option<Transport> {
-        self.inner.path.lock().expect("path lock poisoned").attached.as_ref().map(|p| p.transport())
+        // Read-only, and called from metrics collectors inside the
+        // application's scrape handler: a poisoned lock still says which
+        // path is attached, and must not panic there.
+        let st = self.inner.path.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        st.attached.as_ref().map(|p| p.transport())
     }
 
     /// Counters of this client's reads: one-sided ones, their retries and

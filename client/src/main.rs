@@ -365,8 +365,12 @@ struct Watched {
 
 impl Watched {
     /// Its STATS and, for a cluster node, the largest lag of the shards it
-    /// leads; an error says why the node did not answer.
-    fn poll(&self) -> Result<(dmkv_client::top::Snapshot, Option<u64>), String> {
+    /// leads; an error says why the node did not answer. A node that could
+    /// not be reached is dialled again each time, so it can come back.
+    fn poll(&mut self, cfg: &ClientConfig) -> Result<(dmkv_client::top::Snapshot, Option<u64>), String> {
+        if self.client.is_err() {
+            self.client = Client::connect_with(self.addr.clone(), cfg.clone()).map_err(|e| e.to_string());
+        }
         let c = self.client.as_ref().map_err(Clone::clone)?;
         let stats = c.stats().map_err(|e| e.to_string())?;
         let lag = match self.cluster {
@@ -393,7 +397,7 @@ fn top(
     out: &mut impl Write,
 ) -> Result<(), String> {
     use dmkv_client::top;
-    let nodes: Vec<Watched> = match seed.cluster_status() {
+    let mut nodes: Vec<Watched> = match seed.cluster_status() {
         Ok(map) => map
             .nodes
             .iter()
@@ -413,13 +417,13 @@ fn top(
         }],
     };
     let terminal = std::io::stdout().is_terminal();
-    let poll_all = || nodes.iter().map(Watched::poll).collect::<Vec<_>>();
-    let mut before = poll_all();
+    let poll_all = |nodes: &mut Vec<Watched>| nodes.iter_mut().map(|n| n.poll(cfg)).collect::<Vec<_>>();
+    let mut before = poll_all(&mut nodes);
     let mut taken = std::time::Instant::now();
     let mut shown = 0u64;
     while iterations.is_none_or(|n| shown < n) {
         std::thread::sleep(interval);
-        let after = poll_all();
+        let after = poll_all(&mut nodes);
         let elapsed = taken.elapsed();
         taken = std::time::Instant::now();
         let mut rows = Vec::new();

@@ -13,9 +13,10 @@ pub type Snapshot = HashMap<String, u64>;
 /// Operations with latency histograms in STATS, in column order.
 pub const OPS: [&str; 4] = ["get", "put", "delete", "multi_get"];
 
-/// The STATS counter of each op's requests, where one exists regardless
-/// of the latency histograms (`multi_get` has none: its rate comes from
-/// its histogram's count alone).
+/// The store's counter of each op, for servers without request histograms.
+/// It is only a stand-in: `puts` also counts a follower's applies and
+/// snapshot restores, `deletes` only deletes of present keys, and `gets`
+/// each key of a multi-get, so a histogram's count comes first.
 fn op_counter(op: &str) -> Option<&'static str> {
     match op {
         "get" => Some("gets"),
@@ -53,11 +54,25 @@ pub struct Row {
 }
 
 /// How much a counter grew between two snapshots. A counter that went
-/// down belongs to a restarted server: it grew from zero.
+/// down belongs to a restarted server: it grew from zero (and [`row`]
+/// then treats every counter of the node so, see [`restarted`]).
 fn delta(before: &Snapshot, after: &Snapshot, key: &str) -> Option<u64> {
     let a = *after.get(key)?;
     let b = before.get(key).copied().unwrap_or(0);
     Some(if a >= b { a - b } else { a })
+}
+
+/// Whether the node restarted between the snapshots: a counter that only
+/// grows went down. Decided once per node, so that counters read as a
+/// set (hits of gets, buckets of a histogram) all restart from zero,
+/// not just those that happened to shrink.
+fn restarted(before: &Snapshot, after: &Snapshot) -> bool {
+    let monotonic = |k: &str| k.starts_with("latency_us_") || k.starts_with("requests_");
+    ["gets", "get_hits", "puts", "deletes"]
+        .into_iter()
+        .map(str::to_string)
+        .chain(after.keys().filter(|k| monotonic(k)).cloned())
+        .any(|k| matches!((before.get(&k), after.get(&k)), (Some(b), Some(a)) if a < b))
 }
 
 /// The `q` quantile (0..=1) of `op`'s latency over the interval, in µs,
@@ -96,13 +111,12 @@ pub fn quantile(before: &Snapshot, after: &Snapshot, op: &str, q: f64) -> Option
 /// The row of node `node` from snapshots `before` and `after`, taken
 /// `elapsed` apart; `lag` is what the node's cluster status reports.
 pub fn row(node: &str, before: &Snapshot, after: &Snapshot, elapsed: Duration, lag: Option<u64>) -> Row {
+    let empty = Snapshot::new();
+    let before = if restarted(before, after) { &empty } else { before };
     let secs = elapsed.as_secs_f64().max(1e-9);
     let rate = |key: &str| delta(before, after, key).map(|d| d as f64 / secs);
     let each = |f: &dyn Fn(&str) -> Option<f64>| [f(OPS[0]), f(OPS[1]), f(OPS[2]), f(OPS[3])];
-    let rates = each(&|op| match op_counter(op) {
-        Some(counter) => rate(counter),
-        None => rate(&format!("latency_us_{op}_count")),
-    });
+    let rates = each(&|op| rate(&format!("latency_us_{op}_count")).or_else(|| rate(op_counter(op)?)));
     let hit_ratio = match (delta(before, after, "gets"), delta(before, after, "get_hits")) {
         (Some(gets), Some(hits)) if gets > 0 => Some(hits.min(gets) as f64 / gets as f64),
         _ => None,
@@ -328,5 +342,22 @@ mod tests {
         for bad in ["", "0s", "s", "1h", "-1s", "1e9", "1..2s"] {
             assert!(parse_interval(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn rates_prefer_request_counts_and_restart_as_a_whole() {
+        let snap = |pairs: &[(&str, u64)]| -> Snapshot { pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect() };
+        let second = Duration::from_secs(1);
+        // The store's `puts` also counts a follower's applies: requests
+        // come from the histogram's count where the server has one.
+        let before = snap(&[("puts", 0), ("latency_us_put_count", 0)]);
+        let after = snap(&[("puts", 1000), ("latency_us_put_count", 10)]);
+        assert_eq!(row("n", &before, &after, second, None).rates[1], Some(10.0));
+        assert_eq!(row("n", &snap(&[("puts", 0)]), &snap(&[("puts", 7)]), second, None).rates[1], Some(7.0));
+        // A restart: `gets` went down, so every counter restarted, even
+        // the put count that happens to be larger than before.
+        let before = snap(&[("gets", 500), ("latency_us_put_count", 1000)]);
+        let after = snap(&[("gets", 100), ("latency_us_put_count", 1200)]);
+        assert_eq!(row("n", &before, &after, second, None).rates[1], Some(1200.0));
     }
 }

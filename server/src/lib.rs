@@ -262,7 +262,10 @@ impl Server {
                         let _ = done.await;
                     });
                 }
-                Err(e) => warn!("one-sided engine not started: {e}"),
+                Err(e) => {
+                    warn!("one-sided engine not started: {e}");
+                    let _ = self.shared.metrics.failed.set(format!("engine not started: {e}"));
+                }
             }
         }
         if let Some(l) = self.shm {
@@ -270,9 +273,11 @@ impl Server {
             let cap = self.max_shm_connections;
             let gate = Arc::clone(&self.shared.gate);
             let stats = Arc::clone(&self.shared.metrics.shm);
+            let shared = Arc::clone(&self.shared);
             side.spawn(async move {
                 if let Err(e) = shm::serve(l, &served, gate, cap, stats, rx).await {
                     warn!("shared-memory handoff stopped: {e}");
+                    let _ = shared.metrics.failed.set(format!("shared-memory handoff stopped: {e}"));
                 }
             });
         }

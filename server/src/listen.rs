@@ -120,11 +120,13 @@ where
         stats.accepted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         stats.open.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let open = Arc::clone(&stats);
+        // Made before the task and moved into it: counted closed also when
+        // the task is aborted at shutdown, even before its first poll.
+        let closed = OnDrop(move || {
+            open.open.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        });
         conns.spawn(async move {
-            // Counted closed also when the task is aborted (at shutdown).
-            let _closed = OnDrop(move || {
-                open.open.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
-            });
+            let _closed = closed;
             conn.await;
             drop(permit);
         });

@@ -108,12 +108,13 @@ pub struct Metrics {
     pub shm: Arc<ListenerStats>,
     pub peer: Arc<ListenerStats>,
     pub metrics: Arc<ListenerStats>,
-    /// Region registrations after the first (per region).
-    pub reregistrations: AtomicU64,
     /// Re-registrations done by `--rkey-rotate-secs`.
     pub rkey_rotations: AtomicU64,
     /// Set once every listener is up.
     pub serving: AtomicBool,
+    /// The first listener that failed after start (the engine's thread did
+    /// not start, the shm handoff's loop ended): not ready from then on.
+    pub failed: std::sync::OnceLock<String>,
 }
 
 impl Default for Metrics {
@@ -125,9 +126,9 @@ impl Default for Metrics {
             shm: ListenerStats::new("shm"),
             peer: ListenerStats::new("peer"),
             metrics: ListenerStats::new("metrics"),
-            reregistrations: AtomicU64::new(0),
             rkey_rotations: AtomicU64::new(0),
             serving: AtomicBool::new(false),
+            failed: std::sync::OnceLock::new(),
         }
     }
 }
@@ -268,8 +269,14 @@ pub fn readiness(shared: &Shared) -> Result<(), String> {
     if !shared.metrics.serving.load(Relaxed) {
         return Err("starting: listeners not up yet".into());
     }
+    if let Some(why) = shared.metrics.failed.get() {
+        return Err(why.clone());
+    }
     if let Some(node) = &shared.cluster {
         for (shard, st) in node.statuses() {
+            if st.role() == "stopped" {
+                return Err(format!("shard {shard}: replica stopped (see the log)"));
+            }
             if st.leader.load(Relaxed) == 0 {
                 return Err(format!("shard {shard}: no leader known"));
             }
@@ -403,15 +410,18 @@ impl Collector for Scrape {
             "One-sided reads the engine refused (unknown rkey, out of bounds).",
             one(&e.rejected),
         )?;
-        let regions = match &shared.cluster {
-            Some(node) => node.regions().len() as u64,
-            None => 1,
+        // Read from the registrations themselves: a cluster leader's fence
+        // re-registers its shard's region without going through the service.
+        let registrations = match &shared.cluster {
+            Some(node) => node.regions().iter().map(|(_, _, reg)| reg.registrations()).sum(),
+            None => shared.registration.registrations(),
         };
         counter(
             &mut enc,
             "dmkv_region_registrations",
-            "Region registrations: one per region at start, and one per re-registration.",
-            [(Labels::new(), regions + m.reregistrations.load(Relaxed))],
+            "Region registrations: one per region at start, and one per re-registration (REREGISTER, rkey \
+             rotation, a leader's fence).",
+            [(Labels::new(), registrations)],
         )?;
         counter(
             &mut enc,

@@ -22,13 +22,20 @@ pub struct Registration {
     /// or is about to be current.
     header: Mutex<RegionHeader>,
     epoch_tx: watch::Sender<u64>,
+    /// Registrations of the region so far, the first included (metrics).
+    count: AtomicU64,
 }
 
 impl Registration {
     /// The first registration of a freshly formatted region.
     pub fn new(header: RegionHeader) -> Registration {
         let (epoch_tx, _) = watch::channel(header.epoch);
-        Registration { rkey: AtomicU64::new(new_rkey()), header: Mutex::new(header), epoch_tx }
+        Registration {
+            rkey: AtomicU64::new(new_rkey()),
+            header: Mutex::new(header),
+            epoch_tx,
+            count: AtomicU64::new(1),
+        }
     }
 
     /// The rkey readers must present.
@@ -46,6 +53,12 @@ impl Registration {
         *lock(&self.header)
     }
 
+    /// Registrations so far: the first, and one per [`Registration::reregister`]
+    /// (REREGISTER, rkey rotation, a cluster leader's fence).
+    pub fn registrations(&self) -> u64 {
+        self.count.load(Ordering::Relaxed)
+    }
+
     /// Wakes when the epoch changes.
     pub fn subscribe(&self) -> watch::Receiver<u64> {
         self.epoch_tx.subscribe()
@@ -56,6 +69,7 @@ impl Registration {
     pub fn reregister(&self, region: &Region) -> u64 {
         let mut h = lock(&self.header);
         h.epoch += 1;
+        self.count.fetch_add(1, Ordering::Relaxed);
         // Invalidate the old rkey before the epoch is visible, so nothing
         // can pair the new epoch with the old key.
         self.rkey.store(new_rkey(), Ordering::Release);

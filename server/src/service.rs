@@ -560,7 +560,6 @@ pub fn reregister(shared: &Shared) -> Result<u64, String> {
         r.reregister().map_err(|e| format!("RDMA re-registration failed: {e}"))?;
     }
     let epoch = shared.registration.reregister(shared.store.region());
-    shared.metrics.reregistrations.fetch_add(1, Ordering::Relaxed);
     tracing::info!(epoch, "region registered anew");
     Ok(epoch)
 }

@@ -73,6 +73,9 @@ pub struct ReplicaStatus {
     members: std::sync::Mutex<(Vec<u64>, Vec<u64>)>,
     /// Times the leader this replica knows changed to another known one.
     pub leader_changes: AtomicU64,
+    /// The last leader known (never 0 once one was): a leader lost and
+    /// found again (A, none, A) is no change.
+    known_leader: AtomicU64,
     /// Bytes of the last snapshot built for followers.
     pub snapshot_bytes: AtomicU64,
     /// The shard, for log lines.
@@ -131,8 +134,9 @@ impl ReplicaStatus {
         };
         self.role.store(role, Ordering::Relaxed);
         self.term.store(r.term, Ordering::Relaxed);
-        let before = self.leader.swap(r.leader_id, Ordering::Relaxed);
-        if before != r.leader_id && r.leader_id != 0 {
+        self.leader.store(r.leader_id, Ordering::Relaxed);
+        let known = if r.leader_id != 0 { self.known_leader.swap(r.leader_id, Ordering::Relaxed) } else { 0 };
+        if r.leader_id != 0 && known != r.leader_id {
             self.leader_changes.fetch_add(1, Ordering::Relaxed);
             // One line per change, with the fields to grep for.
             info!(
@@ -163,8 +167,11 @@ impl ReplicaStatus {
         *crate::lock::lock(&self.members) = (conf.voters, conf.learners);
     }
 
+    /// The thread ended (returned or panicked): no role, no leader known,
+    /// so routing and readiness stop counting on this replica.
     fn stopped(&self) {
         self.role.store(4, Ordering::Relaxed);
+        self.leader.store(0, Ordering::Relaxed);
     }
 }
 
@@ -230,8 +237,16 @@ impl ShardThread {
     ) -> std::io::Result<ShardThread> {
         let (tx, rx) = sync_channel(MAX_INPUTS);
         let handle = std::thread::Builder::new().name(name).spawn(move || {
-            run(core, rx, &status, leases, send);
-            status.stopped();
+            // Marks the replica stopped however the thread ends, a panic
+            // included.
+            struct Stopped(Arc<ReplicaStatus>);
+            impl Drop for Stopped {
+                fn drop(&mut self) {
+                    self.0.stopped();
+                }
+            }
+            let guard = Stopped(status);
+            run(core, rx, &guard.0, leases, send);
         })?;
         Ok(ShardThread { tx, handle: Some(handle) })
     }
