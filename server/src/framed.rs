@@ -84,6 +84,12 @@ enum Woke {
     Replies(BytesMut),
 }
 
+/// A peer's address for logs: plain (not `Some(..)`), for grep and JSON
+/// logs, or "-" when unknown.
+pub fn display_peer(peer: Option<std::net::SocketAddr>) -> String {
+    peer.map_or_else(|| "-".into(), |p| p.to_string())
+}
+
 /// Serves one connection until the peer closes, sends a request `handler`
 /// rejects, overstays `limits`, or the server shuts down (after answering
 /// every request already read). `stats` names the listener in logs and
@@ -99,8 +105,7 @@ pub async fn serve_connection<H: Handler>(
     mut shutdown: watch::Receiver<bool>,
 ) {
     let kind = stats.name;
-    // Logged as a plain address (not `Some(..)`), for grep and JSON logs.
-    let peer_s = peer.map_or_else(|| "-".to_string(), |p| p.to_string());
+    let peer_s = display_peer(peer);
     let peer = peer_s.as_str();
     let mut inbuf = BytesMut::with_capacity(READ_BUF);
     let mut out = BytesMut::new();

@@ -125,16 +125,11 @@ async fn serve(stream: TcpStream, shared: Arc<Shared>, shutdown: watch::Receiver
         Some(acceptor) => {
             match tokio::time::timeout(crate::access::handshake_timeout(&limits), acceptor.accept(stream)).await {
                 Ok(Ok(s)) => framed::serve_connection(s, peer, stats, requests, limits, shutdown).await,
-                Ok(Err(e)) => tracing::debug!(peer = %display_peer(peer), "TLS handshake failed: {e}"),
-                Err(_) => tracing::debug!(peer = %display_peer(peer), "TLS handshake timed out"),
+                Ok(Err(e)) => tracing::debug!(peer = %framed::display_peer(peer), "TLS handshake failed: {e}"),
+                Err(_) => tracing::debug!(peer = %framed::display_peer(peer), "TLS handshake timed out"),
             }
         }
     }
-}
-
-/// A peer's address for logs: plain, or "-" when unknown.
-fn display_peer(peer: Option<std::net::SocketAddr>) -> String {
-    peer.map_or_else(|| "-".into(), |p| p.to_string())
 }
 
 /// One RPC connection's requests, run against the store.

@@ -43,6 +43,38 @@ pub fn find_bin(name: &str) -> Result<PathBuf, String> {
     })
 }
 
+/// A directory for one test's files, removed when dropped. The process id
+/// in its name keeps test binaries running at once apart.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    /// Makes (afresh) `dmkv-test-NAME-PID` in the system's temp directory.
+    pub fn new(name: &str) -> TempDir {
+        let d = std::env::temp_dir().join(format!("dmkv-test-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap_or_else(|e| panic!("make {}: {e}", d.display()));
+        TempDir(d)
+    }
+
+    /// The path of `rel` inside it.
+    pub fn path(&self, rel: &str) -> PathBuf {
+        self.0.join(rel)
+    }
+
+    /// Writes `text` to file `name` in it and returns the file's path.
+    pub fn file(&self, name: &str, text: &str) -> String {
+        let p = self.0.join(name);
+        std::fs::write(&p, text).unwrap_or_else(|e| panic!("write {}: {e}", p.display()));
+        p.display().to_string()
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// A running `dmkvd`, stopped (SIGTERM, then SIGKILL) when dropped.
 pub struct ServerProcess {
     child: Option<Child>,

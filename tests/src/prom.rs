@@ -1,7 +1,33 @@
-//! `promtool check metrics`, for the tests of both sides' metrics.
+//! Scraping and checking Prometheus text, for the tests of both sides'
+//! metrics: a plain HTTP GET, the samples of a text, `promtool check
+//! metrics`.
 
-use std::io::Write;
+use std::collections::HashMap;
+use std::io::{Read, Write};
 use std::process::{Command, Stdio};
+use std::time::Duration;
+
+/// `GET path` from `addr` over HTTP/1.1, one request per connection, as a
+/// scraper or a probe does: (status, body), or why it could not be had.
+pub fn http_get(addr: &str, path: &str) -> Result<(u16, String), String> {
+    let mut s = std::net::TcpStream::connect(addr).map_err(|e| format!("connect {addr}: {e}"))?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).map_err(|e| e.to_string())?;
+    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").map_err(|e| e.to_string())?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).map_err(|e| format!("read from {addr}: {e}"))?;
+    let (head, body) = text.split_once("\r\n\r\n").ok_or_else(|| format!("no HTTP head in {text:?}"))?;
+    let status = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).ok_or("no status code")?;
+    Ok((status, body.to_string()))
+}
+
+/// The samples of a text, by series (`name{labels}` as written).
+pub fn samples(text: &str) -> HashMap<String, f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .filter_map(|l| l.rsplit_once(' '))
+        .filter_map(|(k, v)| v.parse().ok().map(|v| (k.to_string(), v)))
+        .collect()
+}
 
 /// `text` (OpenMetrics, as prometheus-client writes it and Prometheus
 /// scrapes it) in the classic text format, the only one `promtool check

@@ -1,23 +1,10 @@
 //! The client's Prometheus metrics against a real dmkvd: the counters move
 //! by exactly the GETs made, and `promtool check metrics` accepts the text.
 
-use std::collections::HashMap;
-
 use dmkv_client::{Client, ClientConfig, ReadPath};
 use dmkv_tests::ServerProcess;
-use dmkv_tests::prom::promtool_check;
+use dmkv_tests::prom::{promtool_check, samples};
 use prometheus_client::registry::Registry;
-
-/// Every sample of the text format, by its series (`name{labels}`).
-fn samples(text: &str) -> HashMap<String, f64> {
-    text.lines()
-        .filter(|l| !l.starts_with('#') && !l.is_empty())
-        .map(|l| {
-            let (series, value) = l.rsplit_once(' ').expect("a sample line has a value");
-            (series.to_string(), value.parse().expect("a numeric value"))
-        })
-        .collect()
-}
 
 fn encode(registry: &Registry) -> String {
     let mut text = String::new();

@@ -12,7 +12,8 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use dmkv_tests::find_bin;
+use dmkv_tests::prom::http_get;
+use dmkv_tests::{TempDir, find_bin};
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -21,28 +22,6 @@ fn repo() -> PathBuf {
 fn read(rel: &str) -> String {
     let p = repo().join(rel);
     std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("read {}: {e}", p.display()))
-}
-
-/// A directory for one test's files, removed when dropped.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> TempDir {
-        let d = std::env::temp_dir().join(format!("dmkv-deploy-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        TempDir(d)
-    }
-
-    fn path(&self, rel: &str) -> PathBuf {
-        self.0.join(rel)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 /// Runs `tool ARGS`; a tool that is not installed fails the test, naming
@@ -360,22 +339,7 @@ fn configmap_data(yaml: &str) -> Vec<(String, String)> {
 
 /// `GET path` on `addr`: the status code (0 when it cannot connect).
 fn http_status(addr: &str, path: &str) -> u16 {
-    http_get(addr, path).0
-}
-
-/// `GET path` on `addr`: the status code (0 when it cannot connect) and
-/// the body.
-fn http_get(addr: &str, path: &str) -> (u16, String) {
-    use std::io::{Read, Write};
-    let Ok(mut s) = std::net::TcpStream::connect(addr) else { return (0, String::new()) };
-    let _ = s.set_read_timeout(Some(std::time::Duration::from_secs(2)));
-    if s.write_all(format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes()).is_err() {
-        return (0, String::new());
-    }
-    let mut resp = String::new();
-    let _ = s.read_to_string(&mut resp);
-    let code = resp.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    (code, resp.split_once("\r\n\r\n").map_or(String::new(), |(_, b)| b.to_string()))
+    http_get(addr, path).map_or(0, |(code, _)| code)
 }
 
 /// The pods' own start script and settings (configmap.yaml), run as
@@ -510,7 +474,7 @@ fn the_kubernetes_start_script_forms_a_cluster() {
     // sample names of their scrapes, histogram suffixes cut.
     let mut scraped = BTreeSet::new();
     for k in 0..nodes {
-        let (code, body) = http_get(&format!("{}:{metrics_port}", ip(k)), "/metrics");
+        let (code, body) = http_get(&format!("{}:{metrics_port}", ip(k)), "/metrics").unwrap_or_default();
         assert_eq!(code, 200, "dmkv-{k} /metrics");
         for name in body.lines().filter(|l| !l.starts_with('#')).filter_map(|l| l.split(['{', ' ']).next()) {
             let family = ["_bucket", "_sum", "_count"].iter().find_map(|s| name.strip_suffix(s)).unwrap_or(name);

@@ -4,37 +4,19 @@
 //! logs, and sd_notify readiness.
 
 use std::collections::HashMap;
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
 use dmkv_client::{Client, ClientConfig, ReadPath, Token};
 use dmkv_tests::cluster::TestCluster;
-use dmkv_tests::prom::promtool_check;
-use dmkv_tests::{ServerProcess, find_bin, wait_until};
+use dmkv_tests::prom::{promtool_check, samples};
+use dmkv_tests::{ServerProcess, TempDir, find_bin, wait_until};
 
 /// A plain HTTP/1.1 GET: (status, body). The server closes after one
 /// request, so the body is whatever follows the head.
 fn http_get(addr: &str, path: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect {addr}: {e}"));
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").unwrap();
-    let mut text = String::new();
-    s.read_to_string(&mut text).unwrap();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or_else(|| panic!("no HTTP head in {text:?}"));
-    let status = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).expect("a status code");
-    (status, body.to_string())
-}
-
-/// The samples of a scrape, by series (`name{labels}` as written).
-fn samples(text: &str) -> HashMap<String, f64> {
-    text.lines()
-        .filter(|l| !l.starts_with('#') && !l.is_empty())
-        .filter_map(|l| l.rsplit_once(' '))
-        .filter_map(|(k, v)| v.parse().ok().map(|v| (k.to_string(), v)))
-        .collect()
+    dmkv_tests::prom::http_get(addr, path).unwrap_or_else(|e| panic!("GET {path}: {e}"))
 }
 
 fn sample(all: &HashMap<String, f64>, series: &str) -> f64 {
@@ -149,24 +131,6 @@ fn cluster_nodes_are_ready_once_leaders_are_known_with_one_leader_per_shard() {
     let lags: usize =
         addrs.iter().map(|a| http_get(a, "/metrics").1.matches("dmkv_shard_follower_lag_entries{").count()).sum();
     assert!(lags >= 2 * SHARDS as usize, "{lags} follower lag series");
-}
-
-/// A directory for one test's files, removed when dropped.
-struct TempDir(std::path::PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> TempDir {
-        let d = std::env::temp_dir().join(format!("dmkv-ops-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        TempDir(d)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 #[tokio::test]

@@ -3,7 +3,7 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,34 +12,10 @@ use dmkv_client::{Client, ClientConfig, ClientError, ErrorCode, ReadPath, TlsOpt
 use dmkv_common::frame::{self, Decoder};
 use dmkv_common::onesided::{self, HANDSHAKE_OK, HANDSHAKE_RATE_LIMITED, HANDSHAKE_REFUSED, ReadStatus, ReadWr};
 use dmkv_common::proto::{self, Request, Response, request::Op, response::Result as R};
-use dmkv_tests::{ServerProcess, engine_connect};
+use dmkv_tests::{ServerProcess, TempDir, engine_connect};
 
 const DATA: &str = "data-token-0123456789abcdef";
 const ADMIN: &str = "admin-token-0123456789abcdef";
-
-/// A directory for one test's files, removed when dropped.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> TempDir {
-        let d = std::env::temp_dir().join(format!("dmkv-sec-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        TempDir(d)
-    }
-
-    fn file(&self, name: &str, text: &str) -> String {
-        let p = self.0.join(name);
-        std::fs::write(&p, text).unwrap();
-        p.display().to_string()
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn token(s: &str) -> Option<Arc<Token>> {
     Some(Arc::new(Token::new(s).unwrap()))
