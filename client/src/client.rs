@@ -924,7 +924,12 @@ impl Client {
         write_id: Option<proto::WriteId>,
     ) -> Result<u64, ClientError> {
         let op =
-            Op::Put(proto::Put { key: Bytes::copy_from_slice(key), value: Bytes::copy_from_slice(value), write_id });
+            Op::Put(proto::Put {
+                key: Bytes::copy_from_slice(key),
+                value: Bytes::copy_from_slice(value),
+                write_id,
+                ..Default::default()
+            });
         match self.call(op).await? {
             R::Put(p) => Ok(p.version),
             other => Err(unexpected(&other)),
@@ -952,7 +957,7 @@ impl Client {
         key: &[u8],
         write_id: Option<proto::WriteId>,
     ) -> Result<bool, ClientError> {
-        match self.call(Op::Delete(proto::Delete { key: Bytes::copy_from_slice(key), write_id })).await? {
+        match self.call(Op::Delete(proto::Delete { key: Bytes::copy_from_slice(key), write_id, cas: 0 })).await? {
             R::Delete(d) => Ok(d.existed),
             other => Err(unexpected(&other)),
         }

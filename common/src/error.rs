@@ -33,6 +33,21 @@ pub enum Error {
     OutOfMemory,
     #[error("index is full for this key (both candidate buckets are full)")]
     IndexFull,
+    /// A conditional write's condition did not hold (add of a present key,
+    /// replace or append of a missing one): nothing was changed.
+    #[error("not stored: the write's condition did not hold")]
+    NotStored,
+    /// A compare-and-swap named another version than the item's: nothing
+    /// was changed.
+    #[error("the item has changed since the version given (CAS mismatch)")]
+    Exists,
+    /// The item a CAS, counter or touch names does not exist (or expired).
+    #[error("no such item")]
+    NotFound,
+    /// A counter operation on a value that is not a decimal number of at
+    /// most 20 digits.
+    #[error("cannot increment or decrement a non-numeric value")]
+    NotNumeric,
 }
 
 /// Checks a key against the limits.

@@ -9,6 +9,7 @@
 pub mod auth;
 pub mod cluster;
 pub mod error;
+pub mod expiry;
 pub mod frame;
 #[doc(hidden)]
 pub mod fuzz;

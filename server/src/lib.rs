@@ -17,6 +17,7 @@ pub mod config;
 pub mod counters;
 pub mod engine;
 pub mod framed;
+pub mod kv;
 pub mod listen;
 pub mod lock;
 pub mod metrics;

@@ -302,6 +302,10 @@ fn store_error(id: u64, e: StoreError) -> Response {
         StoreError::ValueTooLarge(_) => ErrorCode::ValueTooLarge,
         StoreError::OutOfMemory => ErrorCode::OutOfMemory,
         StoreError::IndexFull => ErrorCode::IndexFull,
+        StoreError::NotStored => ErrorCode::NotStored,
+        StoreError::Exists => ErrorCode::Exists,
+        StoreError::NotFound => ErrorCode::NotFound,
+        StoreError::NotNumeric => ErrorCode::NotNumeric,
     };
     error(id, code, e.to_string())
 }
@@ -315,6 +319,7 @@ fn found(value: bytes::Bytes, version: u64, at: crate::store::Location) -> proto
         hint_slot: at.slot,
         hint_bucket: u32::from(at.which),
         hint_index: u32::from(at.index),
+        ..Default::default()
     }
 }
 
@@ -450,6 +455,9 @@ async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response
         },
         Some(Op::GetMap(_) | Op::JoinShard(_) | Op::ReplaceReplica(_)) => {
             return error(id, ErrorCode::BadRequest, "this node is not part of a cluster".into());
+        }
+        Some(Op::Arith(_) | Op::Touch(_)) => {
+            return error(id, ErrorCode::UnknownOp, "not yet".into());
         }
         Some(Op::Reregister(_)) => match reregister(shared) {
             Ok(_) => R::Reregister(region_info(shared)),

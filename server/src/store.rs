@@ -38,6 +38,7 @@ use crate::region::Region;
 mod dump;
 mod evacuate;
 mod index;
+pub mod item;
 
 pub use evacuate::{Candidate, Relocation};
 use index::{Index, IndexWriter, MAX_SPLITS_PER_WRITE, Seg};

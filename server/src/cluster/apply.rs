@@ -49,8 +49,8 @@ pub fn encode_put(key: &[u8], value: &[u8]) -> Vec<u8> {
 
 /// The log entry data of a PUT carrying the client's write id.
 pub fn encode_put_with(key: &[u8], value: &[u8], write_id: Option<proto::WriteId>) -> Vec<u8> {
-    let op = Op::Put(proto::Put { key: key.to_vec().into(), value: value.to_vec().into(), write_id });
-    proto::RaftCommand { op: Some(op) }.encode_to_vec()
+    let op = Op::Put(proto::Put { key: key.to_vec().into(), value: value.to_vec().into(), write_id, ..Default::default() });
+    proto::RaftCommand { op: Some(op), ..Default::default() }.encode_to_vec()
 }
 
 /// The log entry data of a DELETE.
@@ -60,7 +60,8 @@ pub fn encode_delete(key: &[u8]) -> Vec<u8> {
 
 /// The log entry data of a DELETE carrying the client's write id.
 pub fn encode_delete_with(key: &[u8], write_id: Option<proto::WriteId>) -> Vec<u8> {
-    proto::RaftCommand { op: Some(Op::Delete(proto::Delete { key: key.to_vec().into(), write_id })) }.encode_to_vec()
+    let op = Op::Delete(proto::Delete { key: key.to_vec().into(), write_id, cas: 0 });
+    proto::RaftCommand { op: Some(op), ..Default::default() }.encode_to_vec()
 }
 
 /// The outcomes of the last [`MAX_REMEMBERED_WRITES`] identified writes
@@ -128,6 +129,7 @@ pub fn apply_once(store: &Store, seen: &mut Remembered, data: &[u8]) -> Result<A
             }
             (d.write_id, store.delete(&d.key).map(|existed| Applied::Delete { existed }))
         }
+        Some(Op::Arith(_) | Op::Touch(_)) => return Err(ApplyError::Malformed("not yet".into())),
         None => return Err(ApplyError::Malformed("no operation".into())),
     };
     let applied = result?;
