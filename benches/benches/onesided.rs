@@ -42,14 +42,14 @@ fn lookup(store: &Store, region: &Region, key: &[u8], hint: Option<Hint>, bufs: 
     look.first_reads(&mut specs);
     read(&specs, bufs);
     let hinted = hint.map(|_| &bufs[2][..]);
-    match look.after_buckets(key, [&bufs[0], &bufs[1]], hinted, 1) {
+    match look.after_buckets(key, [&bufs[0], &bufs[1]], hinted, 1, 0) {
         AfterBuckets::Hit(h) => (h.value.len(), h.hint),
         AfterBuckets::ReadItems => {
             specs.clear();
             look.item_reads(&mut specs);
             read(&specs, bufs);
             let items: Vec<&[u8]> = bufs[..specs.len()].iter().map(|b| &b[..]).collect();
-            match look.after_items(key, &items, 2) {
+            match look.after_items(key, &items, 2, 0) {
                 Outcome::Hit(h) => (h.value.len(), h.hint),
                 o => panic!("{o:?}"),
             }

@@ -181,6 +181,10 @@ pub const DEFAULT_LEASE_SKEW: Duration = Duration::from_millis(5);
 pub struct Versioned {
     pub value: Bytes,
     pub version: u64,
+    /// The item's client flags (memcached's).
+    pub flags: u32,
+    /// Unix second the item expires at, by the server's clock; 0: never.
+    pub expires_at: u32,
 }
 
 /// An async dmkv client. Cheap to clone; clones share the pool.
@@ -697,7 +701,7 @@ impl Client {
         unwrap(sent.wait_until(deadline, self.inner.cfg.request_timeout).await?)
     }
 
-    async fn call(&self, op: Op) -> Result<R, ClientError> {
+    pub(crate) async fn call(&self, op: Op) -> Result<R, ClientError> {
         self.call_on(self.next_slot(), op).await
     }
 
@@ -792,6 +796,7 @@ impl Client {
         key: &[u8],
         adm: Admission,
     ) -> Result<Option<Versioned>, BackendError> {
+        self.report_accesses(path);
         match path.get_traced(key).await {
             Ok((OneSidedGet::Found(v), t)) => {
                 adm.complete(t.round_trips, t.retries);
@@ -812,6 +817,18 @@ impl Client {
                 Err(e)
             }
         }
+    }
+
+    /// Sends the items `path` read one-sidedly to its server, if it evicts
+    /// and a batch is ready; in the background, and a lost report only
+    /// costs recency.
+    fn report_accesses(&self, path: &OneSided) {
+        let Some(units) = path.take_accesses() else { return };
+        let this = self.clone();
+        let region_id = path.region_id;
+        tokio::spawn(async move {
+            let _ = this.call(Op::AccessReport(proto::AccessReport { region_id, units })).await;
+        });
     }
 
     /// An RPC GET on the next pooled connection whose delay is reported to
@@ -852,7 +869,7 @@ impl Client {
                 p.learn_hint(key, g.hint_bucket, g.hint_index, g.hint_slot);
             }
         }
-        Some(Versioned { value: g.value, version: g.version })
+        Some(Versioned { value: g.value, version: g.version, flags: g.flags, expires_at: g.expires_at })
     }
 
     /// Sends a background copy of a GET down the path of `probe`, to keep
@@ -1017,6 +1034,7 @@ impl Client {
         path: &OneSided,
         keys: &[K],
     ) -> Result<Result<Vec<Option<Bytes>>, BackendError>, ClientError> {
+        self.report_accesses(path);
         let res = match path.multi_get(keys).await {
             Ok(res) => res,
             Err(e) => return Ok(Err(e)),
@@ -1220,6 +1238,6 @@ pub fn unwrap(resp: Response) -> Result<R, ClientError> {
     }
 }
 
-fn unexpected(r: &R) -> ClientError {
+pub(crate) fn unexpected(r: &R) -> ClientError {
     ClientError::Protocol(format!("unexpected reply {r:?}"))
 }

@@ -104,9 +104,14 @@ impl Collector for ClientCollector {
             MetricType::Counter,
             &[(&os, counter(reads.gets)), (&rpc, counter(reads.rpc_gets))],
         )?;
-        let causes =
-            [[("cause", "torn")], [("cause", "other_key")], [("cause", "slow")], [("cause", "stale_directory")]];
-        let counts = [reads.torn, reads.other_key, reads.slow, reads.stale_directory];
+        let causes = [
+            [("cause", "torn")],
+            [("cause", "other_key")],
+            [("cause", "slow")],
+            [("cause", "stale_directory")],
+            [("cause", "no_clock")],
+        ];
+        let counts = [reads.torn, reads.other_key, reads.slow, reads.stale_directory, reads.no_clock];
         let retries: Vec<_> = causes.iter().zip(counts).map(|(l, v)| (&l[..], counter(v))).collect();
         family(
             &mut enc,

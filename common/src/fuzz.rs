@@ -243,7 +243,9 @@ pub fn read_lookup(data: &[u8]) {
     let mut reads = Vec::new();
     look.first_reads(&mut reads);
     let hinted = hint.map(|_| take(usize::from(hsel)));
-    match look.after_buckets(key, [b0, b1], hinted, 1) {
+    // The server's clock: whatever the input says (torn, zero, any time).
+    let clock = crate::read::judge_clock(take(8));
+    match look.after_buckets(key, [b0, b1], hinted, 1, clock) {
         crate::read::AfterBuckets::Hit(h) => {
             let item = hinted.expect("a hit is the hinted item");
             assert_eq!(&item[ITEM_HEADER_LEN..ITEM_HEADER_LEN + key.len()], key);
@@ -253,7 +255,7 @@ pub fn read_lookup(data: &[u8]) {
             reads.clear();
             look.item_reads(&mut reads);
             let items: Vec<&[u8]> = reads.iter().map(|r| take(r.len as usize)).collect();
-            if let crate::read::Outcome::Hit(h) = look.after_items(key, &items, 2) {
+            if let crate::read::Outcome::Hit(h) = look.after_items(key, &items, 2, clock) {
                 let _ = &items[h.item][h.value];
             }
         }

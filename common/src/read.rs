@@ -15,7 +15,10 @@
 //!    in one batch;
 //! 3. verify checksum and key. Bytes that fail verification are never
 //!    returned: the caller retries a bounded number of times, then asks the
-//!    server over RPC.
+//!    server over RPC;
+//! 4. judge expiry by the server's clock, read from the region header in
+//!    the same batch as the item and after it ([`clock_read`]): an item
+//!    whose expiry the clock has reached is a miss, as on the server.
 //!
 //! Safety argument (see docs/one-sided.md): an item is fully written before
 //! the release store that publishes its slot, and its space is reused only
@@ -71,6 +74,19 @@ pub fn judge_dir_entry(bytes: &[u8], header: &RegionHeader) -> Option<DirEntry> 
     header.in_data_area(e.offset(), (SEGMENT_UNITS * crate::limits::UNIT) as u64).then_some(e)
 }
 
+/// The read of the server's clock (see [`crate::layout::CLOCK_OFFSET`]),
+/// to post last in every batch: the clock then was read no earlier than
+/// any item in the batch, so an item it calls live was live when read.
+pub fn clock_read() -> ReadSpec {
+    ReadSpec { offset: crate::layout::CLOCK_OFFSET, len: 8 }
+}
+
+/// The server's clock (unix ms) in a [`clock_read`]'s bytes; 0 (no clock)
+/// for anything but eight bytes.
+pub fn judge_clock(bytes: &[u8]) -> u64 {
+    bytes.try_into().map_or(0, u64::from_le_bytes)
+}
+
 /// One read the protocol needs: `len` bytes at region offset `offset`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ReadSpec {
@@ -98,6 +114,9 @@ pub struct Hit {
     /// Byte range of the value within that item's buffer.
     pub value: Range<usize>,
     pub version: u64,
+    /// The item's client flags and expiry (unix second; 0: never).
+    pub flags: u32,
+    pub expires_at: u32,
     /// Where to read the key next time.
     pub hint: Hint,
 }
@@ -116,6 +135,19 @@ pub enum Retry {
     /// The directory entry used named a segment that no longer serves the
     /// key (it split, or the entry was torn): read the entry again.
     StaleDirectory,
+    /// The item can expire but the batch brought no server clock to judge
+    /// it by (the region does not publish one): the server must answer.
+    NoClock,
+}
+
+/// How an item that verified is judged by the server's clock `clock_ms`
+/// (0: none read): live, expired (a miss), or not to be judged here.
+fn judge_expiry(expires_at: u32, clock_ms: u64) -> Result<bool, Retry> {
+    match (expires_at, clock_ms) {
+        (0, _) => Ok(true),
+        (_, 0) => Err(Retry::NoClock),
+        (at, now) => Ok(!crate::expiry::expired(at, now)),
+    }
 }
 
 /// What to do after the bucket reads.
@@ -208,7 +240,17 @@ impl Lookup {
     ///
     /// A bucket of any length but [`BUCKET_LEN`] (a backend that returned
     /// fewer or more bytes than asked for) is treated as torn, never read.
-    pub fn after_buckets(&mut self, key: &[u8], buckets: [&[u8]; 2], hinted: Option<&[u8]>, now: u64) -> AfterBuckets {
+    ///
+    /// `clock_ms` is the server's clock as read in the same batch
+    /// ([`clock_read`], [`judge_clock`]); it judges the hinted item's expiry.
+    pub fn after_buckets(
+        &mut self,
+        key: &[u8],
+        buckets: [&[u8]; 2],
+        hinted: Option<&[u8]>,
+        now: u64,
+        clock_ms: u64,
+    ) -> AfterBuckets {
         if buckets.iter().any(|b| b.len() != BUCKET_LEN) {
             return AfterBuckets::Retry(Retry::Torn);
         }
@@ -228,13 +270,21 @@ impl Lookup {
             && let Ok(it) = decode_item(item)
             && it.key == key
         {
-            let start = ITEM_HEADER_LEN + key.len();
-            return AfterBuckets::Hit(Hit {
-                item: 0,
-                value: start..start + it.value.len(),
-                version: it.version,
-                hint: h,
-            });
+            return match judge_expiry(it.expires_at, clock_ms) {
+                Ok(false) => AfterBuckets::Miss,
+                Err(r) => AfterBuckets::Retry(r),
+                Ok(true) => {
+                    let start = ITEM_HEADER_LEN + key.len();
+                    AfterBuckets::Hit(Hit {
+                        item: 0,
+                        value: start..start + it.value.len(),
+                        version: it.version,
+                        flags: it.flags,
+                        expires_at: it.expires_at,
+                        hint: h,
+                    })
+                }
+            };
         }
         self.candidates.clear();
         let mut torn_slot = false;
@@ -281,8 +331,9 @@ impl Lookup {
         self.candidates.len()
     }
 
-    /// Judges the items read for [`Lookup::item_reads`], in that order.
-    pub fn after_items(&self, key: &[u8], items: &[&[u8]], now: u64) -> Outcome {
+    /// Judges the items read for [`Lookup::item_reads`], in that order, by
+    /// the server's clock `clock_ms` read in the same batch, after them.
+    pub fn after_items(&self, key: &[u8], items: &[&[u8]], now: u64, clock_ms: u64) -> Outcome {
         assert_eq!(items.len(), self.candidates.len(), "one buffer per item read");
         if self.too_slow(now) {
             return Outcome::Retry(Retry::Slow);
@@ -291,13 +342,21 @@ impl Lookup {
         for (i, (&(which, index, slot), buf)) in self.candidates.iter().zip(items).enumerate() {
             match decode_item(buf) {
                 Ok(it) if it.key == key => {
-                    let start = ITEM_HEADER_LEN + key.len();
-                    return Outcome::Hit(Hit {
-                        item: i,
-                        value: start..start + it.value.len(),
-                        version: it.version,
-                        hint: Hint { which, index, slot },
-                    });
+                    return match judge_expiry(it.expires_at, clock_ms) {
+                        Ok(false) => Outcome::Miss,
+                        Err(r) => Outcome::Retry(r),
+                        Ok(true) => {
+                            let start = ITEM_HEADER_LEN + key.len();
+                            Outcome::Hit(Hit {
+                                item: i,
+                                value: start..start + it.value.len(),
+                                version: it.version,
+                                flags: it.flags,
+                                expires_at: it.expires_at,
+                                hint: Hint { which, index, slot },
+                            })
+                        }
+                    };
                 }
                 Ok(_) => {
                     retry.get_or_insert(Retry::OtherKey);
@@ -469,6 +528,11 @@ mod tests {
         /// Writes key=value out of place, publishes it, and frees the old
         /// item at once, so its space is reused by the next write.
         fn put(&mut self, key: &[u8], value: &[u8]) {
+            self.put_expiring(key, value, 0);
+        }
+
+        /// [`Sim::put`] of an item that expires at unix second `expires_at`.
+        fn put_expiring(&mut self, key: &[u8], value: &[u8], expires_at: u32) {
             let units = item_units(key.len(), value.len());
             let at = match self.free.iter().position(|&(_, u)| u >= units) {
                 Some(i) => self.free.swap_remove(i).0,
@@ -476,7 +540,7 @@ mod tests {
             };
             self.version += 1;
             let mut buf = Vec::new();
-            encode_item(key, value, self.version, 0, 0, &mut buf);
+            encode_item(key, value, self.version, 0, expires_at, &mut buf);
             self.mem[at as usize..at as usize + buf.len()].copy_from_slice(&buf);
             self.history.entry(key.to_vec()).or_default().insert(self.version, value.to_vec());
             let kh = key_hash(key, self.header.hash_seed);
@@ -605,7 +669,7 @@ mod tests {
                 }
                 let bufs = sim.read(&before, &specs, tear1);
                 let hinted = bufs.get(2).map(|b| &b[..]);
-                let outcome = match look.after_buckets(key, [&bufs[0], &bufs[1]], hinted, 0) {
+                let outcome = match look.after_buckets(key, [&bufs[0], &bufs[1]], hinted, 0, 0) {
                     AfterBuckets::Hit(h) => Outcome::Hit(h),
                     AfterBuckets::Miss => Outcome::Miss,
                     AfterBuckets::Retry(r) => Outcome::Retry(r),
@@ -622,7 +686,7 @@ mod tests {
                         }
                         let items = sim.read(&before, &specs, tear2);
                         let refs: Vec<&[u8]> = items.iter().map(|b| &b[..]).collect();
-                        match look.after_items(key, &refs, 0) {
+                        match look.after_items(key, &refs, 0, 0) {
                             Outcome::Hit(h) => {
                                 let v = &items[h.item][h.value.clone()];
                                 prop_assert!(!absent, "an absent key was found");
@@ -658,6 +722,95 @@ mod tests {
         }
     }
 
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+
+        /// Items expire while readers read them, the server's clock moving
+        /// in steps between every read (including between an item's read
+        /// and the clock's, posted after it in the same batch): a reader
+        /// never returns an item its clock calls expired, never calls a
+        /// live item missing, and with no clock published it leaves
+        /// expiring items to the server.
+        #[test]
+        fn one_sided_reads_never_return_an_expired_item(
+            steps in prop::collection::vec((0usize..4, prop::option::of(-2i64..4), 0u64..1500, 0u64..1500, any::<bool>()), 1..200),
+            publish in prop::bool::weighted(0.9),
+        ) {
+            let mut sim = Sim::new();
+            let keys: Vec<Vec<u8>> = (0..4u8).map(|k| vec![b'k', k]).collect();
+            let mut clock: u64 = 1_800_000_000_000;
+            let set_clock = |sim: &mut Sim, c: u64| if publish { sim.set_word(crate::layout::CLOCK_OFFSET, c) };
+            set_clock(&mut sim, clock);
+            // key -> (value, expires_at) as last written
+            let mut current: HashMap<usize, (Vec<u8>, u32)> = HashMap::new();
+            let mut hints: HashMap<usize, Hint> = HashMap::new();
+            let mut dir = DirCopy::default();
+            let (mut expired_misses, mut hits) = (0, 0);
+            for (ki, ttl, step1, step2, use_hint) in steps {
+                let key = &keys[ki];
+                if let Some(ttl) = ttl {
+                    let at = if ttl == 0 { 0 } else { ((clock / 1000) as i64 + ttl).max(1) as u32 };
+                    let v = value_for(key, sim.version, 8);
+                    sim.put_expiring(key, &v, at);
+                    current.insert(ki, (v, at));
+                }
+                let entry = dir.get(&sim, key);
+                let mut look = Lookup::new(key, &sim.header, entry, use_hint.then(|| hints.get(&ki).copied()).flatten(), 0);
+                let mut specs = Vec::new();
+                look.first_reads(&mut specs);
+                let n = specs.len();
+                let mut bufs = sim.snapshot(&specs);
+                // The clock moves between the batch's reads and its clock read.
+                clock += step1;
+                set_clock(&mut sim, clock);
+                let clock_seen = judge_clock(&sim.snapshot(&[clock_read()])[0]);
+                prop_assert_eq!(clock_seen, if publish { clock } else { 0 });
+                let hinted = (n == 3).then(|| std::mem::take(&mut bufs[2]));
+                let first = look.after_buckets(key, [&bufs[0], &bufs[1]], hinted.as_deref(), 0, clock_seen);
+                let (outcome, seen_at) = match first {
+                    AfterBuckets::Hit(h) => (Outcome::Hit(h), clock_seen),
+                    AfterBuckets::Miss => (Outcome::Miss, clock_seen),
+                    AfterBuckets::Retry(r) => (Outcome::Retry(r), clock_seen),
+                    AfterBuckets::ReadItems => {
+                        let mut specs = Vec::new();
+                        look.item_reads(&mut specs);
+                        let items = sim.snapshot(&specs);
+                        clock += step2;
+                        set_clock(&mut sim, clock);
+                        let clock_seen = judge_clock(&sim.snapshot(&[clock_read()])[0]);
+                        let refs: Vec<&[u8]> = items.iter().map(|b| &b[..]).collect();
+                        (look.after_items(key, &refs, 0, clock_seen), clock_seen)
+                    }
+                };
+                let live = current.get(&ki).filter(|(_, at)| *at == 0 || (seen_at > 0 && !crate::expiry::expired(*at, seen_at)));
+                match outcome {
+                    Outcome::Hit(h) => {
+                        prop_assert!(h.expires_at == 0 || !crate::expiry::expired(h.expires_at, seen_at), "returned an item expired at {} by clock {}", h.expires_at, seen_at);
+                        let (v, at) = live.expect("a hit of a key with no live item");
+                        prop_assert_eq!((h.expires_at, h.version), (*at, *sim.history[key].keys().max().unwrap()));
+                        prop_assert_eq!(sim.history[key].get(&h.version), Some(v));
+                        hints.insert(ki, h.hint);
+                        hits += 1;
+                    }
+                    Outcome::Miss => {
+                        prop_assert!(live.is_none(), "a live item was reported missing");
+                        if current.contains_key(&ki) {
+                            expired_misses += 1;
+                        }
+                    }
+                    Outcome::Retry(Retry::NoClock) => {
+                        prop_assert!(!publish, "no clock although one is published");
+                        prop_assert!(current.get(&ki).is_some_and(|(_, at)| *at != 0));
+                    }
+                    Outcome::Retry(r) => prop_assert!(false, "nothing races here, yet {:?}", r),
+                }
+            }
+            // Both kinds of outcome happen across cases (checked by
+            // breaking the expiry judgment: every case with a write fails).
+            let _ = (hits, expired_misses);
+        }
+    }
+
     /// Without splits the directory copy never goes stale; with them it
     /// does, the reader says so, and a fresh entry finds the key.
     #[test]
@@ -679,13 +832,13 @@ mod tests {
             let mut specs = Vec::new();
             look.first_reads(&mut specs);
             let bufs = sim.snapshot(&specs);
-            match look.after_buckets(key, [&bufs[0], &bufs[1]], None, 0) {
+            match look.after_buckets(key, [&bufs[0], &bufs[1]], None, 0, 0) {
                 AfterBuckets::ReadItems => {
                     let mut specs = Vec::new();
                     look.item_reads(&mut specs);
                     let items = sim.snapshot(&specs);
                     let refs: Vec<&[u8]> = items.iter().map(|b| &b[..]).collect();
-                    look.after_items(key, &refs, 0)
+                    look.after_items(key, &refs, 0, 0)
                 }
                 AfterBuckets::Retry(r) => Outcome::Retry(r),
                 o => panic!("{o:?}"),
@@ -723,7 +876,7 @@ mod tests {
         // Keep fingerprint and length, lose the offset bits.
         let torn = slot.pack() & !((1u64 << 33) - 1);
         bufs[which][at..at + 8].copy_from_slice(&torn.to_le_bytes());
-        assert_eq!(look.after_buckets(b"k", [&bufs[0], &bufs[1]], None, 0), AfterBuckets::Retry(Retry::Torn));
+        assert_eq!(look.after_buckets(b"k", [&bufs[0], &bufs[1]], None, 0, 0), AfterBuckets::Retry(Retry::Torn));
     }
 
     /// Found by fuzzing (`fuzz::read_lookup`): a backend that hands back a
@@ -735,11 +888,11 @@ mod tests {
         sim.put(b"k", b"v");
         let (mut look, _, bufs) = first_batch(&sim, b"k");
         for short in [&bufs[0][..0], &bufs[0][..63]] {
-            assert_eq!(look.after_buckets(b"k", [short, &bufs[1]], None, 0), AfterBuckets::Retry(Retry::Torn));
-            assert_eq!(look.after_buckets(b"k", [&bufs[0], short], None, 0), AfterBuckets::Retry(Retry::Torn));
+            assert_eq!(look.after_buckets(b"k", [short, &bufs[1]], None, 0, 0), AfterBuckets::Retry(Retry::Torn));
+            assert_eq!(look.after_buckets(b"k", [&bufs[0], short], None, 0, 0), AfterBuckets::Retry(Retry::Torn));
         }
         let long = [bufs[0].as_slice(), &[0u8; 8]].concat();
-        assert_eq!(look.after_buckets(b"k", [&long, &bufs[1]], None, 0), AfterBuckets::Retry(Retry::Torn));
+        assert_eq!(look.after_buckets(b"k", [&long, &bufs[1]], None, 0, 0), AfterBuckets::Retry(Retry::Torn));
     }
 
     #[test]
@@ -750,19 +903,19 @@ mod tests {
             s
         };
         let (mut look, _, bufs) = first_batch(&sim, b"k");
-        assert_eq!(look.after_buckets(b"k", [&bufs[0], &bufs[1]], None, 10), AfterBuckets::ReadItems);
+        assert_eq!(look.after_buckets(b"k", [&bufs[0], &bufs[1]], None, 10, 0), AfterBuckets::ReadItems);
         let mut specs = Vec::new();
         look.item_reads(&mut specs);
         let items: Vec<Vec<u8>> = sim.snapshot(&specs);
         let refs: Vec<&[u8]> = items.iter().map(|b| &b[..]).collect();
-        assert_eq!(look.after_items(b"k", &refs, sim.header.grace_nanos), Outcome::Retry(Retry::Slow));
-        match look.after_items(b"k", &refs, sim.header.grace_nanos - 1) {
+        assert_eq!(look.after_items(b"k", &refs, sim.header.grace_nanos, 0), Outcome::Retry(Retry::Slow));
+        match look.after_items(b"k", &refs, sim.header.grace_nanos - 1, 0) {
             Outcome::Hit(h) => assert_eq!(&items[h.item][h.value], b"v"),
             o => panic!("{o:?}"),
         }
         // A miss is believed only within the grace period too.
         let (mut look, _, bufs) = first_batch(&sim, b"absent");
-        let late = look.after_buckets(b"absent", [&bufs[0], &bufs[1]], None, sim.header.grace_nanos);
+        let late = look.after_buckets(b"absent", [&bufs[0], &bufs[1]], None, sim.header.grace_nanos, 0);
         assert!(matches!(late, AfterBuckets::Retry(Retry::Slow) | AfterBuckets::ReadItems), "{late:?}");
     }
 
@@ -772,14 +925,14 @@ mod tests {
         sim.put(b"k", b"v1");
         let (mut look, _, bufs) = first_batch(&sim, b"nope");
         // Fingerprints of other keys may match; then items decide.
-        match look.after_buckets(b"nope", [&bufs[0], &bufs[1]], None, 0) {
+        match look.after_buckets(b"nope", [&bufs[0], &bufs[1]], None, 0, 0) {
             AfterBuckets::Miss => {}
             AfterBuckets::ReadItems => {
                 let mut specs = Vec::new();
                 look.item_reads(&mut specs);
                 let items: Vec<Vec<u8>> = sim.snapshot(&specs);
                 let refs: Vec<&[u8]> = items.iter().map(|b| &b[..]).collect();
-                assert_eq!(look.after_items(b"nope", &refs, 0), Outcome::Retry(Retry::OtherKey));
+                assert_eq!(look.after_items(b"nope", &refs, 0, 0), Outcome::Retry(Retry::OtherKey));
             }
             o => panic!("{o:?}"),
         }
@@ -800,6 +953,6 @@ mod tests {
         look.first_reads(&mut specs);
         assert_eq!(specs.len(), 3);
         let bufs: Vec<Vec<u8>> = sim.snapshot(&specs);
-        assert_eq!(look.after_buckets(b"k", [&bufs[0], &bufs[1]], Some(&bufs[2]), 0), AfterBuckets::ReadItems);
+        assert_eq!(look.after_buckets(b"k", [&bufs[0], &bufs[1]], Some(&bufs[2]), 0, 0), AfterBuckets::ReadItems);
     }
 }

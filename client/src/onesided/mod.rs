@@ -5,6 +5,7 @@
 //! backend: [`shm`] (the region mapped in this process) or [`engine`] (the
 //! server's software one-sided engine over TCP).
 
+pub mod access;
 mod directory;
 pub mod engine;
 mod hints;
@@ -24,12 +25,13 @@ use dmkv_common::layout::{
 };
 use dmkv_common::proto::{RegionDescriptor, RegionInfoReply};
 use dmkv_common::read::{
-    AfterBuckets, Hint, Lookup, MAX_ATTEMPTS, MAX_BATCH_KEYS, Outcome, ReadSpec, Retry, dir_read, judge_dir_entry,
-    next_batch_keys,
+    AfterBuckets, Hint, Lookup, MAX_ATTEMPTS, MAX_BATCH_KEYS, Outcome, ReadSpec, Retry, clock_read, dir_read,
+    judge_clock, judge_dir_entry, next_batch_keys,
 };
 use thiserror::Error;
 
 use crate::client::{Transport, Versioned};
+use access::AccessLog;
 use directory::DirCache;
 use hints::HintCache;
 
@@ -124,6 +126,9 @@ pub struct ReadCounters {
     /// Attempts abandoned because the cached directory entry was stale
     /// (the segment had split): the entry is read again.
     pub stale_directory: AtomicU64,
+    /// Attempts that found an item that can expire but no server clock to
+    /// judge it by (the server answers those).
+    pub no_clock: AtomicU64,
     /// Directory entries read (first use, or after a stale one).
     pub directory_reads: AtomicU64,
     /// GETs that used up their attempts and went over RPC.
@@ -145,6 +150,7 @@ pub struct ReadStats {
     pub other_key: u64,
     pub slow: u64,
     pub stale_directory: u64,
+    pub no_clock: u64,
     pub directory_reads: u64,
     pub fallbacks: u64,
     pub unleased: u64,
@@ -162,6 +168,7 @@ impl ReadCounters {
             other_key: l(&self.other_key),
             slow: l(&self.slow),
             stale_directory: l(&self.stale_directory),
+            no_clock: l(&self.no_clock),
             directory_reads: l(&self.directory_reads),
             fallbacks: l(&self.fallbacks),
             unleased: l(&self.unleased),
@@ -175,6 +182,7 @@ impl ReadCounters {
             Retry::OtherKey => &self.other_key,
             Retry::Slow => &self.slow,
             Retry::StaleDirectory => &self.stale_directory,
+            Retry::NoClock => &self.no_clock,
         };
         c.fetch_add(1, Ordering::Relaxed);
     }
@@ -213,6 +221,10 @@ pub struct OneSided {
     /// and its reads count only if the lease outlasted them by this skew
     /// bound (ns). `None`: a single node's region, no lease.
     lease_skew_ns: Option<u64>,
+    /// Reads to report to a server that evicts.
+    pub(crate) accesses: AccessLog,
+    /// Which region, for access reports.
+    pub(crate) region_id: u32,
 }
 
 /// How to attach a one-sided path.
@@ -244,6 +256,13 @@ pub struct AttachOptions {
     /// Check leases of cluster regions. Only tests that show the check
     /// matters turn it off.
     pub check_leases: bool,
+}
+
+/// Adds the server clock's read to a batch, last (after every item read
+/// in it, so the clock was read no earlier than they were); where it is.
+fn push_clock_read(specs: &mut Vec<ReadSpec>) -> usize {
+    specs.push(clock_read());
+    specs.len() - 1
 }
 
 /// Picks and attaches a backend for the server described by `info`.
@@ -332,6 +351,8 @@ pub async fn attach(
                     enforce_grace,
                     batch_keys: AtomicUsize::new(MAX_BATCH_KEYS),
                     lease_skew_ns,
+                    accesses: AccessLog::new(desc.evicts),
+                    region_id: desc.region_id,
                 });
             }
             // A forced transport's own reason, for `TransportUnavailable`.
@@ -582,9 +603,11 @@ impl OneSided {
             return Ok((retry, dir_round));
         }
         let lease_at = self.push_lease_read(&mut specs);
+        let clock_at = push_clock_read(&mut specs);
         let mut reads = Reads::default();
         self.backend.read(&specs, &mut reads).await?;
         self.check_lease(&reads, lease_at)?;
+        let clock = judge_clock(reads.get(clock_at).unwrap_or(&[]));
         let mut item_specs = Vec::new();
         let mut second = Vec::new();
         for (i, mut p) in pend {
@@ -595,7 +618,7 @@ impl OneSided {
                 continue;
             };
             let hinted = p.hint.and_then(|_| reads.get(p.first.start + 2));
-            let judged = p.look.after_buckets(p.key, [b0, b1], hinted, self.now());
+            let judged = p.look.after_buckets(p.key, [b0, b1], hinted, self.now(), clock);
             // An entry just read from the directory: its segment's headers
             // say which other indexes it serves (once, not every GET).
             if p.fresh
@@ -629,12 +652,14 @@ impl OneSided {
             return Ok((retry, 1 + dir_round));
         }
         let lease_at = self.push_lease_read(&mut item_specs);
+        let clock_at = push_clock_read(&mut item_specs);
         let mut items = Reads::default();
         self.backend.read(&item_specs, &mut items).await?;
         self.check_lease(&items, lease_at)?;
+        let clock = judge_clock(items.get(clock_at).unwrap_or(&[]));
         for (i, p) in second {
             let bufs: Vec<&[u8]> = p.items.clone().map(|j| items.get(j).unwrap_or(&[])).collect();
-            match p.look.after_items(p.key, &bufs, self.now()) {
+            match p.look.after_items(p.key, &bufs, self.now(), clock) {
                 Outcome::Hit(h) => results[i] = Some(self.found(p.key, bufs[h.item], &h)),
                 Outcome::Miss => results[i] = Some(self.missing(p.key)),
                 Outcome::Retry(r) => {
@@ -646,8 +671,13 @@ impl OneSided {
         Ok((retry, 2 + dir_round))
     }
 
+    /// The offsets of items read, for a report to an evicting server.
+    pub fn take_accesses(&self) -> Option<Vec<u64>> {
+        self.accesses.take_ready()
+    }
+
     /// Adds the lease block's read to a batch of a cluster region's reads;
-    /// where it is.
+    /// where it is (before the clock's: see `push_clock_read`).
     fn push_lease_read(&self, specs: &mut Vec<ReadSpec>) -> Option<usize> {
         self.lease_skew_ns?;
         specs.push(ReadSpec { offset: LEASE_OFFSET, len: LEASE_LEN as u32 });
@@ -676,7 +706,13 @@ impl OneSided {
     fn found(&self, key: &[u8], item: &[u8], h: &dmkv_common::read::Hit) -> OneSidedGet {
         self.counters.gets.fetch_add(1, Ordering::Relaxed);
         self.hints.lock().expect("hints poisoned").put(key, h.hint);
-        OneSidedGet::Found(Versioned { value: Bytes::copy_from_slice(&item[h.value.clone()]), version: h.version })
+        self.accesses.note(h.hint.slot.offset_units);
+        OneSidedGet::Found(Versioned {
+            value: Bytes::copy_from_slice(&item[h.value.clone()]),
+            version: h.version,
+            flags: h.flags,
+            expires_at: h.expires_at,
+        })
     }
 
     fn missing(&self, key: &[u8]) -> OneSidedGet {
