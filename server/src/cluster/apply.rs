@@ -49,7 +49,8 @@ pub fn encode_put(key: &[u8], value: &[u8]) -> Vec<u8> {
 
 /// The log entry data of a PUT carrying the client's write id.
 pub fn encode_put_with(key: &[u8], value: &[u8], write_id: Option<proto::WriteId>) -> Vec<u8> {
-    let op = Op::Put(proto::Put { key: key.to_vec().into(), value: value.to_vec().into(), write_id, ..Default::default() });
+    let op =
+        Op::Put(proto::Put { key: key.to_vec().into(), value: value.to_vec().into(), write_id, ..Default::default() });
     proto::RaftCommand { op: Some(op), ..Default::default() }.encode_to_vec()
 }
 
