@@ -717,6 +717,7 @@ mod tests {
             .join("\n");
         let all: FileConfig = toml::from_str(&uncommented).unwrap();
         assert!(all.buckets.is_some() && all.engine_listen.is_some() && all.shm_socket.is_some());
+        assert!(all.memcached_listen.is_some());
         assert!(all.max_connections.is_some() && all.max_engine_connections.is_some());
         assert!(all.max_shm_connections.is_some() && all.idle_timeout_secs.is_some() && all.frame_timeout_ms.is_some());
     }
@@ -743,6 +744,8 @@ mod tests {
         assert!(err.contains("without authentication"), "{err}");
         let engine = Flags { engine_listen: Some("0.0.0.0:0".parse().unwrap()), ..Flags::default() };
         assert!(Config::resolve(FileConfig::default(), engine).is_err());
+        let memcached = Flags { memcached_listen: Some("0.0.0.0:11211".parse().unwrap()), ..Flags::default() };
+        assert!(Config::resolve(FileConfig::default(), memcached).unwrap_err().contains("0.0.0.0:11211"));
         let insecure = Flags { listen: Some("0.0.0.0:7070".parse().unwrap()), insecure: true, ..Flags::default() };
         assert!(Config::resolve(FileConfig::default(), insecure).is_ok());
         let dir = std::env::temp_dir().join(format!("dmkv-auth-test-{}", std::process::id()));
@@ -774,6 +777,10 @@ mod tests {
         };
         let c = Config::resolve(FileConfig::default(), node(None, true)).unwrap();
         assert_eq!(c.cluster.unwrap().sync, SyncPolicy::Always, "the default");
+        let mut mc = node(None, true);
+        mc.memcached_listen = Some("127.0.0.1:11211".parse().unwrap());
+        let err = Config::resolve(FileConfig::default(), mc).unwrap_err();
+        assert_eq!(err, "--memcached-listen: not available on a cluster node (yet)");
         let c = Config::resolve(FileConfig::default(), node(Some(SyncPolicy::Batch), true)).unwrap();
         assert_eq!(c.cluster.unwrap().sync, SyncPolicy::Batch);
         let err = Config::resolve(FileConfig::default(), node(Some(SyncPolicy::None), false)).unwrap_err();
