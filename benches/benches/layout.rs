@@ -18,11 +18,11 @@ fn layout(c: &mut Criterion) {
         g.bench_with_input(BenchmarkId::new("encode_item", size), &value, |b, v| {
             b.iter(|| {
                 out.clear();
-                encode_item(black_box(KEY), black_box(v), 7, 0, &mut out);
+                encode_item(black_box(KEY), black_box(v), 7, 0, 0, &mut out);
             })
         });
         let mut item = Vec::new();
-        encode_item(KEY, &value, 7, 0, &mut item);
+        encode_item(KEY, &value, 7, 0, 0, &mut item);
         g.bench_with_input(BenchmarkId::new("decode_item", size), &item, |b, item| {
             b.iter(|| decode_item(black_box(item)).expect("valid item").value.len())
         });

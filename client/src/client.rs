@@ -923,13 +923,12 @@ impl Client {
         value: &[u8],
         write_id: Option<proto::WriteId>,
     ) -> Result<u64, ClientError> {
-        let op =
-            Op::Put(proto::Put {
-                key: Bytes::copy_from_slice(key),
-                value: Bytes::copy_from_slice(value),
-                write_id,
-                ..Default::default()
-            });
+        let op = Op::Put(proto::Put {
+            key: Bytes::copy_from_slice(key),
+            value: Bytes::copy_from_slice(value),
+            write_id,
+            ..Default::default()
+        });
         match self.call(op).await? {
             R::Put(p) => Ok(p.version),
             other => Err(unexpected(&other)),

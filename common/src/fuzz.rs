@@ -177,7 +177,7 @@ pub fn engine_next_frame(data: &[u8]) {
 pub fn item(data: &[u8]) {
     if let Ok(it) = layout::decode_item(data) {
         let mut enc = Vec::new();
-        layout::encode_item(it.key, it.value, it.version, it.flags, &mut enc);
+        layout::encode_item(it.key, it.value, it.version, it.flags, it.expires_at, &mut enc);
         let meaningful = ITEM_HEADER_LEN + it.key.len() + it.value.len();
         assert_eq!(&enc[..meaningful], &data[..meaningful], "item round trip");
         assert_eq!(enc.len(), layout::item_units(it.key.len(), it.value.len()) * crate::limits::UNIT);

@@ -24,7 +24,10 @@
 //!   atomic store publishes, replaces or removes an item. Zero is the empty
 //!   slot; no item lives at offset 0.
 //! * An **item** is a 32-byte header (checksum, version, key length, value
-//!   length, flags), the key, the value, and zero padding to a whole unit.
+//!   length, client flags, expiry), the key, the value, and zero padding to
+//!   a whole unit. The expiry is a unix second (0: never) judged against
+//!   the server's clock, which the header page publishes at
+//!   [`CLOCK_OFFSET`] (see [`crate::expiry`]).
 //!   The checksum (xxh3-64) covers every meaningful byte after it, so a
 //!   reader that raced a writer, or read space since reused by another key,
 //!   sees a mismatch rather than wrong data.
@@ -42,7 +45,7 @@ use crate::limits::{
 /// "DMKVREG1" read as a little-endian u64.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"DMKVREG1");
 /// Version of this layout. A reader refuses any other.
-pub const LAYOUT_VERSION: u32 = 2;
+pub const LAYOUT_VERSION: u32 = 3;
 /// Bytes reserved for the header at the start of a region (one page, so the
 /// directory starts page-aligned).
 pub const HEADER_LEN: usize = 4096;
@@ -459,12 +462,14 @@ pub fn item_units(key_len: usize, value_len: usize) -> usize {
 pub struct ItemRef<'a> {
     pub version: u64,
     pub flags: u32,
+    /// Unix second the item expires at; 0: never.
+    pub expires_at: u32,
     pub key: &'a [u8],
     pub value: &'a [u8],
 }
 
 /// Appends the item to `out`, padded with zeros to whole units.
-pub fn encode_item(key: &[u8], value: &[u8], version: u64, flags: u32, out: &mut Vec<u8>) {
+pub fn encode_item(key: &[u8], value: &[u8], version: u64, flags: u32, expires_at: u32, out: &mut Vec<u8>) {
     assert!(key.len() <= MAX_KEY_LEN && value.len() <= MAX_VALUE_LEN, "item exceeds limits");
     let start = out.len();
     out.extend_from_slice(&[0u8; 8]);
@@ -472,7 +477,7 @@ pub fn encode_item(key: &[u8], value: &[u8], version: u64, flags: u32, out: &mut
     out.extend_from_slice(&(key.len() as u32).to_le_bytes());
     out.extend_from_slice(&(value.len() as u32).to_le_bytes());
     out.extend_from_slice(&flags.to_le_bytes());
-    out.extend_from_slice(&0u32.to_le_bytes());
+    out.extend_from_slice(&expires_at.to_le_bytes());
     out.extend_from_slice(key);
     out.extend_from_slice(value);
     let sum = xxh3_64(&out[start + 8..]);
@@ -506,16 +511,23 @@ pub fn decode_item(b: &[u8]) -> Result<ItemRef<'_>, LayoutError> {
     if xxh3_64(&b[8..end]) != checksum {
         return Err(LayoutError::Checksum);
     }
-    if u32_at(28) != 0 {
-        return Err(LayoutError::OutOfRange { field: "reserved", value: u32_at(28) as u64 });
-    }
     Ok(ItemRef {
         version,
         flags,
+        expires_at: u32_at(28),
         key: &b[ITEM_HEADER_LEN..ITEM_HEADER_LEN + key_len],
         value: &b[ITEM_HEADER_LEN + key_len..end],
     })
 }
+
+/// Byte offset of the server's clock in the header page: one aligned
+/// 8-byte word, the server's unix time in milliseconds (0: not published),
+/// refreshed by the server every `CLOCK_INTERVAL` and never moving back.
+/// It sits right after the lease block, so a cluster reader gets both in
+/// one read. One-sided readers read it in every batch and judge item
+/// expiry by it ([`crate::expiry::expired`]), as the server's own reads do.
+pub const CLOCK_OFFSET: u64 = LEASE_OFFSET + LEASE_LEN as u64;
+const _: () = assert!(CLOCK_OFFSET.is_multiple_of(8) && CLOCK_OFFSET as usize + 8 <= HEADER_LEN);
 
 /// Byte offset of the lease block in the header page (cluster shards):
 /// past the encoded header, on its own 32 bytes.
@@ -572,11 +584,12 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn arb_item() -> impl Strategy<Value = (Vec<u8>, Vec<u8>, u64, u32)> {
+    fn arb_item() -> impl Strategy<Value = (Vec<u8>, Vec<u8>, u64, u32, u32)> {
         (
             prop::collection::vec(any::<u8>(), 1..64),
             prop::collection::vec(any::<u8>(), 0..300),
             any::<u64>(),
+            any::<u32>(),
             any::<u32>(),
         )
     }
@@ -614,18 +627,18 @@ mod tests {
 
     proptest! {
         #[test]
-        fn every_written_item_decodes_back((key, value, version, flags) in arb_item()) {
+        fn every_written_item_decodes_back((key, value, version, flags, expires_at) in arb_item()) {
             let mut buf = Vec::new();
-            encode_item(&key, &value, version, flags, &mut buf);
+            encode_item(&key, &value, version, flags, expires_at, &mut buf);
             prop_assert_eq!(buf.len(), item_units(key.len(), value.len()) * UNIT);
             let it = decode_item(&buf).unwrap();
-            prop_assert_eq!(it, ItemRef { version, flags, key: &key, value: &value });
+            prop_assert_eq!(it, ItemRef { version, flags, expires_at, key: &key, value: &value });
         }
 
         #[test]
-        fn every_single_bit_flip_is_detected((key, value, version, flags) in arb_item(), pick in any::<prop::sample::Index>()) {
+        fn every_single_bit_flip_is_detected((key, value, version, flags, expires_at) in arb_item(), pick in any::<prop::sample::Index>()) {
             let mut buf = Vec::new();
-            encode_item(&key, &value, version, flags, &mut buf);
+            encode_item(&key, &value, version, flags, expires_at, &mut buf);
             let meaningful = ITEM_HEADER_LEN + key.len() + value.len();
             let bit = pick.index(meaningful * 8);
             buf[bit / 8] ^= 1 << (bit % 8);
@@ -633,9 +646,9 @@ mod tests {
         }
 
         #[test]
-        fn every_truncation_is_detected((key, value, version, flags) in arb_item(), pick in any::<prop::sample::Index>()) {
+        fn every_truncation_is_detected((key, value, version, flags, expires_at) in arb_item(), pick in any::<prop::sample::Index>()) {
             let mut buf = Vec::new();
-            encode_item(&key, &value, version, flags, &mut buf);
+            encode_item(&key, &value, version, flags, expires_at, &mut buf);
             let meaningful = ITEM_HEADER_LEN + key.len() + value.len();
             let cut = pick.index(meaningful);
             prop_assert!(decode_item(&buf[..cut]).is_err());

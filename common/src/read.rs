@@ -476,7 +476,7 @@ mod tests {
             };
             self.version += 1;
             let mut buf = Vec::new();
-            encode_item(key, value, self.version, 0, &mut buf);
+            encode_item(key, value, self.version, 0, 0, &mut buf);
             self.mem[at as usize..at as usize + buf.len()].copy_from_slice(&buf);
             self.history.entry(key.to_vec()).or_default().insert(self.version, value.to_vec());
             let kh = key_hash(key, self.header.hash_seed);

@@ -78,6 +78,12 @@ pub struct Flags {
     /// PUT needs room), continuous (always; for tests).
     #[arg(long, value_name = "MODE")]
     pub compactor: Option<crate::compact::Mode>,
+    /// What happens when memory is full: none (writes fail with
+    /// out-of-memory: a store never drops what it acknowledged), or lru
+    /// (least recently used items are evicted, as a cache; one-sided
+    /// readers report their reads). See docs/eviction.md.
+    #[arg(long, value_name = "POLICY")]
+    pub evict: Option<Evict>,
     /// Largest accepted frame, e.g. 2MiB.
     #[arg(long, value_name = "SIZE")]
     pub max_frame: Option<String>,
@@ -175,6 +181,17 @@ pub struct Flags {
     pub raft_log_entries: Option<u64>,
 }
 
+/// What a full store does (`--evict`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Evict {
+    /// Refuse writes with out-of-memory.
+    #[default]
+    None,
+    /// Evict the least recently used (sampled) items.
+    Lru,
+}
+
 /// How dmkvd writes its log lines (to stderr).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
@@ -195,6 +212,7 @@ pub struct FileConfig {
     pub buckets: Option<u64>,
     pub grace_ms: Option<u64>,
     pub compactor: Option<crate::compact::Mode>,
+    pub evict: Option<Evict>,
     pub max_frame: Option<Size>,
     pub threads: Option<usize>,
     pub log: Option<String>,
@@ -269,6 +287,7 @@ pub struct Config {
     pub buckets: u64,
     pub grace: Duration,
     pub compactor: crate::compact::Mode,
+    pub evict: Evict,
     pub max_frame: usize,
     pub threads: usize,
     /// The log filter given by `--log` or the file; `None`: RUST_LOG if
@@ -549,6 +568,12 @@ impl Config {
             (Some(_), None) => return Err("--cluster needs --node-id".into()),
             (None, Some(_)) => return Err("--node-id needs --cluster".into()),
         };
+        let evict = flags.evict.or(file.evict).unwrap_or_default();
+        if evict == Evict::Lru && cluster.is_some() {
+            // An eviction changes a shard's data: it would have to be
+            // decided by the leader and go through raft.
+            return Err(format!("{}: lru is not available on a cluster node (yet)", name!(evict)));
+        }
         let listen = match &cluster {
             Some(c) => c.config.node(c.node_id)?.rpc,
             None => listen,
@@ -578,6 +603,7 @@ impl Config {
             buckets,
             grace: Duration::from_millis(flags.grace_ms.or(file.grace_ms).unwrap_or(DEFAULT_GRACE.as_millis() as u64)),
             compactor: flags.compactor.or(file.compactor).unwrap_or_default(),
+            evict,
             max_frame: max_frame as usize,
             threads,
             log,

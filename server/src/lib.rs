@@ -11,6 +11,7 @@
 
 pub mod access;
 pub mod alloc;
+pub mod clock;
 pub mod cluster;
 pub mod compact;
 pub mod config;
@@ -116,6 +117,10 @@ impl Server {
             Store::format(region, own_buckets, seed, epoch, cfg.grace)
                 .map_err(|e| invalid(format!("--memory, --buckets: cannot lay out the region: {e}")))?,
         );
+        if cfg.evict == config::Evict::Lru {
+            store::evict::start(&store)
+                .map_err(|e| std::io::Error::new(e.kind(), format!("cannot start eviction: {e}")))?;
+        }
         let compactor = compact::Compactor::spawn(Arc::clone(&store), cfg.compactor)
             .map_err(|e| std::io::Error::new(e.kind(), format!("cannot start the compactor: {e}")))?;
         let listener = TcpListener::bind(cfg.listen).await.map_err(|e| bind_error("rpc", cfg.listen, e))?;

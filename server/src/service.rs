@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use bytes::BytesMut;
 use dmkv_common::error::Error as StoreError;
 use dmkv_common::frame::{self, Decoder, FrameError};
-use dmkv_common::layout::{SEGMENT_UNITS, item_units};
+use dmkv_common::layout::item_units;
 use dmkv_common::limits::MAX_MULTI_GET_KEYS;
 use dmkv_common::proto::{self, ErrorCode, Request, Response, request::Op, response::Result as R};
 use dmkv_common::{PROTOCOL_VERSION, layout::LAYOUT_VERSION};
@@ -19,9 +19,10 @@ use dmkv_common::auth::{Purpose, Role};
 
 use crate::access::Gate;
 use crate::cluster::node::{ClusterError, ClusterNode};
-use crate::compact::{self, Compactor};
+use crate::compact::Compactor;
 use crate::counters::EngineCounters;
 use crate::framed;
+use crate::kv;
 use crate::registration::Registration;
 use crate::store::Store;
 
@@ -310,16 +311,17 @@ fn store_error(id: u64, e: StoreError) -> Response {
     error(id, code, e.to_string())
 }
 
-/// A GET's reply with the value and where its slot is (see `GetReply`).
-fn found(value: bytes::Bytes, version: u64, at: crate::store::Location) -> proto::GetReply {
+/// A GET's reply with the item and where its slot is (see `GetReply`).
+fn found(item: crate::kv::Item, at: crate::store::Location) -> proto::GetReply {
     proto::GetReply {
         found: true,
-        value,
-        version,
+        value: item.value,
+        version: item.meta.version,
         hint_slot: at.slot,
         hint_bucket: u32::from(at.which),
         hint_index: u32::from(at.index),
-        ..Default::default()
+        flags: item.meta.flags,
+        expires_at: item.meta.expires_at,
     }
 }
 
@@ -383,34 +385,50 @@ async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response
             _ => return error(id, ErrorCode::BadRequest, "this server has no authentication configured".into()),
         },
         Some(Op::Put(p)) => {
-            // Space that finishes its grace period soon, or that the
-            // compactor can put in one piece, is not "full".
-            let deadline = tokio::time::Instant::now() + compact::OUT_OF_MEMORY_WAIT;
-            loop {
-                match store.put(&p.key, &p.value) {
-                    Ok(version) => break R::Put(proto::PutReply { version }),
-                    Err(StoreError::OutOfMemory) if tokio::time::Instant::now() < deadline => {
-                        // The write may have needed a new index segment
-                        // instead (or as well): ask for room for either.
-                        let units = item_units(p.key.len(), p.value.len()).max(SEGMENT_UNITS) as u64;
-                        match shared.compactor.after_out_of_memory(units) {
-                            Some(wait) => tokio::time::sleep(wait).await,
-                            None => return store_error(id, StoreError::OutOfMemory),
-                        }
-                    }
-                    Err(e) => return store_error(id, e),
-                }
+            let now = crate::clock::now_ms();
+            let w = write_of(&p, now);
+            let units = item_units(p.key.len(), p.value.len());
+            match kv::with_room(shared, units, || store.write(&p.key, &w, now)).await {
+                Ok(meta) => R::Put(proto::PutReply { version: meta.version }),
+                Err(e) => return store_error(id, e),
             }
         }
-        Some(Op::Get(g)) => match store.get_located(&g.key) {
-            Ok(Some((value, version, at))) => R::Get(found(value, version, at)),
+        Some(Op::Get(g)) => match store.get_item(&g.key, crate::clock::now_ms()) {
+            Ok(Some((item, at))) => R::Get(found(item, at)),
             Ok(None) => R::Get(proto::GetReply::default()),
             Err(e) => return store_error(id, e),
         },
-        Some(Op::Delete(d)) => match store.delete(&d.key) {
+        Some(Op::Delete(d)) => match store.delete_if(&d.key, d.cas, crate::clock::now_ms()) {
             Ok(existed) => R::Delete(proto::DeleteReply { existed }),
             Err(e) => return store_error(id, e),
         },
+        Some(Op::Arith(a)) => {
+            let now = crate::clock::now_ms();
+            let arith = arith_of(&a, now);
+            match kv::with_room(shared, item_units(a.key.len(), 20), || store.arith(&a.key, &arith, now)).await {
+                Ok((value, meta)) => R::Arith(proto::ArithReply { value, version: meta.version }),
+                Err(e) => return store_error(id, e),
+            }
+        }
+        Some(Op::Touch(t)) => {
+            let now = crate::clock::now_ms();
+            let at = expiry_of(t.ttl_secs, t.expires_at, now);
+            match kv::with_room(shared, item_units(t.key.len(), 0), || store.touch(&t.key, at, now)).await {
+                Ok(Some(item)) => {
+                    let mut r = found(item, crate::store::Location { which: 0, index: 0, slot: 0 });
+                    if !t.get {
+                        r.value = Default::default();
+                    }
+                    R::Touch(r)
+                }
+                Ok(None) => R::Touch(proto::GetReply::default()),
+                Err(e) => return store_error(id, e),
+            }
+        }
+        Some(Op::AccessReport(r)) => {
+            store.note_remote_accesses(&r.units);
+            R::AccessReport(proto::AccessReportReply {})
+        }
         Some(Op::MultiGet(m)) => {
             if m.keys.len() > MAX_MULTI_GET_KEYS {
                 return error(
@@ -422,17 +440,17 @@ async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response
             let mut values = Vec::with_capacity(m.keys.len());
             let mut value_bytes = 0usize;
             for k in &m.keys {
-                match store.get_located(k) {
-                    Ok(Some((value, version, at))) => {
+                match store.get_item(k, crate::clock::now_ms()) {
+                    Ok(Some((item, at))) => {
                         // Values past the frame limit cannot be sent: refuse as
                         // soon as they are, rather than first gathering up to
                         // MAX_MULTI_GET_KEYS maximum values (a gigabyte) that
                         // one small request can ask for.
-                        value_bytes += value.len();
+                        value_bytes += item.value.len();
                         if value_bytes > shared.max_frame {
                             return too_large(id, shared.max_frame);
                         }
-                        values.push(found(value, version, at))
+                        values.push(found(item, at))
                     }
                     Ok(None) => values.push(proto::GetReply::default()),
                     Err(e) => return store_error(id, e),
@@ -456,9 +474,6 @@ async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response
         Some(Op::GetMap(_) | Op::JoinShard(_) | Op::ReplaceReplica(_)) => {
             return error(id, ErrorCode::BadRequest, "this node is not part of a cluster".into());
         }
-        Some(Op::Arith(_) | Op::Touch(_)) => {
-            return error(id, ErrorCode::UnknownOp, "not yet".into());
-        }
         Some(Op::Reregister(_)) => match reregister(shared) {
             Ok(_) => R::Reregister(region_info(shared)),
             Err(e) => return error(id, ErrorCode::Internal, e),
@@ -467,10 +482,68 @@ async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response
     Response { id, result: Some(result) }
 }
 
+/// The expiry a request asks for: `expires_at` if given, else `ttl_secs`
+/// from the server's `now_ms` (both 0: never).
+pub fn expiry_of(ttl_secs: u64, expires_at: u32, now_ms: u64) -> u32 {
+    if expires_at != 0 { expires_at } else { dmkv_common::expiry::from_ttl(ttl_secs, now_ms) }
+}
+
+/// The store write a PUT asks for.
+fn write_of(p: &proto::Put, now_ms: u64) -> kv::Write<'_> {
+    let mode = match proto::PutMode::try_from(p.mode).unwrap_or(proto::PutMode::Set) {
+        proto::PutMode::Set => kv::Mode::Set,
+        proto::PutMode::Add => kv::Mode::Add,
+        proto::PutMode::Replace => kv::Mode::Replace,
+        proto::PutMode::Append => kv::Mode::Append,
+        proto::PutMode::Prepend => kv::Mode::Prepend,
+    };
+    kv::Write {
+        value: &p.value,
+        mode,
+        flags: p.flags,
+        expiry: kv::Expiry::At(expiry_of(p.ttl_secs, p.expires_at, now_ms)),
+        cas: p.cas,
+        vivify: p.vivify,
+    }
+}
+
+/// The store counter operation an ARITH asks for: the item keeps its
+/// expiry unless the request gives one.
+fn arith_of(a: &proto::Arith, now_ms: u64) -> kv::Arith {
+    let at = expiry_of(a.ttl_secs, a.expires_at, now_ms);
+    kv::Arith {
+        delta: a.delta,
+        incr: !a.decrement,
+        cas: a.cas,
+        vivify: a.vivify.then_some((a.initial, at)),
+        expiry: if at == 0 { kv::Expiry::Keep } else { kv::Expiry::At(at) },
+    }
+}
+
+/// What a cluster node answers to a write it cannot replicate.
+const NOT_REPLICATED: &str =
+    "flags, expiry, CAS, write modes, counters and touch are not replicated yet: use a single node for them";
+
+/// Whether a PUT asks for nothing but key, value (and write id).
+fn plain_put(p: &proto::Put) -> bool {
+    p.flags == 0 && p.ttl_secs == 0 && p.expires_at == 0 && p.cas == 0 && p.mode == 0 && !p.vivify
+}
+
+/// A GET reply of a cluster shard's item (no flags or expiry there yet).
+fn found_plain(value: bytes::Bytes, version: u64, at: crate::store::Location) -> proto::GetReply {
+    found(kv::Item { value, meta: kv::ItemMeta { version, ..Default::default() } }, at)
+}
+
 /// Runs a data request on a cluster node (`None`: not a data request).
 async fn cluster_request(node: &ClusterNode, max_frame: usize, op: &Op) -> Option<Result<R, proto::Error>> {
     Some(
         match op {
+            Op::Put(p) if !plain_put(p) => return Some(Err(plain(ErrorCode::BadRequest, NOT_REPLICATED.into()))),
+            Op::Delete(d) if d.cas != 0 => return Some(Err(plain(ErrorCode::BadRequest, NOT_REPLICATED.into()))),
+            Op::Arith(_) | Op::Touch(_) => return Some(Err(plain(ErrorCode::BadRequest, NOT_REPLICATED.into()))),
+            // Cluster shards do not evict (an eviction would have to go
+            // through raft): nothing to report to.
+            Op::AccessReport(_) => return Some(Ok(R::AccessReport(proto::AccessReportReply {}))),
             Op::Put(p) => {
                 node.put(&p.key, &p.value, p.write_id).await.map(|version| R::Put(proto::PutReply { version }))
             }
@@ -478,7 +551,7 @@ async fn cluster_request(node: &ClusterNode, max_frame: usize, op: &Op) -> Optio
                 node.delete(&d.key, d.write_id).await.map(|existed| R::Delete(proto::DeleteReply { existed }))
             }
             Op::Get(g) => node.get(&g.key).await.map(|v| {
-                R::Get(v.map_or_else(proto::GetReply::default, |(value, version, at)| found(value, version, at)))
+                R::Get(v.map_or_else(proto::GetReply::default, |(value, version, at)| found_plain(value, version, at)))
             }),
             Op::MultiGet(m) => {
                 if m.keys.len() > MAX_MULTI_GET_KEYS {
@@ -503,7 +576,7 @@ async fn cluster_request(node: &ClusterNode, max_frame: usize, op: &Op) -> Optio
                                     format!("reply exceeds the maximum frame of {max_frame} bytes"),
                                 )));
                             }
-                            values.push(found(value, version, at));
+                            values.push(found_plain(value, version, at));
                         }
                         None => values.push(proto::GetReply::default()),
                     }
@@ -615,6 +688,7 @@ fn descriptor(reg: &crate::registration::Registration, store: &Store, region_id:
         base_addr: store.region().base_ptr() as u64,
         shard: 0,
         leased: false,
+        evicts: store.evicts(),
     }
 }
 
@@ -693,6 +767,8 @@ fn store_stats(s: &Store) -> Vec<(&'static str, u64)> {
     vec![
         ("gets", load(&c.gets)),
         ("get_hits", load(&c.get_hits)),
+        ("get_expired", load(&c.get_expired)),
+        ("evictions", load(&c.evictions)),
         ("puts", load(&c.puts)),
         ("deletes", load(&c.deletes)),
         ("items", load(&c.items)),

@@ -37,17 +37,25 @@ use crate::region::Region;
 
 mod dump;
 mod evacuate;
+pub mod evict;
 mod index;
 pub mod item;
+mod ops;
 
 pub use evacuate::{Candidate, Relocation};
 use index::{Index, IndexWriter, MAX_SPLITS_PER_WRITE, Seg};
+use item::ItemMeta;
+pub(crate) use ops::{Current, Plan};
 
 /// Counters exported by STATS. Relaxed atomics: they are statistics.
 #[derive(Debug, Default)]
 pub struct Counters {
     pub gets: AtomicU64,
     pub get_hits: AtomicU64,
+    /// GETs that found the key's item expired (a miss).
+    pub get_expired: AtomicU64,
+    /// Items evicted to make room (`--evict lru`).
+    pub evictions: AtomicU64,
     pub puts: AtomicU64,
     pub deletes: AtomicU64,
     pub out_of_memory: AtomicU64,
@@ -131,6 +139,8 @@ struct Writer {
     /// Blocks past their epoch but maybe not their time grace, oldest first.
     waiting: VecDeque<Retired>,
     scratch: Vec<u8>,
+    /// Eviction's sampling.
+    rng: u64,
 }
 
 /// Where a key's slot was found: which of its two buckets, the slot's
@@ -179,6 +189,8 @@ pub struct Store {
     in_epoch: Arc<AtomicU64>,
     pub counters: Counters,
     log_limit: LogLimit,
+    /// Last-access stamps, with eviction on (`evict`).
+    recency: std::sync::OnceLock<evict::Recency>,
 }
 
 /// Index segments a store formatted for `bucket_count` buckets starts
@@ -213,11 +225,13 @@ impl Store {
                 next_version: 1,
                 waiting: VecDeque::new(),
                 scratch: Vec::new(),
+                rng: hash_seed | 1,
             }),
             epoch_done: Arc::new(Mutex::new(Vec::new())),
             in_epoch: Arc::default(),
             counters: Counters::default(),
             log_limit: LogLimit::new(),
+            recency: std::sync::OnceLock::new(),
         };
         {
             let mut w = lock(&store.writer);
@@ -228,6 +242,7 @@ impl Store {
         }
         // The header last: a reader that can see it finds a whole index.
         store.region.write(0, &header.encode());
+        crate::clock::publish_to(&store.region);
         Ok(store)
     }
 
@@ -382,24 +397,10 @@ impl Store {
         Ok(self.get_located(key)?.map(|(v, version, _)| (v, version)))
     }
 
-    /// Looks `key` up; returns (value, version, where its slot is).
+    /// Looks `key` up by the server's clock (an expired item is none);
+    /// returns (value, version, where its slot is).
     pub fn get_located(&self, key: &[u8]) -> Result<Option<(Bytes, u64, Location)>, Error> {
-        check_key(key)?;
-        self.counters.gets.fetch_add(1, Ordering::Relaxed);
-        let kh = key_hash(key, self.header.hash_seed);
-        let _guard = epoch::pin();
-        let mut buf = Vec::new();
-        // A segment split after this read of the directory is frozen as it
-        // was, and not reused while this guard is pinned: the lookup sees
-        // the index as it was at some moment during it.
-        let (_, seg) = self.index.segment(&kh);
-        let Some((b, index, slot)) = self.find(seg, &kh, key, &mut buf) else { return Ok(None) };
-        self.counters.get_hits.fetch_add(1, Ordering::Relaxed);
-        let item = decode_item(&buf).expect("verified in find");
-        let (version, start, len) = (item.version, layout::ITEM_HEADER_LEN + item.key.len(), item.value.len());
-        let which = if b == usize::from(kh.buckets[0]) { 0 } else { 1 };
-        let at = Location { which, index: index as u8, slot: slot.pack() };
-        Ok(Some((Bytes::from(buf).slice(start..start + len), version, at)))
+        Ok(self.get_item(key, crate::clock::now_ms())?.map(|(item, at)| (item.value, item.meta.version, at)))
     }
 
     /// Stores `value` under `key`; returns the write's version.
@@ -412,10 +413,24 @@ impl Store {
     /// [`Store::put`] with the version given (`Some`: a restored item,
     /// which keeps the version it had; later writes get higher ones).
     fn put_versioned(&self, key: &[u8], value: &[u8], given: Option<u64>) -> Result<u64, Error> {
+        let plan = |_: Option<Current<'_>>| Ok(Plan { value: value.into(), flags: 0, expires_at: 0, version: given });
+        self.write_item(key, false, plan).map(|m| m.version)
+    }
+
+    /// The one write path: finds `key`'s item, lets `plan` decide from it
+    /// (read whole and verified when `needs_current`, and only if live at
+    /// `plan`'s clock: see `Current`) what to store or to refuse, then
+    /// stores it out of place and publishes it with one slot store.
+    ///
+    /// On any error nothing changed: the old value (if any) stays readable.
+    pub(crate) fn write_item<'v>(
+        &self,
+        key: &[u8],
+        needs_current: bool,
+        plan: impl FnOnce(Option<Current<'_>>) -> Result<Plan<'v>, Error>,
+    ) -> Result<ItemMeta, Error> {
         check_key(key)?;
-        check_value(value)?;
         let kh = key_hash(key, self.header.hash_seed);
-        let units = item_units(key.len(), value.len());
         let guard = epoch::pin();
         let mut w = lock(&self.writer);
         let w = &mut *w;
@@ -423,10 +438,29 @@ impl Store {
         // Space past its grace period first: a split may need it.
         self.reclaim(w, &guard);
         self.audit_dir(w, &kh);
+        let (_, seg) = self.index.segment(&kh);
+        let found = self.find_for_write(seg, &kh, key, &mut probe, &guard);
+        let mut current_buf = Vec::new();
+        let current = match found {
+            Some((_, _, slot)) if needs_current && self.read_verified(slot, &mut current_buf) => {
+                decode_item(&current_buf).ok().map(|it| Current { item: it })
+            }
+            _ => None,
+        };
+        let plan = plan(current)?;
+        check_value(&plan.value)?;
+        let units = item_units(key.len(), plan.value.len());
         let mut splits = 0;
+        // The first round's lookup is the one made above: nothing changed
+        // since. After a split, look again in the key's new segment.
+        let mut first = Some(found);
         let (target, existing) = loop {
             let (id, seg) = self.index.segment(&kh);
-            if let Some((b, i, old)) = self.find_for_write(seg, &kh, key, &mut probe, &guard) {
+            let hit = match first.take() {
+                Some(f) => f,
+                None => self.find_for_write(seg, &kh, key, &mut probe, &guard),
+            };
+            if let Some((b, i, old)) = hit {
                 break (Pos { seg: id, bucket: b, slot: i }, Some(old));
             }
             if let Some((b, i)) = self.free_slot(seg, &kh) {
@@ -449,10 +483,10 @@ impl Store {
             self.counters.out_of_memory.fetch_add(1, Ordering::Relaxed);
             return Err(Error::OutOfMemory);
         };
-        let version = given.unwrap_or(w.next_version);
+        let version = plan.version.unwrap_or(w.next_version);
         w.next_version = w.next_version.max(version.saturating_add(1));
         w.scratch.clear();
-        encode_item(key, value, version, 0, &mut w.scratch);
+        encode_item(key, &plan.value, version, plan.flags, plan.expires_at, &mut w.scratch);
         let offset = at * UNIT as u64;
         // Unit-aligned, and the write's padding to a whole word stays inside
         // the item's units.
@@ -461,13 +495,14 @@ impl Store {
         self.set_slot(self.index.seg(target.seg), target.bucket, target.slot, new_slot.pack());
         self.counters.puts.fetch_add(1, Ordering::Relaxed);
         self.counters.used_bytes.fetch_add((units * UNIT) as u64, Ordering::Relaxed);
+        self.note_write(at, units);
         match existing {
             Some(old) => self.retire(old, &guard),
             None => {
                 self.counters.items.fetch_add(1, Ordering::Relaxed);
             }
         }
-        Ok(version)
+        Ok(ItemMeta { version, flags: plan.flags, expires_at: plan.expires_at })
     }
 
     /// Removes `key`; returns whether it existed.

@@ -118,7 +118,7 @@ fn main() {
     }
 
     let mut item = Vec::new();
-    encode_item(b"key", b"value", 3, 0, &mut item);
+    encode_item(b"key", b"value", 3, 0, 0, &mut item);
     let slots: Vec<u8> = [Slot::new(1, 64, 1).pack(), 0, Slot::new(2, 128, 2).pack()]
         .iter()
         .flat_map(|v| v.to_le_bytes())
