@@ -115,8 +115,8 @@ pub fn general(svc: &Service, out: &mut BytesMut) {
         ("curr_items", n(&store.counters.items)),
         ("total_items", n(&c.total_items)),
         ("bytes", n(&store.counters.used_bytes)),
-        // dmkv does not evict: a full store refuses writes (out of memory).
-        ("evictions", "0".into()),
+        // Non-zero only with `--evict lru`; otherwise a full store refuses writes.
+        ("evictions", n(&store.counters.evictions)),
         ("reclaimed", "0".into()),
     ];
     for (k, v) in fields {
