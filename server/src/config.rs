@@ -121,6 +121,10 @@ pub struct Flags {
     /// this address (default: off). Unauthenticated: see docs/operations.md.
     #[arg(long, value_name = "ADDR")]
     pub metrics_listen: Option<SocketAddr>,
+    /// Serve memcached's text and meta protocols on this address, e.g.
+    /// 127.0.0.1:11211 (default: off; docs/memcached.md).
+    #[arg(long, value_name = "ADDR")]
+    pub memcached_listen: Option<SocketAddr>,
     /// Secrets clients must prove, per role: TOML (`data = "..."`,
     /// `admin = ["...", "..."]`) or lines of `ROLE TOKEN`. DMKVD_DATA_TOKEN
     /// and DMKVD_ADMIN_TOKEN add one each.
@@ -214,6 +218,7 @@ pub struct FileConfig {
     pub log: Option<String>,
     pub log_format: Option<LogFormat>,
     pub metrics_listen: Option<SocketAddr>,
+    pub memcached_listen: Option<SocketAddr>,
     pub engine_listen: Option<SocketAddr>,
     pub engine: Option<bool>,
     pub shm_socket: Option<PathBuf>,
@@ -292,11 +297,14 @@ pub struct Config {
     pub log_format: LogFormat,
     /// Where `/metrics`, `/healthz` and `/readyz` are served; `None`: off.
     pub metrics_listen: Option<SocketAddr>,
-    /// Connections served at once by the RPC listener, the engine, and
-    /// the shared-memory handoff.
+    /// Where memcached's protocols are served; `None`: off.
+    pub memcached_listen: Option<SocketAddr>,
+    /// Connections served at once by the RPC listener, the engine, the
+    /// shared-memory handoff, and the memcached port.
     pub max_connections: usize,
     pub max_engine_connections: usize,
     pub max_shm_connections: usize,
+    pub max_memcached_connections: usize,
     /// How long an RPC or engine connection may send nothing.
     pub idle_timeout: Duration,
     /// How long the rest of a begun frame may take to arrive.
@@ -434,8 +442,10 @@ impl Config {
         }
         let auth = Arc::new(Keys::new(keys.data, keys.admin)?);
         let insecure = flags.insecure || file.insecure.unwrap_or(false);
+        let memcached_listen = flags.memcached_listen.or(file.memcached_listen);
         if !auth.enabled() && !insecure {
-            let exposed = std::iter::once(listen).chain(engine_listen).find(|a| !a.ip().is_loopback());
+            let exposed =
+                std::iter::once(listen).chain(engine_listen).chain(memcached_listen).find(|a| !a.ip().is_loopback());
             if let Some(a) = exposed {
                 return Err(format!(
                     "refusing to serve {a} without authentication: give secrets with --auth-file \
@@ -499,6 +509,9 @@ impl Config {
                 let config = crate::cluster::config::ClusterConfig::parse(&text)
                     .map_err(|e| format!("{name} {}: {e}", path.display()))?;
                 let me = config.node(node_id)?;
+                if memcached_listen.is_some() {
+                    return Err(format!("{}: not available on a cluster node (yet)", name!(memcached_listen)));
+                }
                 if flags.listen.or(file.listen).is_some_and(|l| l != me.rpc) {
                     return Err(format!(
                         "--listen differs from node {node_id}'s rpc address {} in the cluster file",
@@ -596,6 +609,8 @@ impl Config {
             log,
             log_format: flags.log_format.or(file.log_format).unwrap_or_default(),
             metrics_listen: flags.metrics_listen.or(file.metrics_listen),
+            memcached_listen,
+            max_memcached_connections: crate::memcache::MAX_MEMCACHED_CONNECTIONS,
             auth,
             insecure,
             rkey_rotate,
@@ -728,6 +743,7 @@ mod tests {
             .join("\n");
         let all: FileConfig = toml::from_str(&uncommented).unwrap();
         assert!(all.buckets.is_some() && all.engine_listen.is_some() && all.shm_socket.is_some());
+        assert!(all.memcached_listen.is_some());
         assert!(all.max_connections.is_some() && all.max_engine_connections.is_some());
         assert!(all.max_shm_connections.is_some() && all.idle_timeout_secs.is_some() && all.frame_timeout_ms.is_some());
     }
@@ -754,6 +770,8 @@ mod tests {
         assert!(err.contains("without authentication"), "{err}");
         let engine = Flags { engine_listen: Some("0.0.0.0:0".parse().unwrap()), ..Flags::default() };
         assert!(Config::resolve(FileConfig::default(), engine).is_err());
+        let memcached = Flags { memcached_listen: Some("0.0.0.0:11211".parse().unwrap()), ..Flags::default() };
+        assert!(Config::resolve(FileConfig::default(), memcached).unwrap_err().contains("0.0.0.0:11211"));
         let insecure = Flags { listen: Some("0.0.0.0:7070".parse().unwrap()), insecure: true, ..Flags::default() };
         assert!(Config::resolve(FileConfig::default(), insecure).is_ok());
         let dir = std::env::temp_dir().join(format!("dmkv-auth-test-{}", std::process::id()));
@@ -785,6 +803,10 @@ mod tests {
         };
         let c = Config::resolve(FileConfig::default(), node(None, true)).unwrap();
         assert_eq!(c.cluster.unwrap().sync, SyncPolicy::Always, "the default");
+        let mut mc = node(None, true);
+        mc.memcached_listen = Some("127.0.0.1:11211".parse().unwrap());
+        let err = Config::resolve(FileConfig::default(), mc).unwrap_err();
+        assert_eq!(err, "--memcached-listen: not available on a cluster node (yet)");
         let c = Config::resolve(FileConfig::default(), node(Some(SyncPolicy::Batch), true)).unwrap();
         assert_eq!(c.cluster.unwrap().sync, SyncPolicy::Batch);
         let err = Config::resolve(FileConfig::default(), node(Some(SyncPolicy::None), false)).unwrap_err();

@@ -21,6 +21,7 @@ pub mod framed;
 pub mod kv;
 pub mod listen;
 pub mod lock;
+pub mod memcache;
 pub mod metrics;
 #[cfg(feature = "rdma")]
 pub mod rdma;
@@ -55,10 +56,15 @@ pub struct Server {
     rkey_rotate: Option<std::time::Duration>,
     max_engine_connections: usize,
     max_shm_connections: usize,
+    max_memcached_connections: usize,
     /// The peer port of a cluster node.
     peer: Option<TcpListener>,
     /// `/metrics`, `/healthz`, `/readyz`, with `--metrics-listen`.
     metrics: Option<TcpListener>,
+    /// memcached's protocols, with `--memcached-listen`.
+    memcached: Option<TcpListener>,
+    /// Worker threads (memcached's `stats` shows them).
+    threads: usize,
     stop: (watch::Sender<bool>, watch::Receiver<bool>),
 }
 
@@ -126,6 +132,10 @@ impl Server {
             Some(addr) => Some(TcpListener::bind(addr).await.map_err(|e| bind_error("metrics", addr, e))?),
             None => None,
         };
+        let memcached = match cfg.memcached_listen {
+            Some(addr) => Some(TcpListener::bind(addr).await.map_err(|e| bind_error("memcached", addr, e))?),
+            None => None,
+        };
         let shm = match &cfg.shm_socket {
             Some(path) => Some(shm::ShmListener::bind(path).map_err(|e| bind_error("shm", path.display(), e))?),
             None => None,
@@ -165,9 +175,12 @@ impl Server {
             max_connections: cfg.max_connections,
             max_engine_connections: cfg.max_engine_connections,
             max_shm_connections: cfg.max_shm_connections,
+            max_memcached_connections: cfg.max_memcached_connections,
             rkey_rotate: cfg.rkey_rotate,
             peer,
             metrics,
+            memcached,
+            threads: cfg.threads,
             stop,
         })
     }
@@ -204,6 +217,9 @@ impl Server {
         if let Some(a) = self.metrics_addr() {
             line += &format!(" metrics={a}");
         }
+        if let Some(a) = self.memcached_addr() {
+            line += &format!(" memcached={a}");
+        }
         #[cfg(feature = "rdma")]
         if let Some(r) = &self.shared.rdma {
             line += &format!(" rdma={}", r.device_name());
@@ -214,6 +230,11 @@ impl Server {
     /// The metrics address actually bound, if `--metrics-listen` is on.
     pub fn metrics_addr(&self) -> Option<SocketAddr> {
         self.metrics.as_ref().and_then(|l| l.local_addr().ok())
+    }
+
+    /// The memcached address actually bound, if `--memcached-listen` is on.
+    pub fn memcached_addr(&self) -> Option<SocketAddr> {
+        self.memcached.as_ref().and_then(|l| l.local_addr().ok())
     }
 
     /// The RPC address actually bound (useful with port 0).
@@ -306,6 +327,27 @@ impl Server {
                 }
             });
         }
+        if let Some(l) = self.memcached {
+            let (rx, srx) = (stop_rx.clone(), stop_rx.clone());
+            let svc = Arc::new(memcache::Service::new(
+                kv::Kv::new(Arc::clone(&self.shared)),
+                self.threads,
+                self.max_memcached_connections,
+            ));
+            let stats = Arc::clone(&self.shared.metrics.memcached);
+            let cap = self.max_memcached_connections;
+            side.spawn(async move {
+                let mut conns = listen::serve(l, stats, cap, rx, move |(stream, _)| {
+                    memcache::serve_connection(stream, Arc::clone(&svc), srx.clone())
+                })
+                .await;
+                // Connections answer what they have read, as RPC ones do.
+                let drain = async { while conns.join_next().await.is_some() {} };
+                if tokio::time::timeout(config::SHUTDOWN_DRAIN, drain).await.is_err() {
+                    conns.shutdown().await;
+                }
+            });
+        }
         // Every listener is bound (the kernel queues connections from
         // then on) and the others' loops are started; the RPC loop starts
         // below without yielding. Set before the metrics loop can answer,
@@ -346,7 +388,7 @@ impl Server {
 }
 
 /// A listener that could not bind, named with its address: dmkvd binds
-/// up to four (rpc, engine, shm, peer) and the OS error alone says not which.
+/// up to six (rpc, engine, shm, peer, metrics, memcached) and the OS error alone says not which.
 fn bind_error(kind: &str, addr: impl std::fmt::Display, e: std::io::Error) -> std::io::Error {
     std::io::Error::new(e.kind(), format!("cannot bind the {kind} listener to {addr}: {}", plain(&e)))
 }

@@ -108,6 +108,8 @@ pub struct Metrics {
     pub shm: Arc<ListenerStats>,
     pub peer: Arc<ListenerStats>,
     pub metrics: Arc<ListenerStats>,
+    /// The memcached port (`--memcached-listen`).
+    pub memcached: Arc<ListenerStats>,
     /// Re-registrations done by `--rkey-rotate-secs`.
     pub rkey_rotations: AtomicU64,
     /// Set once every listener is up.
@@ -126,6 +128,7 @@ impl Default for Metrics {
             shm: ListenerStats::new("shm"),
             peer: ListenerStats::new("peer"),
             metrics: ListenerStats::new("metrics"),
+            memcached: ListenerStats::new("memcached"),
             rkey_rotations: AtomicU64::new(0),
             serving: AtomicBool::new(false),
             failed: std::sync::OnceLock::new(),
@@ -237,8 +240,8 @@ impl Metrics {
         }
     }
 
-    fn listeners(&self) -> [&ListenerStats; 5] {
-        [&self.rpc, &self.engine, &self.shm, &self.peer, &self.metrics]
+    fn listeners(&self) -> [&ListenerStats; 6] {
+        [&self.rpc, &self.engine, &self.shm, &self.peer, &self.metrics, &self.memcached]
     }
 }
 

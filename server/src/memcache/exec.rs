@@ -1,0 +1,207 @@
+//! Runs the text protocol's requests against the store and writes
+//! memcached's replies.
+
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::Duration;
+
+use bytes::BytesMut;
+use dmkv_common::error::Error;
+use dmkv_common::expiry::{RELATIVE_LIMIT_SECS, from_exptime};
+
+use super::meta::{self, error_line};
+use super::stats::{self, Counters};
+use super::text::{Request, StatsKind, Store, line, value};
+use super::{Close, Service};
+use crate::kv::{Arith, Expiry, Mode, Write};
+
+/// What the connection does after a request.
+#[derive(Debug)]
+pub enum Step {
+    /// The request is answered: take it off the input.
+    Done,
+    /// A get stopped part way (its reply filled the pending bytes): leave
+    /// it in the input and go on from this key once the reply is written.
+    Partial(usize),
+    /// Answered; skip this many more input bytes (a refused data block).
+    Swallow(usize),
+    /// Answered; close the connection.
+    Close(Close),
+}
+
+/// Counts a store's outcome as memcached does.
+pub fn count_store<T>(c: &Counters, is_cas: bool, r: &Result<T, Error>) {
+    let counter = match r {
+        Ok(_) => {
+            if is_cas {
+                c.cas_hits.fetch_add(1, Relaxed);
+            }
+            &c.total_items
+        }
+        Err(Error::Exists) => &c.cas_badval,
+        Err(Error::NotFound) if is_cas => &c.cas_misses,
+        Err(Error::ValueTooLarge(_)) => &c.store_too_large,
+        Err(Error::OutOfMemory | Error::IndexFull) => &c.store_no_memory,
+        Err(_) => return,
+    };
+    counter.fetch_add(1, Relaxed);
+}
+
+/// Runs `req`, appending its reply to `out`. A get resumes at key `from`.
+pub async fn execute(req: &Request<'_>, svc: &Service, out: &mut BytesMut, from: usize) -> Step {
+    let (kv, c) = (&svc.kv, &svc.counters);
+    let reply = |out: &mut BytesMut, noreply: bool, s: &str| {
+        if !noreply {
+            line(out, s)
+        }
+    };
+    match req {
+        Request::Get { keys, cas, touch } => {
+            let now = kv.now_ms();
+            for (i, key) in keys.iter().enumerate().skip(from) {
+                if i > from && out.len() >= crate::framed::MAX_PENDING_REPLY_BYTES {
+                    return Step::Partial(i);
+                }
+                c.cmd_get.fetch_add(1, Relaxed);
+                let found = match touch {
+                    Some(e) => {
+                        c.cmd_touch.fetch_add(1, Relaxed);
+                        kv.touch(key, from_exptime(*e, now)).await
+                    }
+                    None => kv.get(key),
+                };
+                match found {
+                    Ok(Some(item)) => {
+                        c.get_hits.fetch_add(1, Relaxed);
+                        if touch.is_some() {
+                            c.touch_hits.fetch_add(1, Relaxed);
+                        }
+                        value(out, key, item.meta.flags, &item.value, cas.then_some(item.meta.version));
+                    }
+                    Ok(None) => {
+                        c.get_misses.fetch_add(1, Relaxed);
+                        if touch.is_some() {
+                            c.touch_misses.fetch_add(1, Relaxed);
+                        }
+                    }
+                    Err(e) => {
+                        line(out, error_line(&e));
+                        return Step::Done;
+                    }
+                }
+            }
+            line(out, "END");
+        }
+        Request::Store(s) => store(s, svc, out).await,
+        Request::Delete { key, noreply } => match kv.delete(key, 0).await {
+            Ok(true) => {
+                c.delete_hits.fetch_add(1, Relaxed);
+                reply(out, *noreply, "DELETED");
+            }
+            Ok(false) => {
+                c.delete_misses.fetch_add(1, Relaxed);
+                reply(out, *noreply, "NOT_FOUND");
+            }
+            Err(e) => line(out, error_line(&e)),
+        },
+        Request::Arith { key, delta, incr, noreply } => {
+            let a = Arith { delta: *delta, incr: *incr, cas: 0, vivify: None, expiry: Expiry::Keep };
+            let (hits, misses) = if *incr { (&c.incr_hits, &c.incr_misses) } else { (&c.decr_hits, &c.decr_misses) };
+            match kv.arith(key, &a).await {
+                Ok((n, _)) => {
+                    hits.fetch_add(1, Relaxed);
+                    reply(out, *noreply, &n.to_string());
+                }
+                Err(Error::NotFound) => {
+                    misses.fetch_add(1, Relaxed);
+                    reply(out, *noreply, "NOT_FOUND");
+                }
+                Err(e) => line(out, error_line(&e)),
+            }
+        }
+        Request::Touch { key, exptime, noreply } => {
+            c.cmd_touch.fetch_add(1, Relaxed);
+            match kv.touch(key, from_exptime(*exptime, kv.now_ms())).await {
+                Ok(Some(_)) => {
+                    c.touch_hits.fetch_add(1, Relaxed);
+                    reply(out, *noreply, "TOUCHED");
+                }
+                Ok(None) => {
+                    c.touch_misses.fetch_add(1, Relaxed);
+                    reply(out, *noreply, "NOT_FOUND");
+                }
+                Err(e) => line(out, error_line(&e)),
+            }
+        }
+        Request::FlushAll { delay, noreply } => {
+            c.cmd_flush.fetch_add(1, Relaxed);
+            kv.flush_all(Duration::from_secs(flush_delay(*delay, kv.now_ms())));
+            reply(out, *noreply, "OK");
+        }
+        Request::Version => line(out, &format!("VERSION {}", super::VERSION)),
+        Request::Verbosity { noreply } => reply(out, *noreply, "OK"),
+        Request::Quit => return Step::Close(Close::Quit),
+        Request::Stats(kind) => match kind {
+            StatsKind::General => stats::general(svc, out),
+            StatsKind::Empty => line(out, "END"),
+            StatsKind::Reset => {
+                c.reset();
+                line(out, "RESET");
+            }
+            StatsKind::Unknown => line(out, "ERROR"),
+        },
+        Request::Meta(m) => meta::execute(m, kv, c, out).await,
+        Request::MetaNoop => line(out, "MN"),
+        Request::Error { msg, swallow, close } => {
+            line(out, msg);
+            if *close {
+                return Step::Close(Close::Protocol(msg));
+            }
+            if *swallow > 0 {
+                return Step::Swallow(*swallow);
+            }
+        }
+    }
+    Step::Done
+}
+
+/// Seconds until a `flush_all` with `delay` takes effect: memcached reads
+/// the delay by the exptime rules (above 30 days: a unix time).
+pub fn flush_delay(delay: i64, now_ms: u64) -> u64 {
+    let d = if delay > RELATIVE_LIMIT_SECS { delay - (now_ms / 1000) as i64 } else { delay };
+    d.max(0) as u64
+}
+
+async fn store(s: &Store<'_>, svc: &Service, out: &mut BytesMut) {
+    let (kv, c) = (&svc.kv, &svc.counters);
+    c.cmd_set.fetch_add(1, Relaxed);
+    // Append and prepend keep the item's flags and expiry.
+    let expiry = match s.mode {
+        Mode::Append | Mode::Prepend => Expiry::Keep,
+        _ => Expiry::At(from_exptime(s.exptime, kv.now_ms())),
+    };
+    let r = match s.cas {
+        // No item has version 0 (the store's "unconditional"): memcached
+        // answers such a cas by whether the item exists.
+        Some(0) => match kv.get(s.key) {
+            Ok(Some(_)) => Err(Error::Exists),
+            Ok(None) => Err(Error::NotFound),
+            Err(e) => Err(e),
+        },
+        cas => {
+            let w =
+                Write { value: s.value, mode: s.mode, flags: s.flags, expiry, cas: cas.unwrap_or(0), vivify: false };
+            kv.write(s.key, &w).await
+        }
+    };
+    count_store(c, s.cas.is_some(), &r);
+    let status = match r {
+        Ok(_) => "STORED",
+        Err(Error::NotStored) => "NOT_STORED",
+        Err(Error::Exists) => "EXISTS",
+        Err(Error::NotFound) => "NOT_FOUND",
+        Err(e) => return line(out, error_line(&e)),
+    };
+    if !s.noreply {
+        line(out, status);
+    }
+}

@@ -1,0 +1,390 @@
+//! memcached's text protocol as pure code: [`parse`] takes bytes off the
+//! front of a connection's input and names the request they make; the
+//! reply encoders write what memcached writes. Nothing here touches the
+//! store, so every input can be tested, and none can panic.
+//!
+//! Limits are memcached's: a command line of at most [`MAX_LINE_LEN`]
+//! bytes (retrieval lines, which carry many keys, [`MAX_KEYS_LINE_LEN`]),
+//! keys of at most [`MAX_KEY_LEN`] bytes without control characters, values
+//! of at most `limits::MAX_VALUE_LEN` (memcached's `-I` default, 1 MiB).
+
+use bytes::BytesMut;
+
+use super::meta;
+use crate::kv::Mode;
+
+/// Longest command line (memcached's bound: longer ones close the
+/// connection unless they are a multi-key get).
+pub const MAX_LINE_LEN: usize = 2048;
+/// Longest get/gets/gat/gats line: the only lines that grow with the number
+/// of keys. Bounds the keys of one get too (each takes at least 2 bytes).
+pub const MAX_KEYS_LINE_LEN: usize = 64 * 1024;
+/// Longest key on the text protocol.
+pub const MAX_KEY_LEN: usize = 250;
+/// Most tokens on a line other than a retrieval line (memcached's
+/// MAX_TOKENS); meta commands allow fewer flags, see [`meta::MAX_FLAGS`].
+pub const MAX_TOKENS: usize = 24;
+
+/// The error lines, exactly as memcached writes them (without CRLF).
+pub mod err {
+    pub const ERROR: &str = "ERROR";
+    pub const BAD_FORMAT: &str = "CLIENT_ERROR bad command line format";
+    pub const BAD_DELETE: &str = "CLIENT_ERROR bad command line format.  Usage: delete <key> [noreply]";
+    pub const BAD_CHUNK: &str = "CLIENT_ERROR bad data chunk";
+    pub const LINE_TOO_LONG: &str = "CLIENT_ERROR line too long";
+    pub const TOO_LARGE: &str = "SERVER_ERROR object too large for cache";
+    pub const NO_MEMORY: &str = "SERVER_ERROR out of memory storing object";
+    pub const NON_NUMERIC: &str = "CLIENT_ERROR cannot increment or decrement non-numeric value";
+    pub const BAD_DELTA: &str = "CLIENT_ERROR invalid numeric delta argument";
+    pub const BAD_EXPTIME: &str = "CLIENT_ERROR invalid exptime argument";
+    pub const UNAUTHENTICATED: &str = "CLIENT_ERROR unauthenticated";
+    pub const AUTH_FAILED: &str = "CLIENT_ERROR authentication failure";
+}
+
+/// What the input at hand holds.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Parsed<'a> {
+    /// Not a whole request yet: read more.
+    Incomplete,
+    /// A request made of the first `len` bytes.
+    Request { len: usize, req: Request<'a> },
+}
+
+/// One request of the text (or meta) protocol.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Request<'a> {
+    /// get, gets (`cas`), gat, gats (`touch`: the new exptime).
+    Get {
+        keys: Vec<&'a [u8]>,
+        cas: bool,
+        touch: Option<i64>,
+    },
+    Store(Store<'a>),
+    /// delete (memcached's legacy `delete key 0` too).
+    Delete {
+        key: &'a [u8],
+        noreply: bool,
+    },
+    /// incr, decr.
+    Arith {
+        key: &'a [u8],
+        delta: u64,
+        incr: bool,
+        noreply: bool,
+    },
+    Touch {
+        key: &'a [u8],
+        exptime: i64,
+        noreply: bool,
+    },
+    /// flush_all [delay]: `delay` is an exptime (seconds, or a unix time).
+    FlushAll {
+        delay: i64,
+        noreply: bool,
+    },
+    Version,
+    Verbosity {
+        noreply: bool,
+    },
+    Quit,
+    Stats(StatsKind),
+    /// mg, ms, md, ma, me.
+    Meta(meta::Meta<'a>),
+    /// mn.
+    MetaNoop,
+    /// Answer `msg`; then skip `swallow` more bytes of input (the data
+    /// block of a refused storage command), or close if `close`.
+    Error {
+        msg: &'static str,
+        swallow: usize,
+        close: bool,
+    },
+}
+
+/// set, add, replace, append, prepend, cas.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Store<'a> {
+    pub mode: Mode,
+    /// `cas` command: the unique it names.
+    pub cas: Option<u64>,
+    pub key: &'a [u8],
+    pub flags: u32,
+    pub exptime: i64,
+    pub value: &'a [u8],
+    pub noreply: bool,
+}
+
+/// Which `stats` was asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StatsKind {
+    /// `stats`: the general statistics.
+    General,
+    /// `stats settings|items|slabs|sizes|conns`: nothing dmkv keeps, so
+    /// just END.
+    Empty,
+    /// `stats reset`.
+    Reset,
+    /// Anything else: ERROR.
+    Unknown,
+}
+
+fn error(len: usize, msg: &'static str) -> Parsed<'static> {
+    Parsed::Request { len, req: Request::Error { msg, swallow: 0, close: false } }
+}
+
+/// Parses the request at the front of `buf`. `max_value` bounds a storage
+/// command's data block (larger ones are refused and skipped); it is
+/// `MAX_VALUE_LEN` once a connection is authenticated.
+pub fn parse(buf: &[u8], max_value: usize) -> Parsed<'_> {
+    let Some(nl) = buf.iter().position(|&b| b == b'\n') else {
+        let limit = if starts_with_retrieval(buf) { MAX_KEYS_LINE_LEN } else { MAX_LINE_LEN };
+        if buf.len() > limit {
+            return Parsed::Request {
+                len: buf.len(),
+                req: Request::Error { msg: err::LINE_TOO_LONG, swallow: 0, close: true },
+            };
+        }
+        return Parsed::Incomplete;
+    };
+    let line_len = nl + 1;
+    let limit = if starts_with_retrieval(buf) { MAX_KEYS_LINE_LEN } else { MAX_LINE_LEN };
+    if line_len > limit {
+        return Parsed::Request {
+            len: line_len,
+            req: Request::Error { msg: err::LINE_TOO_LONG, swallow: 0, close: true },
+        };
+    }
+    let line = buf[..nl].strip_suffix(b"\r").unwrap_or(&buf[..nl]);
+    let mut toks = line.split(|&b| b == b' ').filter(|t| !t.is_empty());
+    let Some(cmd) = toks.next() else { return error(line_len, err::ERROR) };
+    let retrieval = matches!(cmd, b"get" | b"gets" | b"gat" | b"gats");
+    let max_tokens = if retrieval { usize::MAX } else { MAX_TOKENS };
+    let args: Vec<&[u8]> = toks.take(max_tokens).collect();
+    if args.len() >= max_tokens {
+        let msg =
+            if cmd.len() == 2 && cmd[0] == b'm' { "CLIENT_ERROR options flags are too long" } else { err::BAD_FORMAT };
+        return error(line_len, msg);
+    }
+    let noreply = args.last() == Some(&&b"noreply"[..]);
+    let req = match cmd {
+        b"get" | b"gets" => match keys(&args) {
+            Ok(keys) => Request::Get { keys, cas: cmd == b"gets", touch: None },
+            Err(msg) => Request::Error { msg, swallow: 0, close: false },
+        },
+        b"gat" | b"gats" => match args.split_first() {
+            None => Request::Error { msg: err::ERROR, swallow: 0, close: false },
+            Some((exp, rest)) => match (number::<i32>(exp), keys(rest)) {
+                (None, _) => Request::Error { msg: err::BAD_EXPTIME, swallow: 0, close: false },
+                (_, Err(msg)) => Request::Error { msg, swallow: 0, close: false },
+                (Some(e), Ok(keys)) => Request::Get { keys, cas: cmd == b"gats", touch: Some(i64::from(e)) },
+            },
+        },
+        b"set" | b"add" | b"replace" | b"append" | b"prepend" | b"cas" => {
+            return storage(buf, line_len, cmd, &args, noreply, max_value);
+        }
+        b"delete" => match args.as_slice() {
+            [key] | [key, _] | [key, _, _] if !key_ok(key) => {
+                Request::Error { msg: err::BAD_FORMAT, swallow: 0, close: false }
+            }
+            [key] => Request::Delete { key, noreply: false },
+            [key, b"noreply"] => Request::Delete { key, noreply: true },
+            [key, b"0"] => Request::Delete { key, noreply: false },
+            [key, b"0", b"noreply"] => Request::Delete { key, noreply: true },
+            [] => Request::Error { msg: err::ERROR, swallow: 0, close: false },
+            _ => Request::Error { msg: err::BAD_DELETE, swallow: 0, close: false },
+        },
+        b"incr" | b"decr" => match args.as_slice() {
+            [key, delta] | [key, delta, b"noreply"] => {
+                if !key_ok(key) {
+                    Request::Error { msg: err::BAD_FORMAT, swallow: 0, close: false }
+                } else {
+                    match number::<u64>(delta) {
+                        Some(delta) => Request::Arith { key, delta, incr: cmd == b"incr", noreply },
+                        None => Request::Error { msg: err::BAD_DELTA, swallow: 0, close: false },
+                    }
+                }
+            }
+            _ => Request::Error { msg: err::ERROR, swallow: 0, close: false },
+        },
+        b"touch" => match args.as_slice() {
+            [key, exp] | [key, exp, b"noreply"] => {
+                if !key_ok(key) {
+                    Request::Error { msg: err::BAD_FORMAT, swallow: 0, close: false }
+                } else {
+                    match number::<i32>(exp) {
+                        Some(e) => Request::Touch { key, exptime: i64::from(e), noreply },
+                        None => Request::Error { msg: err::BAD_EXPTIME, swallow: 0, close: false },
+                    }
+                }
+            }
+            _ => Request::Error { msg: err::ERROR, swallow: 0, close: false },
+        },
+        b"flush_all" => match args.as_slice() {
+            [] | [b"noreply"] => Request::FlushAll { delay: 0, noreply },
+            [d] | [d, b"noreply"] => match number::<i32>(d) {
+                Some(d) => Request::FlushAll { delay: i64::from(d), noreply },
+                None => Request::Error { msg: err::BAD_FORMAT, swallow: 0, close: false },
+            },
+            _ => Request::Error { msg: err::ERROR, swallow: 0, close: false },
+        },
+        b"version" => Request::Version,
+        b"verbosity" if !args.is_empty() && args.len() <= 2 => Request::Verbosity { noreply },
+        b"quit" => Request::Quit,
+        b"stats" => Request::Stats(match args.as_slice() {
+            [] => StatsKind::General,
+            [b"settings" | b"items" | b"slabs" | b"sizes" | b"conns"] => StatsKind::Empty,
+            [b"reset"] => StatsKind::Reset,
+            _ => StatsKind::Unknown,
+        }),
+        b"mn" => Request::MetaNoop,
+        b"mg" | b"md" | b"ma" | b"me" => match meta::parse(cmd, &args, None) {
+            Ok(m) => Request::Meta(m),
+            Err(msg) => Request::Error { msg, swallow: 0, close: false },
+        },
+        b"ms" => return meta_set(buf, line_len, &args, max_value),
+        _ => Request::Error { msg: err::ERROR, swallow: 0, close: false },
+    };
+    Parsed::Request { len: line_len, req }
+}
+
+/// Whether `buf` begins a line that may carry many keys.
+fn starts_with_retrieval(buf: &[u8]) -> bool {
+    [&b"get "[..], b"gets ", b"gat ", b"gats "].iter().any(|p| buf.starts_with(p))
+}
+
+/// Whether `key` is a key the text protocol accepts: 1 to 250 bytes, no
+/// control characters (spaces cannot be in a token).
+pub fn key_ok(key: &[u8]) -> bool {
+    !key.is_empty() && key.len() <= MAX_KEY_LEN && key.iter().all(|&b| b > b' ' && b != 0x7f)
+}
+
+fn keys<'a>(args: &[&'a [u8]]) -> Result<Vec<&'a [u8]>, &'static str> {
+    if args.is_empty() {
+        return Err(err::ERROR);
+    }
+    if !args.iter().all(|k| key_ok(k)) {
+        return Err(err::BAD_FORMAT);
+    }
+    Ok(args.to_vec())
+}
+
+/// A decimal number as memcached reads one: digits (and a sign for signed
+/// types), nothing else.
+pub fn number<T: std::str::FromStr>(tok: &[u8]) -> Option<T> {
+    if tok.is_empty()
+        || tok.len() > 20
+        || !tok.iter().enumerate().all(|(i, &b)| b.is_ascii_digit() || (i == 0 && b == b'-'))
+    {
+        return None;
+    }
+    std::str::from_utf8(tok).ok()?.parse().ok()
+}
+
+/// The data block of `vlen` bytes after a line of `line_len` bytes: the
+/// request's length and the value, or why not.
+fn data_block(buf: &[u8], line_len: usize, vlen: usize) -> Option<Result<(usize, &[u8]), usize>> {
+    let end = line_len.checked_add(vlen)?.checked_add(2)?;
+    if buf.len() < end {
+        return None;
+    }
+    if &buf[end - 2..end] != b"\r\n" {
+        return Some(Err(end));
+    }
+    Some(Ok((end, &buf[line_len..end - 2])))
+}
+
+fn storage<'a>(
+    buf: &'a [u8],
+    line_len: usize,
+    cmd: &[u8],
+    args: &[&'a [u8]],
+    noreply: bool,
+    max_value: usize,
+) -> Parsed<'a> {
+    let is_cas = cmd == b"cas";
+    let need = if is_cas { 5 } else { 4 };
+    if args.len() < need {
+        return error(line_len, err::BAD_FORMAT);
+    }
+    // Without a length there is no knowing where the data block ends: the
+    // line alone is refused, as memcached does.
+    let Some(vlen) = number::<i32>(args[3]).and_then(|v| usize::try_from(v).ok()) else {
+        return error(line_len, err::BAD_FORMAT);
+    };
+    let swallow = |msg| Parsed::Request { len: line_len, req: Request::Error { msg, swallow: vlen + 2, close: false } };
+    let (key, flags, exptime) = (args[0], number::<u32>(args[1]), number::<i32>(args[2]));
+    let cas = if is_cas { number::<u64>(args[4]) } else { Some(0) };
+    let (Some(flags), Some(exptime), Some(cas)) = (flags, exptime, cas) else { return swallow(err::BAD_FORMAT) };
+    if !key_ok(key) {
+        return swallow(err::BAD_FORMAT);
+    }
+    if vlen > max_value {
+        return swallow(err::TOO_LARGE);
+    }
+    let (len, value) = match data_block(buf, line_len, vlen) {
+        None => return Parsed::Incomplete,
+        Some(Err(len)) => return error(len, err::BAD_CHUNK),
+        Some(Ok(v)) => v,
+    };
+    let mode = match cmd {
+        b"add" => Mode::Add,
+        b"replace" => Mode::Replace,
+        b"append" => Mode::Append,
+        b"prepend" => Mode::Prepend,
+        _ => Mode::Set,
+    };
+    let cas = is_cas.then_some(cas);
+    Parsed::Request {
+        len,
+        req: Request::Store(Store { mode, cas, key, flags, exptime: i64::from(exptime), value, noreply }),
+    }
+}
+
+fn meta_set<'a>(buf: &'a [u8], line_len: usize, args: &[&'a [u8]], max_value: usize) -> Parsed<'a> {
+    let Some(vlen) = args.get(1).and_then(|t| number::<i32>(t)).and_then(|v| usize::try_from(v).ok()) else {
+        return error(line_len, err::BAD_FORMAT);
+    };
+    let swallow = |msg| Parsed::Request { len: line_len, req: Request::Error { msg, swallow: vlen + 2, close: false } };
+    if vlen > max_value {
+        return swallow(err::TOO_LARGE);
+    }
+    // Flags are checked before the data is waited for, so a refused ms
+    // skips its data block however large.
+    let mut args = args.to_vec();
+    args.remove(1);
+    if let Err(msg) = meta::parse(b"ms", &args, Some(&[])) {
+        return swallow(msg);
+    }
+    let (len, value) = match data_block(buf, line_len, vlen) {
+        None => return Parsed::Incomplete,
+        Some(Err(len)) => return error(len, err::BAD_CHUNK),
+        Some(Ok(v)) => v,
+    };
+    match meta::parse(b"ms", &args, Some(value)) {
+        Ok(m) => Parsed::Request { len, req: Request::Meta(m) },
+        Err(msg) => error(len, msg),
+    }
+}
+
+/// Appends `line` and CRLF.
+pub fn line(out: &mut BytesMut, line: &str) {
+    out.extend_from_slice(line.as_bytes());
+    out.extend_from_slice(b"\r\n");
+}
+
+/// Appends one item of a get reply: `VALUE key flags bytes [cas]` and the
+/// data block.
+pub fn value(out: &mut BytesMut, key: &[u8], flags: u32, value: &[u8], cas: Option<u64>) {
+    out.extend_from_slice(b"VALUE ");
+    out.extend_from_slice(key);
+    let head = match cas {
+        Some(c) => format!(" {flags} {} {c}\r\n", value.len()),
+        None => format!(" {flags} {}\r\n", value.len()),
+    };
+    out.extend_from_slice(head.as_bytes());
+    out.extend_from_slice(value);
+    out.extend_from_slice(b"\r\n");
+}
+
+// A key the text protocol takes is one the store takes.
+const _: () = assert!(MAX_KEY_LEN <= dmkv_common::limits::MAX_KEY_LEN);

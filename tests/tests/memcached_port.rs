@@ -1,0 +1,243 @@
+//! dmkvd's memcached port (`--memcached-listen`, docs/memcached.md) against
+//! real processes: libmemcached's `memccapable` conformance tests (every one
+//! that passes against memcached must pass against dmkv), the meta
+//! commands and error lines over a socket, and `-Y` style authentication.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use dmkv_tests::{ServerProcess, TempDir};
+
+/// memccapable's text-protocol tests (`-a`), by name (`-T`).
+const ASCII_TESTS: [&str; 27] = [
+    "ascii version",
+    "ascii quit",
+    "ascii verbosity",
+    "ascii set",
+    "ascii set noreply",
+    "ascii get",
+    "ascii gets",
+    "ascii mget",
+    "ascii flush",
+    "ascii flush noreply",
+    "ascii add",
+    "ascii add noreply",
+    "ascii replace",
+    "ascii replace noreply",
+    "ascii cas",
+    "ascii cas noreply",
+    "ascii delete",
+    "ascii delete noreply",
+    "ascii incr",
+    "ascii incr noreply",
+    "ascii decr",
+    "ascii decr noreply",
+    "ascii append",
+    "ascii append noreply",
+    "ascii prepend",
+    "ascii prepend noreply",
+    "ascii stat",
+];
+
+fn have(tool: &str) -> bool {
+    Command::new(tool).arg("-h").stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok()
+}
+
+/// Whether memccapable is there; without it the test fails under CI (which
+/// installs it, .ci/run) and is skipped loudly elsewhere.
+fn memccapable_available() -> bool {
+    if have("memccapable") {
+        return true;
+    }
+    let msg = "memccapable not found: install libmemcached-tools (apt-get install libmemcached-tools)";
+    if std::env::var_os("CI").is_some() {
+        panic!("{msg}");
+    }
+    eprintln!("\n!!! SKIPPED: {msg}\n");
+    false
+}
+
+/// The memccapable tests that pass against `host:port`, each run alone.
+fn passing(port: u16) -> Vec<&'static str> {
+    ASCII_TESTS
+        .into_iter()
+        .filter(|t| {
+            let out = Command::new("memccapable")
+                .args(["-h", "127.0.0.1", "-p", &port.to_string(), "-a", "-t", "5", "-T", t])
+                .output()
+                .expect("run memccapable");
+            let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+            out.status.success() && text.contains("[pass]")
+        })
+        .collect()
+}
+
+/// A real memcached on a free port, if installed: the reference.
+struct Memcached(std::process::Child, u16);
+
+impl Memcached {
+    fn start() -> Option<Memcached> {
+        if !have("memcached") {
+            return None;
+        }
+        let port = std::net::TcpListener::bind("127.0.0.1:0").ok()?.local_addr().ok()?.port();
+        let child = Command::new("memcached")
+            .args(["-l", "127.0.0.1", "-p", &port.to_string(), "-U", "0", "-u", "nobody"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .ok()?;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            if Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Some(Memcached(child, port))
+    }
+}
+
+impl Drop for Memcached {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn memcached_port(srv: &ServerProcess) -> u16 {
+    let addr = srv.endpoint("memcached").expect("memcached= in the listening line");
+    addr.rsplit(':').next().and_then(|p| p.parse().ok()).expect("a port")
+}
+
+#[test]
+fn memccapable_passes_what_it_passes_against_memcached() {
+    if !memccapable_available() {
+        return;
+    }
+    let reference = match Memcached::start() {
+        Some(m) => passing(m.1),
+        None => {
+            eprintln!("memcached not installed: expecting every text test to pass, as it does against memcached 1.6");
+            ASCII_TESTS.to_vec()
+        }
+    };
+    assert!(reference.len() >= 20, "memcached itself passes only {reference:?}");
+    let srv = ServerProcess::start(&["--memory", "16MiB", "--memcached-listen", "127.0.0.1:0"]);
+    let ours = passing(memcached_port(&srv));
+    let missing: Vec<_> = reference.iter().filter(|t| !ours.contains(t)).collect();
+    assert!(missing.is_empty(), "memccapable tests passing against memcached but not dmkv: {missing:?}");
+    eprintln!(
+        "memccapable: {} of {} text tests pass against dmkv ({} against memcached)",
+        ours.len(),
+        ASCII_TESTS.len(),
+        reference.len()
+    );
+}
+
+/// A text-protocol conversation: send, then read what came back.
+struct Conn {
+    s: BufReader<TcpStream>,
+}
+
+impl Conn {
+    fn new(port: u16) -> Conn {
+        let s = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        Conn { s: BufReader::new(s) }
+    }
+
+    fn send(&mut self, bytes: &[u8]) {
+        self.s.get_mut().write_all(bytes).expect("send");
+    }
+
+    fn line(&mut self) -> String {
+        let mut l = String::new();
+        self.s.read_line(&mut l).expect("read a line");
+        l
+    }
+
+    /// Sends `req` and reads `n` lines.
+    fn ask(&mut self, req: &str, n: usize) -> Vec<String> {
+        self.send(req.as_bytes());
+        (0..n).map(|_| self.line()).collect()
+    }
+
+    /// Whether the server closed the connection.
+    fn closed(&mut self) -> bool {
+        let mut b = [0u8; 1];
+        matches!(self.s.read(&mut b), Ok(0) | Err(_))
+    }
+}
+
+#[test]
+fn text_and_meta_commands_over_a_socket() {
+    let srv = ServerProcess::start(&["--memory", "16MiB", "--memcached-listen", "127.0.0.1:0"]);
+    let mut c = Conn::new(memcached_port(&srv));
+    assert_eq!(c.ask("set a 7 0 3\r\nabc\r\n", 1), ["STORED\r\n"]);
+    assert_eq!(c.ask("add a 0 0 1\r\nx\r\n", 1), ["NOT_STORED\r\n"]);
+    assert_eq!(c.ask("get a nope\r\n", 3), ["VALUE a 7 3\r\n", "abc\r\n", "END\r\n"]);
+    // Pipelined, with a noreply in the middle: answers in order, none for it.
+    let r = c.ask("set n 0 0 2 noreply\r\n10\r\nincr n 5\r\ndecr n 100\r\nincr a 1\r\n", 3);
+    assert_eq!(r, ["15\r\n", "0\r\n", "CLIENT_ERROR cannot increment or decrement non-numeric value\r\n"]);
+    // A data block not ended by CRLF is refused; nothing is stored.
+    assert_eq!(c.ask("set b 0 0 1\r\nxyz\r\n", 2), ["CLIENT_ERROR bad data chunk\r\n", "ERROR\r\n"]);
+    assert_eq!(c.ask("get b\r\n", 1), ["END\r\n"]);
+    // Too large: refused and its data skipped.
+    let big = format!("set big 0 0 {}\r\n{}\r\nget big\r\n", (1 << 20) + 1, "x".repeat((1 << 20) + 1));
+    assert_eq!(c.ask(&big, 2), ["SERVER_ERROR object too large for cache\r\n", "END\r\n"]);
+    assert_eq!(c.ask("bogus\r\n", 1), ["ERROR\r\n"]);
+    // Meta commands.
+    assert_eq!(c.ask("ms m 2 T0 F5 c\r\nhi\r\n", 1)[0].split(' ').next(), Some("HD"));
+    assert_eq!(c.ask("mg m s v f t k O9\r\n", 2), ["VA 2 s2 f5 t-1 km O9\r\n", "hi\r\n"]);
+    assert_eq!(c.ask("mg nope v q\r\nmg nope v\r\nmn\r\n", 2), ["EN\r\n", "MN\r\n"]);
+    assert_eq!(c.ask("ms m 1 MA\r\n!\r\nmg m v\r\n", 3), ["HD\r\n", "VA 3\r\n", "hi!\r\n"]);
+    assert_eq!(c.ask("ms m 1 ME q\r\nx\r\nmn\r\n", 2), ["NS\r\n", "MN\r\n"]);
+    assert_eq!(c.ask("ma cnt N0 J10 v\r\nma cnt MD D3 v\r\n", 4), ["VA 2\r\n", "10\r\n", "VA 1\r\n", "7\r\n"]);
+    assert_eq!(c.ask("md m q\r\nmd m\r\nmn\r\n", 2), ["NF\r\n", "MN\r\n"]);
+    assert_eq!(c.ask("mg Zm9v b k v N30\r\n", 2), ["VA 0 b kZm9v W\r\n", "\r\n"]);
+    assert_eq!(c.ask("mg foo v E1\r\n", 1), ["CLIENT_ERROR invalid flag\r\n"]);
+    let cas: u64 = c.ask("gets a\r\n", 3)[0].trim().rsplit(' ').next().unwrap().parse().unwrap();
+    assert_eq!(c.ask(&format!("cas a 0 0 1 {}\r\nz\r\n", cas + 1000), 1), ["EXISTS\r\n"]);
+    assert_eq!(c.ask(&format!("cas a 0 0 1 {cas}\r\nz\r\n"), 1), ["STORED\r\n"]);
+    let stats = c.ask("stats\r\n", 1);
+    assert!(stats[0].starts_with("STAT pid "), "{stats:?}");
+    let mut rest = Vec::new();
+    loop {
+        let l = c.line();
+        if l == "END\r\n" {
+            break;
+        }
+        rest.push(l);
+    }
+    for field in ["cmd_get", "get_hits", "curr_items", "curr_connections", "cas_badval", "limit_maxbytes"] {
+        assert!(rest.iter().any(|l| l.starts_with(&format!("STAT {field} "))), "no {field} in {rest:?}");
+    }
+    c.send(b"quit\r\n");
+    assert!(c.closed());
+}
+
+#[test]
+fn authentication_as_memcached_does_it_with_sasl_off() {
+    let dir = TempDir::new("memcached-auth");
+    let secret = "memcached-data-0123456789";
+    let auth = dir.file("auth", &format!("data {secret}\n"));
+    let srv = ServerProcess::start(&["--memory", "16MiB", "--auth-file", &auth, "--memcached-listen", "127.0.0.1:0"]);
+    let port = memcached_port(&srv);
+    let mut c = Conn::new(port);
+    assert_eq!(c.ask("get a\r\n", 1), ["CLIENT_ERROR unauthenticated\r\n"]);
+    assert!(c.closed());
+    let mut c = Conn::new(port);
+    assert_eq!(c.ask("set x 0 0 11\r\ndata wrong!\r\n", 1), ["CLIENT_ERROR authentication failure\r\n"]);
+    assert!(c.closed());
+    let mut c = Conn::new(port);
+    let creds = format!("admin {secret}");
+    let r = c.ask(&format!("set x 0 0 {}\r\n{creds}\r\n", creds.len()), 1);
+    assert_eq!(r, ["CLIENT_ERROR authentication failure\r\n"], "a data secret is not admin's");
+    let mut c = Conn::new(port);
+    let creds = format!("data {secret}");
+    assert_eq!(c.ask(&format!("set x 0 0 {}\r\n{creds}\r\n", creds.len()), 1), ["STORED\r\n"]);
+    assert_eq!(c.ask("set a 0 0 1\r\n1\r\nget a\r\n", 4), ["STORED\r\n", "VALUE a 0 1\r\n", "1\r\n", "END\r\n"]);
+}
