@@ -6,14 +6,19 @@
 #   benches/compare.sh [--workloads "a b c"] [--configs "1x1 32x1 2x16"]
 #                      [--records N] [--value-size B] [--update-writes record|field]
 #                      [--duration S] [--warmup W] [--server-threads N] [--memory-mib N] [--seed N]
-#                      [--stores "dmkv dmkv-onesided memcached redis"] [--runs N] [--no-install]
+#                      [--stores "dmkv dmkv-onesided memcached dmkv-memcached redis"] [--runs N] [--no-install]
+#
+# dmkv-memcached is dmkvd serving memcached's text protocol on its second
+# port (--memcached-listen), driven like memcached. A dmkvd without that
+# port drops it from the default stores with a warning (named in --stores,
+# it is an error).
 #
 # Configurations are threads x in flight; those with one in flight (Tx1)
 # are YCSB's own mode and come first in the tables, the others are
 # labelled "pipelined, not YCSB-comparable". With --runs N every store is
 # measured N times, rounds interleaved (each round restarts the stores and
 # reloads the records); tables and plots show the median run and the range.
-# Defaults (one round) take about four minutes. Raw reports (JSON, CSV,
+# Defaults (one round) take about five minutes. Raw reports (JSON, CSV,
 # logs) go to benches/results/<time>/ (git-ignored); the page, its plots
 # and a CSV of every run's summary go to docs/.
 set -euo pipefail
@@ -34,7 +39,8 @@ WARMUP=1s                   # unmeasured start of each run
 SERVER_THREADS=2            # dmkvd --threads, memcached -t
 MEMORY_MIB=1024             # dmkvd --memory, memcached -m
 SEED=1
-STORES="dmkv dmkv-onesided memcached redis"
+STORES="dmkv dmkv-onesided memcached dmkv-memcached redis"
+STORES_GIVEN=0
 ROUNDS=1
 INSTALL=1
 START_TRIES=100             # x 0.1 s: how long a server gets to start
@@ -52,7 +58,7 @@ while [ $# -gt 0 ]; do
         --server-threads) SERVER_THREADS="$2"; shift 2 ;;
         --memory-mib) MEMORY_MIB="$2"; shift 2 ;;
         --seed) SEED="$2"; shift 2 ;;
-        --stores) STORES="$2"; shift 2 ;;
+        --stores) STORES="$2"; STORES_GIVEN=1; shift 2 ;;
         --runs) ROUNDS="$2"; shift 2 ;;
         --no-install) INSTALL=0; shift ;;
         # The usage is the comment block at the top, without its markers.
@@ -77,6 +83,16 @@ fi
 log "building (release)"
 cargo build --release -p dmkv-server -p dmkv-benches --bins
 BIN="${CARGO_TARGET_DIR:-target}/release"
+
+if [[ " $STORES " == *" dmkv-memcached "* ]] && ! "$BIN/dmkvd" --help | grep -q -- --memcached-listen; then
+    if [ "$STORES_GIVEN" = 1 ]; then
+        echo "compare.sh: this dmkvd has no --memcached-listen: dmkv-memcached cannot run" >&2
+        exit 2
+    fi
+    log "this dmkvd has no --memcached-listen: leaving dmkv-memcached out"
+    STORES=" $STORES "
+    STORES="${STORES// dmkv-memcached / }"
+fi
 
 STAMP="$(date -u +%Y%m%d-%H%M%S)"
 RESULTS="benches/results/$STAMP"
@@ -132,15 +148,18 @@ wait_port() { # port pid
 start_store() {
     local store="$1" port i
     case "$store" in
-        dmkv|dmkv-onesided)
-            record "$BIN/dmkvd" --listen 127.0.0.1:0 --threads "$SERVER_THREADS" --memory "${MEMORY_MIB}MiB" --log warn
-            "$BIN/dmkvd" --listen 127.0.0.1:0 --threads "$SERVER_THREADS" --memory "${MEMORY_MIB}MiB" --log warn \
-                > "$RESULTS/dmkvd.out" 2> "$RESULTS/dmkvd.err" &
+        dmkv|dmkv-onesided|dmkv-memcached)
+            # dmkv-memcached talks to the memcached port, the others to RPC.
+            local args=(--listen 127.0.0.1:0) field=rpc
+            [ "$store" = dmkv-memcached ] && { args+=(--memcached-listen 127.0.0.1:0); field=memcached; }
+            args+=(--threads "$SERVER_THREADS" --memory "${MEMORY_MIB}MiB" --log warn)
+            record "$BIN/dmkvd" "${args[@]}"
+            "$BIN/dmkvd" "${args[@]}" > "$RESULTS/dmkvd.out" 2> "$RESULTS/dmkvd.err" &
             SERVER_PID=$!
             PIDS+=("$SERVER_PID")
             ADDR=""
             for ((i = 0; i < START_TRIES; i++)); do
-                ADDR="$(sed -n 's/^dmkvd listening.*rpc=\([^ ]*\).*/\1/p' "$RESULTS/dmkvd.out")"
+                ADDR="$(sed -n "s/^dmkvd listening.* $field=\([^ ]*\).*/\1/p" "$RESULTS/dmkvd.out")"
                 [ -n "$ADDR" ] && break
                 kill -0 "$SERVER_PID" 2>/dev/null || break
                 sleep 0.1
@@ -192,6 +211,7 @@ for store in $STORES; do
             name="$store-$w-${threads}x$inflight-r$round"
             backend="$store"
             [ "$store" = dmkv-onesided ] && backend=dmkv
+            [ "$store" = dmkv-memcached ] && backend=memcached
             args=(--backend "$backend" --label "$store" --server "$ADDR" --workload "$w" --records "$RECORDS" --value-size "$VALUE_SIZE"
                 --update-writes "$UPDATE_WRITES" --threads "$threads" --in-flight "$inflight" --duration "$DURATION" --warmup "$WARMUP" --seed "$SEED"
                 --json "$RESULTS/$name.json" --csv "$RESULTS/$name.csv")
@@ -274,9 +294,13 @@ mem="$(awk '/^MemTotal/ { printf "%.1f GiB", $2 / 1048576 }' /proc/meminfo)"
     echo "- One store runs at a time. Server threads: dmkvd \`--threads $SERVER_THREADS\`, memcached \`-t $SERVER_THREADS\`;"
     echo "  Redis executes commands on one thread (its I/O threads are off by default), so it gets one core's worth."
     echo "- Redis without persistence (\`--save '' --appendonly no\`); memcached and dmkvd with $MEMORY_MIB MiB."
-    echo "- dmkv is measured twice: \`dmkv\` on the RPC path (\`--path rpc\`), the path the target below is about, and"
+    echo "- dmkv's own client is measured two ways: \`dmkv\` on the RPC path (\`--path rpc\`), the path the target below is about, and"
     echo "  \`dmkv-onesided\` with GETs as one-sided reads (\`--path one-sided\`: shared memory, since client and"
     echo "  server share this host; PUTs still go over RPC)."
+    if [[ " $STORES " == *" dmkv-memcached "* ]]; then
+        echo "- \`dmkv-memcached\` is dmkvd serving memcached's text protocol on its second port (\`--memcached-listen\`),"
+        echo "  driven by the same client as memcached (\`--backend memcached\`); it sits beside memcached in the tables."
+    fi
     echo "- Measured where YCSB measures. Throughput: operations over the measured wall-clock window (first"
     echo "  measured start to last reply, all threads together). Latency: service time in µs, from sending the"
     echo "  request (the key already chosen, the value built) to its reply; failures are counted, not timed. In"

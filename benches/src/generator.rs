@@ -212,6 +212,19 @@ impl ScrambledZipfian {
         ScrambledZipfian { min, count: max - min + 1, zipf }
     }
 
+    /// Keys `min..=max` with constant `theta` (0 < theta < 1), as YCSB's
+    /// three-argument constructor: with 0.99 the same generator as
+    /// [`ScrambledZipfian::new`]; otherwise zeta is summed over the key
+    /// count (one pass, so its cost grows with `max - min`).
+    pub fn with_constant(min: u64, max: u64, theta: f64) -> ScrambledZipfian {
+        if theta == ZIPFIAN_CONSTANT {
+            return ScrambledZipfian::new(min, max);
+        }
+        let count = max - min + 1;
+        // YCSB: `new ZipfianGenerator(0, itemcount, constant)`, one item more.
+        ScrambledZipfian { min, count, zipf: Zipfian::new(0, count, theta) }
+    }
+
     /// A draw in `min..=max`.
     pub fn next(&self, rng: &mut Rng) -> u64 {
         self.min + fnvhash64(self.zipf.next(rng)) % self.count

@@ -10,11 +10,15 @@
 //! [`scenario`] holds the read-path selection scenarios (network namespace,
 //! shaped engine port, load generators, probe windows) shared by
 //! `dmkv-pathbench` and the end-to-end test `tests/pathsel.rs`.
+//!
+//! [`hitratio`] replays a cache-aside zipfian trace for `dmkv-hitratio`:
+//! the hit ratio of memcached and of dmkv's eviction at equal memory.
 
 pub mod backend;
 pub mod cli;
 pub mod driver;
 pub mod generator;
+pub mod hitratio;
 pub mod memcached;
 pub mod pipe;
 pub mod plot;

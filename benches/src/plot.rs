@@ -13,10 +13,11 @@ use crate::report::{ALL_OPS, Report, STORE_ORDER, summarise};
 pub const CHART_SIZE: (u32, u32) = (1100, 520);
 const FONT: &str = "sans-serif";
 /// Colours of the stores, in [`STORE_ORDER`]; others get the last.
-const COLOURS: [RGBColor; 5] = [
+const COLOURS: [RGBColor; 6] = [
     RGBColor(31, 119, 180),
     RGBColor(23, 190, 207),
     RGBColor(44, 160, 44),
+    RGBColor(148, 103, 189),
     RGBColor(214, 39, 40),
     RGBColor(127, 127, 127),
 ];

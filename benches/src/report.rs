@@ -317,10 +317,22 @@ pub fn csv(r: &Report) -> String {
     out
 }
 
-/// Stores in the order tables and plots show them.
-pub const STORE_ORDER: [&str; 4] = ["dmkv", "dmkv-onesided", "memcached", "redis"];
-/// dmkv's entries in reports: the RPC path, and GETs over one-sided reads.
-pub const DMKV_STORES: [&str; 2] = ["dmkv", "dmkv-onesided"];
+/// Stores in the order tables and plots show them: dmkv's memcached port
+/// beside memcached, the store speaking the same protocol.
+pub const STORE_ORDER: [&str; 5] = ["dmkv", "dmkv-onesided", "memcached", "dmkv-memcached", "redis"];
+/// dmkv's entries in reports: the RPC path, GETs over one-sided reads,
+/// and the memcached protocol on dmkvd's second port.
+pub const DMKV_STORES: [&str; 3] = ["dmkv", "dmkv-onesided", "dmkv-memcached"];
+
+/// How a dmkv entry reaches dmkvd, for the target table.
+fn dmkv_mode(store: &str) -> &'static str {
+    match store {
+        "dmkv" => "RPC",
+        "dmkv-onesided" => "one-sided GETs",
+        "dmkv-memcached" => "memcached protocol",
+        _ => "other",
+    }
+}
 /// Throughput dmkv's RPC path aims for, as a multiple of the better rival
 /// (the target the README states).
 pub const GOAL_RATIO: f64 = 1.5;
@@ -453,7 +465,7 @@ pub fn markdown(reports: &[Report]) -> String {
                     t,
                     f,
                     d.comparability_label(),
-                    if d.store == "dmkv" { "RPC" } else { "one-sided GETs" },
+                    dmkv_mode(&d.store),
                     d.run.ops_per_sec,
                     rv.store,
                     rv.run.ops_per_sec,
@@ -587,6 +599,26 @@ mod tests {
         let dmkv_row = md.find("| dmkv | 1×1").unwrap();
         let redis_row = md.find("| redis | 1×1").unwrap();
         assert!(dmkv_row < redis_row);
+    }
+
+    #[test]
+    fn dmkvs_memcached_port_sits_beside_memcached() {
+        let rs = vec![
+            report("redis", "a", 1, 1, 100.0),
+            report("dmkv-memcached", "a", 1, 1, 250.0),
+            report("dmkv", "a", 1, 1, 330.0),
+            report("memcached", "a", 1, 1, 200.0),
+        ];
+        let md = markdown(&rs);
+        let at = |row: &str| md.find(row).unwrap_or_else(|| panic!("{row} missing: {md}"));
+        assert!(at("| memcached | 1×1") < at("| dmkv-memcached | 1×1"), "{md}");
+        assert!(at("| dmkv-memcached | 1×1") < at("| redis | 1×1"), "{md}");
+        // A dmkv entry with its own mode, never a rival.
+        assert!(
+            md.contains("| A | 1×1 | YCSB-comparable | memcached protocol | 250 | memcached | 200 | 1.25× | no |"),
+            "{md}"
+        );
+        assert!(!md.contains("| dmkv-memcached | 250 | 1."), "{md}");
     }
 
     #[test]

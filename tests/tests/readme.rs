@@ -426,7 +426,7 @@ fn readme_parsing_reads_what_it_should() {
 }
 
 /// Our binaries, as documents name them.
-const BINARIES: [&str; 8] = [
+const BINARIES: [&str; 9] = [
     "dmkvd",
     "dmkv",
     "dmkv-ycsb",
@@ -435,6 +435,7 @@ const BINARIES: [&str; 8] = [
     "dmkv-pathbench",
     "dmkv-memutil",
     "dmkv-cluster-bench",
+    "dmkv-hitratio",
 ];
 
 /// Every long flag a binary or any of its (nested) subcommands accepts.
