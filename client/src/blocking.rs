@@ -52,6 +52,50 @@ impl Client {
         self.rt.block_on(self.inner.delete(key))
     }
 
+    /// See [`AsyncClient::put_with`].
+    pub fn put_with(
+        &self,
+        key: impl AsRef<[u8]>,
+        value: impl AsRef<[u8]>,
+        opts: crate::PutOptions,
+    ) -> Result<u64, ClientError> {
+        self.rt.block_on(self.inner.put_with(key, value, opts))
+    }
+
+    /// See [`AsyncClient::cas`].
+    pub fn cas(&self, key: impl AsRef<[u8]>, value: impl AsRef<[u8]>, version: u64) -> Result<u64, ClientError> {
+        self.rt.block_on(self.inner.cas(key, value, version))
+    }
+
+    /// See [`AsyncClient::incr`].
+    pub fn incr(&self, key: impl AsRef<[u8]>, delta: u64) -> Result<u64, ClientError> {
+        self.rt.block_on(self.inner.incr(key, delta))
+    }
+
+    /// See [`AsyncClient::decr`].
+    pub fn decr(&self, key: impl AsRef<[u8]>, delta: u64) -> Result<u64, ClientError> {
+        self.rt.block_on(self.inner.decr(key, delta))
+    }
+
+    /// See [`AsyncClient::touch`].
+    pub fn touch(&self, key: impl AsRef<[u8]>, ttl: Option<std::time::Duration>) -> Result<bool, ClientError> {
+        self.rt.block_on(self.inner.touch(key, ttl))
+    }
+
+    /// See [`AsyncClient::get_and_touch`].
+    pub fn get_and_touch(
+        &self,
+        key: impl AsRef<[u8]>,
+        ttl: Option<std::time::Duration>,
+    ) -> Result<Option<Versioned>, ClientError> {
+        self.rt.block_on(self.inner.get_and_touch(key, ttl))
+    }
+
+    /// See [`AsyncClient::delete_cas`].
+    pub fn delete_cas(&self, key: impl AsRef<[u8]>, version: u64) -> Result<bool, ClientError> {
+        self.rt.block_on(self.inner.delete_cas(key, version))
+    }
+
     /// See [`AsyncClient::multi_get`].
     pub fn multi_get<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Option<Bytes>>, ClientError> {
         self.rt.block_on(self.inner.multi_get(keys))

@@ -32,9 +32,18 @@ fn free_port() -> u16 {
 }
 
 fn free_port_on(ip: Ipv4Addr) -> u16 {
-    // Bound then released: another process could take it in between, which
-    // a test would report as a failed start.
-    TcpListener::bind((ip, 0)).and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port")
+    held_port_on(ip).1
+}
+
+/// A free port on `ip`, held bound until the listener is dropped: ports
+/// picked one after another while the earlier ones are still held are
+/// distinct (released at once, the kernel may hand the same port out
+/// again). Released before dmkvd binds it: another process could take it
+/// in between, which a test would report as a failed start.
+fn held_port_on(ip: Ipv4Addr) -> (TcpListener, u16) {
+    let l = TcpListener::bind((ip, 0)).expect("a free port");
+    let port = l.local_addr().expect("a bound address").port();
+    (l, port)
 }
 
 /// Clusters started by this process so far.
@@ -75,11 +84,16 @@ impl TestCluster {
         let mut text = format!("shards = {shards}\nreplicas = {replicas}\n");
         let mut rpc = Vec::new();
         let ips = peer_ips(nodes);
+        let mut held = Vec::new();
         for (id, ip) in (1..=nodes).zip(&ips) {
-            let (r, p) = (format!("127.0.0.1:{}", free_port()), format!("{ip}:{}", free_port_on(*ip)));
+            let (rl, rp) = held_port_on(Ipv4Addr::LOCALHOST);
+            let (pl, pp) = held_port_on(*ip);
+            held.extend([rl, pl]);
+            let (r, p) = (format!("127.0.0.1:{rp}"), format!("{ip}:{pp}"));
             text += &format!("[[node]]\nid = {id}\nrpc = \"{r}\"\npeer = \"{p}\"\n");
             rpc.push(r);
         }
+        drop(held);
         let file = dir.join("cluster.toml");
         std::fs::write(&file, text).map_err(|e| format!("cannot write {}: {e}", file.display()))?;
         let mut c = TestCluster {

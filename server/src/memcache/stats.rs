@@ -90,8 +90,8 @@ pub fn general(svc: &Service, out: &mut BytesMut) {
         ("cmd_touch", n(&c.cmd_touch)),
         ("get_hits", n(&c.get_hits)),
         ("get_misses", n(&c.get_misses)),
-        // Expired items read as misses: the store does not say which were.
-        ("get_expired", "0".into()),
+        // The store's count: every port's reads (one-sided ones excepted).
+        ("get_expired", n(&store.counters.get_expired)),
         ("get_flushed", "0".into()),
         ("delete_misses", n(&c.delete_misses)),
         ("delete_hits", n(&c.delete_hits)),

@@ -184,6 +184,8 @@ impl Store {
         self.region.write(to * UNIT as u64, &buf);
         let new = Slot { offset_units: to, ..old };
         self.set_slot(seg, bucket, i, new.pack());
+        // A move is no use: the item keeps its recency (eviction).
+        self.note_moved(old.offset_units, to);
         let bytes = u64::from(old.units) * UNIT as u64;
         self.retire(old, &guard);
         // `retire` took the old copy's bytes off the live count; the new

@@ -89,6 +89,14 @@ impl Recency {
         }
     }
 
+    /// Gives the item at `to` the stamp of the one at `from`.
+    fn copy(&self, from: u64, to: u64) {
+        let at = |u: u64| u.checked_sub(self.first_unit).and_then(|i| self.stamps.get(i as usize));
+        if let (Some(f), Some(t)) = (at(from), at(to)) {
+            t.store(f.load(Ordering::Relaxed), Ordering::Relaxed);
+        }
+    }
+
     /// How long ago the item at `unit` was used (never: the longest).
     fn age(&self, unit: u64, now: u32) -> u32 {
         match unit.checked_sub(self.first_unit).and_then(|i| self.stamps.get(i as usize)) {
@@ -128,6 +136,13 @@ impl Store {
     pub(super) fn note_access(&self, unit: u64) {
         if let Some(r) = self.recency.get() {
             r.stamp(unit);
+        }
+    }
+
+    /// Carries an item's recency to where the compactor moved it.
+    pub(super) fn note_moved(&self, from: u64, to: u64) {
+        if let Some(r) = self.recency.get() {
+            r.copy(from, to);
         }
     }
 
