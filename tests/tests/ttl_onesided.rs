@@ -15,10 +15,12 @@ use dmkv_client::{Client, ClientConfig, PutOptions, ReadPath, Transport, Version
 use dmkv_tests::ServerProcess;
 
 /// How late (by this host's wall clock) a read may still see an item: the
-/// server publishes its clock every 10 ms; the rest is for scheduling.
-const ALLOWANCE_MS: u64 = 50;
+/// server publishes its clock every 10 ms; the rest is for a loaded CI
+/// machine's scheduling of the clock thread. Still well inside the
+/// shortest TTL: a reader that ignored expiry would see items for good.
+const ALLOWANCE_MS: u64 = 400;
 /// After its expiry plus this, every read must miss.
-const GONE_AFTER_MS: u64 = 100;
+const GONE_AFTER_MS: u64 = 500;
 
 fn wall_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).expect("clock after 1970").as_millis() as u64
