@@ -241,3 +241,26 @@ fn authentication_as_memcached_does_it_with_sasl_off() {
     assert_eq!(c.ask(&format!("set x 0 0 {}\r\n{creds}\r\n", creds.len()), 1), ["STORED\r\n"]);
     assert_eq!(c.ask("set a 0 0 1\r\n1\r\nget a\r\n", 4), ["STORED\r\n", "VALUE a 0 1\r\n", "1\r\n", "END\r\n"]);
 }
+
+/// memcaslap (libmemcached-tools) drives the port the way the benchmark
+/// does: its keys start with control bytes, which memcached takes. Every
+/// command must be accepted: no error line in its output, and it reports
+/// its totals.
+#[test]
+fn memcaslap_runs_without_an_error_line() {
+    if !have("memcaslap") {
+        assert!(std::env::var_os("CI").is_none(), "memcaslap (libmemcached-tools) is missing under CI");
+        eprintln!("SKIPPED: memcaslap not installed (apt-get install libmemcached-tools)");
+        return;
+    }
+    let srv = ServerProcess::start(&["--memory", "64MiB", "--memcached-listen", "127.0.0.1:0"]);
+    let port = memcached_port(&srv);
+    let out = std::process::Command::new("memcaslap")
+        .args(["-s", &format!("127.0.0.1:{port}"), "-T", "1", "-c", "4", "-t", "2s", "-X", "200"])
+        .output()
+        .expect("run memcaslap");
+    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "memcaslap failed: {text}");
+    assert!(!text.contains("ERROR"), "the port refused memcaslap's commands:\n{text}");
+    assert!(text.contains("Run time"), "memcaslap printed no totals:\n{text}");
+}

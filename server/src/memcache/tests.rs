@@ -35,7 +35,9 @@ fn retrieval_commands() {
     assert_eq!(error_of(b"gat x a\r\n").0, err::BAD_EXPTIME);
     let long = format!("get {}\r\n", "k".repeat(251));
     assert_eq!(error_of(long.as_bytes()).0, err::BAD_FORMAT);
-    assert_eq!(error_of(b"get a\x01b\r\n").0, err::BAD_FORMAT);
+    assert_eq!(error_of(b"get a\x00b\r\n").0, err::BAD_FORMAT);
+    // memcached takes other control bytes (memcaslap's keys have them).
+    assert_eq!(one(b"get \x10\x10k\r\n"), Request::Get { keys: vec![b"\x10\x10k"], cas: false, touch: None });
 }
 
 #[test]

@@ -5,7 +5,7 @@
 //!
 //! Limits are memcached's: a command line of at most [`MAX_LINE_LEN`]
 //! bytes (retrieval lines, which carry many keys, [`MAX_KEYS_LINE_LEN`]),
-//! keys of at most [`MAX_KEY_LEN`] bytes without control characters, values
+//! keys of at most [`MAX_KEY_LEN`] bytes without NUL, CR or LF, values
 //! of at most `limits::MAX_VALUE_LEN` (memcached's `-I` default, 1 MiB).
 
 use bytes::BytesMut;
@@ -253,9 +253,11 @@ fn starts_with_retrieval(buf: &[u8]) -> bool {
 }
 
 /// Whether `key` is a key the text protocol accepts: 1 to 250 bytes, no
-/// control characters (spaces cannot be in a token).
+/// NUL, CR or LF (spaces cannot be in a token). Other control bytes pass,
+/// as they do in memcached, whose tokenizer splits on spaces only:
+/// memcaslap's keys start with such bytes.
 pub fn key_ok(key: &[u8]) -> bool {
-    !key.is_empty() && key.len() <= MAX_KEY_LEN && key.iter().all(|&b| b > b' ' && b != 0x7f)
+    !key.is_empty() && key.len() <= MAX_KEY_LEN && key.iter().all(|&b| !matches!(b, 0 | b'\r' | b'\n'))
 }
 
 fn keys<'a>(args: &[&'a [u8]]) -> Result<Vec<&'a [u8]>, &'static str> {
