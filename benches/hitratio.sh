@@ -93,45 +93,8 @@ mkdir -p "$RESULTS"
 COMMANDS="$RESULTS/commands.txt"
 : > "$COMMANDS"
 
-PIDS=()
-cleanup() {
-    for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-    for p in "${PIDS[@]}"; do wait "$p" 2>/dev/null || true; done
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-
-# The command as the page shows it: binaries by their repository path,
-# the raw reports' directory as $OUT.
-record() {
-    local shown="$*"
-    shown="${shown//$BIN/target/release}"
-    shown="${shown//$RESULTS/\$OUT}"
-    echo "$shown" >> "$COMMANDS"
-    echo "\$ $shown" >&2
-}
-
-port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
-
-free_port() {
-    local p i
-    for ((i = 0; i < PORT_TRIES; i++)); do
-        p=$((20000 + RANDOM % 40000))
-        port_open "$p" || { echo "$p"; return 0; }
-    done
-    echo "hitratio.sh: no free port found" >&2
-    return 1
-}
-
-wait_port() { # port pid
-    local i
-    for ((i = 0; i < START_TRIES; i++)); do
-        port_open "$1" && return 0
-        kill -0 "$2" 2>/dev/null || return 1
-        sleep 0.1
-    done
-    return 1
-}
+# shellcheck source=benches/lib.sh
+source benches/lib.sh
 
 # Starts a fresh store; sets ADDR (the address dmkv-hitratio talks to) and SERVER_PID.
 start_store() {
@@ -169,10 +132,6 @@ start_store() {
     esac
 }
 
-stop_store() {
-    kill "$SERVER_PID" 2>/dev/null || true
-    wait "$SERVER_PID" 2>/dev/null || true
-}
 
 declare -A RATIO
 for store in $STORES; do

@@ -507,6 +507,18 @@ impl Store {
 
     /// Removes `key`; returns whether it existed.
     pub fn delete(&self, key: &[u8]) -> Result<bool, Error> {
+        self.delete_where(key, |_, _| Ok(true))
+    }
+
+    /// Removes `key`'s item if `judge` (given its slot and a buffer to
+    /// read it into) says so: Ok(true) remove, and report it existed;
+    /// Ok(false) remove, and report it did not (an expired item); Err,
+    /// keep it and fail. Ok(false) without asking if there is none.
+    pub(crate) fn delete_where(
+        &self,
+        key: &[u8],
+        judge: impl FnOnce(Slot, &mut Vec<u8>) -> Result<bool, Error>,
+    ) -> Result<bool, Error> {
         check_key(key)?;
         let kh = key_hash(key, self.header.hash_seed);
         let guard = epoch::pin();
@@ -515,11 +527,12 @@ impl Store {
         let mut probe = Vec::new();
         let (_, seg) = self.index.segment(&kh);
         let Some((b, i, old)) = self.find_for_write(seg, &kh, key, &mut probe, &guard) else { return Ok(false) };
+        let existed = judge(old, &mut probe)?;
         self.set_slot(seg, b, i, Slot::EMPTY);
         self.counters.deletes.fetch_add(1, Ordering::Relaxed);
         self.counters.items.fetch_sub(1, Ordering::Relaxed);
         self.retire(old, &guard);
-        Ok(true)
+        Ok(existed)
     }
 
     /// An empty slot in the emptier candidate bucket, to spread load.

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 pub mod cluster;
 pub mod history;
+pub mod memcached;
 pub mod netns;
 pub mod partition;
 pub mod prom;

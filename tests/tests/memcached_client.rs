@@ -4,12 +4,11 @@
 //! touch, expiry, delete and flush_all. The same script runs against a real
 //! memcached first, which shows its expectations are memcached's.
 
-use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
 
 use dmkv_tests::ServerProcess;
+use dmkv_tests::memcached::{Memcached, port_of};
 
 fn script() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("py/memcached_client.py")
@@ -47,49 +46,16 @@ fn run_script(py: &str, port: u16, against: &str) {
     assert!(text.contains("ALL OK"), "script ended early against {against}:\n{text}");
 }
 
-/// A real memcached on a free port: the reference.
-struct Memcached(std::process::Child, u16);
-
-impl Memcached {
-    /// None if memcached is not installed (then only dmkv is checked; CI
-    /// installs it).
-    fn start() -> Option<Memcached> {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").ok()?.local_addr().ok()?.port();
-        let child = Command::new("memcached")
-            .args(["-l", "127.0.0.1", "-p", &port.to_string(), "-U", "0", "-u", "nobody"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .ok()?;
-        let m = Memcached(child, port);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "memcached did not listen on {port} within 10 s");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Some(m)
-    }
-}
-
-impl Drop for Memcached {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 #[test]
 fn pymemcache_works_against_dmkv_as_against_memcached() {
     let Some(py) = python() else { return };
     match Memcached::start() {
-        Some(m) => run_script(py, m.1, "memcached"),
+        Some(m) => run_script(py, m.port, "memcached"),
         None => {
             assert!(std::env::var_os("CI").is_none(), "memcached not installed (CI installs it)");
             eprintln!("memcached not installed: checking dmkv only");
         }
     }
     let srv = ServerProcess::start(&["--memory", "16MiB", "--memcached-listen", "127.0.0.1:0"]);
-    let addr = srv.endpoint("memcached").expect("memcached= in the listening line");
-    let port: u16 = addr.rsplit(':').next().and_then(|p| p.parse().ok()).expect("a port");
-    run_script(py, port, "dmkv");
+    run_script(py, port_of(&srv), "dmkv");
 }

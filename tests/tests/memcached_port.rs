@@ -6,8 +6,9 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use dmkv_tests::memcached::{Memcached, port_of};
 use dmkv_tests::{ServerProcess, TempDir};
 
 /// memccapable's text-protocol tests (`-a`), by name (`-T`).
@@ -74,51 +75,13 @@ fn passing(port: u16) -> Vec<&'static str> {
         .collect()
 }
 
-/// A real memcached on a free port, if installed: the reference.
-struct Memcached(std::process::Child, u16);
-
-impl Memcached {
-    fn start() -> Option<Memcached> {
-        if !have("memcached") {
-            return None;
-        }
-        let port = std::net::TcpListener::bind("127.0.0.1:0").ok()?.local_addr().ok()?.port();
-        let child = Command::new("memcached")
-            .args(["-l", "127.0.0.1", "-p", &port.to_string(), "-U", "0", "-u", "nobody"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .ok()?;
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            if Instant::now() > deadline {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Some(Memcached(child, port))
-    }
-}
-
-impl Drop for Memcached {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn memcached_port(srv: &ServerProcess) -> u16 {
-    let addr = srv.endpoint("memcached").expect("memcached= in the listening line");
-    addr.rsplit(':').next().and_then(|p| p.parse().ok()).expect("a port")
-}
-
 #[test]
 fn memccapable_passes_what_it_passes_against_memcached() {
     if !memccapable_available() {
         return;
     }
     let reference = match Memcached::start() {
-        Some(m) => passing(m.1),
+        Some(m) => passing(m.port),
         None => {
             eprintln!("memcached not installed: expecting every text test to pass, as it does against memcached 1.6");
             ASCII_TESTS.to_vec()
@@ -126,7 +89,7 @@ fn memccapable_passes_what_it_passes_against_memcached() {
     };
     assert!(reference.len() >= 20, "memcached itself passes only {reference:?}");
     let srv = ServerProcess::start(&["--memory", "16MiB", "--memcached-listen", "127.0.0.1:0"]);
-    let ours = passing(memcached_port(&srv));
+    let ours = passing(port_of(&srv));
     let missing: Vec<_> = reference.iter().filter(|t| !ours.contains(t)).collect();
     assert!(missing.is_empty(), "memccapable tests passing against memcached but not dmkv: {missing:?}");
     eprintln!(
@@ -175,7 +138,7 @@ impl Conn {
 #[test]
 fn text_and_meta_commands_over_a_socket() {
     let srv = ServerProcess::start(&["--memory", "16MiB", "--memcached-listen", "127.0.0.1:0"]);
-    let mut c = Conn::new(memcached_port(&srv));
+    let mut c = Conn::new(port_of(&srv));
     assert_eq!(c.ask("set a 7 0 3\r\nabc\r\n", 1), ["STORED\r\n"]);
     assert_eq!(c.ask("add a 0 0 1\r\nx\r\n", 1), ["NOT_STORED\r\n"]);
     assert_eq!(c.ask("get a nope\r\n", 3), ["VALUE a 7 3\r\n", "abc\r\n", "END\r\n"]);
@@ -225,7 +188,7 @@ fn authentication_as_memcached_does_it_with_sasl_off() {
     let secret = "memcached-data-0123456789";
     let auth = dir.file("auth", &format!("data {secret}\n"));
     let srv = ServerProcess::start(&["--memory", "16MiB", "--auth-file", &auth, "--memcached-listen", "127.0.0.1:0"]);
-    let port = memcached_port(&srv);
+    let port = port_of(&srv);
     let mut c = Conn::new(port);
     assert_eq!(c.ask("get a\r\n", 1), ["CLIENT_ERROR unauthenticated\r\n"]);
     assert!(c.closed());
@@ -254,7 +217,7 @@ fn memcaslap_runs_without_an_error_line() {
         return;
     }
     let srv = ServerProcess::start(&["--memory", "64MiB", "--memcached-listen", "127.0.0.1:0"]);
-    let port = memcached_port(&srv);
+    let port = port_of(&srv);
     let out = std::process::Command::new("memcaslap")
         .args(["-s", &format!("127.0.0.1:{port}"), "-T", "1", "-c", "4", "-t", "2s", "-X", "200"])
         .output()

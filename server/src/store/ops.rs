@@ -187,27 +187,15 @@ impl Store {
     /// 0) has version `cas`. Ok(false): no live item (an expired one is
     /// removed all the same).
     pub fn delete_if(&self, key: &[u8], cas: u64, now_ms: u64) -> Result<bool, Error> {
-        check_key(key)?;
-        let kh = key_hash(key, self.header.hash_seed);
-        let guard = epoch::pin();
-        let w = lock(&self.writer);
-        self.audit_dir(&w, &kh);
-        let mut probe = Vec::new();
-        let (_, seg) = self.index.segment(&kh);
-        let Some((b, i, old)) = self.find_for_write(seg, &kh, key, &mut probe, &guard) else { return Ok(false) };
-        let live =
-            self.read_verified(old, &mut probe) && decode_item(&probe).is_ok_and(|it| !expired(it.expires_at, now_ms));
-        if live && cas != 0 && decode_item(&probe).is_ok_and(|it| it.version != cas) {
-            return Err(Error::Exists);
-        }
-        if !live && cas != 0 {
-            return Err(Error::NotFound);
-        }
-        self.set_slot(seg, b, i, Slot::EMPTY);
-        self.counters.deletes.fetch_add(1, Ordering::Relaxed);
-        self.counters.items.fetch_sub(1, Ordering::Relaxed);
-        self.retire(old, &guard);
-        Ok(live)
+        self.delete_where(key, |old, buf| {
+            let item = if self.read_verified(old, buf) { decode_item(buf).ok() } else { None };
+            match item.filter(|it| !expired(it.expires_at, now_ms)) {
+                Some(it) if cas != 0 && it.version != cas => Err(Error::Exists),
+                Some(_) => Ok(true),
+                None if cas != 0 => Err(Error::NotFound),
+                None => Ok(false),
+            }
+        })
     }
 
     /// Removes every item (memcached's flush_all); returns how many.
