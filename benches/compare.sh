@@ -105,37 +105,15 @@ source benches/lib.sh
 
 # Starts a store; sets ADDR and SERVER_PID.
 start_store() {
-    local store="$1" port i
+    local store="$1" port
     case "$store" in
         dmkv|dmkv-onesided|dmkv-memcached)
             # dmkv-memcached talks to the memcached port, the others to RPC.
             local args=(--listen 127.0.0.1:0) field=rpc
             [ "$store" = dmkv-memcached ] && { args+=(--memcached-listen 127.0.0.1:0); field=memcached; }
-            args+=(--threads "$SERVER_THREADS" --memory "${MEMORY_MIB}MiB" --log warn)
-            record "$BIN/dmkvd" "${args[@]}"
-            "$BIN/dmkvd" "${args[@]}" > "$RESULTS/dmkvd.out" 2> "$RESULTS/dmkvd.err" &
-            SERVER_PID=$!
-            PIDS+=("$SERVER_PID")
-            ADDR=""
-            for ((i = 0; i < START_TRIES; i++)); do
-                ADDR="$(sed -n "s/^dmkvd listening.* $field=\([^ ]*\).*/\1/p" "$RESULTS/dmkvd.out")"
-                [ -n "$ADDR" ] && break
-                kill -0 "$SERVER_PID" 2>/dev/null || break
-                sleep 0.1
-            done
-            [ -n "$ADDR" ] || { echo "compare.sh: dmkvd did not start" >&2; cat "$RESULTS/dmkvd.err" >&2; exit 1; }
+            start_dmkvd "$field" dmkvd "${args[@]}" --threads "$SERVER_THREADS" --memory "${MEMORY_MIB}MiB" --log warn
             ;;
-        memcached)
-            port="$(free_port)"
-            local user=(); [ "$(id -u)" = 0 ] && user=(-u root)
-            record memcached "${user[@]}" -l 127.0.0.1 -p "$port" -U 0 -t "$SERVER_THREADS" -m "$MEMORY_MIB" -c 4096
-            memcached "${user[@]}" -l 127.0.0.1 -p "$port" -U 0 -t "$SERVER_THREADS" -m "$MEMORY_MIB" -c 4096 \
-                > "$RESULTS/memcached.log" 2>&1 &
-            SERVER_PID=$!
-            PIDS+=("$SERVER_PID")
-            ADDR="127.0.0.1:$port"
-            wait_port "$port" "$SERVER_PID" || { echo "compare.sh: memcached did not start" >&2; exit 1; }
-            ;;
+        memcached) start_memcached -c 4096 ;;
         redis)
             port="$(free_port)"
             record redis-server --port "$port" --bind 127.0.0.1 --save "''" --appendonly no --maxmemory 0

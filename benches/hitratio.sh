@@ -98,36 +98,15 @@ source benches/lib.sh
 
 # Starts a fresh store; sets ADDR (the address dmkv-hitratio talks to) and SERVER_PID.
 start_store() {
-    local store="$1" port i field=rpc
+    local store="$1" field=rpc
+    # memcached gets no extra flags here (one connection).
+    # shellcheck disable=SC2119
     case "$store" in
-        memcached)
-            port="$(free_port)"
-            local user=(); [ "$(id -u)" = 0 ] && user=(-u root)
-            record memcached "${user[@]}" -l 127.0.0.1 -p "$port" -U 0 -t "$SERVER_THREADS" -m "$MEMORY_MIB"
-            memcached "${user[@]}" -l 127.0.0.1 -p "$port" -U 0 -t "$SERVER_THREADS" -m "$MEMORY_MIB" \
-                > "$RESULTS/memcached.log" 2>&1 &
-            SERVER_PID=$!
-            PIDS+=("$SERVER_PID")
-            ADDR="127.0.0.1:$port"
-            wait_port "$port" "$SERVER_PID" || { echo "hitratio.sh: memcached did not start" >&2; exit 1; }
-            ;;
+        memcached) start_memcached ;;
         dmkv-*)
             [ "$store" = dmkv-memcached ] && field=memcached
-            local args=(--listen 127.0.0.1:0 --memcached-listen 127.0.0.1:0 --threads "$SERVER_THREADS"
-                --memory "${MEMORY_MIB}MiB" --evict lru --log warn)
-            record "$BIN/dmkvd" "${args[@]}"
-            "$BIN/dmkvd" "${args[@]}" > "$RESULTS/$store.dmkvd.out" 2> "$RESULTS/$store.dmkvd.err" &
-            SERVER_PID=$!
-            PIDS+=("$SERVER_PID")
-            ADDR=""
-            for ((i = 0; i < START_TRIES; i++)); do
-                ADDR="$(sed -n "s/^dmkvd listening.* $field=\([^ ]*\).*/\1/p" "$RESULTS/$store.dmkvd.out")"
-                [ -n "$ADDR" ] && break
-                kill -0 "$SERVER_PID" 2>/dev/null || break
-                sleep 0.1
-            done
-            [ -n "$ADDR" ] || { echo "hitratio.sh: dmkvd did not start (or printed no $field= address)" >&2
-                cat "$RESULTS/$store.dmkvd.err" >&2; exit 1; }
+            start_dmkvd "$field" "$store.dmkvd" --listen 127.0.0.1:0 --memcached-listen 127.0.0.1:0 \
+                --threads "$SERVER_THREADS" --memory "${MEMORY_MIB}MiB" --evict lru --log warn
             ;;
     esac
 }

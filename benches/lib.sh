@@ -51,3 +51,40 @@ stop_store() {
     kill "$SERVER_PID" 2>/dev/null || true
     wait "$SERVER_PID" 2>/dev/null || true
 }
+
+# Starts memcached on a free port with SERVER_THREADS, MEMORY_MIB and any
+# further flags given; sets ADDR and SERVER_PID. Its log goes to
+# $RESULTS/memcached.log.
+start_memcached() { # flags...
+    local port user=()
+    port="$(free_port)"
+    [ "$(id -u)" = 0 ] && user=(-u root)
+    record memcached "${user[@]}" -l 127.0.0.1 -p "$port" -U 0 -t "$SERVER_THREADS" -m "$MEMORY_MIB" "$@"
+    memcached "${user[@]}" -l 127.0.0.1 -p "$port" -U 0 -t "$SERVER_THREADS" -m "$MEMORY_MIB" "$@" \
+        > "$RESULTS/memcached.log" 2>&1 &
+    SERVER_PID=$!
+    PIDS+=("$SERVER_PID")
+    ADDR="127.0.0.1:$port"
+    wait_port "$port" "$SERVER_PID" || { echo "$(basename "$0"): memcached did not start" >&2; exit 1; }
+}
+
+# Starts $BIN/dmkvd with the given flags, its output in $RESULTS/NAME.out
+# and .err; sets SERVER_PID, and ADDR to the endpoint FIELD (rpc,
+# memcached, ...) of its listening line.
+start_dmkvd() { # field name flags...
+    local field="$1" name="$2" i
+    shift 2
+    record "$BIN/dmkvd" "$@"
+    "$BIN/dmkvd" "$@" > "$RESULTS/$name.out" 2> "$RESULTS/$name.err" &
+    SERVER_PID=$!
+    PIDS+=("$SERVER_PID")
+    ADDR=""
+    for ((i = 0; i < START_TRIES; i++)); do
+        ADDR="$(sed -n "s/^dmkvd listening.* $field=\([^ ]*\).*/\1/p" "$RESULTS/$name.out")"
+        [ -n "$ADDR" ] && break
+        kill -0 "$SERVER_PID" 2>/dev/null || break
+        sleep 0.1
+    done
+    [ -n "$ADDR" ] || { echo "$(basename "$0"): dmkvd did not start (or printed no $field= address)" >&2
+        cat "$RESULTS/$name.err" >&2; exit 1; }
+}

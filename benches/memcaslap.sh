@@ -93,35 +93,12 @@ source benches/lib.sh
 
 # Starts a fresh store; sets ADDR (its memcached-protocol address) and SERVER_PID.
 start_store() {
-    local store="$1" port i
+    local store="$1"
     case "$store" in
-        memcached)
-            port="$(free_port)"
-            local user=(); [ "$(id -u)" = 0 ] && user=(-u root)
-            record memcached "${user[@]}" -l 127.0.0.1 -p "$port" -U 0 -t "$SERVER_THREADS" -m "$MEMORY_MIB" -c 4096
-            memcached "${user[@]}" -l 127.0.0.1 -p "$port" -U 0 -t "$SERVER_THREADS" -m "$MEMORY_MIB" -c 4096 \
-                > "$RESULTS/memcached.log" 2>&1 &
-            SERVER_PID=$!
-            PIDS+=("$SERVER_PID")
-            ADDR="127.0.0.1:$port"
-            wait_port "$port" "$SERVER_PID" || { echo "memcaslap.sh: memcached did not start" >&2; exit 1; }
-            ;;
+        memcached) start_memcached -c 4096 ;;
         dmkv-memcached)
-            local args=(--listen 127.0.0.1:0 --memcached-listen 127.0.0.1:0 --threads "$SERVER_THREADS"
-                --memory "${MEMORY_MIB}MiB" --log warn)
-            record "$BIN/dmkvd" "${args[@]}"
-            "$BIN/dmkvd" "${args[@]}" > "$RESULTS/dmkvd.out" 2> "$RESULTS/dmkvd.err" &
-            SERVER_PID=$!
-            PIDS+=("$SERVER_PID")
-            ADDR=""
-            for ((i = 0; i < START_TRIES; i++)); do
-                ADDR="$(sed -n 's/^dmkvd listening.* memcached=\([^ ]*\).*/\1/p' "$RESULTS/dmkvd.out")"
-                [ -n "$ADDR" ] && break
-                kill -0 "$SERVER_PID" 2>/dev/null || break
-                sleep 0.1
-            done
-            [ -n "$ADDR" ] || { echo "memcaslap.sh: dmkvd did not start (or printed no memcached= address)" >&2
-                cat "$RESULTS/dmkvd.err" >&2; exit 1; }
+            start_dmkvd memcached dmkvd --listen 127.0.0.1:0 --memcached-listen 127.0.0.1:0 \
+                --threads "$SERVER_THREADS" --memory "${MEMORY_MIB}MiB" --log warn
             ;;
     esac
 }

@@ -47,6 +47,28 @@ pub async fn with_room<T>(shared: &Shared, units: usize, mut op: impl FnMut() ->
     }
 }
 
+/// Runs one write on `shared`'s store; waits (boundedly) for space.
+pub async fn write(shared: &Shared, key: &[u8], w: &Write<'_>) -> Result<ItemMeta, Error> {
+    let units = item_units(key.len(), w.value.len());
+    with_room(shared, units, || shared.store.write(key, w, clock::now_ms())).await
+}
+
+/// Gives `key`'s live item expiry `expires_at` and returns it (touch, gat).
+pub async fn touch(shared: &Shared, key: &[u8], expires_at: u32) -> Result<Option<Item>, Error> {
+    // The item is rewritten; `with_room` asks for at least a segment.
+    with_room(shared, item_units(key.len(), 0), || shared.store.touch(key, expires_at, clock::now_ms())).await
+}
+
+/// A counter operation on `shared`'s store.
+pub async fn arith(shared: &Shared, key: &[u8], a: &Arith) -> Result<(u64, ItemMeta), Error> {
+    with_room(shared, item_units(key.len(), 20), || shared.store.arith(key, a, clock::now_ms())).await
+}
+
+/// Removes `key` (`cas` 0, or only the item of that version).
+pub fn delete(shared: &Shared, key: &[u8], cas: u64) -> Result<bool, Error> {
+    shared.store.delete_if(key, cas, clock::now_ms())
+}
+
 impl Kv {
     pub fn new(shared: Arc<Shared>) -> Kv {
         Kv { shared }
@@ -70,28 +92,23 @@ impl Kv {
     /// The live item of `key`, after giving it expiry `expires_at` (0:
     /// never): memcached's gat and touch. Keeps the item's version.
     pub async fn touch(&self, key: &[u8], expires_at: u32) -> Result<Option<Item>, Error> {
-        let units = item_units(key.len(), 0);
-        // The item is rewritten: its size is only known inside; ask for a
-        // segment's worth, as a PUT does at least.
-        with_room(&self.shared, units, || self.shared.store.touch(key, expires_at, clock::now_ms())).await
+        touch(&self.shared, key, expires_at).await
     }
 
     /// Runs one write; waits (boundedly) for space as the native PUT does.
     pub async fn write(&self, key: &[u8], w: &Write<'_>) -> Result<ItemMeta, Error> {
-        let units = item_units(key.len(), w.value.len());
-        with_room(&self.shared, units, || self.shared.store.write(key, w, clock::now_ms())).await
+        write(&self.shared, key, w).await
     }
 
     /// Removes `key`; `cas` 0 or the item's version. Ok(false): no such
     /// (live) item; Err(Exists): another version.
     pub async fn delete(&self, key: &[u8], cas: u64) -> Result<bool, Error> {
-        self.shared.store.delete_if(key, cas, clock::now_ms())
+        delete(&self.shared, key, cas)
     }
 
     /// A counter operation; returns the new value and the item's meta.
     pub async fn arith(&self, key: &[u8], a: &Arith) -> Result<(u64, ItemMeta), Error> {
-        let units = item_units(key.len(), 20);
-        with_room(&self.shared, units, || self.shared.store.arith(key, a, clock::now_ms())).await
+        arith(&self.shared, key, a).await
     }
 
     /// Removes every item stored up to now, after `delay` (memcached's

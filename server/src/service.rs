@@ -8,7 +8,6 @@ use std::sync::atomic::Ordering;
 use bytes::BytesMut;
 use dmkv_common::error::Error as StoreError;
 use dmkv_common::frame::{self, Decoder, FrameError};
-use dmkv_common::layout::item_units;
 use dmkv_common::limits::MAX_MULTI_GET_KEYS;
 use dmkv_common::proto::{self, ErrorCode, Request, Response, request::Op, response::Result as R};
 use dmkv_common::{PROTOCOL_VERSION, layout::LAYOUT_VERSION};
@@ -385,10 +384,8 @@ async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response
             _ => return error(id, ErrorCode::BadRequest, "this server has no authentication configured".into()),
         },
         Some(Op::Put(p)) => {
-            let now = crate::clock::now_ms();
-            let w = write_of(&p, now);
-            let units = item_units(p.key.len(), p.value.len());
-            match kv::with_room(shared, units, || store.write(&p.key, &w, now)).await {
+            let w = write_of(&p, crate::clock::now_ms());
+            match kv::write(shared, &p.key, &w).await {
                 Ok(meta) => R::Put(proto::PutReply { version: meta.version }),
                 Err(e) => return store_error(id, e),
             }
@@ -398,22 +395,20 @@ async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response
             Ok(None) => R::Get(proto::GetReply::default()),
             Err(e) => return store_error(id, e),
         },
-        Some(Op::Delete(d)) => match store.delete_if(&d.key, d.cas, crate::clock::now_ms()) {
+        Some(Op::Delete(d)) => match kv::delete(shared, &d.key, d.cas) {
             Ok(existed) => R::Delete(proto::DeleteReply { existed }),
             Err(e) => return store_error(id, e),
         },
         Some(Op::Arith(a)) => {
-            let now = crate::clock::now_ms();
-            let arith = arith_of(&a, now);
-            match kv::with_room(shared, item_units(a.key.len(), 20), || store.arith(&a.key, &arith, now)).await {
+            let arith = arith_of(&a, crate::clock::now_ms());
+            match kv::arith(shared, &a.key, &arith).await {
                 Ok((value, meta)) => R::Arith(proto::ArithReply { value, version: meta.version }),
                 Err(e) => return store_error(id, e),
             }
         }
         Some(Op::Touch(t)) => {
-            let now = crate::clock::now_ms();
-            let at = expiry_of(t.ttl_secs, t.expires_at, now);
-            match kv::with_room(shared, item_units(t.key.len(), 0), || store.touch(&t.key, at, now)).await {
+            let at = expiry_of(t.ttl_secs, t.expires_at, crate::clock::now_ms());
+            match kv::touch(shared, &t.key, at).await {
                 Ok(Some(item)) => {
                     let mut r = found(item, crate::store::Location { which: 0, index: 0, slot: 0 });
                     if !t.get {
