@@ -7,6 +7,7 @@ use bytes::Bytes;
 
 use crate::client::{Client as AsyncClient, ClientConfig, Versioned};
 use crate::error::ClientError;
+use crate::onesided::ItemMeta;
 
 /// A blocking dmkv client.
 pub struct Client {
@@ -35,6 +36,25 @@ impl Client {
     /// See [`AsyncClient::get`].
     pub fn get(&self, key: impl AsRef<[u8]>) -> Result<Option<Bytes>, ClientError> {
         self.rt.block_on(self.inner.get(key))
+    }
+
+    /// Reads `key` into `out` (its contents replaced by the value) and
+    /// returns the item's version, flags and expiry; `None` if it is not
+    /// stored. Over shared memory this runs on the calling thread with no
+    /// runtime hop and no heap allocation once `out` has grown to the
+    /// values read: the hot path for tight read loops. Otherwise (RPC, a
+    /// cluster, an evicting server, or a key the server must answer) it is
+    /// [`Client::get_versioned`] copied into `out`.
+    pub fn get_into(&self, key: impl AsRef<[u8]>, out: &mut Vec<u8>) -> Result<Option<ItemMeta>, ClientError> {
+        let key = key.as_ref();
+        if let Some(r) = self.inner.get_local(key, out) {
+            return r;
+        }
+        Ok(self.rt.block_on(self.inner.get_versioned(key))?.map(|v| {
+            out.clear();
+            out.extend_from_slice(&v.value);
+            ItemMeta { version: v.version, flags: v.flags, expires_at: v.expires_at }
+        }))
     }
 
     /// See [`AsyncClient::get_versioned`].

@@ -15,7 +15,9 @@ use tokio::sync::Mutex;
 
 use crate::conn::{Conn, InFlight};
 use crate::error::ClientError;
-use crate::onesided::{self, AttachOptions, BackendError, OneSided, OneSidedGet, ReadCounters, ReadStats};
+use crate::onesided::{
+    self, AttachOptions, BackendError, ItemMeta, LocalGet, OneSided, OneSidedGet, ReadCounters, ReadStats,
+};
 use crate::path::{Admission, ConnHealth, PathSelector, key_hash};
 use crate::router::Router;
 use crate::tls::{Connector, TlsOptions};
@@ -731,7 +733,8 @@ impl Client {
                 let mut failure = None;
                 for _ in 0..FORCED_ONE_SIDED_TRIES {
                     let path = self.attach().await?;
-                    let adm = sel.admit_fixed(Path::OneSided, key_hash(key));
+                    // A local path is not measured: nothing to steer.
+                    let adm = (!path.is_local()).then(|| sel.admit_fixed(Path::OneSided, key_hash(key)));
                     match self.measured_one_sided_get(&path, key, adm).await {
                         Ok(r) => return Ok(r),
                         Err(e) => {
@@ -745,9 +748,50 @@ impl Client {
         }
     }
 
+    /// Reads `key` on the calling thread from a region mapped in this
+    /// process (shared memory), without a runtime or any allocation once
+    /// `out` has grown: the value replaces `out`'s contents. `None` when
+    /// the GET needs the runtime: no local path is attached (yet), the
+    /// read path is RPC, the client routes a cluster, the server evicts
+    /// (reads are reported from the runtime), or the server must answer
+    /// this key (see [`crate::blocking::Client::get_into`]).
+    pub fn get_local(&self, key: &[u8], out: &mut Vec<u8>) -> Option<Result<Option<ItemMeta>, ClientError>> {
+        if let Err(e) = check_key(key) {
+            return Some(Err(e.into()));
+        }
+        if self.inner.cfg.read_path == ReadPath::Rpc || self.inner.router.get().is_some() {
+            return None;
+        }
+        let path = self.inner.path.lock().expect("path lock poisoned").attached.clone()?;
+        if !path.is_local() || path.accesses.is_on() {
+            return None;
+        }
+        match onesided::with_scratch(|s| path.get_local(key, s, out)) {
+            Ok((LocalGet::Found(m), _)) => Some(Ok(Some(m))),
+            Ok((LocalGet::Missing, _)) => Some(Ok(None)),
+            Ok((LocalGet::GiveUp, _)) => None,
+            Err(e) => {
+                self.detach(&path, &e);
+                None
+            }
+        }
+    }
+
     async fn auto_get(&self, key: &[u8]) -> Result<Option<Versioned>, ClientError> {
         let h = key_hash(key);
         let attached = self.one_sided().await?;
+        // Shared memory is not priced against RPC: a copy from local
+        // memory has no link or server queue to congest, and costs a
+        // fraction of any round trip (docs/path-selection.md).
+        if let Some(path) = attached.as_ref().filter(|p| p.is_local()) {
+            return match self.measured_one_sided_get(path, key, None).await {
+                Ok(r) => Ok(r),
+                Err(e) => {
+                    self.detach(path, &e);
+                    self.node_rpc_get(key).await
+                }
+            };
+        }
         let deadline = tokio::time::Instant::now() + self.inner.cfg.request_timeout;
         let rounds = attached.as_ref().map(|p| if p.has_hint(key) { 1.0 } else { 2.0 });
         let Some((adm, probes)) = self.inner.selector.admit(h, rounds, deadline).await else {
@@ -757,7 +801,7 @@ impl Client {
             self.spawn_probe(p, key);
         }
         match (adm.path, attached) {
-            (Path::OneSided, Some(path)) => match self.measured_one_sided_get(&path, key, adm).await {
+            (Path::OneSided, Some(path)) => match self.measured_one_sided_get(&path, key, Some(adm)).await {
                 Ok(r) => Ok(r),
                 Err(e) => {
                     // The failure moved traffic to RPC; this GET goes there too.
@@ -787,36 +831,38 @@ impl Client {
         }
     }
 
-    /// A one-sided GET whose cost is reported to the path controller. A
-    /// backend failure is reported and returned; verification that keeps
-    /// failing falls back to RPC here.
+    /// A one-sided GET whose cost is reported to the path controller, if
+    /// admitted by it (`adm`). A backend failure is reported and returned;
+    /// verification that keeps failing falls back to RPC here.
     async fn measured_one_sided_get(
         &self,
         path: &Arc<OneSided>,
         key: &[u8],
-        adm: Admission,
+        adm: Option<Admission>,
     ) -> Result<Option<Versioned>, BackendError> {
         self.report_accesses(path);
-        match path.get_traced(key).await {
-            Ok((OneSidedGet::Found(v), t)) => {
-                adm.complete(t.round_trips, t.retries);
-                Ok(Some(v))
+        let (got, t) = match path.get_traced(key).await {
+            Ok(r) => r,
+            Err(e) => {
+                if let Some(adm) = adm {
+                    adm.fail();
+                }
+                return Err(e);
             }
-            Ok((OneSidedGet::Missing, t)) => {
-                adm.complete(t.round_trips, t.retries);
-                Ok(None)
-            }
-            Ok((OneSidedGet::GiveUp, t)) => {
+        };
+        let (r, rounds) = match got {
+            OneSidedGet::Found(v) => (Ok(Some(v)), t.round_trips),
+            OneSidedGet::Missing => (Ok(None), t.round_trips),
+            OneSidedGet::GiveUp => {
                 let r = self.node_rpc_get(key).await;
                 // The RPC it ended with counts as one more round trip.
-                adm.complete(t.round_trips + 1, t.retries);
-                r.map_err(|e| BackendError::Protocol(format!("fallback RPC failed: {e}")))
+                (r.map_err(|e| BackendError::Protocol(format!("fallback RPC failed: {e}"))), t.round_trips + 1)
             }
-            Err(e) => {
-                adm.fail();
-                Err(e)
-            }
+        };
+        if let Some(adm) = adm {
+            adm.complete(rounds, t.retries);
         }
+        r
     }
 
     /// Sends the items `path` read one-sidedly to its server, if it evicts

@@ -33,6 +33,6 @@ pub use dmkv_common::auth::Token;
 pub use dmkv_common::path::{Path, PathConfig};
 pub use dmkv_common::proto::ErrorCode;
 pub use error::ClientError;
-pub use onesided::ReadStats;
+pub use onesided::{ItemMeta, ReadStats};
 pub use ops::{PutMode, PutOptions};
 pub use tls::TlsOptions;

@@ -172,6 +172,38 @@ pub enum Outcome {
     Retry(Retry),
 }
 
+/// Most slots that can match a key's fingerprint: every slot of its two
+/// buckets.
+pub const MAX_CANDIDATES: usize = 2 * SLOTS_PER_BUCKET;
+
+/// The slots that matched a key's fingerprint (bucket, index, slot).
+#[derive(Debug, Clone, Default)]
+struct Candidates {
+    len: usize,
+    at: [Option<(u8, u8, Slot)>; MAX_CANDIDATES],
+}
+
+impl Candidates {
+    fn push(&mut self, c: (u8, u8, Slot)) {
+        // Two buckets hold MAX_CANDIDATES slots, so this never overflows.
+        assert!(self.len < MAX_CANDIDATES, "more candidates than slots");
+        self.at[self.len] = Some(c);
+        self.len += 1;
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (u8, u8, Slot)> + '_ {
+        self.at[..self.len].iter().flatten().copied()
+    }
+}
+
 /// One GET attempt for one key.
 #[derive(Debug, Clone)]
 pub struct Lookup {
@@ -182,7 +214,9 @@ pub struct Lookup {
     started: u64,
     grace: u64,
     enforce_grace: bool,
-    candidates: Vec<(u8, u8, Slot)>,
+    /// Slots that matched the fingerprint, in bucket order: inline, so a
+    /// GET allocates nothing.
+    candidates: Candidates,
     serving: Option<BucketHeader>,
 }
 
@@ -204,7 +238,7 @@ impl Lookup {
             started: now,
             grace: header.grace_nanos,
             enforce_grace: true,
-            candidates: Vec::new(),
+            candidates: Candidates::default(),
             serving: None,
         }
     }
@@ -286,7 +320,7 @@ impl Lookup {
                 }
             };
         }
-        self.candidates.clear();
+        self.candidates = Candidates::default();
         let mut torn_slot = false;
         for (which, bucket) in slots.iter().enumerate() {
             for (index, &v) in bucket.iter().enumerate() {
@@ -321,7 +355,7 @@ impl Lookup {
 
     /// The second batch: every item whose slot matched the fingerprint.
     pub fn item_reads(&self, out: &mut Vec<ReadSpec>) {
-        for &(_, _, s) in &self.candidates {
+        for (_, _, s) in self.candidates.iter() {
             out.push(ReadSpec { offset: s.offset(), len: s.len() as u32 });
         }
     }
@@ -339,7 +373,7 @@ impl Lookup {
             return Outcome::Retry(Retry::Slow);
         }
         let mut retry = None;
-        for (i, (&(which, index, slot), buf)) in self.candidates.iter().zip(items).enumerate() {
+        for (i, ((which, index, slot), buf)) in self.candidates.iter().zip(items).enumerate() {
             match decode_item(buf) {
                 Ok(it) if it.key == key => {
                     return match judge_expiry(it.expires_at, clock_ms) {

@@ -9,6 +9,7 @@
 //! ```
 
 use std::collections::VecDeque;
+use std::io::Write as _;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -56,6 +57,15 @@ struct Args {
     /// dmkvd's process id, to report its CPU time during the run.
     #[arg(long)]
     server_pid: Option<u32>,
+    /// Read path of one-sided transports: one-sided (forced) or auto (the
+    /// path controller's choice, as applications run by default).
+    #[arg(long, default_value = "one-sided")]
+    path: String,
+    /// Single GETs through the synchronous API (`get_local`, the value
+    /// copied into one reused buffer: no allocation per GET), instead of
+    /// the async `get`.
+    #[arg(long)]
+    sync: bool,
     /// Concurrent callers sharing one client, each doing one GET at a time
     /// (2 runtime workers; reports GETs/s and p99 over all of them). 0: the
     /// single-core loop below.
@@ -116,6 +126,12 @@ fn check(a: &Args) -> Result<Duration, String> {
     if a.distribution != "uniform" && a.distribution != "zipfian" {
         return Err(format!("--distribution {:?}: expected uniform or zipfian", a.distribution));
     }
+    if a.path != "one-sided" && a.path != "auto" {
+        return Err(format!("--path {:?}: expected one-sided or auto", a.path));
+    }
+    if a.sync && (a.batch > 1 || a.callers > 0) {
+        return Err("--sync measures single GETs of one caller: not with --batch or --callers".into());
+    }
     if a.transport != "rpc" {
         a.transport.parse::<Transport>().map_err(|e| format!("--transport: {e}, or rpc"))?;
     }
@@ -175,6 +191,7 @@ async fn run_callers(c: &Client, a: &Args, run_for: Duration) -> Result<(), Stri
 async fn run(a: Args, run_for: Duration) -> Result<(), String> {
     let (path, transport) = match a.transport.as_str() {
         "rpc" => (ReadPath::Rpc, None),
+        t if a.path == "auto" => (ReadPath::Auto, Some(t.parse::<Transport>()?)),
         t => (ReadPath::OneSided, Some(t.parse::<Transport>()?)),
     };
     let cfg = ClientConfig { read_path: path, transport, pool_size: 1, ..Default::default() };
@@ -221,8 +238,29 @@ async fn run(a: Args, run_for: Duration) -> Result<(), String> {
     let start = Instant::now();
     let (mut gets, mut bad) = (0u64, 0u64);
     let mut keys = Vec::with_capacity(a.batch);
+    let (mut key_buf, mut value) = (Vec::new(), Vec::new());
     while Instant::now() < deadline {
-        if a.batch <= 1 {
+        if a.sync {
+            // The deadline is checked every 64 GETs: a clock read per GET
+            // would be a tenth of the cost measured.
+            for _ in 0..64 {
+                key_buf.clear();
+                write!(key_buf, "user{:012}", pick()).map_err(|e| e.to_string())?;
+                let got = match c.get_local(&key_buf, &mut value) {
+                    Some(r) => r.map_err(|e| format!("GET: {e}"))?.is_some(),
+                    None => match c.get(&key_buf).await.map_err(|e| format!("GET: {e}"))? {
+                        Some(v) => {
+                            value.clear();
+                            value.extend_from_slice(&v);
+                            true
+                        }
+                        None => false,
+                    },
+                };
+                bad += u64::from(!got || value.len() != a.value_size);
+                gets += 1;
+            }
+        } else if a.batch <= 1 {
             match c.get(key(pick())).await.map_err(|e| format!("GET: {e}"))? {
                 Some(v) if v.len() == a.value_size => {}
                 _ => bad += 1,
@@ -244,9 +282,11 @@ async fn run(a: Args, run_for: Duration) -> Result<(), String> {
     let client_cpu = cpu_ms("self").zip(client_cpu0).map(|(b, a)| b.saturating_sub(a));
     let rs = c.read_stats();
     println!(
-        "transport={} distribution={} batch={} keys={} value={}B: {:.0} GETs/s ({:.2} us/GET), {} GETs in {:.1}s, \
+        "transport={} path={} sync={} distribution={} batch={} keys={} value={}B: {:.0} GETs/s ({:.2} us/GET), {} GETs in {:.1}s, \
          wrong/missing={} client_cpu_ms={} server_cpu_ms={} one_sided_gets={} hint_hits={} retries={} stale_directory={} directory_reads={} fallbacks={}",
         a.transport,
+        a.path,
+        a.sync,
         a.distribution,
         a.batch,
         a.keys,

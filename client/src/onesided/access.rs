@@ -19,6 +19,11 @@ pub struct AccessLog {
 }
 
 impl AccessLog {
+    /// Whether reads are gathered (the server evicts).
+    pub fn is_on(&self) -> bool {
+        self.on
+    }
+
     pub fn new(on: bool) -> AccessLog {
         AccessLog { on, pending: Mutex::new((Vec::new(), None)) }
     }

@@ -5,15 +5,33 @@
 //! indexed by the key's hash; a new key takes an empty way or evicts the
 //! least recently used one of its set. Nothing else holds keys, so no mix of
 //! puts, deletes and re-puts can make it grow.
+//!
+//! Entries are named by a 64-bit hash of the key ([`HintId`]), not the key:
+//! no allocation per new key and no second pointer to chase per GET. Two
+//! keys with one id share an entry; that costs a round trip, never a wrong
+//! value, because a hinted item is believed only if it holds the key read.
 
-use bytes::Bytes;
+use dmkv_common::layout::KeyHash;
 use dmkv_common::read::Hint;
 
 /// Entries per set.
 pub const WAYS: usize = 2;
 
+/// A key's name in the cache: 64 bits of its [`KeyHash`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HintId(u64);
+
+impl HintId {
+    /// The id of the key hashed to `kh`.
+    pub fn of(kh: &KeyHash) -> HintId {
+        let [b0, b1] = kh.buckets;
+        HintId(u64::from(kh.dir_hash) | u64::from(kh.fingerprint) << 32 | u64::from(b0) << 48 | u64::from(b1) << 56)
+    }
+}
+
+#[derive(Clone, Copy)]
 struct Entry {
-    key: Bytes,
+    id: HintId,
     hint: Hint,
     /// When it was last used, in [`HintCache::tick`]s.
     used: u64,
@@ -30,7 +48,7 @@ impl HintCache {
     /// [`WAYS`]); 0 turns it off.
     pub fn new(entries: usize) -> HintCache {
         let sets = entries.div_ceil(WAYS);
-        HintCache { sets: (0..sets).map(|_| Default::default()).collect(), tick: 0 }
+        HintCache { sets: vec![[None; WAYS]; sets], tick: 0 }
     }
 
     /// Most keys it can hold.
@@ -45,29 +63,32 @@ impl HintCache {
         self.sets.iter().flatten().filter(|e| e.is_some()).count()
     }
 
-    fn set(&mut self, key: &[u8]) -> Option<&mut [Option<Entry>; WAYS]> {
+    fn set(&mut self, id: HintId) -> Option<&mut [Option<Entry>; WAYS]> {
         let n = self.sets.len() as u64;
         if n == 0 {
             return None;
         }
         self.tick += 1;
-        self.sets.get_mut((xxhash_rust::xxh3::xxh3_64(key) % n) as usize)
+        // The id's bits are a hash's already; spread them over the sets
+        // (Fibonacci hashing, so any set count works).
+        let at = (id.0.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) % n;
+        self.sets.get_mut(at as usize)
     }
 
-    /// The hint cached for `key`.
-    pub fn get(&mut self, key: &[u8]) -> Option<Hint> {
+    /// The hint cached for `id`.
+    pub fn get(&mut self, id: HintId) -> Option<Hint> {
         let tick = self.tick + 1;
-        let e = self.set(key)?.iter_mut().flatten().find(|e| e.key == key)?;
+        let e = self.set(id)?.iter_mut().flatten().find(|e| e.id == id)?;
         e.used = tick;
         Some(e.hint)
     }
 
-    /// Caches `hint` for `key`, evicting the least recently used key of its
+    /// Caches `hint` for `id`, evicting the least recently used key of its
     /// set if the set is full.
-    pub fn put(&mut self, key: &[u8], hint: Hint) {
+    pub fn put(&mut self, id: HintId, hint: Hint) {
         let tick = self.tick + 1;
-        let Some(set) = self.set(key) else { return };
-        if let Some(e) = set.iter_mut().flatten().find(|e| e.key == key) {
+        let Some(set) = self.set(id) else { return };
+        if let Some(e) = set.iter_mut().flatten().find(|e| e.id == id) {
             e.hint = hint;
             e.used = tick;
             return;
@@ -76,13 +97,13 @@ impl HintCache {
             .iter()
             .position(Option::is_none)
             .unwrap_or_else(|| (0..WAYS).min_by_key(|&w| set[w].as_ref().map_or(0, |e| e.used)).unwrap_or(0));
-        set[way] = Some(Entry { key: Bytes::copy_from_slice(key), hint, used: tick });
+        set[way] = Some(Entry { id, hint, used: tick });
     }
 
-    /// Forgets `key`.
-    pub fn remove(&mut self, key: &[u8]) {
-        if let Some(set) = self.set(key)
-            && let Some(way) = set.iter().position(|e| e.as_ref().is_some_and(|e| e.key == key))
+    /// Forgets `id`.
+    pub fn remove(&mut self, id: HintId) {
+        if let Some(set) = self.set(id)
+            && let Some(way) = set.iter().position(|e| e.as_ref().is_some_and(|e| e.id == id))
         {
             set[way] = None;
         }
@@ -92,7 +113,11 @@ impl HintCache {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use dmkv_common::layout::Slot;
+    use dmkv_common::layout::{Slot, key_hash};
+
+    fn id(k: &[u8]) -> HintId {
+        HintId::of(&key_hash(k, 7))
+    }
 
     fn hint(n: u64) -> Hint {
         Hint { which: 0, index: 0, slot: Slot::new(1, 64 * (n % 1000 + 1), 1) }
@@ -106,11 +131,11 @@ mod tests {
         let mut c = HintCache::new(1024);
         for i in 0..200_000u64 {
             let k = format!("key{i}");
-            c.put(k.as_bytes(), hint(i));
-            c.remove(k.as_bytes());
-            c.put(k.as_bytes(), hint(i + 1));
+            c.put(id(k.as_bytes()), hint(i));
+            c.remove(id(k.as_bytes()));
+            c.put(id(k.as_bytes()), hint(i + 1));
             if i % 3 == 0 {
-                c.remove(k.as_bytes());
+                c.remove(id(k.as_bytes()));
             }
             if i % 1000 == 0 {
                 assert!(c.len() <= c.capacity());
@@ -122,11 +147,11 @@ mod tests {
         // queue reached 300,000 keys here with an empty map.
         for i in 0..200_000u64 {
             let k = format!("gone{i}");
-            c.put(k.as_bytes(), hint(i));
-            c.remove(k.as_bytes());
+            c.put(id(k.as_bytes()), hint(i));
+            c.remove(id(k.as_bytes()));
             if i % 2 == 0 {
-                c.put(k.as_bytes(), hint(i));
-                c.remove(k.as_bytes());
+                c.put(id(k.as_bytes()), hint(i));
+                c.remove(id(k.as_bytes()));
             }
         }
         assert!(c.len() <= c.capacity() && c.sets.len() * WAYS == 1024);
@@ -135,20 +160,20 @@ mod tests {
     #[test]
     fn get_put_remove_and_lru() {
         let mut c = HintCache::new(2);
-        assert_eq!(c.get(b"a"), None);
-        c.put(b"a", hint(1));
-        c.put(b"b", hint(2));
-        assert_eq!(c.get(b"a"), Some(hint(1)));
+        assert_eq!(c.get(id(b"a")), None);
+        c.put(id(b"a"), hint(1));
+        c.put(id(b"b"), hint(2));
+        assert_eq!(c.get(id(b"a")), Some(hint(1)));
         // One set of two ways: "c" evicts the least recently used, "b".
-        c.put(b"c", hint(3));
-        assert_eq!((c.get(b"a"), c.get(b"b"), c.get(b"c")), (Some(hint(1)), None, Some(hint(3))));
-        c.put(b"a", hint(4));
-        assert_eq!(c.get(b"a"), Some(hint(4)));
-        c.remove(b"a");
-        assert_eq!(c.get(b"a"), None);
+        c.put(id(b"c"), hint(3));
+        assert_eq!((c.get(id(b"a")), c.get(id(b"b")), c.get(id(b"c"))), (Some(hint(1)), None, Some(hint(3))));
+        c.put(id(b"a"), hint(4));
+        assert_eq!(c.get(id(b"a")), Some(hint(4)));
+        c.remove(id(b"a"));
+        assert_eq!(c.get(id(b"a")), None);
         assert_eq!(c.len(), 1);
         let mut off = HintCache::new(0);
-        off.put(b"a", hint(1));
-        assert_eq!((off.get(b"a"), off.len()), (None, 0));
+        off.put(id(b"a"), hint(1));
+        assert_eq!((off.get(id(b"a")), off.len()), (None, 0));
     }
 }

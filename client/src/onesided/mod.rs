@@ -9,6 +9,7 @@ pub mod access;
 mod directory;
 pub mod engine;
 mod hints;
+mod local;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 pub mod shm;
@@ -33,7 +34,8 @@ use thiserror::Error;
 use crate::client::{Transport, Versioned};
 use access::AccessLog;
 use directory::DirCache;
-use hints::HintCache;
+use hints::{HintCache, HintId};
+pub use local::{ItemMeta, LocalGet, Scratch, with_scratch};
 
 /// Most keys whose item address is cached per server.
 pub const DEFAULT_HINT_ENTRIES: usize = 64 * 1024;
@@ -466,21 +468,27 @@ impl OneSided {
             return;
         }
         let Some(slot) = dmkv_common::layout::Slot::unpack(slot) else { return };
-        self.hints.lock().expect("hints poisoned").put(key, Hint { which, index, slot });
+        let id = self.hint_id(key);
+        self.hints.lock().expect("hints poisoned").put(id, Hint { which, index, slot });
     }
 
     /// Whether `key`'s item address is cached (its GET can take one round
     /// trip).
     pub fn has_hint(&self, key: &[u8]) -> bool {
-        self.hints.lock().expect("hints poisoned").get(key).is_some()
+        let id = self.hint_id(key);
+        self.hints.lock().expect("hints poisoned").get(id).is_some()
+    }
+
+    fn hint_id(&self, key: &[u8]) -> HintId {
+        HintId::of(&key_hash(key, self.header.hash_seed))
     }
 
     fn now(&self) -> u64 {
         self.clock.elapsed().as_nanos() as u64
     }
 
-    fn lookup(&self, key: &[u8], kh: KeyHash, segment: DirEntry) -> (Lookup, Option<Hint>) {
-        let hint = self.hints.lock().expect("hints poisoned").get(key);
+    fn lookup(&self, kh: KeyHash, segment: DirEntry) -> (Lookup, Option<Hint>) {
+        let hint = self.hints.lock().expect("hints poisoned").get(HintId::of(&kh));
         let look = Lookup::with_hash(kh, &self.header, segment, hint, self.now());
         (if self.enforce_grace { look } else { look.without_grace_check() }, hint)
     }
@@ -514,6 +522,23 @@ impl OneSided {
 
     /// [`OneSided::get`], also saying how many round trips it took.
     pub async fn get_traced(&self, key: &[u8]) -> Result<(OneSidedGet, Trace), BackendError> {
+        if self.is_local() {
+            // An empty buffer grows to the value's exact size, which the
+            // returned `Bytes` then owns: one allocation, one copy.
+            let mut value = Vec::new();
+            let (got, trace) = local::with_scratch(|s| self.get_local(key, s, &mut value))?;
+            let got = match got {
+                LocalGet::Found(m) => OneSidedGet::Found(Versioned {
+                    value: Bytes::from(value),
+                    version: m.version,
+                    flags: m.flags,
+                    expires_at: m.expires_at,
+                }),
+                LocalGet::Missing => OneSidedGet::Missing,
+                LocalGet::GiveUp => OneSidedGet::GiveUp,
+            };
+            return Ok((got, trace));
+        }
         let (mut out, trace) = self.multi_get_traced(&[key]).await?;
         Ok((out.pop().expect("one result per key"), trace))
     }
@@ -593,7 +618,7 @@ impl OneSided {
                 retry.push(i);
                 continue;
             };
-            let (look, hint) = self.lookup(key, kh, segment);
+            let (look, hint) = self.lookup(kh, segment);
             let start = specs.len();
             look.first_reads(&mut specs);
             let fresh = read.binary_search(&j).is_ok();
@@ -630,9 +655,9 @@ impl OneSided {
                 AfterBuckets::Hit(h) => {
                     let item = hinted.expect("hit comes from the hinted item");
                     self.counters.hint_hits.fetch_add(1, Ordering::Relaxed);
-                    results[i] = Some(self.found(p.key, item, &h));
+                    results[i] = Some(self.found(&p.kh, item, &h));
                 }
-                AfterBuckets::Miss => results[i] = Some(self.missing(p.key)),
+                AfterBuckets::Miss => results[i] = Some(self.missing(&p.kh)),
                 AfterBuckets::Retry(r) => {
                     if r == Retry::StaleDirectory {
                         self.dir.forget(&p.kh, p.segment);
@@ -660,8 +685,8 @@ impl OneSided {
         for (i, p) in second {
             let bufs: Vec<&[u8]> = p.items.clone().map(|j| items.get(j).unwrap_or(&[])).collect();
             match p.look.after_items(p.key, &bufs, self.now(), clock) {
-                Outcome::Hit(h) => results[i] = Some(self.found(p.key, bufs[h.item], &h)),
-                Outcome::Miss => results[i] = Some(self.missing(p.key)),
+                Outcome::Hit(h) => results[i] = Some(self.found(&p.kh, bufs[h.item], &h)),
+                Outcome::Miss => results[i] = Some(self.missing(&p.kh)),
                 Outcome::Retry(r) => {
                     self.counters.retry(r);
                     retry.push(i);
@@ -703,21 +728,32 @@ impl OneSided {
         }
     }
 
-    fn found(&self, key: &[u8], item: &[u8], h: &dmkv_common::read::Hit) -> OneSidedGet {
-        self.counters.gets.fetch_add(1, Ordering::Relaxed);
-        self.hints.lock().expect("hints poisoned").put(key, h.hint);
-        self.accesses.note(h.hint.slot.offset_units);
+    fn found(&self, kh: &KeyHash, item: &[u8], h: &dmkv_common::read::Hit) -> OneSidedGet {
+        let meta = self.note_found(kh, h);
         OneSidedGet::Found(Versioned {
             value: Bytes::copy_from_slice(&item[h.value.clone()]),
-            version: h.version,
-            flags: h.flags,
-            expires_at: h.expires_at,
+            version: meta.version,
+            flags: meta.flags,
+            expires_at: meta.expires_at,
         })
     }
 
-    fn missing(&self, key: &[u8]) -> OneSidedGet {
+    /// Counts a hit and remembers where it was.
+    fn note_found(&self, kh: &KeyHash, h: &dmkv_common::read::Hit) -> ItemMeta {
         self.counters.gets.fetch_add(1, Ordering::Relaxed);
-        self.hints.lock().expect("hints poisoned").remove(key);
+        self.hints.lock().expect("hints poisoned").put(HintId::of(kh), h.hint);
+        self.accesses.note(h.hint.slot.offset_units);
+        ItemMeta { version: h.version, flags: h.flags, expires_at: h.expires_at }
+    }
+
+    fn missing(&self, kh: &KeyHash) -> OneSidedGet {
+        self.note_missing(kh);
         OneSidedGet::Missing
+    }
+
+    /// Counts a miss and forgets where the key was.
+    fn note_missing(&self, kh: &KeyHash) {
+        self.counters.gets.fetch_add(1, Ordering::Relaxed);
+        self.hints.lock().expect("hints poisoned").remove(HintId::of(kh));
     }
 }

@@ -1,0 +1,202 @@
+//! Single GETs over shared memory on the caller's thread: no runtime, no
+//! task, and no heap allocation once the caller's buffers have grown to
+//! their working size. The same protocol as [`OneSided::multi_get`] (the
+//! pure judgments of [`dmkv_common::read`]), for one key, with reads that
+//! are plain copies from the mapping.
+//!
+//! This is the hot path of a same-host reader: every GET of the async
+//! client over shm runs here, and [`crate::BlockingClient::get_into`] runs
+//! it without a runtime at all.
+
+use std::sync::atomic::Ordering;
+
+use dmkv_common::layout::{KeyHash, key_hash};
+use dmkv_common::read::{
+    AfterBuckets, MAX_ATTEMPTS, MAX_CANDIDATES, Outcome, ReadSpec, Retry, dir_read, judge_clock, judge_dir_entry,
+};
+
+use super::{Backend, BackendError, OneSided, Reads, Trace, push_clock_read, shm::ShmRegion};
+
+/// Reusable buffers of local GETs. One per calling thread (or caller):
+/// they grow to the largest item read and then stay, so GETs allocate
+/// nothing.
+#[derive(Debug, Default)]
+pub struct Scratch {
+    specs: Vec<ReadSpec>,
+    reads: Reads,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::default();
+}
+
+/// Runs `f` with this thread's scratch buffers.
+pub fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
+    SCRATCH.with_borrow_mut(f)
+}
+
+/// What a found item carries besides its value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ItemMeta {
+    pub version: u64,
+    /// Client flags and expiry (unix second; 0: never).
+    pub flags: u32,
+    pub expires_at: u32,
+}
+
+/// The result of a local GET; a found value is in the caller's buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LocalGet {
+    Found(ItemMeta),
+    Missing,
+    /// Verification kept failing (or the server must judge the item): ask
+    /// the server over RPC.
+    GiveUp,
+}
+
+impl OneSided {
+    /// The shared-memory backend, if this path reads through one.
+    fn shm(&self) -> Option<&ShmRegion> {
+        match &self.backend {
+            Backend::Shm(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// Whether [`OneSided::get_local`] can serve GETs: the region is mapped
+    /// in this process.
+    pub fn is_local(&self) -> bool {
+        self.shm().is_some()
+    }
+
+    /// GETs `key` by copying from the mapped region on this thread, at most
+    /// [`MAX_ATTEMPTS`] attempts. A found value replaces `out`'s contents.
+    /// Fails with [`BackendError::Closed`] on a path that is not local.
+    pub fn get_local(
+        &self,
+        key: &[u8],
+        scratch: &mut Scratch,
+        out: &mut Vec<u8>,
+    ) -> Result<(LocalGet, Trace), BackendError> {
+        let shm = self.shm().ok_or(BackendError::Closed)?;
+        let kh = key_hash(key, self.header.hash_seed);
+        let mut trace = Trace::default();
+        for _ in 0..MAX_ATTEMPTS {
+            let (got, rounds) = self.attempt_local(shm, key, kh, scratch, out)?;
+            trace.round_trips += rounds;
+            match got {
+                Some(g) => return Ok((g, trace)),
+                None => trace.retries += rounds,
+            }
+        }
+        self.counters.fallbacks.fetch_add(1, Ordering::Relaxed);
+        Ok((LocalGet::GiveUp, trace))
+    }
+
+    /// One attempt; `None` when it must be retried (the cause counted), and
+    /// the round trips (batches of reads) it took.
+    fn attempt_local(
+        &self,
+        shm: &ShmRegion,
+        key: &[u8],
+        kh: KeyHash,
+        s: &mut Scratch,
+        out: &mut Vec<u8>,
+    ) -> Result<(Option<LocalGet>, u32), BackendError> {
+        let mut rounds = 0;
+        let (segment, fresh) = match self.dir.get(&kh) {
+            Some(e) => (e, false),
+            None => {
+                s.specs.clear();
+                s.specs.push(dir_read(&kh, &self.header));
+                shm.read(&s.specs, &mut s.reads)?;
+                rounds += 1;
+                self.counters.directory_reads.fetch_add(1, Ordering::Relaxed);
+                match s.reads.get(0).and_then(|b| judge_dir_entry(b, &self.header)) {
+                    Some(e) => {
+                        self.dir.put(&kh, e);
+                        (e, true)
+                    }
+                    None => {
+                        self.counters.retry(Retry::Torn);
+                        return Ok((None, rounds));
+                    }
+                }
+            }
+        };
+        let (mut look, hint) = self.lookup(kh, segment);
+        s.specs.clear();
+        look.first_reads(&mut s.specs);
+        let lease_at = self.push_lease_read(&mut s.specs);
+        let clock_at = push_clock_read(&mut s.specs);
+        shm.read(&s.specs, &mut s.reads)?;
+        rounds += 1;
+        self.check_lease(&s.reads, lease_at)?;
+        let clock = judge_clock(s.reads.get(clock_at).unwrap_or(&[]));
+        let (Some(b0), Some(b1)) = (s.reads.get(0), s.reads.get(1)) else {
+            self.counters.retry(Retry::Torn);
+            return Ok((None, rounds));
+        };
+        let hinted = hint.and_then(|_| s.reads.get(2));
+        let judged = look.after_buckets(key, [b0, b1], hinted, self.now(), clock);
+        if fresh && let Some(h) = look.serving() {
+            self.dir.learn(segment, h.depth, h.suffix);
+        }
+        match judged {
+            AfterBuckets::Hit(h) => {
+                let item = hinted.expect("hit comes from the hinted item");
+                self.counters.hint_hits.fetch_add(1, Ordering::Relaxed);
+                copy_value(out, &item[h.value.clone()]);
+                return Ok((Some(LocalGet::Found(self.note_found(&kh, &h))), rounds));
+            }
+            AfterBuckets::Miss => {
+                self.note_missing(&kh);
+                return Ok((Some(LocalGet::Missing), rounds));
+            }
+            AfterBuckets::Retry(r) => {
+                if r == Retry::StaleDirectory {
+                    self.dir.forget(&kh, segment);
+                }
+                self.counters.retry(r);
+                return Ok((None, rounds));
+            }
+            AfterBuckets::ReadItems => {}
+        }
+        s.specs.clear();
+        look.item_reads(&mut s.specs);
+        let n = look.item_read_count();
+        let lease_at = self.push_lease_read(&mut s.specs);
+        let clock_at = push_clock_read(&mut s.specs);
+        shm.read(&s.specs, &mut s.reads)?;
+        rounds += 1;
+        self.check_lease(&s.reads, lease_at)?;
+        let clock = judge_clock(s.reads.get(clock_at).unwrap_or(&[]));
+        let mut bufs: [&[u8]; MAX_CANDIDATES] = [&[]; MAX_CANDIDATES];
+        for (j, b) in bufs.iter_mut().enumerate().take(n) {
+            *b = s.reads.get(j).unwrap_or(&[]);
+        }
+        Ok((
+            match look.after_items(key, &bufs[..n], self.now(), clock) {
+                Outcome::Hit(h) => {
+                    copy_value(out, &bufs[h.item][h.value.clone()]);
+                    Some(LocalGet::Found(self.note_found(&kh, &h)))
+                }
+                Outcome::Miss => {
+                    self.note_missing(&kh);
+                    Some(LocalGet::Missing)
+                }
+                Outcome::Retry(r) => {
+                    self.counters.retry(r);
+                    None
+                }
+            },
+            rounds,
+        ))
+    }
+}
+
+/// Replaces `out`'s contents with `value`, reusing its capacity.
+fn copy_value(out: &mut Vec<u8>, value: &[u8]) {
+    out.clear();
+    out.extend_from_slice(value);
+}
