@@ -553,6 +553,14 @@ impl Client {
     /// The open connection of pool slot `i`, connecting it if needed (see
     /// [`PoolSlot`]); gives up at `deadline`.
     async fn conn_at(&self, i: usize, deadline: tokio::time::Instant) -> Result<Arc<Conn>, ClientError> {
+        // The common case, an open connection and nobody connecting, takes
+        // no timer and no wait.
+        if let Ok(slot) = self.inner.pool[i].try_lock()
+            && let Some(c) = &slot.conn
+            && !c.is_closed()
+        {
+            return Ok(Arc::clone(c));
+        }
         let timeout = ClientError::Timeout(self.inner.cfg.request_timeout);
         let mut slot = tokio::time::timeout_at(deadline, self.inner.pool[i].lock()).await.map_err(|_| timeout)?;
         if let Some(c) = &slot.conn
@@ -881,13 +889,15 @@ impl Client {
     /// the path controller and to that connection's congestion detector.
     async fn measured_rpc_get(&self, key: &[u8], adm: Admission) -> Result<Option<Versioned>, ClientError> {
         let i = self.next_slot();
-        let start = Instant::now();
+        let start = adm.started();
         let result = self.call_on(i, Op::Get(proto::Get { key: Bytes::copy_from_slice(key) })).await;
         match &result {
             Err(e) if e.is_transport() => adm.fail(),
             _ => {
-                adm.complete(1, 0);
-                if self.inner.rpc_health.record(i, start.elapsed().as_nanos() as u64) {
+                let end = Instant::now();
+                let took = end.saturating_duration_since(start).as_nanos() as u64;
+                adm.complete_after(took, 1, 0);
+                if self.inner.rpc_health.record_ended(end, i, took) {
                     // Congested for several rounds: later requests of this
                     // slot open a fresh connection; this one drains.
                     tracing::debug!(conn = i, "RPC connection congested: moving to a new one");

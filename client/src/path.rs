@@ -132,10 +132,18 @@ impl PathSelector {
 impl Admission {
     /// The GET was answered after `round_trips`, of which `retries` were
     /// spent on attempts that had to be retried.
-    pub fn complete(mut self, round_trips: u32, retries: u32) {
+    pub fn complete(self, round_trips: u32, retries: u32) {
+        let latency_ns = self.start.elapsed().as_nanos() as u64;
+        self.complete_after(latency_ns, round_trips, retries);
+    }
+
+    /// [`Admission::complete`] for a caller that measured the latency from
+    /// [`Admission::started`] already (one clock read fewer).
+    pub fn complete_after(mut self, latency_ns: u64, round_trips: u32, retries: u32) {
         self.done = true;
-        let c = Completion { latency_ns: self.start.elapsed().as_nanos() as u64, round_trips, retries };
-        let now = self.sel.now();
+        let c = Completion { latency_ns, round_trips, retries };
+        // The selector's clock: the admission's start plus its latency.
+        let now = (self.start.saturating_duration_since(self.sel.clock).as_nanos() as u64).saturating_add(latency_ns);
         let waiting = {
             let mut ctl = self.sel.lock();
             ctl.on_complete(now, self.path, self.key, self.probe, c);
@@ -145,6 +153,11 @@ impl Admission {
         if waiting {
             self.sel.wake[self.path.idx()].notify_waiters();
         }
+    }
+
+    /// When the GET was admitted.
+    pub fn started(&self) -> Instant {
+        self.start
     }
 
     /// The path failed under this GET (connection lost, timeout).
@@ -198,7 +211,16 @@ impl ConnHealth {
     /// Records a round trip of `delay_ns` on connection `conn`; true when
     /// that connection should be replaced now.
     pub fn record(&self, conn: usize, delay_ns: u64) -> bool {
-        let now = self.clock.elapsed().as_nanos() as u64;
+        self.record_at(self.clock.elapsed().as_nanos() as u64, conn, delay_ns)
+    }
+
+    /// [`ConnHealth::record`] of a round trip that ended at `end` (saves
+    /// the caller's clock read).
+    pub fn record_ended(&self, end: Instant, conn: usize, delay_ns: u64) -> bool {
+        self.record_at(end.saturating_duration_since(self.clock).as_nanos() as u64, conn, delay_ns)
+    }
+
+    fn record_at(&self, now: u64, conn: usize, delay_ns: u64) -> bool {
         let mut st = self.state.lock().expect("conn health poisoned");
         let (delay, conns) = &mut *st;
         delay.on_sample(now, delay_ns);

@@ -110,11 +110,22 @@ pub async fn serve_connection<H: Handler>(
     let mut inbuf = BytesMut::with_capacity(READ_BUF);
     let mut out = BytesMut::new();
     let mut clock = ReadClock::new(limits, Instant::now());
+    // One timer for the connection's life, moved only when a deadline comes
+    // earlier than the one armed: arming a timer per read costs more than
+    // the read. When it fires early (the deadline moved later since), it
+    // is armed again for the real one.
+    let mut armed = clock.deadline().0;
+    let timer = tokio::time::sleep_until(armed);
+    tokio::pin!(timer);
     loop {
         if inbuf.capacity() - inbuf.len() < READ_BUF / 4 {
             inbuf.reserve(READ_BUF);
         }
         let (deadline, waiting_for) = clock.deadline();
+        if deadline < armed {
+            armed = deadline;
+            timer.as_mut().reset(armed);
+        }
         let deferred = handler.deferred_len() > 0;
         let woke = tokio::select! {
             r = stream.read_buf(&mut inbuf) => match r {
@@ -125,7 +136,12 @@ pub async fn serve_connection<H: Handler>(
                 Err(e) => { debug!(peer, listener = kind, "{kind} read error: {e}"); return; }
             },
             Some(b) = handler.next_deferred(), if deferred => Woke::Replies(b),
-            _ = tokio::time::sleep_until(deadline), if !deferred => {
+            _ = &mut timer, if !deferred => {
+                if deadline > Instant::now() {
+                    armed = deadline;
+                    timer.as_mut().reset(armed);
+                    continue;
+                }
                 debug!(peer, listener = kind, bytes = inbuf.len(), "closing {kind} connection: {waiting_for:?} timed out");
                 return;
             }
@@ -221,9 +237,15 @@ async fn write_out<W: AsyncWrite + Unpin>(
         wr.write_all(out).await?;
         wr.flush().await
     };
-    match tokio::time::timeout(limits.idle_timeout, write).await {
-        Ok(r) => r?,
-        Err(_) => return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "peer not reading replies")),
+    tokio::pin!(write);
+    // Most writes complete at once (the socket buffer has room): only a
+    // write that must wait is timed, so the common case arms no timer.
+    match futures_util::FutureExt::now_or_never(write.as_mut()) {
+        Some(r) => r?,
+        None => match tokio::time::timeout(limits.idle_timeout, write).await {
+            Ok(r) => r?,
+            Err(_) => return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "peer not reading replies")),
+        },
     }
     stats.sent.fetch_add(out.len() as u64, std::sync::atomic::Ordering::Relaxed);
     out.clear();

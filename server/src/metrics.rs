@@ -66,6 +66,35 @@ struct OpStats {
     sum_nanos: AtomicU64,
 }
 
+/// Copies of the request counters, one per group of worker threads, so
+/// that workers do not fight over the cache lines of shared counters on
+/// every request; readers add them up.
+const STAT_SHARDS: usize = 8;
+
+/// One copy of every op's counters, on cache lines of its own.
+#[repr(align(128))]
+#[derive(Default)]
+struct StatShard([OpStats; OPS.len()]);
+
+/// The shard this thread counts in.
+fn stat_shard() -> usize {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    thread_local! {
+        static SHARD: usize = (NEXT.fetch_add(1, Relaxed) % STAT_SHARDS as u64) as usize;
+    }
+    SHARD.with(|s| *s)
+}
+
+impl OpStats {
+    /// Adds `other`'s counts to these.
+    fn add(&self, other: &OpStats) {
+        let pairs = self.results.iter().zip(&other.results).chain(self.buckets.iter().zip(&other.buckets));
+        for (a, b) in pairs.chain(std::iter::once((&self.sum_nanos, &other.sum_nanos))) {
+            a.fetch_add(b.load(Relaxed), Relaxed);
+        }
+    }
+}
+
 impl Default for OpStats {
     fn default() -> Self {
         OpStats {
@@ -102,7 +131,7 @@ impl ListenerStats {
 
 /// The server's own counters (what is not already kept elsewhere).
 pub struct Metrics {
-    ops: [OpStats; OPS.len()],
+    ops: Box<[StatShard; STAT_SHARDS]>,
     pub rpc: Arc<ListenerStats>,
     pub engine: Arc<ListenerStats>,
     pub shm: Arc<ListenerStats>,
@@ -122,7 +151,7 @@ pub struct Metrics {
 impl Default for Metrics {
     fn default() -> Self {
         Metrics {
-            ops: std::array::from_fn(|_| OpStats::default()),
+            ops: Box::default(),
             rpc: ListenerStats::new("rpc"),
             engine: ListenerStats::new("engine"),
             shm: ListenerStats::new("shm"),
@@ -206,7 +235,7 @@ impl Metrics {
     }
 
     fn record_result(&self, op: usize, result: usize, took: Duration) {
-        let Some(s) = self.ops.get(op) else { return };
+        let Some(s) = self.ops[stat_shard()].0.get(op) else { return };
         let nanos = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
         s.results[result.min(RESULTS - 1)].fetch_add(1, Relaxed);
         s.buckets[bucket_of(nanos)].fetch_add(1, Relaxed);
@@ -218,7 +247,7 @@ impl Metrics {
     /// `_sum` (microseconds), and `requests_<op>_<result>` (ok always,
     /// not_found for get and delete, error codes once seen).
     pub fn stats_into(&self, out: &mut HashMap<String, u64>) {
-        for (op, (name, s)) in OPS.iter().zip(&self.ops).enumerate() {
+        for (op, (name, s)) in OPS.iter().zip(&self.op_totals()).enumerate() {
             let mut cumulative = 0;
             for (i, b) in s.buckets.iter().enumerate() {
                 cumulative += b.load(Relaxed);
@@ -238,6 +267,17 @@ impl Metrics {
                 }
             }
         }
+    }
+
+    /// Every op's counters, summed over the shards.
+    fn op_totals(&self) -> [OpStats; OPS.len()] {
+        let totals: [OpStats; OPS.len()] = Default::default();
+        for shard in self.ops.iter() {
+            for (t, s) in totals.iter().zip(&shard.0) {
+                t.add(s);
+            }
+        }
+        totals
     }
 
     fn listeners(&self) -> [&ListenerStats; 6] {
@@ -378,7 +418,8 @@ impl Collector for Scrape {
         )?;
         let names: Vec<String> = (0..RESULTS).map(result_name).collect();
         let mut series = Vec::new();
-        for (o, (op, s)) in OPS.iter().zip(&m.ops).enumerate() {
+        let totals = m.op_totals();
+        for (o, (op, s)) in OPS.iter().zip(&totals).enumerate() {
             for (i, r) in s.results.iter().enumerate() {
                 let n = r.load(Relaxed);
                 if always_shown(o, i) || n > 0 {
@@ -393,7 +434,7 @@ impl Collector for Scrape {
             None,
             MetricType::Histogram,
         )?;
-        for (op, s) in OPS.iter().zip(&m.ops) {
+        for (op, s) in OPS.iter().zip(&totals) {
             histogram(&mut h, &vec![("op", *op)], &s.buckets, &s.sum_nanos)?;
         }
         let per_listener = |f: fn(&ListenerStats) -> &AtomicU64| {
