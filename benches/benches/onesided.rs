@@ -1,7 +1,8 @@
 //! The one-sided reader's hot path: bucket scan and item verification over
 //! a real region (copied with the same racy reads the shared-memory backend
 //! uses), with and without a cached item address; and whole GETs through
-//! the SDK over shm, the TCP engine and RPC, side by side in one run.
+//! the SDK over shm (forced, auto, and the synchronous `get_local`), the
+//! TCP engine and RPC, side by side in one run, and multi-gets over shm.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -110,6 +111,10 @@ fn sdk_get(c: &mut Criterion) {
         }
         vec![
             (
+                "shm_auto",
+                Client::connect_with(addr.clone(), mk(ReadPath::Auto, Some(Transport::Shm))).await.expect("auto"),
+            ),
+            (
                 "shm",
                 Client::connect_with(addr.clone(), mk(ReadPath::OneSided, Some(Transport::Shm))).await.expect("shm"),
             ),
@@ -137,6 +142,43 @@ fn sdk_get(c: &mut Criterion) {
             })
         });
     }
+    // The synchronous API: on the calling thread, into one reused buffer.
+    let shm = &clients.iter().find(|(n, _)| *n == "shm").expect("shm client").1;
+    let mut i = 0usize;
+    let mut value = Vec::new();
+    let mut name = String::new();
+    g.bench_function(BenchmarkId::from_parameter("shm_get_local"), |b| {
+        b.iter(|| {
+            use std::fmt::Write as _;
+            i = (i + 7919) % keys;
+            name.clear();
+            let _ = write!(name, "user{i:012}");
+            shm.get_local(name.as_bytes(), &mut value).expect("attached").expect("get").expect("stored")
+        })
+    });
+    g.finish();
+    // Multi-gets of 16 keys over shm: the cost per key.
+    let mut g = c.benchmark_group("sdk_multi_get_16x1KB");
+    g.throughput(Throughput::Elements(16));
+    let mut i = 0usize;
+    g.bench_function("shm", |b| {
+        b.iter_custom(|iters| {
+            rt.block_on(async {
+                let start = Instant::now();
+                for _ in 0..iters {
+                    let batch: Vec<String> = (0..16)
+                        .map(|_| {
+                            i = (i + 7919) % keys;
+                            key(i)
+                        })
+                        .collect();
+                    let got = shm.multi_get(&batch).await.expect("multi-get");
+                    assert!(got.iter().all(Option::is_some));
+                }
+                start.elapsed()
+            })
+        })
+    });
     g.finish();
     let _ = stop_tx.send(());
     drop(clients);

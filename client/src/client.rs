@@ -704,11 +704,12 @@ impl Client {
     }
 
     /// Sends `op` on connection `slot` and waits for its result; connecting
-    /// counts against the request's timeout.
+    /// counts against the request's timeout, which the connection's
+    /// watchdog enforces (no timer per request).
     async fn call_on(&self, slot: usize, op: Op) -> Result<R, ClientError> {
         let deadline = self.deadline();
-        let sent = self.send_on(slot, op, deadline).await?;
-        unwrap(sent.wait_until(deadline, self.inner.cfg.request_timeout).await?)
+        let sent = self.conn_at(slot, deadline).await?.send_until(op, deadline).await?;
+        unwrap(sent.wait_watched(deadline, self.inner.cfg.request_timeout).await?)
     }
 
     pub(crate) async fn call(&self, op: Op) -> Result<R, ClientError> {
@@ -735,14 +736,13 @@ impl Client {
     pub(crate) async fn node_get(&self, key: &[u8]) -> Result<Option<Versioned>, ClientError> {
         let sel = &self.inner.selector;
         match self.inner.cfg.read_path {
-            ReadPath::Rpc => self.measured_rpc_get(key, sel.admit_fixed(Path::Rpc, key_hash(key))).await,
+            ReadPath::Rpc => self.measured_rpc_get(key, sel.admit_sampled(Path::Rpc, key_hash(key))).await,
             ReadPath::Auto => self.auto_get(key).await,
             ReadPath::OneSided => {
                 let mut failure = None;
                 for _ in 0..FORCED_ONE_SIDED_TRIES {
                     let path = self.attach().await?;
-                    // A local path is not measured: nothing to steer.
-                    let adm = (!path.is_local()).then(|| sel.admit_fixed(Path::OneSided, key_hash(key)));
+                    let adm = sel.admit_sampled(Path::OneSided, key_hash(key));
                     match self.measured_one_sided_get(&path, key, adm).await {
                         Ok(r) => return Ok(r),
                         Err(e) => {
@@ -774,6 +774,7 @@ impl Client {
         if !path.is_local() || path.accesses.is_on() {
             return None;
         }
+        self.inner.selector.count_unmeasured(Path::OneSided);
         match onesided::with_scratch(|s| path.get_local(key, s, out)) {
             Ok((LocalGet::Found(m), _)) => Some(Ok(Some(m))),
             Ok((LocalGet::Missing, _)) => Some(Ok(None)),
@@ -792,7 +793,8 @@ impl Client {
         // memory has no link or server queue to congest, and costs a
         // fraction of any round trip (docs/path-selection.md).
         if let Some(path) = attached.as_ref().filter(|p| p.is_local()) {
-            return match self.measured_one_sided_get(path, key, None).await {
+            let adm = self.inner.selector.admit_sampled(Path::OneSided, h);
+            return match self.measured_one_sided_get(path, key, adm).await {
                 Ok(r) => Ok(r),
                 Err(e) => {
                     self.detach(path, &e);
@@ -817,13 +819,13 @@ impl Client {
                     self.node_rpc_get(key).await
                 }
             },
-            (Path::Rpc, None) => self.measured_rpc_get(key, adm).await,
+            (Path::Rpc, None) => self.measured_rpc_get(key, Some(adm)).await,
             // Detached since the choice: dropping the admission cancels it.
             (Path::OneSided, None) => {
                 drop(adm);
                 self.node_rpc_get(key).await
             }
-            (Path::Rpc, Some(path)) => match self.measured_rpc_get(key, adm).await {
+            (Path::Rpc, Some(path)) => match self.measured_rpc_get(key, Some(adm)).await {
                 // The RPC path broke under this GET: answer it one-sided.
                 Err(e) if e.is_transport() => match path.get(key).await {
                     Ok(OneSidedGet::Found(v)) => Ok(Some(v)),
@@ -887,16 +889,23 @@ impl Client {
 
     /// An RPC GET on the next pooled connection whose delay is reported to
     /// the path controller and to that connection's congestion detector.
-    async fn measured_rpc_get(&self, key: &[u8], adm: Admission) -> Result<Option<Versioned>, ClientError> {
+    /// `adm`: the controller's admission, when it steers this client.
+    async fn measured_rpc_get(&self, key: &[u8], adm: Option<Admission>) -> Result<Option<Versioned>, ClientError> {
         let i = self.next_slot();
-        let start = adm.started();
+        let start = adm.as_ref().map_or_else(Instant::now, Admission::started);
         let result = self.call_on(i, Op::Get(proto::Get { key: Bytes::copy_from_slice(key) })).await;
         match &result {
-            Err(e) if e.is_transport() => adm.fail(),
+            Err(e) if e.is_transport() => {
+                if let Some(adm) = adm {
+                    adm.fail();
+                }
+            }
             _ => {
                 let end = Instant::now();
                 let took = end.saturating_duration_since(start).as_nanos() as u64;
-                adm.complete_after(took, 1, 0);
+                if let Some(adm) = adm {
+                    adm.complete_after(took, 1, 0);
+                }
                 if self.inner.rpc_health.record_ended(end, i, took) {
                     // Congested for several rounds: later requests of this
                     // slot open a fresh connection; this one drains.
@@ -937,7 +946,7 @@ impl Client {
             let timeout = client.inner.cfg.request_timeout;
             match probe.path {
                 Path::Rpc => {
-                    let _ = client.measured_rpc_get(&key, probe).await;
+                    let _ = client.measured_rpc_get(&key, Some(probe)).await;
                 }
                 Path::OneSided => {
                     let attached = client.inner.path.lock().expect("path lock poisoned").attached.clone();

@@ -24,7 +24,19 @@ const MAX_COALESCE: usize = 256 * 1024;
 const READ_BUF: usize = 64 * 1024;
 
 /// Waiters for replies, by request id.
-pub(crate) type PendingMap<T> = Arc<Mutex<HashMap<u64, oneshot::Sender<T>, IdHash>>>;
+pub(crate) type PendingMap<T> = Arc<Mutex<HashMap<u64, Waiter<T>, IdHash>>>;
+
+/// Whoever waits for a reply, and until when the connection's watchdog
+/// keeps them waiting (`None`: the waiter times itself).
+pub(crate) struct Waiter<T> {
+    pub tx: oneshot::Sender<T>,
+    pub deadline: Option<tokio::time::Instant>,
+}
+
+/// How often a connection's watchdog looks for requests past their
+/// deadline: how late at most a watched request learns it timed out.
+/// One sweep per connection per tick replaces a timer per request.
+pub(crate) const WATCHDOG_TICK: Duration = Duration::from_millis(50);
 
 /// Hashes request ids, which are distinct counters chosen by this client
 /// (not by a peer, so nobody can aim collisions at the map): a multiply
@@ -67,6 +79,8 @@ pub struct Conn {
     max_frame: usize,
     /// Why the reader stopped, set before any waiter is woken.
     end: Arc<OnceLock<ReadEnd>>,
+    /// Wakes the watchdog when a watched request is sent.
+    watched: Arc<tokio::sync::Notify>,
 }
 
 /// How a connection's reader stopped: what the peer sent last (the start
@@ -95,6 +109,22 @@ impl InFlight {
     /// Waits for the reply, at most `timeout`.
     pub async fn wait(self, timeout: Duration) -> Result<Response, ClientError> {
         self.wait_until(tokio::time::Instant::now() + timeout, timeout).await
+    }
+
+    /// Waits for the reply of a request sent with [`Conn::send_until`]:
+    /// the connection's watchdog ends the wait at its deadline (at most
+    /// [`WATCHDOG_TICK`] late), so no timer is armed per request. A timeout
+    /// reports `timeout`.
+    pub(crate) async fn wait_watched(
+        self,
+        deadline: tokio::time::Instant,
+        timeout: Duration,
+    ) -> Result<Response, ClientError> {
+        match self.rx.await {
+            Ok(resp) => Ok(resp),
+            Err(_) if tokio::time::Instant::now() >= deadline => Err(ClientError::Timeout(timeout)),
+            Err(_) => Err(ClientError::ConnectionClosed),
+        }
     }
 
     /// Waits for the reply until `deadline`; a timeout reports `timeout`
@@ -150,6 +180,8 @@ impl Conn {
         let pending: Pending = Arc::default();
         let closed = Arc::new(AtomicBool::new(false));
         tokio::spawn(write_loop(wr, rx, Arc::clone(&closed)));
+        let watched = Arc::new(tokio::sync::Notify::new());
+        tokio::spawn(watchdog(Arc::downgrade(&pending), Arc::clone(&closed), Arc::clone(&watched)));
         let decoder = Decoder::new(max_frame);
         let end: Arc<OnceLock<ReadEnd>> = Arc::default();
         let record = Arc::clone(&end);
@@ -166,7 +198,7 @@ impl Conn {
                 debug_assert!(set, "a reader ends once");
             },
         ));
-        Arc::new(Conn { tx, pending, next_id: AtomicU64::new(1), closed, max_frame, end })
+        Arc::new(Conn { tx, pending, next_id: AtomicU64::new(1), closed, max_frame, end, watched })
     }
 
     /// How the reader stopped, once it has (before waiters are woken).
@@ -181,6 +213,18 @@ impl Conn {
 
     /// Queues a request; its reply is awaited with [`InFlight::wait`].
     pub async fn send(&self, op: Op) -> Result<InFlight, ClientError> {
+        self.send_with(op, None).await
+    }
+
+    /// Queues a request whose wait the connection's watchdog ends at
+    /// `deadline`; its reply is awaited with [`InFlight::wait_watched`].
+    pub(crate) async fn send_until(&self, op: Op, deadline: tokio::time::Instant) -> Result<InFlight, ClientError> {
+        let sent = self.send_with(op, Some(deadline)).await;
+        self.watched.notify_one();
+        sent
+    }
+
+    async fn send_with(&self, op: Op, deadline: Option<tokio::time::Instant>) -> Result<InFlight, ClientError> {
         if self.is_closed() {
             return Err(ClientError::ConnectionClosed);
         }
@@ -192,7 +236,7 @@ impl Conn {
             max: self.max_frame,
         })?;
         let (otx, orx) = oneshot::channel();
-        self.pending.lock().expect("pending poisoned").insert(id, otx);
+        self.pending.lock().expect("pending poisoned").insert(id, Waiter { tx: otx, deadline });
         if self.tx.send(buf).await.is_err() {
             self.pending.lock().expect("pending poisoned").remove(&id);
             return Err(ClientError::ConnectionClosed);
@@ -254,6 +298,39 @@ pub(crate) async fn write_loop(
     closed.store(true, Ordering::Release);
 }
 
+/// Ends the waits of requests past their deadline (dropping their
+/// senders, which their waiters read as a timeout), every
+/// [`WATCHDOG_TICK`] while any are watched; sleeps while none are. Stops
+/// with the connection.
+async fn watchdog<T>(
+    pending: std::sync::Weak<Mutex<HashMap<u64, Waiter<T>, IdHash>>>,
+    closed: Arc<AtomicBool>,
+    watched: Arc<tokio::sync::Notify>,
+) {
+    loop {
+        let any = {
+            let Some(pending) = pending.upgrade() else { return };
+            let now = tokio::time::Instant::now();
+            let mut p = pending.lock().expect("pending poisoned");
+            p.retain(|_, w| w.deadline.is_none_or(|d| d > now));
+            p.values().any(|w| w.deadline.is_some())
+        };
+        if closed.load(Ordering::Acquire) {
+            return;
+        }
+        if any {
+            tokio::time::sleep(WATCHDOG_TICK).await;
+        } else {
+            // A permit stored by a send since the sweep wakes this at once.
+            tokio::select! {
+                _ = watched.notified() => {}
+                // The connection may close with nothing watched.
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            }
+        }
+    }
+}
+
 /// Reads replies until the peer closes or sends something `next` rejects,
 /// handing each `(id, reply)` to whoever waits for that id; then marks the
 /// connection closed and wakes every waiter. Shared by every pipelined
@@ -280,7 +357,7 @@ pub(crate) async fn read_loop<T>(
         loop {
             match next(&mut buf) {
                 Ok(Some((id, reply))) => {
-                    let tx = pending.lock().expect("pending poisoned").remove(&id);
+                    let tx = pending.lock().expect("pending poisoned").remove(&id).map(|w| w.tx);
                     // A reply nobody waits for (timed out) is dropped.
                     if let Some(tx) = tx {
                         let _ = tx.send(reply);
@@ -299,4 +376,46 @@ pub(crate) async fn read_loop<T>(
     closed.store(true, Ordering::Release);
     // Dropping the senders wakes every waiter with "connection closed".
     pending.lock().expect("pending poisoned").clear();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dmkv_common::proto;
+
+    /// A peer that takes requests and never answers.
+    async fn silent_peer() -> (String, tokio::task::JoinHandle<()>) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let h = tokio::spawn(async move {
+            let (mut s, _) = l.accept().await.unwrap();
+            let mut sink = [0u8; 4096];
+            while matches!(s.read(&mut sink).await, Ok(n) if n > 0) {}
+        });
+        (addr, h)
+    }
+
+    #[tokio::test]
+    async fn the_watchdog_times_out_watched_requests_and_forgets_them() {
+        let (addr, _peer) = silent_peer().await;
+        let conn = Conn::connect(&addr, Duration::from_secs(5), 1 << 20, None).await.unwrap();
+        let timeout = Duration::from_millis(200);
+        let start = tokio::time::Instant::now();
+        let deadline = start + timeout;
+        let get = || Op::Get(proto::Get { key: bytes::Bytes::from_static(b"k") });
+        let all =
+            futures_util::future::join_all((0..3).map(|_| async {
+                conn.send_until(get(), deadline).await.unwrap().wait_watched(deadline, timeout).await
+            }));
+        // Without the watchdog these waits never end.
+        let waits = tokio::time::timeout(Duration::from_secs(10), all).await.expect("the watchdog ended the waits");
+        let took = start.elapsed();
+        for w in waits {
+            assert!(matches!(w, Err(ClientError::Timeout(t)) if t == timeout), "{w:?}");
+        }
+        assert!(took >= timeout, "ended before its deadline: {took:?}");
+        assert!(took < timeout + 10 * WATCHDOG_TICK, "ended long after its deadline: {took:?}");
+        assert!(conn.pending.lock().unwrap().is_empty(), "timed-out waiters are forgotten");
+        assert!(!conn.is_closed(), "a timeout leaves the connection open");
+    }
 }

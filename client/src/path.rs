@@ -28,7 +28,15 @@ pub struct PathSelector {
     ctl: Mutex<Controller>,
     clock: Instant,
     wake: [Notify; 2],
+    /// GETs of a fixed path that the controller does not see (see
+    /// [`PathSelector::admit_sampled`]), by path.
+    fixed: [AtomicU64; 2],
+    /// GETs offered to [`PathSelector::admit_sampled`].
+    sampled: AtomicU64,
 }
+
+/// One in this many GETs on an unsteered path is measured.
+pub const FIXED_SAMPLE: u64 = 64;
 
 /// A GET that holds a window slot on [`Admission::path`]. Dropping it
 /// without [`Admission::complete`] or [`Admission::fail`] (the caller gave
@@ -50,6 +58,8 @@ impl PathSelector {
             ctl: Mutex::new(Controller::new(cfg)),
             clock: Instant::now(),
             wake: [Notify::new(), Notify::new()],
+            fixed: [AtomicU64::new(0), AtomicU64::new(0)],
+            sampled: AtomicU64::new(0),
         })
     }
 
@@ -123,9 +133,33 @@ impl PathSelector {
         self.lock().preferred()
     }
 
-    /// Counters and state of the controller.
+    /// Admits a GET on a path nothing steers (a fixed read path, or shared
+    /// memory), measuring one in [`FIXED_SAMPLE`]: the others are only
+    /// counted. Steering needs no measurement when there is nothing to
+    /// steer, and the controller's lock and clock reads were a seventh of
+    /// an RPC GET's cost; the sampled ones keep its estimates (delay,
+    /// window) alive for operators.
+    pub fn admit_sampled(self: &Arc<Self>, path: Path, key: u64) -> Option<Admission> {
+        if self.sampled.fetch_add(1, Ordering::Relaxed).is_multiple_of(FIXED_SAMPLE) {
+            return Some(self.admit_fixed(path, key));
+        }
+        self.fixed[path.idx()].fetch_add(1, Ordering::Relaxed);
+        None
+    }
+
+    /// Counts a GET on `path` that is not measured at all (the
+    /// synchronous local GETs, which take no clock reads for it).
+    pub fn count_unmeasured(&self, path: Path) {
+        self.fixed[path.idx()].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counters and state of the controller; GETs only counted by
+    /// [`PathSelector::admit_sampled`] are in `requests`.
     pub fn stats(&self) -> ControllerStats {
-        self.lock().stats()
+        let mut st = self.lock().stats();
+        st.one_sided.requests += self.fixed[Path::OneSided.idx()].load(Ordering::Relaxed);
+        st.rpc.requests += self.fixed[Path::Rpc.idx()].load(Ordering::Relaxed);
+        st
     }
 }
 

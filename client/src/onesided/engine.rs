@@ -128,7 +128,7 @@ impl EngineConn {
         let mut frame = BytesMut::new();
         encode_request(id, &wrs, &mut frame);
         let (otx, orx) = oneshot::channel();
-        self.pending.lock().expect("pending poisoned").insert(id, otx);
+        self.pending.lock().expect("pending poisoned").insert(id, crate::conn::Waiter { tx: otx, deadline: None });
         if self.tx.send(frame).await.is_err() || self.closed.load(Ordering::Acquire) {
             self.pending.lock().expect("pending poisoned").remove(&id);
             return Err(BackendError::Closed);

@@ -527,6 +527,11 @@ impl OneSided {
             // returned `Bytes` then owns: one allocation, one copy.
             let mut value = Vec::new();
             let (got, trace) = local::with_scratch(|s| self.get_local(key, s, &mut value))?;
+            // A local GET never waits, so a task doing nothing else would
+            // never give its thread back to the runtime's other tasks (a
+            // reply another task waits for, a timer). Each GET spends
+            // cooperative budget, and yields when the task's is gone.
+            tokio::task::consume_budget().await;
             let got = match got {
                 LocalGet::Found(m) => OneSidedGet::Found(Versioned {
                     value: Bytes::from(value),
