@@ -736,13 +736,13 @@ impl Client {
     pub(crate) async fn node_get(&self, key: &[u8]) -> Result<Option<Versioned>, ClientError> {
         let sel = &self.inner.selector;
         match self.inner.cfg.read_path {
-            ReadPath::Rpc => self.measured_rpc_get(key, sel.admit_sampled(Path::Rpc, key_hash(key))).await,
+            ReadPath::Rpc => self.measured_rpc_get(key, sel.admit_sampled(Path::Rpc, key)).await,
             ReadPath::Auto => self.auto_get(key).await,
             ReadPath::OneSided => {
                 let mut failure = None;
                 for _ in 0..FORCED_ONE_SIDED_TRIES {
                     let path = self.attach().await?;
-                    let adm = sel.admit_sampled(Path::OneSided, key_hash(key));
+                    let adm = sel.admit_sampled(Path::OneSided, key);
                     match self.measured_one_sided_get(&path, key, adm).await {
                         Ok(r) => return Ok(r),
                         Err(e) => {
@@ -787,13 +787,12 @@ impl Client {
     }
 
     async fn auto_get(&self, key: &[u8]) -> Result<Option<Versioned>, ClientError> {
-        let h = key_hash(key);
         let attached = self.one_sided().await?;
         // Shared memory is not priced against RPC: a copy from local
         // memory has no link or server queue to congest, and costs a
         // fraction of any round trip (docs/path-selection.md).
         if let Some(path) = attached.as_ref().filter(|p| p.is_local()) {
-            let adm = self.inner.selector.admit_sampled(Path::OneSided, h);
+            let adm = self.inner.selector.admit_sampled(Path::OneSided, key);
             return match self.measured_one_sided_get(path, key, adm).await {
                 Ok(r) => Ok(r),
                 Err(e) => {
@@ -802,6 +801,7 @@ impl Client {
                 }
             };
         }
+        let h = key_hash(key);
         let deadline = tokio::time::Instant::now() + self.inner.cfg.request_timeout;
         let rounds = attached.as_ref().map(|p| if p.has_hint(key) { 1.0 } else { 2.0 });
         let Some((adm, probes)) = self.inner.selector.admit(h, rounds, deadline).await else {

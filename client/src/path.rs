@@ -139,9 +139,9 @@ impl PathSelector {
     /// steer, and the controller's lock and clock reads were a seventh of
     /// an RPC GET's cost; the sampled ones keep its estimates (delay,
     /// window) alive for operators.
-    pub fn admit_sampled(self: &Arc<Self>, path: Path, key: u64) -> Option<Admission> {
+    pub fn admit_sampled(self: &Arc<Self>, path: Path, key: &[u8]) -> Option<Admission> {
         if self.sampled.fetch_add(1, Ordering::Relaxed).is_multiple_of(FIXED_SAMPLE) {
-            return Some(self.admit_fixed(path, key));
+            return Some(self.admit_fixed(path, key_hash(key)));
         }
         self.fixed[path.idx()].fetch_add(1, Ordering::Relaxed);
         None

@@ -69,6 +69,43 @@ impl OneSided {
         self.shm().is_some()
     }
 
+    /// GETs `keys` one after another on this thread, having first asked
+    /// for the memory of every key whose place is cached (buckets and
+    /// hinted item), so that the batch waits for memory about once rather
+    /// than once per key. `None` on a path that is not local.
+    pub(super) fn multi_get_local<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+    ) -> Option<Result<(Vec<super::OneSidedGet>, Trace), BackendError>> {
+        let shm = self.shm()?;
+        {
+            let mut hints = self.hints.lock().expect("hints poisoned");
+            for k in keys {
+                let kh = key_hash(k.as_ref(), self.header.hash_seed);
+                let Some(segment) = self.dir.get(&kh) else { continue };
+                for b in kh.buckets {
+                    shm.prefetch(segment.bucket_offset(b), dmkv_common::limits::BUCKET_LEN);
+                }
+                if let Some(h) = hints.get(super::HintId::of(&kh)) {
+                    shm.prefetch(h.slot.offset(), h.slot.len());
+                }
+            }
+        }
+        let mut trace = Trace::default();
+        let mut out = Vec::with_capacity(keys.len());
+        let r = with_scratch(|s| {
+            for k in keys {
+                let mut value = Vec::new();
+                let (got, t) = self.get_local(k.as_ref(), s, &mut value)?;
+                trace.round_trips += t.round_trips;
+                trace.retries += t.retries;
+                out.push(super::local_result(got, value));
+            }
+            Ok(())
+        });
+        Some(r.map(|()| (out, trace)))
+    }
+
     /// GETs `key` by copying from the mapped region on this thread, at most
     /// [`MAX_ATTEMPTS`] attempts. A found value replaces `out`'s contents.
     /// Fails with [`BackendError::Closed`] on a path that is not local.

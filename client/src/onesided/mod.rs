@@ -6,6 +6,7 @@
 //! server's software one-sided engine over TCP).
 
 pub mod access;
+mod clock;
 mod directory;
 pub mod engine;
 mod hints;
@@ -17,7 +18,7 @@ pub mod shm;
 use std::ops::Range;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use dmkv_common::cluster::lease::lease_holds;
@@ -215,7 +216,7 @@ pub struct OneSided {
     transport: Transport,
     hints: Mutex<HintCache>,
     counters: std::sync::Arc<ReadCounters>,
-    clock: Instant,
+    clock: clock::AttemptClock,
     enforce_grace: bool,
     /// Keys per batch of a multi-get, sized to this path's measured speed.
     batch_keys: AtomicUsize,
@@ -258,6 +259,20 @@ pub struct AttachOptions {
     /// Check leases of cluster regions. Only tests that show the check
     /// matters turn it off.
     pub check_leases: bool,
+}
+
+/// A local GET's result with its value (found: the whole buffer).
+fn local_result(got: LocalGet, value: Vec<u8>) -> OneSidedGet {
+    match got {
+        LocalGet::Found(m) => OneSidedGet::Found(Versioned {
+            value: Bytes::from(value),
+            version: m.version,
+            flags: m.flags,
+            expires_at: m.expires_at,
+        }),
+        LocalGet::Missing => OneSidedGet::Missing,
+        LocalGet::GiveUp => OneSidedGet::GiveUp,
+    }
 }
 
 /// Adds the server clock's read to a batch, last (after every item read
@@ -342,6 +357,9 @@ pub async fn attach(
         };
         match attempt {
             Ok(backend) => {
+                let clock = clock::AttemptClock::new(header.grace_nanos);
+                // Attempts are judged in this clock's terms (see `clock`).
+                let header = RegionHeader { grace_nanos: clock.grace(header.grace_nanos), ..header };
                 return Ok(OneSided {
                     header,
                     dir: DirCache::new(header.dir_depth),
@@ -349,7 +367,7 @@ pub async fn attach(
                     transport: t,
                     hints: Mutex::new(HintCache::new(hint_entries)),
                     counters,
-                    clock: Instant::now(),
+                    clock,
                     enforce_grace,
                     batch_keys: AtomicUsize::new(MAX_BATCH_KEYS),
                     lease_skew_ns,
@@ -484,7 +502,7 @@ impl OneSided {
     }
 
     fn now(&self) -> u64 {
-        self.clock.elapsed().as_nanos() as u64
+        self.clock.now()
     }
 
     fn lookup(&self, kh: KeyHash, segment: DirEntry) -> (Lookup, Option<Hint>) {
@@ -532,17 +550,7 @@ impl OneSided {
             // reply another task waits for, a timer). Each GET spends
             // cooperative budget, and yields when the task's is gone.
             tokio::task::consume_budget().await;
-            let got = match got {
-                LocalGet::Found(m) => OneSidedGet::Found(Versioned {
-                    value: Bytes::from(value),
-                    version: m.version,
-                    flags: m.flags,
-                    expires_at: m.expires_at,
-                }),
-                LocalGet::Missing => OneSidedGet::Missing,
-                LocalGet::GiveUp => OneSidedGet::GiveUp,
-            };
-            return Ok((got, trace));
+            return Ok((local_result(got, value), trace));
         }
         let (mut out, trace) = self.multi_get_traced(&[key]).await?;
         Ok((out.pop().expect("one result per key"), trace))
@@ -561,6 +569,9 @@ impl OneSided {
         &self,
         keys: &[K],
     ) -> Result<(Vec<OneSidedGet>, Trace), BackendError> {
+        if let Some(r) = self.multi_get_local(keys) {
+            return r;
+        }
         let mut results: Vec<Option<OneSidedGet>> = (0..keys.len()).map(|_| None).collect();
         let mut trace = Trace::default();
         let mut todo: Vec<usize> = (0..keys.len()).collect();
