@@ -928,7 +928,8 @@ impl Client {
         if !g.found {
             return None;
         }
-        if g.hint_slot != 0 {
+        // A client that reads only over RPC never attaches a one-sided path.
+        if g.hint_slot != 0 && self.inner.cfg.read_path != ReadPath::Rpc {
             let attached = self.inner.path.lock().expect("path lock poisoned").attached.clone();
             if let Some(p) = attached {
                 p.learn_hint(key, g.hint_bucket, g.hint_index, g.hint_slot);
