@@ -651,6 +651,32 @@ fn does_not_flap_under_noise() {
     }
 }
 
+/// Two equal paths, each slowed by this client's own load (one worker, a
+/// service time near the think time): the path not in use always looks
+/// cheaper, so without damping the traffic changes path every dwell.
+#[test]
+fn trading_the_traffic_between_equal_loaded_paths_is_damped() {
+    for seed in seeds(&[15, 16]) {
+        let m = PathModel::new(40 * MICROS, 4 * MICROS, 4).noisy(0.5, 0.02, 20.0);
+        let mut sim = Sim::new(seed, PathConfig::default(), m, m, 4);
+        sim.think_ns = 0;
+        sim.run_until(3_000 * MILLIS);
+        let s = sim.ctl.stats();
+        let tl = timeline(&sim, 100 * MILLIS);
+        eprintln!("seed {seed}: {} switches in 3 s; one-sided % per 100 ms: {tl}", s.switches);
+        // Undamped: a change every 50 ms dwell, about 60 in 3 s.
+        assert!(s.switches <= 12, "seed {seed}: {} switches in 3 s: {tl}", s.switches);
+        // Damping holds back only small differences: one path congested
+        // twentyfold is left within 50 ms, whatever dwell flapping built.
+        sim.set_cond(Path::OneSided, Cond { slowdown: 20.0, ..Cond::default() });
+        sim.set_cond(Path::Rpc, Cond::default());
+        sim.run_until(3_050 * MILLIS);
+        sim.run_until(3_200 * MILLIS);
+        let os = sim.share(3_050 * MILLIS, 3_200 * MILLIS, Path::OneSided).0;
+        assert!(os < 0.05, "seed {seed}: congested one-sided still used 50 ms on: {}", timeline(&sim, 50 * MILLIS));
+    }
+}
+
 #[test]
 fn picks_the_path_twice_as_fast_under_noise() {
     for seed in seeds(&[11, 12]) {

@@ -9,7 +9,9 @@
 //! the preferred path changes only when the other is cheaper by a margin
 //! ([`PathConfig::hysteresis`]; one-sided, which costs the server no CPU,
 //! takes the traffic back already when within half that margin of RPC) and
-//! not more often than once per [`PathConfig::min_dwell_ns`]. The path not
+//! not more often than once per [`PathConfig::min_dwell_ns`], a dwell that
+//! doubles while the changes keep undoing each other (flap damping) unless
+//! the other path is cheaper by [`DWELL_BYPASS_RATIO`]. The path not
 //! in use is kept measured by background probes: copies of a real GET whose
 //! answers are thrown away, so a probe down a congested path never adds to
 //! a caller's latency.
@@ -108,6 +110,16 @@ impl Default for PathConfig {
         }
     }
 }
+
+/// A switch back within this many dwells of the previous switch is a flap:
+/// the next dwell doubles (see `Controller::dwell_ns`).
+pub const FLAP_WINDOW_DWELLS: u64 = 4;
+/// The longest dwell that flapping can build up to.
+pub const MAX_FLAP_DWELL_NS: u64 = 1_000 * MILLIS;
+/// The other path cheaper by this factor moves the traffic after the
+/// confirmation alone, whatever dwell flapping built up: a real change
+/// (congestion, a failure) is never held back by damping.
+pub const DWELL_BYPASS_RATIO: f64 = 4.0;
 
 /// A path priced this many times above the one in use is probed at
 /// [`PathConfig::far_probe_interval_ns`].
@@ -216,6 +228,13 @@ pub struct Controller {
     keys: KeyRounds,
     preferred: Path,
     last_switch: Option<u64>,
+    /// Least time before the next change of the preferred path: the
+    /// configured dwell, doubled by every flap (a change that undoes the
+    /// previous one soon after) up to [`MAX_FLAP_DWELL_NS`], and back to
+    /// the configured one after a calm spell. Two paths of equal cost
+    /// otherwise trade the traffic every dwell, each looking cheaper as
+    /// soon as this client's load leaves it.
+    dwell_ns: u64,
     /// Since when the other path has been cheaper enough to take over.
     leave_since: Option<u64>,
     switches: u64,
@@ -254,6 +273,7 @@ impl Controller {
             keys: KeyRounds::new(cfg.key_entries, cfg.key_memory_ns),
             preferred: Path::OneSided,
             last_switch: None,
+            dwell_ns: cfg.min_dwell_ns,
             leave_since: None,
             switches: 0,
         }
@@ -355,7 +375,8 @@ impl Controller {
         }
         let since = *self.leave_since.get_or_insert(now);
         let confirmed = now.saturating_sub(since) >= self.cfg.confirm_ns;
-        let rested = self.last_switch.is_none_or(|t| now.saturating_sub(t) >= self.cfg.min_dwell_ns);
+        let rested =
+            self.last_switch.is_none_or(|t| now.saturating_sub(t) >= self.dwell_ns) || ca * DWELL_BYPASS_RATIO < cp;
         if confirmed && rested {
             self.switch_to(pref.other(), now);
             return true;
@@ -365,6 +386,14 @@ impl Controller {
 
     fn switch_to(&mut self, p: Path, now: u64) {
         if self.preferred != p {
+            let calm = self.dwell_ns.saturating_mul(FLAP_WINDOW_DWELLS);
+            self.dwell_ns = match self.last_switch {
+                Some(t) if now.saturating_sub(t) < calm => self
+                    .dwell_ns
+                    .saturating_mul(2)
+                    .clamp(self.cfg.min_dwell_ns, MAX_FLAP_DWELL_NS.max(self.cfg.min_dwell_ns)),
+                _ => self.cfg.min_dwell_ns,
+            };
             self.preferred = p;
             self.last_switch = Some(now);
             self.leave_since = None;
