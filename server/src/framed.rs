@@ -59,6 +59,11 @@ pub trait Handler: Send {
         out: &mut BytesMut,
     ) -> impl Future<Output = Result<bool, Self::Error>> + Send;
 
+    /// Bytes were just read, at `at`: the requests they complete arrived
+    /// then (for latency accounting; one clock read per read, not per
+    /// request).
+    fn on_read(&mut self, _at: std::time::Instant) {}
+
     /// Whether closing for `e` was logged already (authentication failures
     /// are, rate-limited), so the loop need not warn again.
     fn logged(_e: &Self::Error) -> bool {
@@ -176,6 +181,8 @@ pub async fn serve_connection<H: Handler>(
                 continue;
             }
         };
+        let read_at = Instant::now();
+        handler.on_read(read_at.into_std());
         if n == 0 {
             if !inbuf.is_empty() {
                 warn!(peer, listener = kind, bytes = inbuf.len(), "{kind} connection closed in the middle of a frame");
@@ -214,7 +221,7 @@ pub async fn serve_connection<H: Handler>(
             }
             return;
         }
-        clock.on_read(Instant::now(), completed, !inbuf.is_empty());
+        clock.on_read(read_at, completed, !inbuf.is_empty());
         if inbuf.is_empty() && inbuf.capacity() > SHRINK_ABOVE {
             inbuf = BytesMut::with_capacity(READ_BUF);
         }

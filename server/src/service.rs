@@ -119,7 +119,8 @@ async fn serve(stream: TcpStream, shared: Arc<Shared>, shutdown: watch::Receiver
     // is not built; docs/replication.md).
     let (tls, limits) = (if peer_port { None } else { shared.tls.clone() }, shared.limits);
     let stats = Arc::clone(if peer_port { &shared.metrics.peer } else { &shared.metrics.rpc });
-    let requests = Requests { decoder: Decoder::new(shared.max_frame), shared, state, deferred: Deferred::new() };
+    let requests =
+        Requests { decoder: Decoder::new(shared.max_frame), shared, state, deferred: Deferred::new(), read_at: None };
     match tls {
         None => framed::serve_connection(stream, peer, stats, requests, limits, shutdown).await,
         Some(acceptor) => {
@@ -139,6 +140,9 @@ struct Requests {
     state: ConnState,
     /// A cluster node's requests waiting for raft.
     deferred: Deferred,
+    /// When the bytes being handled were read (requests' latency starts
+    /// there).
+    read_at: Option<std::time::Instant>,
 }
 
 /// Requests of one connection a cluster node works on at once (each
@@ -199,7 +203,7 @@ impl framed::Handler for Requests {
 
     async fn handle_next(&mut self, inbuf: &mut BytesMut, out: &mut BytesMut) -> Result<bool, Close> {
         let Some(req) = self.decoder.next_message::<Request>(inbuf).map_err(Close::Frame)? else { return Ok(false) };
-        let started = std::time::Instant::now();
+        let started = self.read_at.unwrap_or_else(std::time::Instant::now);
         let op = crate::metrics::op_index(req.op.as_ref());
         // The peer port's raft traffic is not client requests.
         let counted = !self.state.peer_port;
@@ -226,6 +230,10 @@ impl framed::Handler for Requests {
 
     fn logged(e: &Close) -> bool {
         matches!(e, Close::Unauthenticated)
+    }
+
+    fn on_read(&mut self, at: std::time::Instant) {
+        self.read_at = Some(at);
     }
 }
 
