@@ -3,9 +3,11 @@
 # dmkv's bytes per item compare with memcached's at the same keys and
 # sizes. Writes docs/scale.md.
 #
-#   benches/scale.sh [--counts "100000 1000000 10000000"] [--value-size B] [--secs S]
+#   benches/scale.sh [--counts "100000 1000000 10000000"] [--mem-counts "..."]
+#                    [--value-size B] [--secs S]
 #
-# For each count N:
+# For each count N of --counts (GET cost) and of --mem-counts (bytes per
+# item; default: the same counts):
 # - GET cost: a fresh dmkvd loaded with N keys (`dmkv-getbench --load`,
 #   16-byte keys), then single GETs through the synchronous shared-memory
 #   API (`--sync`), uniform and zipfian keys, one client core.
@@ -19,6 +21,7 @@ cd "$(dirname "$0")/.."
 INVOCATION="benches/scale.sh${*:+ $*}"
 
 COUNTS="100000 1000000 10000000"
+MEM_COUNTS=""
 VALUE_SIZE=16
 SECS=3
 SERVER_THREADS=2
@@ -29,13 +32,15 @@ DOC=docs/scale.md
 while [ $# -gt 0 ]; do
     case "$1" in
         --counts) COUNTS="$2"; shift 2 ;;
+        --mem-counts) MEM_COUNTS="$2"; shift 2 ;;
         --value-size) VALUE_SIZE="$2"; shift 2 ;;
         --secs) SECS="$2"; shift 2 ;;
         -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;;
         *) echo "scale.sh: unknown flag $1" >&2; exit 2 ;;
     esac
 done
-for n in $COUNTS "$VALUE_SIZE" "$SECS"; do
+MEM_COUNTS="${MEM_COUNTS:-$COUNTS}"
+for n in $COUNTS $MEM_COUNTS "$VALUE_SIZE" "$SECS"; do
     [[ "$n" =~ ^[1-9][0-9]*$ ]] || { echo "scale.sh: not a positive number: $n" >&2; exit 2; }
 done
 command -v memcached >/dev/null || { echo "scale.sh: needs memcached (apt-get install memcached)" >&2; exit 2; }
@@ -52,8 +57,8 @@ COMMANDS="$RESULTS/commands.txt"
 # shellcheck source=benches/lib.sh
 source benches/lib.sh
 
-# Memory for N small items with room to spare: 192 B each, at least 256 MiB.
-mib_for() { local m=$(( $1 * 192 / 1048576 + 1 )); [ "$m" -lt 256 ] && m=256; echo "$m"; }
+# Memory for N small items with room to spare: 128 B each, at least 256 MiB.
+mib_for() { local m=$(( $1 * 128 / 1048576 + 1 )); [ "$m" -lt 256 ] && m=256; echo "$m"; }
 
 # A dmkvd stat (the `dmkv stats` line KEY VALUE).
 stat_of() { sed -n "s/^$1 //p" "$2"; }
@@ -80,7 +85,10 @@ for n in $COUNTS; do
     done
     ROWS_GET+=("| $n | ${line[0]} | ${line[1]} |")
     stop_store
+done
 
+for n in $MEM_COUNTS; do
+    MEMORY_MIB="$(mib_for "$n")"
     log "$n keys: bytes per item"
     # The index starts small and grows by splitting, so its size follows
     # the items (the default sizes it for a memory full of 1 KB items).
