@@ -4,7 +4,7 @@
 # sizes. Writes docs/scale.md.
 #
 #   benches/scale.sh [--counts "100000 1000000 10000000"] [--mem-counts "..."]
-#                    [--value-size B] [--secs S]
+#                    [--value-size B] [--secs S] [--out FILE]
 #
 # For each count N of --counts (GET cost) and of --mem-counts (bytes per
 # item; default: the same counts):
@@ -35,6 +35,7 @@ while [ $# -gt 0 ]; do
         --mem-counts) MEM_COUNTS="$2"; shift 2 ;;
         --value-size) VALUE_SIZE="$2"; shift 2 ;;
         --secs) SECS="$2"; shift 2 ;;
+        --out) DOC="$2"; shift 2 ;;
         -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;;
         *) echo "scale.sh: unknown flag $1" >&2; exit 2 ;;
     esac
@@ -57,8 +58,8 @@ COMMANDS="$RESULTS/commands.txt"
 # shellcheck source=benches/lib.sh
 source benches/lib.sh
 
-# Memory for N small items with room to spare: 128 B each, at least 256 MiB.
-mib_for() { local m=$(( $1 * 128 / 1048576 + 1 )); [ "$m" -lt 256 ] && m=256; echo "$m"; }
+# Memory for N items of B bytes each (room to spare included), at least 256 MiB.
+mib_for() { local m=$(( $1 * $2 / 1048576 + 1 )); [ "$m" -lt 256 ] && m=256; echo "$m"; }
 
 # A dmkvd stat (the `dmkv stats` line KEY VALUE).
 stat_of() { sed -n "s/^$1 //p" "$2"; }
@@ -66,7 +67,9 @@ stat_of() { sed -n "s/^$1 //p" "$2"; }
 ROWS_GET=()
 ROWS_MEM=()
 for n in $COUNTS; do
-    MEMORY_MIB="$(mib_for "$n")"
+    # getbench's 16-byte keys: a 32-byte header, key and value in 64-byte
+    # units, plus the index.
+    MEMORY_MIB="$(mib_for "$n" 128)"
     log "$n keys: GET cost"
     start_dmkvd rpc "dmkvd-get-$n" --listen 127.0.0.1:0 --memory "${MEMORY_MIB}MiB" --threads "$SERVER_THREADS" --log warn
     record "$BIN/dmkv-getbench" --server "$ADDR" --load --keys "$n" --value-size "$VALUE_SIZE" --transport rpc --secs 0.1
@@ -88,7 +91,8 @@ for n in $COUNTS; do
 done
 
 for n in $MEM_COUNTS; do
-    MEMORY_MIB="$(mib_for "$n")"
+    # YCSB's keys are longer (up to 23 bytes): two units per item.
+    MEMORY_MIB="$(mib_for "$n" 256)"
     log "$n keys: bytes per item"
     # The index starts small and grows by splitting, so its size follows
     # the items (the default sizes it for a memory full of 1 KB items).

@@ -30,6 +30,12 @@ impl DirCache {
         &self.entries[kh.dir_index(self.depth) as usize]
     }
 
+    /// Asks the CPU for the cache line of `kh`'s entry (see
+    /// [`dmkv_common::racy::prefetch`]).
+    pub fn prefetch(&self, kh: &KeyHash) {
+        dmkv_common::racy::prefetch(std::ptr::from_ref(self.at(kh)).cast::<u8>(), 8);
+    }
+
     /// The cached entry for `kh`'s segment, if any.
     pub fn get(&self, kh: &KeyHash) -> Option<DirEntry> {
         DirEntry::unpack(self.at(kh).load(Ordering::Relaxed))

@@ -141,6 +141,11 @@ impl OneSided {
         out: &mut Vec<u8>,
     ) -> Result<(Option<LocalGet>, u32), BackendError> {
         let mut rounds = 0;
+        // The directory entry and the hint are independent lookups that
+        // both miss the cache over many keys: ask for the entry's line,
+        // then take the hint while it comes.
+        self.dir.prefetch(&kh);
+        let hint = self.hint(&kh);
         let (segment, fresh) = match self.dir.get(&kh) {
             Some(e) => (e, false),
             None => {
@@ -161,15 +166,11 @@ impl OneSided {
                 }
             }
         };
-        let (mut look, hint) = self.lookup(kh, segment);
+        let mut look = self.lookup_hinted(kh, segment, hint);
         s.specs.clear();
         look.first_reads(&mut s.specs);
-        let lease_at = self.push_lease_read(&mut s.specs);
-        let clock_at = push_clock_read(&mut s.specs);
-        shm.read(&s.specs, &mut s.reads)?;
+        let clock = self.read_batch(shm, s)?;
         rounds += 1;
-        self.check_lease(&s.reads, lease_at)?;
-        let clock = judge_clock(s.reads.get(clock_at).unwrap_or(&[]));
         let (Some(b0), Some(b1)) = (s.reads.get(0), s.reads.get(1)) else {
             self.counters.retry(Retry::Torn);
             return Ok((None, rounds));
@@ -202,12 +203,8 @@ impl OneSided {
         s.specs.clear();
         look.item_reads(&mut s.specs);
         let n = look.item_read_count();
-        let lease_at = self.push_lease_read(&mut s.specs);
-        let clock_at = push_clock_read(&mut s.specs);
-        shm.read(&s.specs, &mut s.reads)?;
+        let clock = self.read_batch(shm, s)?;
         rounds += 1;
-        self.check_lease(&s.reads, lease_at)?;
-        let clock = judge_clock(s.reads.get(clock_at).unwrap_or(&[]));
         let mut bufs: [&[u8]; MAX_CANDIDATES] = [&[]; MAX_CANDIDATES];
         for (j, b) in bufs.iter_mut().enumerate().take(n) {
             *b = s.reads.get(j).unwrap_or(&[]);
@@ -229,6 +226,19 @@ impl OneSided {
             },
             rounds,
         ))
+    }
+}
+
+impl OneSided {
+    /// Reads the batch in `s.specs`, with the lease block (a cluster
+    /// region's) and the server's clock added last; checks the lease and
+    /// returns the clock (0: none read).
+    fn read_batch(&self, shm: &ShmRegion, s: &mut Scratch) -> Result<u64, BackendError> {
+        let lease_at = self.push_lease_read(&mut s.specs);
+        let clock_at = push_clock_read(&mut s.specs);
+        shm.read(&s.specs, &mut s.reads)?;
+        self.check_lease(&s.reads, lease_at)?;
+        Ok(judge_clock(s.reads.get(clock_at).unwrap_or(&[])))
     }
 }
 

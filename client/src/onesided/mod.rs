@@ -509,9 +509,19 @@ impl OneSided {
     }
 
     fn lookup(&self, kh: KeyHash, segment: DirEntry) -> (Lookup, Option<Hint>) {
-        let hint = self.hints.lock().expect("hints poisoned").get(HintId::of(&kh));
+        let hint = self.hint(&kh);
+        (self.lookup_hinted(kh, segment, hint), hint)
+    }
+
+    /// The cached address of the key hashed to `kh`.
+    fn hint(&self, kh: &KeyHash) -> Option<Hint> {
+        self.hints.lock().expect("hints poisoned").get(HintId::of(kh))
+    }
+
+    /// An attempt starting now in `segment`, reading the hinted item too.
+    fn lookup_hinted(&self, kh: KeyHash, segment: DirEntry, hint: Option<Hint>) -> Lookup {
         let look = Lookup::with_hash(kh, &self.header, segment, hint, self.now());
-        (if self.enforce_grace { look } else { look.without_grace_check() }, hint)
+        if self.enforce_grace { look } else { look.without_grace_check() }
     }
 
     /// The directory entry of each of `todo`'s keys (hashed in `hashes`),
