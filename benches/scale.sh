@@ -142,8 +142,8 @@ done
     echo "## Bytes per item ($VALUE_SIZE-byte values, YCSB keys, the same records in both stores)"
     echo
     echo "dmkv: data (\`allocated_bytes\` less the index: items of a 32-byte header, key and value, rounded up to"
-    echo "64-byte units) and \`index_bytes\` (buckets of seven 8-byte slots and a header, in segments that split as"
-    echo "items arrive; the index starts at 1024 buckets)."
+    echo "64-byte units) and \`index_bytes\` (128-byte buckets of a header and fifteen 8-byte slots, in 4 KiB segments"
+    echo "that split as items arrive; the index starts at 1024 buckets)."
     echo "memcached: \`bytes\` (items with their headers), \`hash_bytes\` (its hash table) and \`total_malloced\`"
     echo "(slab pages handed out: items plus slab-class rounding)."
     echo
