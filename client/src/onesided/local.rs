@@ -30,6 +30,30 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::default();
 }
 
+/// Keys a thread reads locally through the async API between two yields
+/// to its runtime.
+pub const LOCAL_GETS_PER_YIELD: usize = 8;
+
+thread_local! {
+    static SINCE_YIELD: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Counts `keys` more local reads on this thread; true when it is time to
+/// yield. A local GET never waits, so tasks doing them would keep their
+/// thread from the runtime's other work: a PUT's reply waited in its
+/// socket behind runs of GETs (workload B, 2×16: a PUT's p50 419 µs
+/// without yielding, 405 µs with tokio's cooperative budget, 218 µs
+/// yielding every 8 GETs, 128 µs every GET for a quarter less GET
+/// throughput; docs/performance.md).
+pub fn yield_due(keys: usize) -> bool {
+    SINCE_YIELD.with(|n| {
+        let since = n.get().saturating_add(keys);
+        let due = since >= LOCAL_GETS_PER_YIELD;
+        n.set(if due { 0 } else { since });
+        due
+    })
+}
+
 /// Runs `f` with this thread's scratch buffers.
 pub fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
     SCRATCH.with_borrow_mut(f)

@@ -38,9 +38,6 @@ use directory::DirCache;
 use hints::{HintCache, HintId};
 pub use local::{ItemMeta, LocalGet, Scratch, with_scratch};
 
-/// Local GETs a thread runs between two yields to its runtime.
-pub const LOCAL_GETS_PER_YIELD: u32 = 8;
-
 /// Most keys whose item address is cached per server.
 pub const DEFAULT_HINT_ENTRIES: usize = 64 * 1024;
 
@@ -558,20 +555,7 @@ impl OneSided {
             // returned `Bytes` then owns: one allocation, one copy.
             let mut value = Vec::new();
             let (got, trace) = local::with_scratch(|s| self.get_local(key, s, &mut value))?;
-            // A local GET never waits, so tasks doing them would keep their
-            // thread from the runtime's other work: a PUT's reply waited in
-            // its socket behind runs of GETs (workload B, 2×16: a PUT's p50
-            // 405 µs with tokio's cooperative budget, 218 µs yielding every
-            // 8 GETs, 128 µs every GET at a quarter less GET throughput;
-            // docs/performance.md).
-            thread_local! {
-                static SINCE_YIELD: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
-            }
-            if SINCE_YIELD.with(|n| {
-                n.set(n.get() + 1);
-                n.get() >= LOCAL_GETS_PER_YIELD
-            }) {
-                SINCE_YIELD.with(|n| n.set(0));
+            if local::yield_due(1) {
                 tokio::task::yield_now().await;
             }
             return Ok((local_result(got, value), trace));
@@ -594,6 +578,9 @@ impl OneSided {
         keys: &[K],
     ) -> Result<(Vec<OneSidedGet>, Trace), BackendError> {
         if let Some(r) = self.multi_get_local(keys) {
+            if local::yield_due(keys.len()) {
+                tokio::task::yield_now().await;
+            }
             return r;
         }
         let mut results: Vec<Option<OneSidedGet>> = (0..keys.len()).map(|_| None).collect();

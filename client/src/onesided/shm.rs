@@ -195,8 +195,6 @@ impl ShmRegion {
         open
     }
 
-    /// Reads every spec, concatenated in order. A spec past the mapping's
-    /// end (from a torn or reused slot) yields `None`, never a fault.
     /// Asks the CPU to start loading `len` bytes at region offset
     /// `offset` (nothing if out of bounds): see [`racy::prefetch`].
     pub fn prefetch(&self, offset: u64, len: usize) {
@@ -207,6 +205,8 @@ impl ShmRegion {
         }
     }
 
+    /// Reads every spec, concatenated in order. A spec past the mapping's
+    /// end (from a torn or reused slot) yields `None`, never a fault.
     pub fn read(&self, specs: &[ReadSpec], out: &mut Reads) -> Result<(), BackendError> {
         if !self.is_alive() {
             return Err(BackendError::Closed);
