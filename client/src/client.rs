@@ -893,6 +893,10 @@ impl Client {
     async fn measured_rpc_get(&self, key: &[u8], adm: Option<Admission>) -> Result<Option<Versioned>, ClientError> {
         let i = self.next_slot();
         let start = adm.as_ref().map_or_else(Instant::now, Admission::started);
+        // A probe's admission was taken before it was spawned (and before
+        // its GET waited for a window): the connection's detector times the
+        // request alone, or it would see congestion that is not there.
+        let sent = if adm.as_ref().is_some_and(Admission::is_probe) { Instant::now() } else { start };
         let result = self.call_on(i, Op::Get(proto::Get { key: Bytes::copy_from_slice(key) })).await;
         match &result {
             Err(e) if e.is_transport() => {
@@ -906,7 +910,8 @@ impl Client {
                 if let Some(adm) = adm {
                     adm.complete_after(took, 1, 0);
                 }
-                if self.inner.rpc_health.record_ended(end, i, took) {
+                let on_conn = end.saturating_duration_since(sent).as_nanos() as u64;
+                if self.inner.rpc_health.record_ended(end, i, on_conn) {
                     // Congested for several rounds: later requests of this
                     // slot open a fresh connection; this one drains.
                     tracing::debug!(conn = i, "RPC connection congested: moving to a new one");

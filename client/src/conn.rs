@@ -301,7 +301,7 @@ pub(crate) async fn write_loop(
 /// Ends the waits of requests past their deadline (dropping their
 /// senders, which their waiters read as a timeout), every
 /// [`WATCHDOG_TICK`] while any are watched; sleeps while none are. Stops
-/// with the connection.
+/// once the connection is closed and no watched request is left.
 async fn watchdog<T>(
     pending: std::sync::Weak<Mutex<HashMap<u64, Waiter<T>, IdHash>>>,
     closed: Arc<AtomicBool>,
@@ -315,7 +315,10 @@ async fn watchdog<T>(
             p.retain(|_, w| w.deadline.is_none_or(|d| d > now));
             p.values().any(|w| w.deadline.is_some())
         };
-        if closed.load(Ordering::Acquire) {
+        // A closed connection may still have watched waiters: a dropped
+        // `Conn` stops its writer while replies are awaited, and a peer that
+        // never answers nor closes would keep them waiting forever.
+        if closed.load(Ordering::Acquire) && !any {
             return;
         }
         if any {
@@ -393,6 +396,42 @@ mod tests {
             while matches!(s.read(&mut sink).await, Ok(n) if n > 0) {}
         });
         (addr, h)
+    }
+
+    /// A peer that takes requests and never answers nor closes, even once
+    /// the client has stopped writing.
+    async fn stuck_peer() -> String {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        tokio::spawn(async move {
+            let (mut s, _) = l.accept().await.unwrap();
+            let mut sink = [0u8; 4096];
+            while matches!(s.read(&mut sink).await, Ok(n) if n > 0) {}
+            std::future::pending::<()>().await;
+            drop(s);
+        });
+        addr
+    }
+
+    #[tokio::test]
+    async fn watched_requests_time_out_after_their_connection_is_dropped() {
+        let addr = stuck_peer().await;
+        let conn = Conn::connect(&addr, Duration::from_secs(5), 1 << 20, None).await.unwrap();
+        let timeout = Duration::from_millis(200);
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut sent = Vec::new();
+        for _ in 0..3 {
+            let get = Op::Get(proto::Get { key: bytes::Bytes::from_static(b"k") });
+            sent.push(conn.send_until(get, deadline).await.unwrap());
+        }
+        // As a pool slot replaced for congestion drops its connection: the
+        // writer stops and marks it closed while the replies are awaited.
+        drop(conn);
+        let all = futures_util::future::join_all(sent.into_iter().map(|s| s.wait_watched(deadline, timeout)));
+        let waits = tokio::time::timeout(Duration::from_secs(10), all).await.expect("the watchdog ended the waits");
+        for w in waits {
+            assert!(matches!(w, Err(ClientError::Timeout(t)) if t == timeout), "{w:?}");
+        }
     }
 
     #[tokio::test]

@@ -194,6 +194,11 @@ impl Admission {
         self.start
     }
 
+    /// Whether this is a background probe of a path, not a caller's GET.
+    pub fn is_probe(&self) -> bool {
+        self.probe
+    }
+
     /// The path failed under this GET (connection lost, timeout).
     pub fn fail(mut self) {
         self.done = true;

@@ -935,3 +935,40 @@ proptest! {
         }
     }
 }
+
+/// A path that turns twentyfold slower and back every 20 ms: each turn is
+/// past the damping bypass, yet the preferred path still changes at most
+/// once per configured minimum dwell.
+#[test]
+fn the_damping_bypass_keeps_the_minimum_dwell() {
+    for seed in seeds(&[17, 18]) {
+        let mut sim = equal_paths(seed);
+        let min_dwell = PathConfig::default().min_dwell_ns;
+        let (mut last, mut switched_at) = (sim.ctl.preferred(), Vec::new());
+        for step in 0..600u64 {
+            if step % 20 == 0 {
+                let slow = Cond { slowdown: 20.0, ..Cond::default() };
+                let (congested, clear) =
+                    if (step / 20) % 2 == 0 { (Path::OneSided, Path::Rpc) } else { (Path::Rpc, Path::OneSided) };
+                sim.set_cond(congested, slow);
+                sim.set_cond(clear, Cond::default());
+            }
+            sim.run_until((step + 1) * MILLIS);
+            let now = sim.ctl.preferred();
+            if now != last {
+                switched_at.push(step + 1);
+                last = now;
+            }
+        }
+        eprintln!("seed {seed}: switches at ms {switched_at:?}");
+        assert!(switched_at.len() >= 2, "seed {seed}: the conditions never moved the traffic: {switched_at:?}");
+        for w in switched_at.windows(2) {
+            // One step of slack: a switch is seen at the end of its step.
+            assert!(
+                (w[1] - w[0]) * MILLIS + MILLIS >= min_dwell,
+                "seed {seed}: switches {} ms apart, under the minimum dwell: {switched_at:?}",
+                w[1] - w[0]
+            );
+        }
+    }
+}

@@ -221,7 +221,11 @@ pub async fn serve_connection<H: Handler>(
             }
             return;
         }
-        clock.on_read(read_at, completed, !inbuf.is_empty());
+        // Timed from now, not from `read_at`: handling (a PUT waiting for
+        // room, a reply written to a slow reader) may have taken longer than
+        // the frame timeout, and the rest of a frame left in the buffer is
+        // then due from now on, not overdue already.
+        clock.on_read(Instant::now(), completed, !inbuf.is_empty());
         if inbuf.is_empty() && inbuf.capacity() > SHRINK_ABOVE {
             inbuf = BytesMut::with_capacity(READ_BUF);
         }
@@ -347,6 +351,52 @@ mod tests {
         assert_eq!(c.deadline(), (t0 + secs(15), Waiting::RestOfFrame));
         c.on_read(t0 + secs(6), true, false);
         assert_eq!(c.deadline(), (t0 + secs(306), Waiting::Idle));
+    }
+
+    /// Requests of four bytes, each answered "OK"; "SLOW" takes `delay`.
+    struct Slow {
+        delay: Duration,
+    }
+
+    impl Handler for Slow {
+        type Error = String;
+
+        async fn handle_next(&mut self, inbuf: &mut BytesMut, out: &mut BytesMut) -> Result<bool, String> {
+            if inbuf.len() < 4 {
+                return Ok(false);
+            }
+            if &inbuf.split_to(4)[..] == b"SLOW" {
+                tokio::time::sleep(self.delay).await;
+            }
+            out.extend_from_slice(b"OK");
+            Ok(true)
+        }
+    }
+
+    #[tokio::test]
+    async fn the_rest_of_a_frame_is_due_from_when_handling_ended() {
+        let limits = Limits { idle_timeout: secs(60), frame_timeout: secs(1) };
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let (_stop, shutdown) = watch::channel(false);
+        let server = tokio::spawn(async move {
+            let (s, _) = l.accept().await.unwrap();
+            let stats = crate::metrics::ListenerStats::new("test");
+            serve_connection(s, None, stats, Slow { delay: Duration::from_millis(1500) }, limits, shutdown).await;
+        });
+        let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+        // A slow request and half of the next, in one read.
+        c.write_all(b"SLOWpi").await.unwrap();
+        let mut reply = [0u8; 2];
+        c.read_exact(&mut reply).await.unwrap();
+        // Handling took longer than the frame timeout; the rest comes well
+        // within it of the reply.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        c.write_all(b"ng").await.unwrap();
+        let got = tokio::time::timeout(secs(10), c.read_exact(&mut reply)).await.expect("an answer or a close");
+        assert!(got.is_ok() && &reply == b"OK", "the connection was closed under a frame still due: {got:?}");
+        drop(c);
+        server.await.unwrap();
     }
 
     #[test]

@@ -1,27 +1,27 @@
 //! The clock that times one-sided attempts against the grace period.
 //!
-//! Every attempt reads it twice, and a precise monotonic clock read cost a
-//! tenth of a shared-memory GET here (a VM's clock source). The kernel's
-//! coarse monotonic clock costs a few nanoseconds; it lags the true time by
-//! at most its resolution, so an attempt is judged against a grace period
-//! shortened by that resolution and can never outlast the real one
-//! unnoticed. When the resolution is not small against the grace period
-//! (or the coarse clock is missing), the precise clock is used.
-
-use std::time::Instant;
+//! An attempt may trust what it read only if it ended within the grace
+//! period of its start: its measured length must never be shorter than the
+//! true one. So its start may be read early, and its judgement never early.
+//! The kernel's coarse monotonic clock is the precise monotonic clock as of
+//! its last tick: on the same timeline, never ahead of it, and cheap (a
+//! precise read cost a tenth of a shared-memory GET on a VM's clock source).
+//! It starts attempts. Every judgement reads the precise clock. A coarse
+//! clock must not judge: it lags by as much as a late tick lets it, more
+//! than its resolution (12 ms against a 4 ms resolution on a busy VM).
 
 use rustix::time::{ClockId, clock_getres, clock_gettime};
 
-/// The coarse clock is used only if its resolution is at most this
-/// fraction of the grace period.
+/// The coarse clock starts attempts only if its resolution is at most this
+/// fraction of the grace period: a start read that early makes attempts
+/// look longer than they were, and too many would be abandoned as slow.
 const MAX_RESOLUTION_SHARE: u64 = 10;
 
-/// A monotonic clock in nanoseconds, and the grace period to check with it.
+/// Monotonic nanoseconds for starting and judging attempts.
 #[derive(Debug)]
 pub struct AttemptClock {
-    start: Instant,
-    /// The coarse clock's resolution, if it is the one read.
-    coarse: Option<u64>,
+    /// Whether attempts start on the coarse clock.
+    coarse: bool,
 }
 
 fn nanos(t: rustix::time::Timespec) -> u64 {
@@ -29,30 +29,21 @@ fn nanos(t: rustix::time::Timespec) -> u64 {
 }
 
 impl AttemptClock {
-    /// The cheapest clock that can check a grace period of `grace_nanos`.
+    /// The cheapest clock that can time attempts against a grace period of
+    /// `grace_nanos`.
     pub fn new(grace_nanos: u64) -> AttemptClock {
         let res = nanos(clock_getres(ClockId::MonotonicCoarse));
-        let usable = res > 0 && res.saturating_mul(MAX_RESOLUTION_SHARE) <= grace_nanos;
-        AttemptClock { start: Instant::now(), coarse: usable.then_some(res) }
+        AttemptClock { coarse: res > 0 && res.saturating_mul(MAX_RESOLUTION_SHARE) <= grace_nanos }
     }
 
-    /// The precise clock, whatever the grace period (for tests).
-    #[cfg(test)]
-    pub fn precise() -> AttemptClock {
-        AttemptClock { start: Instant::now(), coarse: None }
+    /// When an attempt starts: never later than the true time.
+    pub fn start(&self) -> u64 {
+        if self.coarse { nanos(clock_gettime(ClockId::MonotonicCoarse)) } else { self.judge() }
     }
 
-    /// Nanoseconds on this clock (only differences mean anything).
-    pub fn now(&self) -> u64 {
-        match self.coarse {
-            Some(_) => nanos(clock_gettime(ClockId::MonotonicCoarse)),
-            None => self.start.elapsed().as_nanos() as u64,
-        }
-    }
-
-    /// The grace period to judge attempts timed by this clock against.
-    pub fn grace(&self, grace_nanos: u64) -> u64 {
-        grace_nanos.saturating_sub(self.coarse.unwrap_or(0))
+    /// When an attempt is judged: never earlier than the true time.
+    pub fn judge(&self) -> u64 {
+        nanos(clock_gettime(ClockId::Monotonic))
     }
 }
 
@@ -61,17 +52,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_coarse_clock_shortens_the_grace_period_by_its_resolution() {
+    fn starts_are_never_late_and_judgements_never_early() {
         let c = AttemptClock::new(100_000_000);
-        match c.coarse {
-            Some(res) => assert_eq!(c.grace(100_000_000), 100_000_000 - res),
-            None => assert_eq!(c.grace(100_000_000), 100_000_000),
+        for _ in 0..100_000 {
+            let start = c.start();
+            let before = nanos(clock_gettime(ClockId::Monotonic));
+            let judged = c.judge();
+            // A start read first is at most the true time read after it;
+            // a judgement read after the true time is at least it.
+            assert!(start <= before, "start {start} after the true time {before}");
+            assert!(judged >= before, "judged {judged} before the true time {before}");
         }
-        // A grace period near the resolution takes the precise clock.
-        let tight = AttemptClock::new(1);
-        assert_eq!((tight.coarse, tight.grace(1)), (None, 1));
-        assert_eq!(AttemptClock::precise().grace(5), 5);
-        let (a, b) = (c.now(), c.now());
-        assert!(b >= a, "monotonic");
+        // A grace period near the resolution starts on the precise clock.
+        assert!(!AttemptClock::new(1).coarse);
     }
 }

@@ -200,7 +200,7 @@ impl OneSided {
             return Ok((None, rounds));
         };
         let hinted = hint.and_then(|_| s.reads.get(2));
-        let judged = look.after_buckets(key, [b0, b1], hinted, self.now(), clock);
+        let judged = look.after_buckets(key, [b0, b1], hinted, self.judge_time(), clock);
         if fresh && let Some(h) = look.serving() {
             self.dir.learn(segment, h.depth, h.suffix);
         }
@@ -234,7 +234,7 @@ impl OneSided {
             *b = s.reads.get(j).unwrap_or(&[]);
         }
         Ok((
-            match look.after_items(key, &bufs[..n], self.now(), clock) {
+            match look.after_items(key, &bufs[..n], self.judge_time(), clock) {
                 Outcome::Hit(h) => {
                     copy_value(out, &bufs[h.item][h.value.clone()]);
                     Some(LocalGet::Found(self.note_found(&kh, &h)))

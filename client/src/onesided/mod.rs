@@ -358,8 +358,6 @@ pub async fn attach(
         match attempt {
             Ok(backend) => {
                 let clock = clock::AttemptClock::new(header.grace_nanos);
-                // Attempts are judged in this clock's terms (see `clock`).
-                let header = RegionHeader { grace_nanos: clock.grace(header.grace_nanos), ..header };
                 return Ok(OneSided {
                     header,
                     dir: DirCache::new(header.dir_depth),
@@ -501,8 +499,14 @@ impl OneSided {
         HintId::of(&key_hash(key, self.header.hash_seed))
     }
 
-    fn now(&self) -> u64 {
-        self.clock.now()
+    /// When an attempt starts (see `clock`: never late).
+    fn attempt_start(&self) -> u64 {
+        self.clock.start()
+    }
+
+    /// When an attempt is judged (see `clock`: never early).
+    fn judge_time(&self) -> u64 {
+        self.clock.judge()
     }
 
     fn lookup(&self, kh: KeyHash, segment: DirEntry) -> (Lookup, Option<Hint>) {
@@ -517,7 +521,7 @@ impl OneSided {
 
     /// An attempt starting now in `segment`, reading the hinted item too.
     fn lookup_hinted(&self, kh: KeyHash, segment: DirEntry, hint: Option<Hint>) -> Lookup {
-        let look = Lookup::with_hash(kh, &self.header, segment, hint, self.now());
+        let look = Lookup::with_hash(kh, &self.header, segment, hint, self.attempt_start());
         if self.enforce_grace { look } else { look.without_grace_check() }
     }
 
@@ -598,10 +602,10 @@ impl OneSided {
                 rest = tail;
                 // Only multi-gets are sized: a single GET (the hot path) is
                 // not timed twice more.
-                let start = (keys.len() > 1).then(|| self.now());
+                let start = (keys.len() > 1).then(|| self.attempt_start());
                 let (retry, rounds) = self.attempt(keys, batch, &mut results).await?;
                 if let Some(start) = start {
-                    let took = self.now().saturating_sub(start);
+                    let took = self.judge_time().saturating_sub(start);
                     // Without the grace check (tests that provoke tears) no batch is too slow.
                     let grace = if self.enforce_grace { self.header.grace_nanos } else { u64::MAX };
                     self.batch_keys.store(next_batch_keys(n, took, grace), Ordering::Relaxed);
@@ -670,7 +674,7 @@ impl OneSided {
                 continue;
             };
             let hinted = p.hint.and_then(|_| reads.get(p.first.start + 2));
-            let judged = p.look.after_buckets(p.key, [b0, b1], hinted, self.now(), clock);
+            let judged = p.look.after_buckets(p.key, [b0, b1], hinted, self.judge_time(), clock);
             // An entry just read from the directory: its segment's headers
             // say which other indexes it serves (once, not every GET).
             if p.fresh
@@ -711,7 +715,7 @@ impl OneSided {
         let clock = judge_clock(items.get(clock_at).unwrap_or(&[]));
         for (i, p) in second {
             let bufs: Vec<&[u8]> = p.items.clone().map(|j| items.get(j).unwrap_or(&[])).collect();
-            match p.look.after_items(p.key, &bufs, self.now(), clock) {
+            match p.look.after_items(p.key, &bufs, self.judge_time(), clock) {
                 Outcome::Hit(h) => results[i] = Some(self.found(&p.kh, bufs[h.item], &h)),
                 Outcome::Miss => results[i] = Some(self.missing(&p.kh)),
                 Outcome::Retry(r) => {

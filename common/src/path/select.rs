@@ -117,8 +117,9 @@ pub const FLAP_WINDOW_DWELLS: u64 = 4;
 /// The longest dwell that flapping can build up to.
 pub const MAX_FLAP_DWELL_NS: u64 = 1_000 * MILLIS;
 /// The other path cheaper by this factor moves the traffic after the
-/// confirmation alone, whatever dwell flapping built up: a real change
-/// (congestion, a failure) is never held back by damping.
+/// confirmation and the configured minimum dwell, whatever dwell flapping
+/// built up beyond it: a real change (congestion, a failure) is never held
+/// back by damping.
 pub const DWELL_BYPASS_RATIO: f64 = 4.0;
 
 /// A path priced this many times above the one in use is probed at
@@ -375,8 +376,12 @@ impl Controller {
         }
         let since = *self.leave_since.get_or_insert(now);
         let confirmed = now.saturating_sub(since) >= self.cfg.confirm_ns;
-        let rested =
-            self.last_switch.is_none_or(|t| now.saturating_sub(t) >= self.dwell_ns) || ca * DWELL_BYPASS_RATIO < cp;
+        // A far cheaper path skips the dwell that flapping added, never the
+        // configured minimum: at most one switch per `min_dwell_ns` still.
+        let rested = self.last_switch.is_none_or(|t| {
+            let since = now.saturating_sub(t);
+            since >= self.dwell_ns || (since >= self.cfg.min_dwell_ns && ca * DWELL_BYPASS_RATIO < cp)
+        });
         if confirmed && rested {
             self.switch_to(pref.other(), now);
             return true;
