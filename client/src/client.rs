@@ -700,7 +700,7 @@ impl Client {
     }
 
     async fn send_on(&self, slot: usize, op: Op, deadline: tokio::time::Instant) -> Result<InFlight, ClientError> {
-        self.conn_at(slot, deadline).await?.send(op).await
+        self.conn_at(slot, deadline).await?.send_by(op, deadline, self.inner.cfg.request_timeout).await
     }
 
     /// Sends `op` on connection `slot` and waits for its result; connecting
@@ -708,8 +708,9 @@ impl Client {
     /// watchdog enforces (no timer per request).
     async fn call_on(&self, slot: usize, op: Op) -> Result<R, ClientError> {
         let deadline = self.deadline();
-        let sent = self.conn_at(slot, deadline).await?.send_until(op, deadline).await?;
-        unwrap(sent.wait_watched(deadline, self.inner.cfg.request_timeout).await?)
+        let timeout = self.inner.cfg.request_timeout;
+        let sent = self.conn_at(slot, deadline).await?.send_until(op, deadline, timeout).await?;
+        unwrap(sent.wait_watched(deadline, timeout).await?)
     }
 
     pub(crate) async fn call(&self, op: Op) -> Result<R, ClientError> {

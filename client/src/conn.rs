@@ -211,20 +211,45 @@ impl Conn {
         self.closed.load(Ordering::Acquire)
     }
 
-    /// Queues a request; its reply is awaited with [`InFlight::wait`].
+    /// Queues a request; its reply is awaited with [`InFlight::wait`]. A
+    /// full send queue is waited on for as long as it takes.
     pub async fn send(&self, op: Op) -> Result<InFlight, ClientError> {
-        self.send_with(op, None).await
+        self.send_with(op, None, false).await
+    }
+
+    /// [`Conn::send`] for a request due by `deadline`: a full send queue is
+    /// waited on until then, and a timeout reports `timeout`.
+    pub(crate) async fn send_by(
+        &self,
+        op: Op,
+        deadline: tokio::time::Instant,
+        timeout: Duration,
+    ) -> Result<InFlight, ClientError> {
+        self.send_with(op, Some((deadline, timeout)), false).await
     }
 
     /// Queues a request whose wait the connection's watchdog ends at
-    /// `deadline`; its reply is awaited with [`InFlight::wait_watched`].
-    pub(crate) async fn send_until(&self, op: Op, deadline: tokio::time::Instant) -> Result<InFlight, ClientError> {
-        let sent = self.send_with(op, Some(deadline)).await;
+    /// `deadline` (a full send queue is waited on until then too); its reply
+    /// is awaited with [`InFlight::wait_watched`]. A timeout reports `timeout`.
+    pub(crate) async fn send_until(
+        &self,
+        op: Op,
+        deadline: tokio::time::Instant,
+        timeout: Duration,
+    ) -> Result<InFlight, ClientError> {
+        let sent = self.send_with(op, Some((deadline, timeout)), true).await;
         self.watched.notify_one();
         sent
     }
 
-    async fn send_with(&self, op: Op, deadline: Option<tokio::time::Instant>) -> Result<InFlight, ClientError> {
+    /// Queues `op`; `due` bounds the wait for room in the send queue, and
+    /// `watched` hands the reply's wait to the watchdog, ended at its deadline.
+    async fn send_with(
+        &self,
+        op: Op,
+        due: Option<(tokio::time::Instant, Duration)>,
+        watched: bool,
+    ) -> Result<InFlight, ClientError> {
         if self.is_closed() {
             return Err(ClientError::ConnectionClosed);
         }
@@ -236,10 +261,23 @@ impl Conn {
             max: self.max_frame,
         })?;
         let (otx, orx) = oneshot::channel();
+        let deadline = due.map(|(d, _)| d).filter(|_| watched);
         self.pending.lock().expect("pending poisoned").insert(id, Waiter { tx: otx, deadline });
-        if self.tx.send(buf).await.is_err() {
+        // Room in the queue is the common case, and takes no wait at all.
+        let queued = match self.tx.try_send(buf) {
+            Ok(()) => Ok(()),
+            Err(mpsc::error::TrySendError::Closed(_)) => Err(ClientError::ConnectionClosed),
+            Err(mpsc::error::TrySendError::Full(buf)) => match due {
+                None => self.tx.send(buf).await.map_err(|_| ClientError::ConnectionClosed),
+                Some((deadline, timeout)) => match tokio::time::timeout_at(deadline, self.tx.send(buf)).await {
+                    Ok(sent) => sent.map_err(|_| ClientError::ConnectionClosed),
+                    Err(_) => Err(ClientError::Timeout(timeout)),
+                },
+            },
+        };
+        if let Err(e) = queued {
             self.pending.lock().expect("pending poisoned").remove(&id);
-            return Err(ClientError::ConnectionClosed);
+            return Err(e);
         }
         // The reader may have failed between the check above and the insert.
         if self.is_closed() {
@@ -422,7 +460,7 @@ mod tests {
         let mut sent = Vec::new();
         for _ in 0..3 {
             let get = Op::Get(proto::Get { key: bytes::Bytes::from_static(b"k") });
-            sent.push(conn.send_until(get, deadline).await.unwrap());
+            sent.push(conn.send_until(get, deadline, timeout).await.unwrap());
         }
         // As a pool slot replaced for congestion drops its connection: the
         // writer stops and marks it closed while the replies are awaited.
@@ -435,6 +473,41 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_full_send_queue_is_waited_on_only_until_the_deadline() {
+        // A peer that never reads: the socket's buffers fill, the writer
+        // blocks, and the send queue fills behind it.
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        tokio::spawn(async move {
+            let (s, _) = l.accept().await.unwrap();
+            std::future::pending::<()>().await;
+            drop(s);
+        });
+        let conn = Conn::connect(&addr, Duration::from_secs(5), 1 << 20, None).await.unwrap();
+        let big = bytes::Bytes::from(vec![b'v'; 512 * 1024]);
+        for _ in 0..64 {
+            let put =
+                Op::Put(proto::Put { key: bytes::Bytes::from_static(b"k"), value: big.clone(), ..Default::default() });
+            conn.send(put).await.unwrap();
+        }
+        let timeout = Duration::from_millis(200);
+        let fill = async {
+            // Bounded: the queue holds SEND_QUEUE requests.
+            for n in 0..4 * SEND_QUEUE {
+                let deadline = tokio::time::Instant::now() + timeout;
+                let get = Op::Get(proto::Get { key: bytes::Bytes::from_static(b"k") });
+                if let Err(e) = conn.send_until(get, deadline, timeout).await {
+                    return (n, e);
+                }
+            }
+            panic!("the send queue never filled");
+        };
+        let (n, e) =
+            tokio::time::timeout(Duration::from_secs(20), fill).await.expect("a send waited past its deadline");
+        assert!(matches!(e, ClientError::Timeout(t) if t == timeout), "after {n} sends: {e:?}");
+    }
+
+    #[tokio::test]
     async fn the_watchdog_times_out_watched_requests_and_forgets_them() {
         let (addr, _peer) = silent_peer().await;
         let conn = Conn::connect(&addr, Duration::from_secs(5), 1 << 20, None).await.unwrap();
@@ -442,10 +515,9 @@ mod tests {
         let start = tokio::time::Instant::now();
         let deadline = start + timeout;
         let get = || Op::Get(proto::Get { key: bytes::Bytes::from_static(b"k") });
-        let all =
-            futures_util::future::join_all((0..3).map(|_| async {
-                conn.send_until(get(), deadline).await.unwrap().wait_watched(deadline, timeout).await
-            }));
+        let all = futures_util::future::join_all((0..3).map(|_| async {
+            conn.send_until(get(), deadline, timeout).await.unwrap().wait_watched(deadline, timeout).await
+        }));
         // Without the watchdog these waits never end.
         let waits = tokio::time::timeout(Duration::from_secs(10), all).await.expect("the watchdog ended the waits");
         let took = start.elapsed();
