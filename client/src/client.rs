@@ -126,7 +126,10 @@ pub struct ClientConfig {
     pub engine_connections: usize,
     /// Congestion control and path selection settings.
     pub path: PathConfig,
-    /// Longest wait for a reply.
+    /// Longest wait for a reply. In a cluster, a request's whole time
+    /// over every try; a write is sent again only within its retry window
+    /// (this, at most `limits::MAX_WRITE_RETRY_WINDOW`) of a try that may
+    /// have reached a shard, and is reported `Uncertain` after.
     pub request_timeout: Duration,
     /// Longest wait for a TCP connection.
     pub connect_timeout: Duration,
@@ -143,11 +146,6 @@ pub struct ClientConfig {
     pub token: Option<Arc<Token>>,
     /// TLS for RPC and engine connections (the server must serve TLS).
     pub tls: Option<TlsOptions>,
-    /// Most this host's wall clock may differ from a cluster node's: a
-    /// one-sided read of a shard leader's region counts only if the lease
-    /// it read ends at least this long after the reads did. 5 ms covers
-    /// NTP on one LAN; raise it where clocks are worse.
-    pub lease_skew: Duration,
     /// Check cluster leases (always, but for tests that show the check
     /// is needed).
     #[doc(hidden)]
@@ -169,14 +167,10 @@ impl Default for ClientConfig {
             enforce_grace: true,
             token: None,
             tls: None,
-            lease_skew: DEFAULT_LEASE_SKEW,
             check_leases: true,
         }
     }
 }
-
-/// Default [`ClientConfig::lease_skew`].
-pub const DEFAULT_LEASE_SKEW: Duration = Duration::from_millis(5);
 
 /// A value read with the version the server gave its write.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -301,6 +295,10 @@ struct PathState {
 /// then a fresh one) before it fails: it never answers over RPC because its
 /// path broke, only for keys whose reads keep failing verification.
 const FORCED_ONE_SIDED_TRIES: usize = 2;
+/// Attempts to attach a region whose registration changed under the
+/// attempt (an rkey rotation between its descriptor and the first read):
+/// each asks for the descriptor again.
+const STALE_ATTACH_TRIES: usize = 3;
 /// How often a client in `ReadPath::Auto` retries attaching one-sided reads
 /// after a failure; GETs go over RPC meanwhile.
 const REATTACH_INTERVAL: Duration = Duration::from_millis(500);
@@ -465,22 +463,32 @@ impl Client {
             st.last_try = Some(Instant::now());
         }
         let cfg = &self.inner.cfg;
-        let info = self.region_info_full().await?;
-        let opts = AttachOptions {
-            forced: cfg.transport,
-            timeout: cfg.connect_timeout,
-            hint_entries: cfg.hint_cache_entries,
-            counters: Arc::clone(&self.inner.read_counters),
-            enforce_grace: cfg.enforce_grace,
-            engine_connections: cfg.engine_connections,
-            path_config: cfg.path,
-            repaths: Arc::clone(&self.inner.engine_repaths),
-            token: self.inner.token.clone(),
-            shard: None,
-            lease_skew: cfg.lease_skew,
-            check_leases: cfg.check_leases,
+        let mut tries = 0;
+        let attached = loop {
+            let info = self.region_info_full().await?;
+            let opts = AttachOptions {
+                forced: cfg.transport,
+                timeout: cfg.connect_timeout,
+                hint_entries: cfg.hint_cache_entries,
+                counters: Arc::clone(&self.inner.read_counters),
+                enforce_grace: cfg.enforce_grace,
+                engine_connections: cfg.engine_connections,
+                path_config: cfg.path,
+                repaths: Arc::clone(&self.inner.engine_repaths),
+                token: self.inner.token.clone(),
+                shard: None,
+                clock: None,
+                check_leases: cfg.check_leases,
+            };
+            tries += 1;
+            match onesided::attach(self, &info, opts).await {
+                // The region was registered anew (an rkey rotation) while
+                // attaching: its new descriptor is asked for again.
+                Err(BackendError::Stale) if tries < STALE_ATTACH_TRIES => {}
+                r => break r,
+            }
         };
-        let path = onesided::attach(self, &info, opts).await.map_err(|e| {
+        let path = attached.map_err(|e| {
             // A forced transport's reason is the whole story (see `open`).
             ClientError::OneSidedUnavailable(if cfg.transport.is_some() { attach_reason(e) } else { e.to_string() })
         })?;

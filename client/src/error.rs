@@ -25,7 +25,10 @@ pub enum ClientError {
     /// taken effect.
     #[error("no reply within {0:?}")]
     Timeout(Duration),
-    /// The server answered with an error; nothing was changed.
+    /// The server answered with an error; nothing was changed, but for
+    /// `Uncertain`: a cluster write that may or may not have taken effect
+    /// (a leader change left it so, and the router could not send it again
+    /// within its retry window).
     #[error("server error {code:?}: {message}")]
     Server { code: ErrorCode, message: String },
     /// The node does not lead the key's shard; nothing was changed. The

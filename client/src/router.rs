@@ -7,6 +7,14 @@
 //! shard's leader, the session sends the request, and a NOT_LEADER answer
 //! or a lost node sends the router to the next candidate, within the
 //! request's deadline.
+//!
+//! A write goes the same way with a write id, so a shard applies it once
+//! however often it is sent — as long as the shard still remembers it: for
+//! twice the write's retry window after applying it. The window is the
+//! request timeout, at most [`MAX_WRITE_RETRY_WINDOW`]; the id names it,
+//! and once a try may have reached a shard the write is sent again only
+//! within that window of the try ([`Resend`]), and reported UNCERTAIN
+//! after.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -14,6 +22,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use dmkv_common::cluster::map::{ClusterMap, NodeId, ShardId};
+use dmkv_common::limits::MAX_WRITE_RETRY_WINDOW;
 use dmkv_common::proto::ErrorCode;
 use std::sync::atomic::Ordering;
 use tokio::time::Instant;
@@ -31,6 +40,82 @@ pub const MAX_PAUSE: Duration = Duration::from_millis(100);
 pub const TRIES_PER_TIMEOUT: u32 = 4;
 /// ... but at least this long.
 pub const MIN_TRY_TIMEOUT: Duration = Duration::from_millis(100);
+/// NOT_LEADER answers that name a leader are followed at once this many
+/// times in a row; then the router pauses as after a failure (two nodes
+/// that each name the other must not be asked in a tight loop).
+pub const MAX_FREE_REDIRECTS: u32 = 3;
+
+/// What to do after a try of a request (see [`Attempts`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Next {
+    /// Try again at once.
+    Now,
+    /// Try again after this pause.
+    After(Duration),
+    /// The deadline leaves no room for another try.
+    GiveUp,
+}
+
+/// The tries of one request, with its deadline: when to try again and
+/// when to give up. Pure (time passed in), so its rules are tested on a
+/// virtual clock; [`Router::run`] drives it.
+#[derive(Debug, Clone)]
+pub struct Attempts {
+    deadline: Instant,
+    pause: Duration,
+    tries: u32,
+    redirects: u32,
+}
+
+impl Attempts {
+    /// A request started at `now` with `budget` for all its tries.
+    pub fn new(now: Instant, budget: Duration) -> Attempts {
+        Attempts { deadline: now + budget, pause: MIN_PAUSE, tries: 0, redirects: 0 }
+    }
+
+    /// A try starts at `now`; how long it may take to connect to its node
+    /// (`connect`, but never past the deadline); `None`: no time is left.
+    pub fn start(&mut self, now: Instant, connect: Duration) -> Option<Duration> {
+        let left = self.deadline.checked_duration_since(now).filter(|d| !d.is_zero())?;
+        self.tries += 1;
+        Some(connect.min(left))
+    }
+
+    /// A node said who leads: follow it at once, unless the deadline has
+    /// passed or redirects keep coming (then pause as after a failure).
+    pub fn after_redirect(&mut self, now: Instant) -> Next {
+        self.redirects += 1;
+        if now >= self.deadline {
+            return Next::GiveUp;
+        }
+        if self.redirects <= MAX_FREE_REDIRECTS {
+            return Next::Now;
+        }
+        self.after_failure(now)
+    }
+
+    /// A try failed in a way worth another: pause (doubling, up to
+    /// [`MAX_PAUSE`]) unless the pause would pass the deadline.
+    pub fn after_failure(&mut self, now: Instant) -> Next {
+        self.redirects = 0;
+        if now + self.pause > self.deadline {
+            return Next::GiveUp;
+        }
+        let p = self.pause;
+        self.pause = (self.pause * 2).min(MAX_PAUSE);
+        Next::After(p)
+    }
+
+    /// Whether the map should be asked for again before the next try.
+    pub fn refresh_due(&self) -> bool {
+        self.tries > 0 && self.tries.is_multiple_of(4)
+    }
+
+    /// Tries so far.
+    pub fn tries(&self) -> u32 {
+        self.tries
+    }
+}
 
 /// Where requests for each shard go: the map, and leaders learned since.
 #[derive(Debug, Clone)]
@@ -117,6 +202,9 @@ pub struct Router {
     cfg: ClientConfig,
     /// A request's whole time, over every try.
     deadline: Duration,
+    /// How long a write is sent again once a try of it may have reached a
+    /// shard; its id tells the shard, which remembers it for twice that.
+    write_window: Duration,
     /// GETs try the key's shard region one-sided first.
     one_sided: bool,
     /// Write ids: this router's random client id, and the next sequence.
@@ -132,10 +220,86 @@ pub struct Router {
 pub enum Retry {
     /// Reads: any failure may be retried.
     Always,
+    /// Writes with an id: any failure may be retried (the shard applies
+    /// the write once), but once a try may have reached the shard, only
+    /// within this window of it (see [`Resend`]).
+    Identified(Duration),
     /// Writes without an id: only a refusal that changed nothing
     /// (NOT_LEADER, BUSY, no connection) is retried; a lost reply is the
     /// caller's to judge.
     IfUnsent,
+}
+
+impl Retry {
+    /// Whether a failure that may have reached a node is retried.
+    fn resends(self) -> bool {
+        matches!(self, Retry::Always | Retry::Identified(_))
+    }
+}
+
+/// The retry window of a write under a request timeout of `timeout`.
+pub fn write_window(timeout: Duration) -> Duration {
+    timeout.min(MAX_WRITE_RETRY_WINDOW)
+}
+
+/// Whether a try that failed with `e` may have taken effect.
+fn may_have_applied(e: &ClientError) -> bool {
+    e.code() == Some(ErrorCode::Uncertain) || (e.is_transport() && e.may_have_been_sent())
+}
+
+/// When an identified write may be sent again. While every try so far
+/// surely changed nothing (NOT_LEADER, BUSY, no connection), at any time
+/// within the request's deadline: the next try is as good as a first. Once
+/// one may have reached a shard (no reply, UNCERTAIN), only within the
+/// write's retry window of that try's start: the shard applied it after
+/// the try started and remembers it for twice the window from then; the
+/// second window is margin for a try's time in transit and queues, and for
+/// leaders' clocks. Pure (time passed in), so it is tested alone.
+#[derive(Debug, Clone)]
+pub struct Resend {
+    window: Duration,
+    /// Until when, and the failure that may have taken effect.
+    uncertain: Option<(Instant, ClientError)>,
+}
+
+impl Resend {
+    pub fn new(window: Duration) -> Resend {
+        Resend { window, uncertain: None }
+    }
+
+    /// A try that started at `started` failed with `e`.
+    pub fn failed(&mut self, started: Instant, e: &ClientError) {
+        if self.uncertain.is_none() && may_have_applied(e) {
+            self.uncertain = Some((started + self.window, e.clone()));
+        }
+    }
+
+    /// Whether a try may start at `now`; if not, what to report.
+    pub fn check(&self, now: Instant) -> Result<(), ClientError> {
+        match &self.uncertain {
+            Some((until, first)) if now >= *until => Err(uncertain(format!(
+                "the write may or may not have taken effect ({first}); not sent again past its retry window of {:?}",
+                self.window
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// What a write that stops trying reports, its last failure `last`:
+    /// UNCERTAIN if any try may have taken effect (a later refusal does
+    /// not say the earlier try did nothing), else `last`.
+    pub fn report(&self, last: ClientError) -> ClientError {
+        match &self.uncertain {
+            None => last,
+            Some((_, first)) => {
+                uncertain(format!("the write may or may not have taken effect ({first}); then: {last}"))
+            }
+        }
+    }
+}
+
+fn uncertain(message: String) -> ClientError {
+    ClientError::Server { code: ErrorCode::Uncertain, message }
 }
 
 impl Router {
@@ -153,6 +317,7 @@ impl Router {
         Router {
             cfg: sessions,
             deadline: cfg.request_timeout,
+            write_window: write_window(cfg.request_timeout),
             one_sided,
             client_id: random_client_id(),
             next_seq: std::sync::atomic::AtomicU64::new(1),
@@ -167,7 +332,8 @@ impl Router {
         self.routes.lock().expect("routes lock poisoned").clone()
     }
 
-    async fn session(&self, node: NodeId) -> Result<Client, ClientError> {
+    /// The session with `node`, opened within `connect` if there is none.
+    async fn session(&self, node: NodeId, connect: Duration) -> Result<Client, ClientError> {
         if let Some(s) = self.sessions.lock().await.get(&node) {
             return Ok(s.clone());
         }
@@ -175,7 +341,11 @@ impl Router {
             addr: format!("node {node}"),
             reason: "not in the cluster map".into(),
         })?;
-        let s = Client::connect_session(addr, self.cfg.clone(), std::sync::Arc::clone(&self.counters)).await?;
+        let open = Client::connect_session(addr.clone(), self.cfg.clone(), std::sync::Arc::clone(&self.counters));
+        let s = match tokio::time::timeout(connect, open).await {
+            Ok(s) => s?,
+            Err(_) => return Err(ClientError::Connect { addr, reason: format!("timed out after {connect:?}") }),
+        };
         Ok(self.sessions.lock().await.entry(node).or_insert(s).clone())
     }
 
@@ -188,7 +358,7 @@ impl Router {
         let nodes: Vec<NodeId> = self.routes().map().nodes.keys().copied().collect();
         let mut last = None;
         for n in nodes {
-            match self.session(n).await {
+            match self.session(n, self.cfg.connect_timeout).await {
                 Ok(s) => match s.cluster_map().await {
                     Ok(m) => {
                         self.routes.lock().expect("routes lock poisoned").merge(&m);
@@ -203,56 +373,88 @@ impl Router {
     }
 
     /// Runs `op` against the node that should serve `key`, following
-    /// NOT_LEADER answers and failed nodes until the request's deadline.
+    /// NOT_LEADER answers and failed nodes until the request's deadline
+    /// (for an identified write, see [`Resend`]).
     pub async fn run<T, F, Fut>(&self, key: &[u8], retry: Retry, op: F) -> Result<T, ClientError>
     where
         F: Fn(Client) -> Fut,
         Fut: Future<Output = Result<T, ClientError>>,
     {
-        let deadline = Instant::now() + self.deadline;
-        let mut pause = MIN_PAUSE;
-        let mut tries = 0u32;
+        let mut attempts = Attempts::new(Instant::now(), self.deadline);
+        let mut last: Option<ClientError> = None;
+        let mut resend = match retry {
+            Retry::Identified(window) => Some(Resend::new(window)),
+            _ => None,
+        };
+        let report = |resend: &Option<Resend>, e| match resend {
+            Some(r) => r.report(e),
+            None => e,
+        };
         loop {
-            tries += 1;
+            let Some(connect) = attempts.start(Instant::now(), self.cfg.connect_timeout) else {
+                return Err(report(&resend, last.unwrap_or(ClientError::Timeout(self.deadline))));
+            };
             let (shard, node) = self.routes.lock().expect("routes lock poisoned").target(key);
-            let failure = match self.session(node).await {
+            let failure = match self.session(node, connect).await {
                 Err(e) => {
                     self.routes.lock().expect("routes lock poisoned").on_unreachable(shard, node);
                     e
                 }
-                Ok(s) => match op(s).await {
-                    Err(ClientError::NotLeader { leader, .. }) => {
-                        let helped =
-                            self.routes.lock().expect("routes lock poisoned").on_not_leader(shard, node, leader);
-                        if helped {
-                            continue;
+                Ok(s) => {
+                    let started = Instant::now();
+                    if let Some(r) = &resend {
+                        r.check(started)?;
+                    }
+                    let failure = match op(s).await {
+                        Err(ClientError::NotLeader { leader, .. }) => {
+                            let helped =
+                                self.routes.lock().expect("routes lock poisoned").on_not_leader(shard, node, leader);
+                            let e = ClientError::NotLeader { leader, map_version: 0 };
+                            if helped {
+                                // A refusal changed nothing: not a try of
+                                // the write that may have applied.
+                                match attempts.after_redirect(Instant::now()) {
+                                    Next::Now => {}
+                                    Next::After(p) => tokio::time::sleep(p).await,
+                                    Next::GiveUp => return Err(report(&resend, e)),
+                                }
+                                last = Some(e);
+                                continue;
+                            }
+                            e
                         }
-                        ClientError::NotLeader { leader, map_version: 0 }
+                        Err(e) if e.code() == Some(ErrorCode::Busy) => e,
+                        // The write may or may not have committed: sent
+                        // again with its id, it applies at most once.
+                        Err(e) if e.code() == Some(ErrorCode::Uncertain) && retry.resends() => e,
+                        Err(e) if e.is_transport() && (retry.resends() || !e.may_have_been_sent()) => {
+                            self.forget(node).await;
+                            self.routes.lock().expect("routes lock poisoned").on_unreachable(shard, node);
+                            e
+                        }
+                        Err(e) if e.is_transport() => {
+                            self.forget(node).await;
+                            self.routes.lock().expect("routes lock poisoned").on_unreachable(shard, node);
+                            return Err(e);
+                        }
+                        r => return r.map_err(|e| report(&resend, e)),
+                    };
+                    if let Some(r) = &mut resend {
+                        r.failed(started, &failure);
                     }
-                    Err(e) if e.code() == Some(ErrorCode::Busy) => e,
-                    // The write may or may not have committed: sent again
-                    // with its id, it applies at most once.
-                    Err(e) if e.code() == Some(ErrorCode::Uncertain) && retry == Retry::Always => e,
-                    Err(e) if e.is_transport() && (retry == Retry::Always || !e.may_have_been_sent()) => {
-                        self.forget(node).await;
-                        self.routes.lock().expect("routes lock poisoned").on_unreachable(shard, node);
-                        e
-                    }
-                    Err(e) if e.is_transport() => {
-                        self.forget(node).await;
-                        self.routes.lock().expect("routes lock poisoned").on_unreachable(shard, node);
-                        return Err(e);
-                    }
-                    r => return r,
-                },
+                    failure
+                }
             };
-            if Instant::now() + pause > deadline {
-                tracing::debug!(tries, "cluster request gave up: {failure}");
-                return Err(failure);
+            match attempts.after_failure(Instant::now()) {
+                Next::GiveUp => {
+                    tracing::debug!(tries = attempts.tries(), "cluster request gave up: {failure}");
+                    return Err(report(&resend, failure));
+                }
+                Next::Now => {}
+                Next::After(p) => tokio::time::sleep(p).await,
             }
-            tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(MAX_PAUSE);
-            if tries.is_multiple_of(4) {
+            last = Some(failure);
+            if attempts.refresh_due() {
                 let _ = self.refresh().await;
             }
         }
@@ -275,22 +477,28 @@ impl Router {
     }
 
     /// The id of a new write: the same on every try of it, so the shard
-    /// applies it once however often it is sent.
+    /// applies it once however often it is sent within its window.
     fn write_id(&self) -> dmkv_common::proto::WriteId {
-        dmkv_common::proto::WriteId { client: self.client_id, seq: self.next_seq.fetch_add(1, Ordering::Relaxed) }
+        dmkv_common::proto::WriteId {
+            client: self.client_id,
+            seq: self.next_seq.fetch_add(1, Ordering::Relaxed),
+            retry_window_ms: u32::try_from(self.write_window.as_millis()).unwrap_or(u32::MAX).max(1),
+        }
     }
 
     /// Writes `key` through its shard's leader; sent again after a lost
-    /// reply or a leader change (it applies once).
+    /// reply or a leader change (it applies once) within its window.
     pub async fn put(&self, key: &[u8], value: &[u8]) -> Result<u64, ClientError> {
         let id = self.write_id();
-        self.run(key, Retry::Always, |s| async move { s.node_put_with(key, value, Some(id)).await }).await
+        let retry = Retry::Identified(self.write_window);
+        self.run(key, retry, |s| async move { s.node_put_with(key, value, Some(id)).await }).await
     }
 
     /// Deletes `key` through its shard's leader (applied once, as `put`).
     pub async fn delete(&self, key: &[u8]) -> Result<bool, ClientError> {
         let id = self.write_id();
-        self.run(key, Retry::Always, |s| async move { s.node_delete_with(key, Some(id)).await }).await
+        let retry = Retry::Identified(self.write_window);
+        self.run(key, retry, |s| async move { s.node_delete_with(key, Some(id)).await }).await
     }
 
     /// Reads many keys: split per shard, the shards asked in parallel.
@@ -375,6 +583,136 @@ mod tests {
             r.on_unreachable(shard, n);
         }
         assert_eq!(seen.len(), 3, "every replica is tried");
+    }
+
+    #[test]
+    fn tries_stop_at_the_deadline_and_redirects_do_not_spin() {
+        let t0 = Instant::now();
+        let mut a = Attempts::new(t0, Duration::from_millis(100));
+        // A connect gets the time left, not the whole connect timeout.
+        assert_eq!(a.start(t0, Duration::from_secs(3)), Some(Duration::from_millis(100)));
+        assert_eq!(a.start(t0 + Duration::from_millis(90), Duration::from_secs(3)), Some(Duration::from_millis(10)));
+        assert_eq!(a.start(t0 + Duration::from_millis(100), Duration::from_secs(3)), None, "no time left");
+        // Helpful redirects are followed at once a few times, then paused.
+        let mut a = Attempts::new(t0, Duration::from_millis(100));
+        for _ in 0..MAX_FREE_REDIRECTS {
+            assert_eq!(a.after_redirect(t0), Next::Now);
+        }
+        assert_eq!(a.after_redirect(t0), Next::After(MIN_PAUSE));
+        // Past the deadline a redirect is not followed (it looped until
+        // the deadline before, and past it when nodes kept naming each
+        // other).
+        assert_eq!(a.after_redirect(t0 + Duration::from_millis(100)), Next::GiveUp);
+        // Failures back off and give up when the pause would pass it.
+        let mut a = Attempts::new(t0, Duration::from_millis(100));
+        assert_eq!(a.after_failure(t0), Next::After(MIN_PAUSE));
+        assert_eq!(a.after_failure(t0), Next::After(MIN_PAUSE * 2));
+        assert_eq!(a.after_failure(t0 + Duration::from_millis(95)), Next::GiveUp);
+    }
+
+    #[test]
+    fn a_write_is_sent_again_only_within_its_window_of_a_try_that_may_have_applied() {
+        let t0 = Instant::now();
+        let w = Duration::from_secs(5);
+        let mut r = Resend::new(w);
+        // Refusals change nothing: the next try is as good as a first.
+        let busy = ClientError::Server { code: ErrorCode::Busy, message: "busy".into() };
+        r.failed(t0, &ClientError::NotLeader { leader: None, map_version: 0 });
+        r.failed(t0, &ClientError::Connect { addr: "a".into(), reason: "refused".into() });
+        r.failed(t0, &busy);
+        assert!(r.check(t0 + 100 * w).is_ok());
+        assert_eq!(r.report(busy.clone()).code(), Some(ErrorCode::Busy));
+        // A try with no reply opens the window, from when it started.
+        let s = t0 + Duration::from_secs(1);
+        r.failed(s, &ClientError::Timeout(Duration::from_secs(1)));
+        assert!(r.check(s + w - Duration::from_millis(1)).is_ok());
+        let e = r.check(s + w).unwrap_err();
+        assert_eq!(e.code(), Some(ErrorCode::Uncertain), "{e}");
+        // A later uncertain try does not move it on.
+        r.failed(s + Duration::from_secs(4), &ClientError::Server { code: ErrorCode::Uncertain, message: "".into() });
+        assert!(r.check(s + w).is_err());
+        // Whatever a later try says, the write may have taken effect.
+        assert_eq!(r.report(busy).code(), Some(ErrorCode::Uncertain));
+    }
+
+    #[test]
+    fn a_write_window_is_the_timeout_at_most_the_maximum() {
+        assert_eq!(write_window(Duration::from_secs(2)), Duration::from_secs(2));
+        assert_eq!(write_window(Duration::from_secs(600)), MAX_WRITE_RETRY_WINDOW);
+    }
+
+    /// A node that answers HELLO, every PUT with UNCERTAIN and everything
+    /// else with BUSY, and notes when each PUT came and the window its id
+    /// named.
+    async fn uncertain_node() -> (String, std::sync::Arc<std::sync::Mutex<Vec<(Instant, u32)>>>) {
+        use dmkv_common::frame::{Decoder, encode};
+        use dmkv_common::proto::{self, request::Op, response::Result as R};
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let puts = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = std::sync::Arc::clone(&puts);
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = l.accept().await {
+                let seen = std::sync::Arc::clone(&seen);
+                tokio::spawn(async move {
+                    let max = dmkv_common::limits::DEFAULT_MAX_FRAME_LEN;
+                    let (dec, mut buf, mut out) = (Decoder::new(max), bytes::BytesMut::new(), bytes::BytesMut::new());
+                    while s.read_buf(&mut buf).await.is_ok_and(|n| n > 0) {
+                        while let Ok(Some(req)) = dec.next_message::<proto::Request>(&mut buf) {
+                            let error = |code: ErrorCode| {
+                                R::Error(proto::Error { code: code.into(), message: "".into(), ..Default::default() })
+                            };
+                            let result = match req.op {
+                                Some(Op::Hello(_)) => R::Hello(proto::HelloReply {
+                                    protocol_version: dmkv_common::PROTOCOL_VERSION,
+                                    ..Default::default()
+                                }),
+                                Some(Op::Put(p)) => {
+                                    let window = p.write_id.map_or(0, |w| w.retry_window_ms);
+                                    seen.lock().unwrap().push((Instant::now(), window));
+                                    error(ErrorCode::Uncertain)
+                                }
+                                _ => error(ErrorCode::Busy),
+                            };
+                            encode(&proto::Response { id: req.id, result: Some(result) }, max, &mut out).unwrap();
+                        }
+                        if s.write_all(&out.split()).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        (addr, puts)
+    }
+
+    #[tokio::test]
+    async fn the_router_sends_a_write_again_only_within_its_window_and_reads_for_the_whole_timeout() {
+        let (addr, puts) = uncertain_node().await;
+        let map = ClusterMap::initial([(1, addr)].into_iter().collect(), 1, 1).unwrap();
+        let cfg = ClientConfig { request_timeout: Duration::from_millis(1500), ..Default::default() };
+        let mut router = Router::new(map, &cfg, Default::default());
+        // As if the most a write may be sent again were 300 ms.
+        let window = Duration::from_millis(300);
+        router.write_window = window;
+        let start = Instant::now();
+        let e = router.put(b"k", b"v").await.unwrap_err();
+        let took = start.elapsed();
+        assert_eq!(e.code(), Some(ErrorCode::Uncertain), "{e}");
+        let puts = puts.lock().unwrap().clone();
+        assert!(puts.len() >= 2, "sent again within its window: {puts:?}");
+        assert!(puts.iter().all(|&(_, w)| w == 300), "the id names the window: {puts:?}");
+        // A try starts before the window ends; it reaches the node a
+        // moment later (loopback, so the slack is generous).
+        let last = puts.last().unwrap().0.duration_since(puts[0].0);
+        assert!(last < window + Duration::from_millis(150), "a try {last:?} after the first");
+        assert!(took < Duration::from_millis(1000), "reported when its window ended: {took:?}");
+        // Reads on the same router retry for the whole request timeout.
+        let start = Instant::now();
+        let e = router.rpc_get(b"k").await.unwrap_err();
+        assert_eq!(e.code(), Some(ErrorCode::Busy), "{e}");
+        assert!(start.elapsed() >= Duration::from_millis(1200), "{:?}", start.elapsed());
     }
 
     #[test]

@@ -72,7 +72,7 @@ impl Client {
 
     async fn attach_shard(&self, shard: u32) -> Result<OneSided, BackendError> {
         let cfg = self.config();
-        let info = self.region_info_full().await.map_err(|e| BackendError::Attach(e.to_string()))?;
+        let (info, sample) = onesided::clock_sample(self).await.map_err(|e| BackendError::Attach(e.to_string()))?;
         let opts = AttachOptions {
             forced: cfg.transport,
             timeout: cfg.connect_timeout,
@@ -84,7 +84,7 @@ impl Client {
             repaths: Arc::default(),
             token: self.token().cloned(),
             shard: Some(shard),
-            lease_skew: cfg.lease_skew,
+            clock: Some(sample),
             check_leases: cfg.check_leases,
         };
         onesided::attach(self, &info, opts).await

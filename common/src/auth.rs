@@ -8,8 +8,13 @@
 //! another. The server checks a proof against every secret it knows, in
 //! constant time, and grants the role of the secret that made it: clients
 //! do not claim a role, they prove one.
+//!
+//! Cluster nodes have secrets of their own, one identity each: a node
+//! proves its secret on a peer's peer port (purpose [`Purpose::Peer`]) and
+//! is granted "node N", which is no role: it allows raft traffic from node
+//! N and nothing on the client port, and no role's secret allows raft.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
@@ -27,6 +32,11 @@ pub const MIN_TOKEN_LEN: usize = 16;
 pub const MAX_TOKEN_LEN: usize = 1024;
 /// Most secrets per role (several allow rotating them without downtime).
 pub const MAX_TOKENS_PER_ROLE: usize = 16;
+/// Most secrets per cluster node: enough to rotate one. A peer checks a
+/// proof against every node's secrets, so this bounds that work too.
+pub const MAX_TOKENS_PER_NODE: usize = 4;
+/// Largest node id (raft ids hold a node's id in 32 bits).
+pub const MAX_NODE_ID: u64 = u32::MAX as u64;
 /// Failed attempts one peer address may make per [`FAILURE_WINDOW`] before
 /// it is refused without a check.
 pub const MAX_FAILURES: u32 = 5;
@@ -95,7 +105,8 @@ const DOMAIN: &[u8] = b"dmkv-auth-v1";
 pub enum Role {
     /// GET, PUT, DELETE, STATS and one-sided reads.
     Data,
-    /// Everything `Data` may, and REREGISTER (later: cluster operations).
+    /// Everything `Data` may, REREGISTER and operators' cluster requests
+    /// (REPLACE_REPLICA). Not raft traffic: that takes a node's secret.
     Admin,
 }
 
@@ -129,6 +140,8 @@ pub enum Purpose {
     Rpc,
     Engine,
     Shm,
+    /// A cluster node's peer port, where nodes prove their node secret.
+    Peer,
 }
 
 impl Purpose {
@@ -137,12 +150,30 @@ impl Purpose {
             Purpose::Rpc => b"rpc",
             Purpose::Engine => b"engine",
             Purpose::Shm => b"shm",
+            Purpose::Peer => b"peer",
         }
     }
 }
 
+/// How a node identity is written in auth files and in the AUTHENTICATE
+/// reply of the peer port: `node:N`.
+pub fn node_name(node: u64) -> String {
+    format!("node:{node}")
+}
+
+/// The node id of a `node:N` name (N from 1 to [`MAX_NODE_ID`]); `None`
+/// when `s` does not start with `node:`, an error when N is not an id.
+pub fn parse_node_name(s: &str) -> Option<Result<u64, String>> {
+    let id = s.strip_prefix("node:")?;
+    Some(match id.parse::<u64>() {
+        // Digits only: `u64::from_str` would take a leading `+`.
+        Ok(n @ 1..=MAX_NODE_ID) if id.bytes().all(|b| b.is_ascii_digit()) => Ok(n),
+        _ => Err(format!("{s:?}: a node id is a number from 1 to {MAX_NODE_ID}")),
+    })
+}
+
 /// A shared secret. Its `Debug` never shows it.
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq, Hash)]
 pub struct Token(Vec<u8>);
 
 impl fmt::Debug for Token {
@@ -187,40 +218,86 @@ impl Token {
     }
 }
 
-/// The server's secrets, by role. Empty: authentication is off.
+/// The server's secrets, by role, and the cluster nodes' secrets, by node.
+/// Empty: authentication is off.
 #[derive(Debug, Clone, Default)]
 pub struct Keys {
     data: Vec<Token>,
     admin: Vec<Token>,
+    /// Each node's secrets; the first is the one a node proves.
+    nodes: BTreeMap<u64, Vec<Token>>,
 }
 
 impl Keys {
     /// Keys from the secrets of each role.
     pub fn new(data: Vec<Token>, admin: Vec<Token>) -> Result<Keys, String> {
-        for (role, list) in [("data", &data), ("admin", &admin)] {
+        Keys { data, admin, nodes: BTreeMap::new() }.checked()
+    }
+
+    /// These keys with cluster nodes' secrets: `nodes[N]` are node N's,
+    /// the first of them the one node N proves to its peers.
+    pub fn with_nodes(self, nodes: BTreeMap<u64, Vec<Token>>) -> Result<Keys, String> {
+        Keys { nodes, ..self }.checked()
+    }
+
+    /// Refuses lists too long, and a secret with two owners: a proof must
+    /// name one role or one node, or the identity it grants is a guess.
+    fn checked(self) -> Result<Keys, String> {
+        for (role, list) in [("data", &self.data), ("admin", &self.admin)] {
             if list.len() > MAX_TOKENS_PER_ROLE {
                 return Err(format!("more than {MAX_TOKENS_PER_ROLE} {role} tokens"));
             }
         }
-        if data.iter().any(|d| admin.contains(d)) {
+        if self.data.iter().any(|d| self.admin.contains(d)) {
             return Err("a token cannot be both a data and an admin token".into());
         }
-        Ok(Keys { data, admin })
+        let roles: HashSet<&Token> = self.data.iter().chain(&self.admin).collect();
+        let mut owner: HashMap<&Token, u64> = HashMap::new();
+        for (&node, list) in &self.nodes {
+            if !(1..=MAX_NODE_ID).contains(&node) {
+                return Err(format!("node {node}: a node id is a number from 1 to {MAX_NODE_ID}"));
+            }
+            if list.len() > MAX_TOKENS_PER_NODE {
+                return Err(format!("more than {MAX_TOKENS_PER_NODE} tokens for node {node}"));
+            }
+            for t in list {
+                if roles.contains(t) {
+                    return Err(format!("node {node}'s token is also a data or admin token: give nodes their own"));
+                }
+                match owner.insert(t, node) {
+                    Some(other) if other != node => {
+                        return Err(format!("nodes {other} and {node} have the same token: each needs its own"));
+                    }
+                    _ => {}
+                }
+            }
+        }
+        Ok(self)
     }
 
-    /// The admin secret a node proves itself with to its peers (the first).
-    pub fn admin_token(&self) -> Option<&Token> {
-        self.admin.first()
+    /// The secret node `node` proves itself with to its peers (its first).
+    pub fn node_token(&self, node: u64) -> Option<&Token> {
+        self.nodes.get(&node).and_then(|l| l.first())
+    }
+
+    /// The nodes that have secrets.
+    pub fn nodes(&self) -> impl Iterator<Item = u64> + '_ {
+        self.nodes.iter().filter(|(_, l)| !l.is_empty()).map(|(&n, _)| n)
+    }
+
+    /// Whether there is a data or admin secret (a client can get in).
+    pub fn has_roles(&self) -> bool {
+        !self.data.is_empty() || !self.admin.is_empty()
     }
 
     /// Whether authentication is on.
     pub fn enabled(&self) -> bool {
-        !self.data.is_empty() || !self.admin.is_empty()
+        self.has_roles() || self.nodes().next().is_some()
     }
 
     /// The role whose secret made `proof` for `nonce`, if any. Every secret
     /// is checked (no early exit), so timing says nothing about which one
-    /// matched or how close a guess came.
+    /// matched or how close a guess came. Node secrets grant no role.
     pub fn verify(&self, purpose: Purpose, nonce: &[u8], proof: &[u8]) -> Option<Role> {
         let mut role = None;
         for t in &self.data {
@@ -234,6 +311,22 @@ impl Keys {
             }
         }
         role
+    }
+
+    /// The node whose secret made `proof` for `nonce`, if any. Every
+    /// node's every secret is checked (no early exit); role secrets are
+    /// not: they never make a node.
+    pub fn verify_node(&self, purpose: Purpose, nonce: &[u8], proof: &[u8]) -> Option<u64> {
+        let mut node = None;
+        for (&n, list) in &self.nodes {
+            for t in list {
+                if t.verifies(purpose, nonce, proof) {
+                    // No secret has two owners (`checked`): at most one match.
+                    node = Some(n);
+                }
+            }
+        }
+        node
     }
 }
 
@@ -322,6 +415,73 @@ mod tests {
         assert_eq!(keys.verify(Purpose::Rpc, &nonce, &d[..31]), None);
         assert_eq!(keys.verify(Purpose::Rpc, &nonce, &[]), None);
         assert!(Role::Admin.allows(Role::Data) && !Role::Data.allows(Role::Admin));
+    }
+
+    fn node_keys() -> Keys {
+        let nodes = BTreeMap::from([
+            (1, vec![tok("node-1-secret-0123456789")]),
+            (2, vec![tok("node-2-secret-0123456789"), tok("node-2-next-0123456789")]),
+        ]);
+        Keys::new(vec![tok("data-secret-0123456789")], vec![tok("admin-secret-0123456789")])
+            .unwrap()
+            .with_nodes(nodes)
+            .unwrap()
+    }
+
+    #[test]
+    fn node_secrets_grant_their_node_and_nothing_else() {
+        let keys = node_keys();
+        let nonce = [9u8; NONCE_LEN];
+        let n2 = tok("node-2-secret-0123456789").prove(Purpose::Peer, &nonce);
+        assert_eq!(keys.verify_node(Purpose::Peer, &nonce, &n2), Some(2));
+        // Either of a node's secrets (a rotation), but it proves its first.
+        let next = tok("node-2-next-0123456789").prove(Purpose::Peer, &nonce);
+        assert_eq!(keys.verify_node(Purpose::Peer, &nonce, &next), Some(2));
+        assert_eq!(keys.node_token(2), Some(&tok("node-2-secret-0123456789")));
+        assert_eq!(keys.node_token(3), None);
+        assert_eq!(keys.nodes().collect::<Vec<_>>(), vec![1, 2]);
+        // A node secret is no role, and a role secret is no node.
+        assert_eq!(keys.verify(Purpose::Peer, &nonce, &n2), None);
+        let n2_rpc = tok("node-2-secret-0123456789").prove(Purpose::Rpc, &nonce);
+        assert_eq!(keys.verify(Purpose::Rpc, &nonce, &n2_rpc), None);
+        let admin = tok("admin-secret-0123456789").prove(Purpose::Peer, &nonce);
+        assert_eq!(keys.verify_node(Purpose::Peer, &nonce, &admin), None);
+        // Another purpose, another nonce, a cut proof: no node.
+        assert_eq!(keys.verify_node(Purpose::Peer, &nonce, &n2_rpc), None);
+        assert_eq!(keys.verify_node(Purpose::Peer, &[1u8; NONCE_LEN], &n2), None);
+        assert_eq!(keys.verify_node(Purpose::Peer, &nonce, &n2[..31]), None);
+        // Node secrets alone turn authentication on, but let no client in.
+        let only = Keys::default().with_nodes(BTreeMap::from([(1, vec![tok("node-1-secret-0123456789")])])).unwrap();
+        assert!(only.enabled() && !only.has_roles());
+    }
+
+    #[test]
+    fn a_secret_has_one_owner() {
+        let t = || tok("shared-secret-0123456789");
+        let two_nodes = BTreeMap::from([(1, vec![t()]), (2, vec![t()])]);
+        let err = Keys::default().with_nodes(two_nodes).unwrap_err();
+        assert!(err.contains("nodes 1 and 2 have the same token"), "{err}");
+        let admin = Keys::new(vec![], vec![t()]).unwrap();
+        let err = admin.with_nodes(BTreeMap::from([(3, vec![t()])])).unwrap_err();
+        assert!(err.contains("node 3's token is also a data or admin token"), "{err}");
+        let many = (0..=MAX_TOKENS_PER_NODE).map(|i| tok(&format!("node-secret-{i}-0123456789"))).collect();
+        assert!(Keys::default().with_nodes(BTreeMap::from([(1, many)])).is_err());
+        assert!(Keys::default().with_nodes(BTreeMap::from([(0, vec![t()])])).is_err());
+        assert!(Keys::default().with_nodes(BTreeMap::from([(MAX_NODE_ID + 1, vec![t()])])).is_err());
+        // The same secret twice for one node is only redundant.
+        assert!(Keys::default().with_nodes(BTreeMap::from([(1, vec![t(), t()])])).is_ok());
+    }
+
+    #[test]
+    fn node_names_parse() {
+        assert_eq!(node_name(7), "node:7");
+        assert_eq!(parse_node_name("node:7"), Some(Ok(7)));
+        assert_eq!(parse_node_name(&node_name(MAX_NODE_ID)), Some(Ok(MAX_NODE_ID)));
+        for bad in ["node:0", "node:", "node:+7", "node:x", "node:-1", "node:4294967296", "node: 7"] {
+            assert!(matches!(parse_node_name(bad), Some(Err(_))), "{bad}");
+        }
+        assert_eq!(parse_node_name("admin"), None);
+        assert_eq!(parse_node_name("nodes:1"), None);
     }
 
     #[test]

@@ -131,7 +131,7 @@ pub fn engine_request(data: &[u8]) {
 /// the body, in order; rebuilding the reply gives the same results.
 pub fn engine_reply(data: &[u8]) {
     let Ok(reply) = onesided::decode_reply(data) else { return };
-    let mut at = 10 + 5 * reply.results.len();
+    let mut at = onesided::REPLY_HEADER_LEN + 5 * reply.results.len();
     for (_, r) in &reply.results {
         assert_eq!(r.start, at, "ranges are contiguous");
         assert!(r.end <= data.len());
@@ -139,12 +139,12 @@ pub fn engine_reply(data: &[u8]) {
     }
     assert_eq!(at, data.len());
     let mut out = BytesMut::new();
-    let mut b = ReplyBuilder::new(&mut out, reply.batch_id, reply.results.len());
+    let mut b = ReplyBuilder::new(&mut out, reply.batch_id, reply.results.len(), reply.started);
     for (i, (status, r)) in reply.results.iter().enumerate() {
         let len = u32::try_from(r.len()).expect("a frame body is shorter than 4 GiB");
         b.push(i, *status, len, |dst| dst.copy_from_slice(&data[r.clone()]));
     }
-    b.finish();
+    b.finish(reply.ended);
     let again = onesided::decode_reply(&out[FRAME_HEADER_LEN..]).expect("a built reply decodes");
     assert_eq!(again, reply, "reply round trip");
 }

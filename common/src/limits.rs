@@ -35,3 +35,15 @@ pub const UNIT: usize = 64;
 pub const MIN_REGION_LEN: usize = 4 * 1024 * 1024;
 /// Largest region a slot's offset field can address (2^33 units).
 pub const MAX_REGION_LEN: u64 = (1u64 << 33) * UNIT as u64;
+/// Longest a cluster client sends one write again once a try of it may
+/// have reached a node (its retry window, which the write id carries). A
+/// shard remembers each identified write for twice its window, so this
+/// bounds how long a write id is remembered; a client whose request
+/// timeout is longer still resends a write only within this, and reports
+/// it uncertain after (reads use the whole timeout).
+pub const MAX_WRITE_RETRY_WINDOW: std::time::Duration = std::time::Duration::from_secs(60);
+/// Shortest retry window a shard remembers a write by, whatever the client
+/// says: the second window is the margin for a try's time in transit and
+/// queues and for leaders' clocks that disagree, which do not shrink with
+/// a client's short timeout.
+pub const MIN_WRITE_RETRY_WINDOW: std::time::Duration = std::time::Duration::from_secs(1);

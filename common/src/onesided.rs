@@ -11,11 +11,17 @@
 //!
 //! ```text
 //! request: u64 batch_id | u16 count | count × (u64 rkey | u64 offset | u32 len)
-//! reply:   u64 batch_id | u16 count | count × (u8 status | u32 len) | the bytes of every successful read, in order
+//! reply:   u64 batch_id | u64 started | u64 ended | u16 count | count × (u8 status | u32 len) | the bytes of every successful read, in order
 //! ```
 //!
+//! `started` and `ended` are the engine's `CLOCK_MONOTONIC` (ns) read before
+//! the batch's first read and after its last: the clock a shard leader's
+//! lease is published on, so a reader of a cluster region can tell whether
+//! the whole batch lay inside the lease (`cluster::lease::judge`) with no
+//! bound on clock differences at all.
+//!
 //! Before any frame, a handshake (after TLS, if the engine speaks it): the
-//! engine sends a greeting (`"DMKVENG1" | u8 flags | nonce`), the client
+//! engine sends a greeting (`"DMKVENG2" | u8 flags | nonce`), the client
 //! answers with a proof of its secret for that nonce (`dmkv_common::auth`;
 //! zeros when the greeting says no authentication is needed), and the
 //! engine answers one status byte. Only then does it serve reads.
@@ -37,8 +43,10 @@ pub const MAX_BATCH_BYTES: u64 = 16 * 1024 * 1024;
 pub const READ_REQ_LEN: usize = 20;
 /// Largest request frame body.
 pub const MAX_REQUEST_FRAME: usize = 10 + MAX_READS_PER_BATCH * READ_REQ_LEN;
+/// Bytes of a reply's header: batch id, the two clock stamps, count.
+pub const REPLY_HEADER_LEN: usize = 26;
 /// Largest reply frame body.
-pub const MAX_REPLY_FRAME: usize = 10 + MAX_READS_PER_BATCH * 5 + MAX_BATCH_BYTES as usize;
+pub const MAX_REPLY_FRAME: usize = REPLY_HEADER_LEN + MAX_READS_PER_BATCH * 5 + MAX_BATCH_BYTES as usize;
 
 /// One read work request (like an `IBV_WR_RDMA_READ`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,7 +95,7 @@ pub enum WireError {
 }
 
 /// Opens every engine greeting.
-pub const ENGINE_MAGIC: [u8; 8] = *b"DMKVENG1";
+pub const ENGINE_MAGIC: [u8; 8] = *b"DMKVENG2";
 /// Bytes of the engine's greeting.
 pub const GREETING_LEN: usize = crate::auth::GREETING_LEN;
 /// Bytes of the client's answer to the greeting.
@@ -190,12 +198,15 @@ pub struct ReplyBuilder<'a> {
 }
 
 impl<'a> ReplyBuilder<'a> {
-    /// Starts a reply for `count` reads at the end of `out`.
-    pub fn new(out: &'a mut BytesMut, batch_id: u64, count: usize) -> Self {
+    /// Starts a reply for `count` reads at the end of `out`, whose first
+    /// read starts after the engine's clock read `started`.
+    pub fn new(out: &'a mut BytesMut, batch_id: u64, count: usize, started: u64) -> Self {
         assert!(count <= MAX_READS_PER_BATCH);
         let start = out.len();
         out.put_u32_le(0);
         out.put_u64_le(batch_id);
+        out.put_u64_le(started);
+        out.put_u64_le(0);
         out.put_u16_le(count as u16);
         let status_at = out.len();
         out.put_bytes(0, count * 5);
@@ -215,10 +226,13 @@ impl<'a> ReplyBuilder<'a> {
         }
     }
 
-    /// Writes the frame length; the reply is complete.
-    pub fn finish(self) {
+    /// Writes the frame length and the clock as read after the batch's
+    /// last read (`ended`); the reply is complete.
+    pub fn finish(self, ended: u64) {
         let body = (self.out.len() - self.start - FRAME_HEADER_LEN) as u32;
         self.out[self.start..self.start + 4].copy_from_slice(&body.to_le_bytes());
+        let at = self.start + FRAME_HEADER_LEN + 16;
+        self.out[at..at + 8].copy_from_slice(&ended.to_le_bytes());
     }
 }
 
@@ -227,23 +241,32 @@ impl<'a> ReplyBuilder<'a> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Reply {
     pub batch_id: u64,
+    /// The engine's monotonic clock before the first read and after the
+    /// last (ns).
+    pub started: u64,
+    pub ended: u64,
     pub results: Vec<(ReadStatus, std::ops::Range<usize>)>,
 }
 
 /// Decodes a reply frame body; ranges index into `body`.
 pub fn decode_reply(body: &[u8]) -> Result<Reply, WireError> {
-    if body.len() < 10 {
+    const H: usize = REPLY_HEADER_LEN;
+    if body.len() < H {
         return Err(WireError::Malformed("reply shorter than its header"));
     }
-    let batch_id = u64::from_le_bytes(body[..8].try_into().expect("8 bytes"));
-    let count = u16::from_le_bytes(body[8..10].try_into().expect("2 bytes")) as usize;
-    if count > MAX_READS_PER_BATCH || body.len() < 10 + 5 * count {
+    let word = |at: usize| u64::from_le_bytes(body[at..at + 8].try_into().expect("8 bytes"));
+    let (batch_id, started, ended) = (word(0), word(8), word(16));
+    if ended < started {
+        return Err(WireError::Malformed("reply ended before it started"));
+    }
+    let count = u16::from_le_bytes(body[24..H].try_into().expect("2 bytes")) as usize;
+    if count > MAX_READS_PER_BATCH || body.len() < H + 5 * count {
         return Err(WireError::Malformed("reply statuses truncated"));
     }
-    let mut data = 10 + 5 * count;
+    let mut data = H + 5 * count;
     let mut results = Vec::with_capacity(count);
     for i in 0..count {
-        let at = 10 + 5 * i;
+        let at = H + 5 * i;
         let status = ReadStatus::from_u8(body[at]).ok_or(WireError::Malformed("unknown read status"))?;
         let len = u32::from_le_bytes(body[at + 1..at + 5].try_into().expect("4 bytes")) as usize;
         let range = if status == ReadStatus::Success {
@@ -262,7 +285,7 @@ pub fn decode_reply(body: &[u8]) -> Result<Reply, WireError> {
     if data != body.len() {
         return Err(WireError::Malformed("reply has trailing bytes"));
     }
-    Ok(Reply { batch_id, results })
+    Ok(Reply { batch_id, started, ended, results })
 }
 
 #[cfg(test)]
@@ -286,17 +309,18 @@ mod tests {
         }
 
         #[test]
-        fn replies_round_trip(id in any::<u64>(), reads in prop::collection::vec((0u8..4, prop::collection::vec(any::<u8>(), 0..100)), 0..20)) {
+        fn replies_round_trip(id in any::<u64>(), started in any::<u64>(), took in 0u64..1_000_000, reads in prop::collection::vec((0u8..4, prop::collection::vec(any::<u8>(), 0..100)), 0..20)) {
             let mut buf = BytesMut::new();
-            let mut b = ReplyBuilder::new(&mut buf, id, reads.len());
+            let mut b = ReplyBuilder::new(&mut buf, id, reads.len(), started);
             for (i, (s, data)) in reads.iter().enumerate() {
                 let status = ReadStatus::from_u8(*s).unwrap();
                 b.push(i, status, data.len() as u32, |d| d.copy_from_slice(data));
             }
-            b.finish();
+            let ended = started.saturating_add(took);
+            b.finish(ended);
             let body = next_frame(&mut buf, MAX_REPLY_FRAME).unwrap().unwrap();
             let r = decode_reply(&body).unwrap();
-            prop_assert_eq!(r.batch_id, id);
+            prop_assert_eq!((r.batch_id, r.started, r.ended), (id, started, ended));
             for ((s, data), (status, range)) in reads.iter().zip(&r.results) {
                 prop_assert_eq!(*status as u8, *s);
                 if *status == ReadStatus::Success {

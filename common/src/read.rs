@@ -261,6 +261,12 @@ impl Lookup {
     }
 
     /// Number of reads [`Lookup::first_reads`] adds.
+    /// When the attempt started (the clock it was made with): no read of
+    /// it came earlier.
+    pub fn started(&self) -> u64 {
+        self.started
+    }
+
     pub fn first_read_count(&self) -> usize {
         2 + self.hint.is_some() as usize
     }

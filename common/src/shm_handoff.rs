@@ -113,7 +113,7 @@ mod tests {
     fn strangers_and_unknown_flags_are_rejected() {
         let nonce = [3u8; NONCE_LEN];
         let mut engine = encode_greeting(true, &nonce);
-        engine[..8].copy_from_slice(b"DMKVENG1");
+        engine[..8].copy_from_slice(b"DMKVENG2");
         assert!(decode_greeting(&engine).is_err());
         let mut flags = encode_greeting(false, &nonce);
         flags[8] = 2;

@@ -92,6 +92,24 @@ impl Gate {
         }
     }
 
+    /// Checks a cluster node's `proof` for `nonce` from `peer` on the peer
+    /// port: the node whose secret made it. Role secrets make no node.
+    /// Failures are counted and logged, against the same address limit.
+    pub fn check_node(&self, peer: Option<IpAddr>, nonce: &[u8; NONCE_LEN], proof: &[u8]) -> Result<u64, Denied> {
+        let ip = peer.unwrap_or(IpAddr::from([127, 0, 0, 1]));
+        if !self.allowed(ip) {
+            debug!(%ip, purpose = ?Purpose::Peer, "authentication attempt refused: rate-limited");
+            return Err(Denied::RateLimited);
+        }
+        match self.keys.verify_node(Purpose::Peer, nonce, proof) {
+            Some(node) => Ok(node),
+            None => {
+                self.failed(Purpose::Peer, ip, "peer authentication failed: the proof matches no node's secret");
+                Err(Denied::BadProof)
+            }
+        }
+    }
+
     /// Checks `proof` for `nonce` from `peer` on a `purpose` listener; the
     /// granted role must allow `needed`. Failures are counted and logged.
     pub fn check(
@@ -146,5 +164,24 @@ mod tests {
 
         let open = Gate::new(Arc::default());
         assert_eq!(open.initial_role(), Some(Role::Admin));
+    }
+
+    #[test]
+    fn nodes_prove_their_own_secret_on_the_peer_port() {
+        let admin = Token::new("admin-0123456789abcdef").unwrap();
+        let node2 = Token::new("node-2-0123456789abcdef").unwrap();
+        let keys = Keys::new(vec![], vec![admin.clone()])
+            .unwrap()
+            .with_nodes(std::collections::BTreeMap::from([(2, vec![node2.clone()])]))
+            .unwrap();
+        let gate = Gate::new(Arc::new(keys));
+        let n = gate.nonce();
+        let peer = Some(IpAddr::from([10, 9, 9, 9]));
+        assert_eq!(gate.check_node(peer, &n, &node2.prove(Purpose::Peer, &n)), Ok(2));
+        // The admin secret makes no node; a node secret makes no role.
+        assert_eq!(gate.check_node(peer, &n, &admin.prove(Purpose::Peer, &n)), Err(Denied::BadProof));
+        assert_eq!(gate.check_node(peer, &n, &node2.prove(Purpose::Rpc, &n)), Err(Denied::BadProof));
+        let rpc = node2.prove(Purpose::Rpc, &n);
+        assert_eq!(gate.check(Purpose::Rpc, peer, &n, &rpc, Role::Data), Err(Denied::BadProof));
     }
 }

@@ -74,6 +74,15 @@ fn tick() {
     c.now_ms.store(t, Ordering::Release);
 }
 
+/// The node's `CLOCK_MONOTONIC` in nanoseconds: the clock of shard leases
+/// and of the engine's batch stamps. Readers on this host read the same
+/// clock (`Instant` reads it too, but does not say its value), and it does
+/// not move when the wall clock is stepped.
+pub fn mono_ns() -> u64 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+    (t.tv_sec as u64).saturating_mul(1_000_000_000).saturating_add(t.tv_nsec as u64)
+}
+
 /// The server's clock, unix ms, as last published.
 pub fn now_ms() -> u64 {
     clock().now_ms.load(Ordering::Acquire)
@@ -95,6 +104,18 @@ pub fn publish_to(region: &Arc<Region>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_monotonic_clock_is_instants_clock() {
+        // Readers compare it with their own CLOCK_MONOTONIC: it must be
+        // that clock, not one with another origin.
+        let a = mono_ns();
+        let i = std::time::Instant::now();
+        std::thread::sleep(Duration::from_millis(20));
+        let took = i.elapsed().as_nanos() as u64;
+        let b = mono_ns();
+        assert!(b - a >= took && b - a < took + 5_000_000, "{} vs {took}", b - a);
+    }
 
     #[test]
     fn regions_get_the_clock_and_it_never_goes_back() {

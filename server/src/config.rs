@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
-use dmkv_common::auth::{Keys, Token};
+use std::collections::BTreeMap;
+
+use dmkv_common::auth::{Keys, Token, node_name, parse_node_name};
 use dmkv_common::limits::{DEFAULT_MAX_FRAME_LEN, MIN_MAX_FRAME_LEN};
 use serde::Deserialize;
 
@@ -32,6 +34,9 @@ pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
 pub const DATA_TOKEN_ENV: &str = "DMKVD_DATA_TOKEN";
 /// Environment variable holding an `admin` secret.
 pub const ADMIN_TOKEN_ENV: &str = "DMKVD_ADMIN_TOKEN";
+/// Environment variable holding a cluster node's own secret, the one it
+/// proves to its peers (before any `node:N` line of the auth file for it).
+pub const NODE_TOKEN_ENV: &str = "DMKVD_NODE_TOKEN";
 /// Shortest rkey rotation period: a rotation costs every one-sided client
 /// a re-attach.
 pub const MIN_RKEY_ROTATE: Duration = Duration::from_secs(1);
@@ -125,9 +130,11 @@ pub struct Flags {
     /// 127.0.0.1:11211 (default: off; docs/memcached.md).
     #[arg(long, value_name = "ADDR")]
     pub memcached_listen: Option<SocketAddr>,
-    /// Secrets clients must prove, per role: TOML (`data = "..."`,
-    /// `admin = ["...", "..."]`) or lines of `ROLE TOKEN`. DMKVD_DATA_TOKEN
-    /// and DMKVD_ADMIN_TOKEN add one each.
+    /// Secrets clients must prove, per role, and each cluster node's own:
+    /// TOML (`data = "..."`, `admin = ["...", "..."]`, and under `[node]`
+    /// `1 = "..."`) or lines of `ROLE TOKEN` and `node:N TOKEN`.
+    /// DMKVD_DATA_TOKEN and DMKVD_ADMIN_TOKEN add one each,
+    /// DMKVD_NODE_TOKEN this node's own.
     #[arg(long, value_name = "FILE")]
     pub auth_file: Option<PathBuf>,
     /// Serve a non-loopback address without authentication (anyone who can
@@ -427,11 +434,14 @@ impl Config {
                 ));
             }
         }
+        // Where the secrets came from, for errors about them.
+        let mut auth_source = format!("{DATA_TOKEN_ENV}, {ADMIN_TOKEN_ENV}, {NODE_TOKEN_ENV}");
         let mut keys = match flags.auth_file.or(file.auth_file) {
             Some(path) => {
                 let name = name!(auth_file);
                 let text = validate::read_text(&name, &path)?;
-                parse_auth(&text).map_err(|e| format!("{name} {}: {e}", path.display()))?
+                auth_source = format!("{name} {}", path.display());
+                parse_auth(&text).map_err(|e| format!("{auth_source}: {e}"))?
             }
             None => AuthLists::default(),
         };
@@ -440,7 +450,30 @@ impl Config {
                 list.push(Token::new(&v).map_err(|e| format!("{var}: {e}"))?);
             }
         }
-        let auth = Arc::new(Keys::new(keys.data, keys.admin)?);
+        if let Ok(v) = std::env::var(NODE_TOKEN_ENV) {
+            let token = Token::new(&v).map_err(|e| format!("{NODE_TOKEN_ENV}: {e}"))?;
+            let (Some(_), Some(me)) =
+                (flags.cluster.as_ref().or(file.cluster.as_ref()), flags.node_id.or(file.node_id))
+            else {
+                return Err(format!(
+                    "{NODE_TOKEN_ENV}: a node's own secret is for cluster nodes (--cluster FILE --node-id N)"
+                ));
+            };
+            // First: the secret a node proves is its first.
+            let own = keys.nodes.entry(me).or_default();
+            own.retain(|t| *t != token);
+            own.insert(0, token);
+        }
+        let auth = Keys::new(keys.data, keys.admin)
+            .and_then(|k| k.with_nodes(keys.nodes))
+            .map_err(|e| format!("{auth_source}: {e}"))?;
+        if auth.enabled() && !auth.has_roles() {
+            return Err(format!(
+                "{auth_source}: node secrets but no data or admin secret: no client could authenticate \
+                 (see docs/security.md)"
+            ));
+        }
+        let auth = Arc::new(auth);
         let insecure = flags.insecure || file.insecure.unwrap_or(false);
         let memcached_listen = flags.memcached_listen.or(file.memcached_listen);
         if !auth.enabled() && !insecure {
@@ -523,14 +556,13 @@ impl Config {
                     if let Some(a) = exposed {
                         return Err(format!(
                             "refusing to run a cluster on {a} without authentication: peers would take raft \
-                             traffic from anyone; give secrets with --auth-file (with an admin secret) or pass --insecure"
+                             traffic from anyone; give secrets with --auth-file (with a `node:N` secret for every \
+                             node) or pass --insecure"
                         ));
                     }
                 }
-                if auth.enabled() && auth.admin_token().is_none() {
-                    return Err("a cluster node with authentication needs an admin secret: it proves itself to its \
-                                peers with it"
-                        .into());
+                if auth.enabled() {
+                    node_secrets(&auth, &config, node_id).map_err(|e| format!("{auth_source}: {e}"))?;
                 }
                 let data_dir = flags.data_dir.or(file.data_dir);
                 if let Some(dir) = &data_dir {
@@ -545,7 +577,9 @@ impl Config {
                     Some(n) if n < MIN_RAFT_LOG_ENTRIES => {
                         return Err(format!("--raft-log-entries must be at least {MIN_RAFT_LOG_ENTRIES}"));
                     }
-                    Some(n) => crate::cluster::shard::LogLimits { max_entries: n, keep_entries: n / 10 },
+                    Some(n) => {
+                        crate::cluster::shard::LogLimits { max_entries: n, keep_entries: n / 10, ..Default::default() }
+                    }
                 };
                 Some(crate::cluster::node::ClusterSetup {
                     config,
@@ -625,15 +659,47 @@ impl Config {
     }
 }
 
-/// Secrets per role, as read from an auth file.
+/// Checks that a cluster with secrets has one for every node it lists and
+/// none for nodes it does not: a node proves its own to its peers, and
+/// peers take raft traffic only from a node whose secret they know (one
+/// without would be refused by every peer, and its failed proofs would
+/// get its address rate-limited). A secret for a node outside the file
+/// would let its holder in as a node the cluster does not have.
+fn node_secrets(auth: &Keys, config: &crate::cluster::config::ClusterConfig, me: u64) -> Result<(), String> {
+    if auth.node_token(me).is_none() {
+        return Err(format!(
+            "no secret for node {me}, which it proves to its peers: add a line `{} SECRET` (TOML: `{me} = \"SECRET\"` \
+             under [node]) or set {NODE_TOKEN_ENV}",
+            node_name(me)
+        ));
+    }
+    let missing: Vec<String> =
+        config.nodes.iter().filter(|n| auth.node_token(n.id).is_none()).map(|n| n.id.to_string()).collect();
+    if !missing.is_empty() {
+        return Err(format!(
+            "no secret for node {} of the cluster file: every node's auth file lists every node's secret, or \
+             peers refuse its raft traffic",
+            missing.join(", ")
+        ));
+    }
+    if let Some(n) = auth.nodes().find(|&n| config.node(n).is_err()) {
+        return Err(format!("a secret for node {n}, which the cluster file does not list"));
+    }
+    Ok(())
+}
+
+/// Secrets per role, and per cluster node, as read from an auth file.
 #[derive(Debug, Default)]
 struct AuthLists {
     data: Vec<Token>,
     admin: Vec<Token>,
+    /// Node N's secrets, in the file's order (the first is the one N proves).
+    nodes: BTreeMap<u64, Vec<Token>>,
 }
 
 /// Parses an auth file: TOML with `data` and `admin` (a string or a list
-/// of strings each), or plain lines of `ROLE TOKEN` (`#` starts a comment).
+/// of strings each) and a table `[node]` of node id to a string or a list,
+/// or plain lines of `ROLE TOKEN` and `node:N TOKEN` (`#` starts a comment).
 fn parse_auth(text: &str) -> Result<AuthLists, String> {
     #[derive(Deserialize)]
     #[serde(untagged)]
@@ -646,6 +712,7 @@ fn parse_auth(text: &str) -> Result<AuthLists, String> {
     struct AuthToml {
         data: Option<OneOrMany>,
         admin: Option<OneOrMany>,
+        node: Option<BTreeMap<String, OneOrMany>>,
     }
     let tokens = |v: Option<OneOrMany>| -> Result<Vec<Token>, String> {
         match v {
@@ -655,7 +722,19 @@ fn parse_auth(text: &str) -> Result<AuthLists, String> {
         }
     };
     let lists = match toml::from_str::<AuthToml>(text) {
-        Ok(t) => AuthLists { data: tokens(t.data)?, admin: tokens(t.admin)? },
+        Ok(t) => {
+            let mut nodes = BTreeMap::new();
+            for (id, v) in t.node.unwrap_or_default() {
+                let n = match parse_node_name(&format!("node:{id}")) {
+                    Some(Ok(n)) => n,
+                    Some(Err(e)) => return Err(format!("[node] {e}")),
+                    None => return Err(format!("[node] {id:?}: not a node id")),
+                };
+                let list: &mut Vec<Token> = nodes.entry(n).or_default();
+                list.extend(tokens(Some(v)).map_err(|e| format!("[node] {id}: {e}"))?);
+            }
+            AuthLists { data: tokens(t.data)?, admin: tokens(t.admin)?, nodes }
+        }
         Err(toml_err) => {
             let mut lists = AuthLists::default();
             for (n, line) in text.lines().enumerate() {
@@ -666,22 +745,31 @@ fn parse_auth(text: &str) -> Result<AuthLists, String> {
                 let mut parts = line.split_whitespace();
                 let (Some(role), Some(token), None) = (parts.next(), parts.next(), parts.next()) else {
                     return Err(format!(
-                        "line {}: expected `ROLE TOKEN` (roles: data, admin), and the file is not TOML \
-                         either: {toml_err}",
+                        "line {}: expected `ROLE TOKEN` (roles: data, admin) or `node:N TOKEN`, and the file is \
+                         not TOML either: {toml_err}",
                         n + 1
                     ));
                 };
                 let token = Token::new(token).map_err(|e| format!("line {}: {e}", n + 1))?;
-                match role {
-                    "data" => lists.data.push(token),
-                    "admin" => lists.admin.push(token),
-                    other => return Err(format!("line {}: unknown role {other:?} (roles: data, admin)", n + 1)),
+                match (role, parse_node_name(role)) {
+                    (_, Some(node)) => {
+                        let node = node.map_err(|e| format!("line {}: {e}", n + 1))?;
+                        lists.nodes.entry(node).or_default().push(token);
+                    }
+                    ("data", None) => lists.data.push(token),
+                    ("admin", None) => lists.admin.push(token),
+                    (other, None) => {
+                        return Err(format!(
+                            "line {}: unknown role {other:?} (roles: data, admin; node secrets: node:N)",
+                            n + 1
+                        ));
+                    }
                 }
             }
             lists
         }
     };
-    if lists.data.is_empty() && lists.admin.is_empty() {
+    if lists.data.is_empty() && lists.admin.is_empty() && lists.nodes.values().all(Vec::is_empty) {
         return Err("no tokens in it".into());
     }
     Ok(lists)
@@ -761,6 +849,85 @@ mod tests {
         assert!(parse_auth("root x-0123456789abcdef").is_err());
         assert!(parse_auth("# nothing\n").is_err());
         assert!(parse_auth("data = \"data-0123456789abcdef\"\nroot = \"x\"").is_err());
+    }
+
+    #[test]
+    fn auth_files_hold_node_secrets() {
+        let t = parse_auth(
+            "data = \"data-0123456789abcdef\"\n[node]\n1 = \"node1-0123456789abcdef\"\n\
+             2 = [\"node2-0123456789abcdef\", \"node2-next-0123456789\"]\n",
+        )
+        .unwrap();
+        assert_eq!((t.data.len(), t.admin.len()), (1, 0));
+        assert_eq!(t.nodes.iter().map(|(&n, l)| (n, l.len())).collect::<Vec<_>>(), vec![(1, 1), (2, 2)]);
+        assert_eq!(t.nodes[&2][0], Token::new("node2-0123456789abcdef").unwrap(), "in the file's order");
+        let t = parse_auth(
+            "admin adm1-0123456789abcdef\nnode:3 node3-0123456789abcdef # this host\nnode:4 node4-0123456789abcdef\n\
+             node:3 node3-next-0123456789\n",
+        )
+        .unwrap();
+        assert_eq!(t.nodes.iter().map(|(&n, l)| (n, l.len())).collect::<Vec<_>>(), vec![(3, 2), (4, 1)]);
+        // Node secrets alone are tokens (whether they let clients in is
+        // decided with the rest of the config).
+        assert_eq!(parse_auth("node:1 node1-0123456789abcdef").unwrap().nodes.len(), 1);
+        for (bad, says) in [
+            ("node:0 node0-0123456789abcdef", "line 1: \"node:0\": a node id is a number from 1"),
+            ("node:x node0-0123456789abcdef", "a node id is a number"),
+            ("node:4294967296 n-0123456789abcdef", "a node id is a number"),
+            ("node:1 short", "line 1: a token must be at least"),
+            ("node: n-0123456789abcdef", "a node id is a number"),
+            ("nodes:1 n-0123456789abcdef", "unknown role \"nodes:1\""),
+            ("[node]\n0 = \"node0-0123456789abcdef\"", "[node] \"node:0\": a node id"),
+            ("[node]\nx = \"node0-0123456789abcdef\"", "[node] \"node:x\": a node id"),
+            ("[node]\n1 = \"short\"", "[node] 1: a token must be at least"),
+        ] {
+            let err = parse_auth(bad).unwrap_err();
+            assert!(err.contains(says), "{bad:?}: {err}");
+        }
+    }
+
+    /// A cluster file of nodes 1 to 3 on loopback, and an auth file.
+    fn cluster_with_auth(dir: &Path, auth: &str) -> Flags {
+        let file = dir.join("cluster.toml");
+        let mut text = String::from("shards = 3\nreplicas = 3\n");
+        for n in 1..=3 {
+            text +=
+                &format!("[[node]]\nid = {n}\nrpc = \"127.0.0.1:{}\"\npeer = \"127.0.0.1:{}\"\n", 7069 + n, 7169 + n);
+        }
+        std::fs::write(&file, text).unwrap();
+        let auth_file = dir.join("auth");
+        std::fs::write(&auth_file, auth).unwrap();
+        Flags { cluster: Some(file), node_id: Some(1), auth_file: Some(auth_file), ..Flags::default() }
+    }
+
+    #[test]
+    fn cluster_nodes_with_secrets_need_every_nodes_own() {
+        let dir = tempfile::tempdir().unwrap();
+        let roles = "data data-0123456789abcdef\nadmin adm1-0123456789abcdef\n";
+        let nodes =
+            |ids: &[u64]| -> String { ids.iter().map(|n| format!("node:{n} node{n}-secret-0123456789\n")).collect() };
+        let resolve = |auth: String| Config::resolve(FileConfig::default(), cluster_with_auth(dir.path(), &auth));
+        let c = resolve(format!("{roles}{}", nodes(&[1, 2, 3]))).unwrap();
+        assert_eq!(c.auth.node_token(1), Some(&Token::new("node1-secret-0123456789").unwrap()));
+        // The admin secret no longer stands in for a node's own.
+        let err = resolve(roles.to_string()).unwrap_err();
+        assert!(err.starts_with("--auth-file ") && err.contains("no secret for node 1"), "{err}");
+        assert!(err.contains("`node:1 SECRET`") && err.contains(NODE_TOKEN_ENV), "{err}");
+        assert!(!err.contains('\n'), "one line: {err}");
+        let err = resolve(format!("{roles}{}", nodes(&[1, 3]))).unwrap_err();
+        assert!(err.contains("no secret for node 2 of the cluster file"), "{err}");
+        let err = resolve(format!("{roles}{}", nodes(&[1, 2, 3, 9]))).unwrap_err();
+        assert!(err.contains("a secret for node 9, which the cluster file does not list"), "{err}");
+        let err = resolve(nodes(&[1, 2, 3])).unwrap_err();
+        assert!(err.contains("no client could authenticate"), "{err}");
+        let err = resolve(format!("{roles}{}node:3 node1-secret-0123456789\n", nodes(&[1, 2]))).unwrap_err();
+        assert!(err.contains("nodes 1 and 3 have the same token"), "{err}");
+        let err = resolve(format!("{roles}{}node:3 data-0123456789abcdef\n", nodes(&[1, 2]))).unwrap_err();
+        assert!(err.contains("node 3's token is also a data or admin token"), "{err}");
+        // A single node takes (and ignores) node lines in a shared file.
+        let single = Flags { auth_file: Some(dir.path().join("auth")), ..Flags::default() };
+        std::fs::write(dir.path().join("auth"), format!("{roles}{}", nodes(&[1, 2]))).unwrap();
+        assert!(Config::resolve(FileConfig::default(), single).unwrap().auth.enabled());
     }
 
     #[test]

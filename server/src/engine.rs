@@ -177,7 +177,9 @@ impl framed::Handler for Reads {
     async fn handle_next(&mut self, inbuf: &mut BytesMut, out: &mut BytesMut) -> Result<bool, WireError> {
         let Some(body) = next_frame(inbuf, MAX_REQUEST_FRAME)? else { return Ok(false) };
         let batch_id = decode_request(&body, &mut self.wrs)?;
-        let mut reply = ReplyBuilder::new(out, batch_id, self.wrs.len());
+        // Stamped with the clock a shard's lease is published on: a reader
+        // of a cluster region judges the lease by these (`lease::judge`).
+        let mut reply = ReplyBuilder::new(out, batch_id, self.wrs.len(), crate::clock::mono_ns());
         let mut bytes = 0u64;
         for (i, w) in self.wrs.iter().enumerate() {
             // An rkey no region has is checked against the first region's,
@@ -192,7 +194,7 @@ impl framed::Handler for Reads {
             }
             reply.push(i, status, w.len, |dst| target.region.read(w.offset, dst));
         }
-        reply.finish();
+        reply.finish(crate::clock::mono_ns());
         self.counters.batches.fetch_add(1, Ordering::Relaxed);
         self.counters.reads.fetch_add(self.wrs.len() as u64, Ordering::Relaxed);
         self.counters.bytes.fetch_add(bytes, Ordering::Relaxed);

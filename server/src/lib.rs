@@ -91,7 +91,7 @@ impl Server {
                     compactor: cfg.compactor,
                     grace: cfg.grace,
                     max_frame: cfg.max_frame,
-                    token: cfg.auth.admin_token().cloned(),
+                    token: cfg.auth.node_token(setup.node_id).cloned(),
                 };
                 let node = cluster::node::ClusterNode::start(setup, params, stop.1.clone())
                     .map_err(|e| invalid(format!("cluster node {}: {e}", setup.node_id)))?;
@@ -164,6 +164,8 @@ impl Server {
             #[cfg(feature = "rdma")]
             rdma,
             raft: cluster.as_ref().map(|c| c.sink() as Arc<dyn cluster::wire::RaftSink>),
+            time_namespace: dmkv_common::host::time_namespace(),
+            peer_ips: cfg.cluster.as_ref().map(|c| cluster::identity::PeerIps::of(&c.config)).unwrap_or_default(),
             cluster,
             metrics: Arc::default(),
         });
@@ -383,6 +385,10 @@ impl Server {
             warn!("connections still open after the drain deadline; closing them");
         }
         while side.join_next().await.is_some() {}
+        if let Some(node) = self.shared.cluster.clone() {
+            // Joins threads and syncs the log: off the async workers.
+            let _ = tokio::task::spawn_blocking(move || node.shut_down()).await;
+        }
         info!("stopped");
     }
 }

@@ -583,6 +583,23 @@ fn shard_families(enc: &mut DescriptorEncoder, node: &crate::cluster::node::Clus
         "Size of the last snapshot this node's replica built for a follower.",
         per(&|s| s.snapshot_bytes.load(Relaxed)),
     )?;
+    let remembered = node.remembered();
+    let names: Vec<String> = remembered.iter().map(|(s, _)| s.to_string()).collect();
+    let per_remembered = |f: &dyn Fn(&crate::cluster::apply::RememberedStats) -> u64| -> Vec<(Labels, u64)> {
+        remembered.iter().zip(&names).map(|((_, st), name)| (vec![("shard", name.as_str())], f(st))).collect()
+    };
+    gauge(
+        enc,
+        "dmkv_shard_remembered_writes",
+        "Identified writes whose outcome this node's replica remembers, so that one sent again applies once.",
+        per_remembered(&|s| s.writes.load(Relaxed)),
+    )?;
+    counter(
+        enc,
+        "dmkv_shard_remembered_dropped_early",
+        "Identified writes forgotten before their retry window passed twice, to stay within the shard's bound.",
+        per_remembered(&|s| s.dropped_early.load(Relaxed)),
+    )?;
     gauge(
         enc,
         "dmkv_raft_log_bytes",

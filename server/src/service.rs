@@ -17,6 +17,7 @@ use tokio::sync::watch;
 use dmkv_common::auth::{Purpose, Role};
 
 use crate::access::Gate;
+use crate::cluster::identity::{self, PeerIps, Sender};
 use crate::cluster::node::{ClusterError, ClusterNode};
 use crate::compact::Compactor;
 use crate::counters::EngineCounters;
@@ -47,8 +48,14 @@ pub struct Shared {
     pub limits: framed::Limits,
     #[cfg(feature = "rdma")]
     pub rdma: Option<crate::rdma::RdmaRegion>,
+    /// This process's time namespace (see `dmkv_common::host`), for
+    /// region info.
+    pub time_namespace: u64,
     /// Where peers' raft messages go; `None` on a node outside a cluster.
     pub raft: Option<Arc<dyn crate::cluster::wire::RaftSink>>,
+    /// Without secrets, which node a peer-port connection is, by its
+    /// source IP (see `cluster::identity`).
+    pub peer_ips: PeerIps,
     /// This node's shard replicas; `None` outside a cluster (then `store`
     /// holds the data; in a cluster the shards' stores do).
     pub cluster: Option<Arc<ClusterNode>>,
@@ -59,14 +66,21 @@ pub struct Shared {
 /// What a connection owns besides its socket.
 struct ConnState {
     peer: Option<std::net::IpAddr>,
-    /// What the connection may do; `None` until it authenticates.
+    /// What the connection may do on the client port; `None` until it
+    /// authenticates, and always on the peer port (no role sends raft).
     role: Option<Role>,
+    /// The node a peer-port connection speaks for; `None` until it proves
+    /// a node's secret (or, without secrets, when its address is no
+    /// node's), and always on the client port.
+    node: Option<Sender>,
+    /// Whether a refusal on the peer port was logged: its sender reads no
+    /// replies (`peer::pump`), so only this node's log can say why its
+    /// traffic goes nowhere; once per connection, not per batch.
+    refusal_logged: bool,
     /// The challenge sent in this connection's HELLO reply.
     nonce: Option<[u8; dmkv_common::auth::NONCE_LEN]>,
     /// Accepted on the peer port: raft traffic only.
     peer_port: bool,
-    /// A peer's raft message arriving in parts (a snapshot).
-    raft_parts: crate::cluster::wire::Assembler,
     /// RDMA queue pairs set up over this connection; destroyed with it.
     #[cfg(feature = "rdma")]
     qps: Vec<dmkv_verbs::QueuePair>,
@@ -97,7 +111,9 @@ pub async fn serve_connection(stream: TcpStream, shared: Arc<Shared>, shutdown: 
 }
 
 /// Serves one connection of the peer port: like [`serve_connection`], but
-/// only HELLO, AUTHENTICATE and RAFT (from the admin role) are answered.
+/// only HELLO, AUTHENTICATE and cluster traffic (RAFT, GET_MAP, JOIN_SHARD)
+/// are answered, and only for a node: one that proved its node secret, or
+/// without secrets one the source address names (`cluster::identity`).
 pub async fn serve_peer_connection(stream: TcpStream, shared: Arc<Shared>, shutdown: watch::Receiver<bool>) {
     serve(stream, shared, shutdown, true).await
 }
@@ -105,16 +121,18 @@ pub async fn serve_peer_connection(stream: TcpStream, shared: Arc<Shared>, shutd
 async fn serve(stream: TcpStream, shared: Arc<Shared>, shutdown: watch::Receiver<bool>, peer_port: bool) {
     let peer = stream.peer_addr().ok();
     let _ = stream.set_nodelay(true);
+    let ip = peer.map(|a| a.ip());
     let state = ConnState {
-        peer: peer.map(|a| a.ip()),
-        role: shared.gate.initial_role(),
+        peer: ip,
+        role: if peer_port { None } else { shared.gate.initial_role() },
+        node: (peer_port && !shared.gate.enabled()).then(|| shared.peer_ips.sender(ip)).flatten(),
+        refusal_logged: false,
         nonce: None,
         peer_port,
-        raft_parts: Default::default(),
         #[cfg(feature = "rdma")]
         qps: Vec::new(),
     };
-    // The peer port speaks plain TCP: peers prove the admin secret on
+    // The peer port speaks plain TCP: peers prove their node secret on
     // every connection, but what they replicate is not encrypted (peer TLS
     // is not built; docs/replication.md).
     let (tls, limits) = (if peer_port { None } else { shared.tls.clone() }, shared.limits);
@@ -237,12 +255,50 @@ impl framed::Handler for Requests {
     }
 }
 
-/// The role a request needs.
+/// The role a request needs on the client port.
 fn needed_role(op: &Op) -> Role {
     match op {
-        // Peers' raft bytes are parsed only from the admin role.
-        Op::Reregister(_) | Op::Raft(_) | Op::JoinShard(_) | Op::ReplaceReplica(_) => Role::Admin,
+        // Never served on the client port (`misplaced`); admin all the
+        // same, should that check ever go.
+        Op::Raft(_) | Op::JoinShard(_) | Op::SnapshotChunk(_) => Role::Admin,
+        Op::Reregister(_) | Op::ReplaceReplica(_) => Role::Admin,
         _ => Role::Data,
+    }
+}
+
+/// Why `op` is not served on this connection's port, if it is not: raft
+/// traffic (and joins, which change a shard's members) only on the peer
+/// port, from the node it says it is from; the peer port serves nothing
+/// else. Checked before roles: no role's secret makes raft traffic right.
+fn misplaced(shared: &Shared, conn: &ConnState, op: &Op) -> Option<String> {
+    let cluster_traffic = matches!(op, Op::Raft(_) | Op::GetMap(_) | Op::JoinShard(_) | Op::SnapshotChunk(_));
+    if !conn.peer_port {
+        return matches!(op, Op::Raft(_) | Op::JoinShard(_) | Op::SnapshotChunk(_)).then(|| {
+            "raft traffic and joins are taken on a cluster node's peer port only (the cluster file's `peer` \
+             address), from a node proving its own node secret"
+                .into()
+        });
+    }
+    if !cluster_traffic {
+        return (!matches!(op, Op::Hello(_) | Op::Authenticate(_)))
+            .then(|| "the peer port carries raft traffic only".into());
+    }
+    let Some(sender) = conn.node else {
+        return Some(match shared.gate.enabled() {
+            // `admit` closes such connections; kept for clarity.
+            true => "the peer port takes cluster traffic from nodes only: prove a node secret first".into(),
+            false => format!(
+                "this cluster has no secrets, and its peer port takes cluster traffic only from the cluster \
+                 file's peer addresses; {} is none of them",
+                conn.peer.map_or_else(|| "this connection's address".to_string(), |ip| ip.to_string())
+            ),
+        });
+    };
+    match op {
+        Op::Raft(batch) => identity::check_batch(sender, batch.from_node).err(),
+        Op::SnapshotChunk(c) => identity::check_batch(sender, c.from_node).err(),
+        Op::JoinShard(j) => identity::check_join(sender, j.replica_id).err(),
+        _ => None,
     }
 }
 
@@ -269,6 +325,17 @@ fn admit(shared: &Shared, conn: &mut ConnState, req: &Request) -> Result<(), Ref
         let Some(nonce) = conn.nonce.take() else {
             return Err(Refusal(ErrorCode::Unauthenticated, "say HELLO first: its reply carries the challenge".into()));
         };
+        // The peer port knows nodes by their node secrets, the client
+        // port roles by theirs: neither kind of secret opens the other port.
+        if conn.peer_port {
+            return match shared.gate.check_node(conn.peer, &nonce, &a.proof) {
+                Ok(node) => {
+                    conn.node = Some(Sender::Node(node));
+                    Ok(())
+                }
+                Err(denied) => Err(Refusal(ErrorCode::Unauthenticated, denied.to_string())),
+            };
+        }
         return match shared.gate.check(Purpose::Rpc, conn.peer, &nonce, &a.proof, Role::Data) {
             Ok(role) => {
                 conn.role = Some(role);
@@ -280,11 +347,22 @@ fn admit(shared: &Shared, conn: &mut ConnState, req: &Request) -> Result<(), Ref
     if matches!(op, Op::Hello(_)) {
         return Ok(());
     }
-    match conn.role {
-        None => Err(unauthenticated()),
+    match conn.authenticated() {
+        // Without secrets a peer-port connection from an address that is
+        // no node's gets PERMISSION_DENIED from `handle`, not a request
+        // to authenticate that it could not follow.
+        false if conn.peer_port && !shared.gate.enabled() => Ok(()),
+        false => Err(unauthenticated()),
         // A role too weak for the request is answered PERMISSION_DENIED by
         // `handle`, without closing: the client is who it said it is.
-        Some(_) => Ok(()),
+        true => Ok(()),
+    }
+}
+
+impl ConnState {
+    /// Whether the connection has an identity on its port.
+    fn authenticated(&self) -> bool {
+        if self.peer_port { self.node.is_some() } else { self.role.is_some() }
     }
 }
 
@@ -335,6 +413,16 @@ fn found(item: crate::kv::Item, at: crate::store::Location) -> proto::GetReply {
 async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response {
     let id = req.id;
     let store = &shared.store;
+    if let Some(why) = req.op.as_ref().and_then(|op| misplaced(shared, conn, op)) {
+        if conn.peer_port && !std::mem::replace(&mut conn.refusal_logged, true) {
+            let peer = conn.peer.map_or_else(|| "unknown".to_string(), |ip| ip.to_string());
+            tracing::warn!(%peer, "peer port request refused: {why}");
+        }
+        return error(id, ErrorCode::PermissionDenied, why);
+    }
+    if conn.peer_port && req.op.is_none() {
+        return error(id, ErrorCode::PermissionDenied, "the peer port carries raft traffic only".into());
+    }
     if let (Some(op), Some(role)) = (&req.op, conn.role)
         && !role.allows(needed_role(op))
     {
@@ -343,11 +431,6 @@ async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response
             ErrorCode::PermissionDenied,
             format!("the {} role may not do this; it needs {}", role.name(), needed_role(op).name()),
         );
-    }
-    if conn.peer_port
-        && !matches!(req.op, Some(Op::Hello(_) | Op::Authenticate(_) | Op::Raft(_) | Op::GetMap(_) | Op::JoinShard(_)))
-    {
-        return error(id, ErrorCode::PermissionDenied, "the peer port carries raft traffic only".into());
     }
     if let (Some(node), Some(op)) = (&shared.cluster, &req.op)
         && let Some(r) = cluster_request(node, shared.max_frame, op).await
@@ -370,7 +453,7 @@ async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response
                     ),
                 );
             }
-            let auth_nonce = if shared.gate.enabled() && conn.role.is_none() {
+            let auth_nonce = if shared.gate.enabled() && !conn.authenticated() {
                 let n = shared.gate.nonce();
                 conn.nonce = Some(n);
                 n.to_vec().into()
@@ -384,10 +467,13 @@ async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response
                 cluster: shared.cluster.is_some(),
             })
         }
-        Some(Op::Authenticate(_)) => match conn.role {
+        Some(Op::Authenticate(_)) => match (conn.role, conn.node) {
             // `admit` checked the proof when authentication is on.
-            Some(role) if shared.gate.enabled() => {
+            (Some(role), _) if shared.gate.enabled() => {
                 R::Authenticate(proto::AuthenticateReply { role: role.name().into() })
+            }
+            (_, Some(Sender::Node(node))) if shared.gate.enabled() => {
+                R::Authenticate(proto::AuthenticateReply { role: dmkv_common::auth::node_name(node) })
             }
             _ => return error(id, ErrorCode::BadRequest, "this server has no authentication configured".into()),
         },
@@ -469,12 +555,12 @@ async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response
         },
         Some(Op::Raft(batch)) => match &shared.raft {
             None => return error(id, ErrorCode::BadRequest, "this node is not part of a cluster".into()),
-            Some(sink) => match conn.raft_parts.accept(&batch) {
+            Some(sink) => match crate::cluster::wire::decode(&batch) {
                 Ok(msgs) => R::Raft(proto::RaftReply { accepted: sink.deliver(batch.from_node, msgs) as u32 }),
                 Err(e) => return error(id, ErrorCode::BadRequest, e.to_string()),
             },
         },
-        Some(Op::GetMap(_) | Op::JoinShard(_) | Op::ReplaceReplica(_)) => {
+        Some(Op::GetMap(_) | Op::JoinShard(_) | Op::ReplaceReplica(_) | Op::SnapshotChunk(_)) => {
             return error(id, ErrorCode::BadRequest, "this node is not part of a cluster".into());
         }
         Some(Op::Reregister(_)) => match reregister(shared) {
@@ -597,6 +683,7 @@ async fn cluster_request(node: &ClusterNode, max_frame: usize, op: &Op) -> Optio
                 .replace_replica(r.shard)
                 .await
                 .map(|replica_id| R::ReplaceReplica(proto::ReplaceReplicaReply { replica_id })),
+            Op::SnapshotChunk(c) => node.receive_snapshot(c.clone()).await.map(R::SnapshotChunk),
             _ => return None,
         }
         .map_err(cluster_refusal),
@@ -721,6 +808,8 @@ fn region_info(shared: &Shared) -> proto::RegionInfoReply {
         #[cfg(not(feature = "rdma"))]
         rdma_device: String::new(),
         engine_tls: shared.engine_tls,
+        monotonic_ns: crate::clock::mono_ns(),
+        time_namespace: shared.time_namespace,
     }
 }
 

@@ -41,11 +41,13 @@ pub mod evict;
 mod index;
 pub mod item;
 mod ops;
+pub mod view;
 
 pub use evacuate::{Candidate, Relocation};
 use index::{Index, IndexWriter, MAX_SPLITS_PER_WRITE, Seg};
 use item::ItemMeta;
 pub(crate) use ops::{Current, Plan};
+pub use view::{StoreView, ViewError};
 
 /// Counters exported by STATS. Relaxed atomics: they are statistics.
 #[derive(Debug, Default)]
@@ -130,6 +132,9 @@ struct Retired {
     at: u64,
     units: usize,
     since: Instant,
+    /// Its retirement's number (`Store::retire_seq`): views hold those
+    /// from theirs on.
+    seq: u64,
 }
 
 struct Writer {
@@ -171,7 +176,7 @@ pub struct Store {
     index: Index,
     /// Segments retired by splits whose epoch has passed (from
     /// crossbeam-epoch's deferred functions, as `epoch_done`).
-    segs_done: Arc<Mutex<Vec<(u32, Instant)>>>,
+    segs_done: Arc<Mutex<Vec<(u32, Instant, u64)>>>,
     /// Recovers from poisoning (`crate::lock`). A write's one commit point
     /// is its slot store; what it did before (take a block) that did not
     /// reach it is at worst leaked space, never a block both free and
@@ -191,6 +196,15 @@ pub struct Store {
     log_limit: LogLimit,
     /// Last-access stamps, with eviction on (`evict`).
     recency: std::sync::OnceLock<evict::Recency>,
+    /// Retirements of blocks and segments so far, numbered under the
+    /// writer lock: a view holds those from its number on.
+    retire_seq: AtomicU64,
+    /// Snapshot views in progress (`view`).
+    views: view::Views,
+    /// Bumped whenever the store is emptied (to be refilled from a
+    /// snapshot or a log): a read that saw the same generation before and
+    /// after did not see contents being replaced.
+    generation: AtomicU64,
 }
 
 /// Index segments a store formatted for `bucket_count` buckets starts
@@ -219,6 +233,9 @@ impl Store {
             grace,
             index: Index::new((header.data_len / SEGMENT_LEN as u64) as usize, header.dir_depth),
             segs_done: Arc::default(),
+            retire_seq: AtomicU64::new(0),
+            views: view::Views::default(),
+            generation: AtomicU64::new(0),
             writer: Mutex::new(Writer {
                 alloc: Allocator::new(start, end),
                 index: IndexWriter::new(),
@@ -249,6 +266,11 @@ impl Store {
     /// How long retired space stays intact for one-sided readers.
     pub fn grace(&self) -> Duration {
         self.grace
+    }
+
+    /// How many times the store was emptied (see `clear`).
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::SeqCst)
     }
 
     /// The region's layout.
@@ -411,8 +433,9 @@ impl Store {
     }
 
     /// [`Store::put`] with the version given (`Some`: a restored item,
-    /// which keeps the version it had; later writes get higher ones).
-    fn put_versioned(&self, key: &[u8], value: &[u8], given: Option<u64>) -> Result<u64, Error> {
+    /// which keeps the version it had, or a replicated write, whose version
+    /// is its log index; later writes get higher ones).
+    pub(crate) fn put_versioned(&self, key: &[u8], value: &[u8], given: Option<u64>) -> Result<u64, Error> {
         let plan = |_: Option<Current<'_>>| Ok(Plan { value: value.into(), flags: 0, expires_at: 0, version: given });
         self.write_item(key, false, plan).map(|m| m.version)
     }
@@ -560,7 +583,9 @@ impl Store {
     /// Hands an unlinked block to the epoch collector; its space comes back
     /// through `epoch_done` and then waits out the time grace in `reclaim`.
     fn retire(&self, old: Slot, guard: &epoch::Guard) {
-        let r = Retired { at: old.offset_units, units: old.units as usize, since: Instant::now() };
+        let seq = self.retire_seq.fetch_add(1, Ordering::AcqRel);
+        let r = Retired { at: old.offset_units, units: old.units as usize, since: Instant::now(), seq };
+        self.views.note_unlinked(old, self.header.data_len / UNIT as u64 / view::MAX_HELD_SHARE);
         let done = Arc::clone(&self.epoch_done);
         let in_epoch = Arc::clone(&self.in_epoch);
         in_epoch.fetch_add(r.units as u64, Ordering::Relaxed);
@@ -582,14 +607,16 @@ impl Store {
             }
         }
         let now = Instant::now();
+        // Blocks unlinked since a view began stay as they are while it lives.
+        let hold = self.views.hold_from();
         while let Some(r) = w.waiting.front() {
-            if now.duration_since(r.since) < self.grace {
+            if now.duration_since(r.since) < self.grace || r.seq >= hold {
                 break;
             }
             w.alloc.free(r.at, r.units);
             w.waiting.pop_front();
         }
-        self.reclaim_segments(w);
+        self.reclaim_segments(w, hold);
     }
 
     /// If space is waiting out its grace period, how long until the oldest

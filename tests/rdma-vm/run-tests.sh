@@ -44,8 +44,9 @@ mapfile -t BINS < <(cargo test -p dmkv-verbs --no-run --message-format=json 2>/d
 # dmkvd with RDMA, and the end-to-end tests that drive it: GETs over RDMA READ
 # and the racing-writers stress test with RDMA readers.
 cargo build -q -p dmkv-server --features rdma --bin dmkvd
+# Only the two test targets: the package's bins are built for its tests too.
 mapfile -t E2E < <(cargo test -p dmkv-tests --features rdma --test rdma --test stress --no-run --message-format=json 2>/dev/null \
-  | grep '"reason":"compiler-artifact"' | grep '"test":true' \
+  | grep '"reason":"compiler-artifact"' | grep '"test":true' | grep '"kind":\["test"\]' \
   | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p')
 [ ${#E2E[@]} -eq 2 ] || { log "expected the rdma and stress test executables (run 'cargo test -p dmkv-tests --features rdma --no-run')"; exit 1; }
 BINS+=("${E2E[@]}")

@@ -25,6 +25,9 @@ pub struct TestCluster {
     peer_ips: Vec<Ipv4Addr>,
     args: Vec<String>,
     durable: bool,
+    /// Each node's data directory's own file system, when asked for
+    /// ([`TestCluster::try_start_on_tmpfs`]); unmounted after the nodes stop.
+    disks: Vec<crate::disk::Tmpfs>,
 }
 
 fn free_port() -> u16 {
@@ -79,6 +82,31 @@ impl TestCluster {
         durable: bool,
         args: &[&str],
     ) -> Result<TestCluster, String> {
+        TestCluster::try_start_with(nodes, shards, replicas, durable.then_some(None), args)
+    }
+
+    /// A durable [`TestCluster::try_start`] whose nodes each keep their
+    /// data directory on a tmpfs of `bytes` of its own, which
+    /// [`TestCluster::disk`] can fill.
+    pub fn try_start_on_tmpfs(
+        nodes: usize,
+        shards: u32,
+        replicas: usize,
+        bytes: u64,
+        args: &[&str],
+    ) -> Result<TestCluster, String> {
+        TestCluster::try_start_with(nodes, shards, replicas, Some(Some(bytes)), args)
+    }
+
+    /// `durable`: `None`, no data directories; `Some(tmpfs)`, each node's,
+    /// on a tmpfs of that size if given.
+    fn try_start_with(
+        nodes: usize,
+        shards: u32,
+        replicas: usize,
+        durable: Option<Option<u64>>,
+        args: &[&str],
+    ) -> Result<TestCluster, String> {
         let dir = std::env::temp_dir().join(format!("dmkv-cluster-{}-{}", std::process::id(), free_port()));
         std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
         let mut text = format!("shards = {shards}\nreplicas = {replicas}\n");
@@ -103,8 +131,14 @@ impl TestCluster {
             rpc,
             peer_ips: ips,
             args: args.iter().map(|s| s.to_string()).collect(),
-            durable,
+            durable: durable.is_some(),
+            disks: Vec::new(),
         };
+        if let Some(Some(bytes)) = durable {
+            for i in 0..nodes {
+                c.disks.push(crate::disk::Tmpfs::mount(&c.data_dir(i), bytes)?);
+            }
+        }
         for i in 0..nodes {
             c.try_restart(i)?;
         }
@@ -160,8 +194,19 @@ impl TestCluster {
 
     /// [`TestCluster::restart`] without the panic.
     pub fn try_restart(&mut self, i: usize) -> Result<(), String> {
+        self.try_restart_with(i, &[])
+    }
+
+    /// [`TestCluster::restart`] under `prefix` (a program and its
+    /// arguments that run dmkvd, e.g. `env VAR=value`).
+    pub fn restart_with(&mut self, i: usize, prefix: &[&str]) {
+        let prefix: Vec<std::ffi::OsString> = prefix.iter().map(Into::into).collect();
+        self.try_restart_with(i, &prefix).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn try_restart_with(&mut self, i: usize, prefix: &[std::ffi::OsString]) -> Result<(), String> {
         let id = (i + 1).to_string();
-        let data = self.dir.join(format!("node{id}"));
+        let data = self.data_dir(i);
         let file = self.file.to_string_lossy().to_string();
         let data = data.to_string_lossy().to_string();
         let mut args: Vec<&str> = vec!["--cluster", &file, "--node-id", &id];
@@ -172,8 +217,18 @@ impl TestCluster {
             args.extend(["--data-dir", &data]);
         }
         args.extend(self.args.iter().map(String::as_str));
-        let log = std::fs::File::create(self.dir.join(format!("node{id}.log"))).ok();
-        let p = ServerProcess::start_logged(&[], &self.rpc[i], &args, log)
+        // Appended to: a node's log from before a restart (why it crashed)
+        // is what a failure report needs most.
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join(format!("node{id}.log")))
+            .and_then(|mut f| {
+                use std::io::Write;
+                writeln!(f, "== the test starts node {id}").map(|_| f)
+            })
+            .ok();
+        let p = ServerProcess::start_logged(prefix, &self.rpc[i], &args, log)
             .map_err(|e| format!("node {id}: {e}: {}", self.last_log_line(i)))?;
         self.nodes[i] = Some(p);
         Ok(())
@@ -195,6 +250,56 @@ impl TestCluster {
         if let Some(mut p) = self.nodes[i].take() {
             p.kill();
         }
+    }
+
+    /// Sends node index `i` a signal by name (`STOP`, `CONT`); whether it
+    /// runs and the signal was sent.
+    pub fn signal(&self, i: usize, sig: &str) -> bool {
+        self.nodes[i].as_ref().is_some_and(|p| p.signal(sig))
+    }
+
+    /// Node index `i`'s process id, while it runs.
+    pub fn pid(&self, i: usize) -> Option<u32> {
+        self.nodes[i].as_ref().map(ServerProcess::pid)
+    }
+
+    /// Whether node index `i` was started and has not exited (a crash
+    /// shows here; a node killed by the test is not running either).
+    pub fn running(&mut self, i: usize) -> bool {
+        self.nodes[i].as_mut().is_some_and(ServerProcess::is_running)
+    }
+
+    /// Whether node index `i` was started and not killed by the test
+    /// (it may have exited by itself since: see [`TestCluster::running`]).
+    pub fn started(&self, i: usize) -> bool {
+        self.nodes[i].is_some()
+    }
+
+    /// Forgets node index `i`'s process, which exited by itself, so that
+    /// it can be restarted; its exit status.
+    pub fn reap(&mut self, i: usize) -> Option<std::process::ExitStatus> {
+        self.nodes[i].take().and_then(|mut p| p.stop())
+    }
+
+    /// Node index `i`'s data directory (used only when durable).
+    pub fn data_dir(&self, i: usize) -> PathBuf {
+        self.dir.join(format!("node{}", i + 1))
+    }
+
+    /// The file system under node index `i`'s data directory, if the
+    /// cluster was started on tmpfs.
+    pub fn disk(&mut self, i: usize) -> Option<&mut crate::disk::Tmpfs> {
+        self.disks.get_mut(i)
+    }
+
+    /// How many nodes the cluster has.
+    pub fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// Whether it has none.
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
     }
 
     /// Freezes node index `i` (SIGSTOP): its threads stop, its memory
@@ -259,7 +364,7 @@ impl TestCluster {
     }
 
     /// The last line node `i` logged, for one-line errors.
-    fn last_log_line(&self, i: usize) -> String {
+    pub fn last_log_line(&self, i: usize) -> String {
         self.log(i).lines().last().unwrap_or("(nothing logged)").to_string()
     }
 
@@ -278,6 +383,8 @@ impl Drop for TestCluster {
                 p.stop();
             }
         }
+        // Unmounted first: what is left is the directories alone.
+        self.disks.clear();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

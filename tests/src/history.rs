@@ -47,15 +47,22 @@ pub async fn put_surely(c: &Client, key: &str, value: &str) {
     }
 }
 
-/// The settings of every client of a recorded run: requests given up
-/// after 1.5 s (a try per node after a quarter of that), connections after
-/// 500 ms, so that an operation caught by a fault stays open a bounded time.
+/// How long a recorded client waits for a request (every try of it
+/// within; a try per node after a quarter of that) before giving up.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_millis(1500);
+/// How long a recorded client waits for a connection.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// The settings of every client of a recorded run (and of the fault
+/// suite's: this is the one place they are made): requests given up
+/// after [`REQUEST_TIMEOUT`], connections after [`CONNECT_TIMEOUT`], so
+/// that an operation caught by a fault stays open a bounded time.
 pub fn client_config(read_path: ReadPath, transport: Option<Transport>, check_leases: bool) -> ClientConfig {
     ClientConfig {
         read_path,
         transport,
-        request_timeout: Duration::from_millis(1500),
-        connect_timeout: Duration::from_millis(500),
+        request_timeout: REQUEST_TIMEOUT,
+        connect_timeout: CONNECT_TIMEOUT,
         check_leases,
         ..Default::default()
     }
@@ -245,44 +252,131 @@ pub fn record(rt: &tokio::runtime::Runtime, clients: Clients, fault: impl FnOnce
 /// A read that returned a value overwritten before it began: write W of
 /// v returned, then a write W' started and returned, then the read started
 /// and returned v. No linearization exists (W' must follow W and precede
-/// the read). A quick, certain proof of a violation, where the full search
-/// can take very long to exhaust.
-pub fn stale_read(log: &[Event]) -> Option<String> {
-    // Per key: each write's value → (invoked at, returned at) positions.
-    let mut writes: BTreeMap<(String, u64), (usize, Option<usize>)> = BTreeMap::new();
-    let mut open: BTreeMap<usize, (String, RegisterOp<u64>, usize)> = BTreeMap::new();
+/// the read). Positions are indexes into the log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StaleRead {
+    pub key: String,
+    pub value: u64,
+    /// The read's thread, invocation and return.
+    pub reader: usize,
+    pub read: (usize, usize),
+    /// When the write of `value` returned (`None`: the key's initial 0,
+    /// there before the history).
+    pub written: Option<usize>,
+    /// The write the read missed: value, thread, invocation, return.
+    pub missed: u64,
+    pub writer: usize,
+    pub missed_at: (usize, usize),
+}
+
+/// A key's writes by value (when each returned), and from each write (by
+/// invocation) on, the one that returned first.
+type WriteIndex = (BTreeMap<u64, Option<usize>>, Vec<Option<usize>>);
+
+/// The value a read of a missing key is recorded as (a DELETE writes it).
+pub const ABSENT: u64 = u64::MAX;
+
+/// Every read of a value overwritten before it began (see [`StaleRead`]),
+/// in the order of the reads' invocations. Values are unique per key but
+/// for [`ABSENT`], which many DELETEs write: reads of it are left to the
+/// full search. Takes O(n log n): per key, the writes sorted by
+/// invocation and, from each on, the one that returned first.
+pub fn stale_reads(log: &[Event]) -> Vec<StaleRead> {
+    struct Write {
+        value: u64,
+        thread: usize,
+        inv: usize,
+        ret: Option<usize>,
+    }
+    let mut writes: BTreeMap<&str, Vec<Write>> = BTreeMap::new();
+    let mut open: BTreeMap<(usize, &str), (RegisterOp<u64>, usize)> = BTreeMap::new();
     let mut reads = Vec::new();
     for (at, e) in log.iter().enumerate() {
         match e {
             Event::Invoke(t, k, op) => {
                 if let RegisterOp::Write(v) = op {
-                    writes.insert((k.clone(), *v), (at, None));
+                    writes.entry(k).or_default().push(Write { value: *v, thread: *t, inv: at, ret: None });
                 }
-                open.insert(*t, (k.clone(), op.clone(), at));
+                open.insert((*t, k), (op.clone(), at));
             }
             Event::Return(t, k, ret) => {
-                let (_, op, inv) = open.remove(t).expect("a return follows its invoke");
+                let Some((op, inv)) = open.remove(&(*t, k.as_str())) else { continue };
                 match (op, ret) {
-                    (RegisterOp::Write(v), _) => writes.get_mut(&(k.clone(), v)).expect("invoked").1 = Some(at),
-                    (RegisterOp::Read, RegisterRet::ReadOk(v)) => reads.push((k.clone(), *v, inv, at)),
+                    (RegisterOp::Write(_), _) => {
+                        if let Some(w) =
+                            writes.get_mut(k.as_str()).and_then(|ws| ws.iter_mut().rev().find(|w| w.inv == inv))
+                        {
+                            w.ret = Some(at);
+                        }
+                    }
+                    (RegisterOp::Read, RegisterRet::ReadOk(v)) if *v != ABSENT => {
+                        reads.push((k.as_str(), *v, *t, inv, at))
+                    }
                     _ => {}
                 }
             }
         }
     }
-    for (k, v, inv, _) in reads {
-        // The value's write returned at `w_ret` (the initial 0 "returned"
-        // before the history).
-        let w_ret = if v == 0 { Some(0) } else { writes.get(&(k.clone(), v)).and_then(|w| w.1) };
-        let Some(w_ret) = w_ret else { continue };
-        let newer = writes
-            .iter()
-            .find(|((k2, v2), (i2, r2))| *k2 == k && *v2 != v && *i2 > w_ret && r2.is_some_and(|r| r < inv));
-        if let Some(((_, v2), _)) = newer {
-            return Some(format!("key {k}: a read invoked at event {inv} returned {v}, overwritten by {v2} before"));
+    // Per key: writes by invocation (the log's order already), each
+    // value's return, and from each write on the earliest return.
+    let index: BTreeMap<&str, WriteIndex> = writes
+        .iter()
+        .map(|(k, ws)| {
+            let by_value = ws.iter().map(|w| (w.value, w.ret)).collect();
+            let mut first: Vec<Option<usize>> = vec![None; ws.len() + 1];
+            for i in (0..ws.len()).rev() {
+                let later = first[i + 1];
+                first[i] = match (ws[i].ret, later) {
+                    (Some(r), Some(b)) => Some(if r <= ws[b].ret.unwrap_or(usize::MAX) { i } else { b }),
+                    (Some(_), None) => Some(i),
+                    (None, b) => b,
+                };
+            }
+            (*k, (by_value, first))
+        })
+        .collect();
+    let mut found = Vec::new();
+    for (k, v, t, inv, ret) in reads {
+        let Some((by_value, first)) = index.get(k) else { continue };
+        let ws = &writes[k];
+        // The initial 0 was written before the history; another value
+        // never written, or whose write never returned, proves nothing here.
+        let written = match v {
+            0 => None,
+            v => match by_value.get(&v) {
+                Some(Some(r)) => Some(*r),
+                _ => continue,
+            },
+        };
+        let from = written.map_or(0, |r| ws.partition_point(|w| w.inv <= r));
+        let Some(i) = first[from] else { continue };
+        let w = &ws[i];
+        if let Some(wr) = w.ret.filter(|&wr| wr < inv && w.value != v) {
+            found.push(StaleRead {
+                key: k.to_string(),
+                value: v,
+                reader: t,
+                read: (inv, ret),
+                written,
+                missed: w.value,
+                writer: w.thread,
+                missed_at: (w.inv, wr),
+            });
         }
     }
-    None
+    found.sort_by_key(|s| s.read.0);
+    found
+}
+
+/// The first [`StaleRead`], said in a line. A quick, certain proof of a
+/// violation, where the full search can take very long to exhaust.
+pub fn stale_read(log: &[Event]) -> Option<String> {
+    stale_reads(log).first().map(|s| {
+        format!(
+            "key {}: a read invoked at event {} returned {}, overwritten by {} before",
+            s.key, s.read.0, s.value, s.missed
+        )
+    })
 }
 
 /// Whether every key's history is linearizable (each key a register
@@ -313,6 +407,262 @@ pub fn check(keys: &[String], log: &[Event]) -> (bool, String) {
         })
         .unwrap_or_default();
     (bad.is_none(), counterexample)
+}
+
+/// A history recorded by clients in many threads and processes at once:
+/// each invocation and return is logged under one lock at the moment it
+/// happens (for a client in another process, the moment its parent
+/// learns of it: before the invocation, after the return), so the log's
+/// order respects real time. Cheap to clone; clones share the log.
+#[derive(Debug, Clone)]
+pub struct Recorder {
+    inner: Arc<Mutex<History>>,
+    start: Instant,
+    /// Writes acknowledged so far, and the key of the last: what a fault
+    /// timed to follow an acknowledgement waits on.
+    acks: Arc<(AtomicU64, Mutex<String>)>,
+}
+
+/// What a [`Recorder`] logged.
+#[derive(Debug, Clone, Default)]
+pub struct History {
+    pub events: Vec<Event>,
+    /// When each event was logged, from the recorder's start.
+    pub times: Vec<Duration>,
+    /// Who each thread id is: its client's label.
+    pub labels: Vec<String>,
+}
+
+impl Default for Recorder {
+    fn default() -> Self {
+        Recorder { inner: Arc::default(), start: Instant::now(), acks: Arc::default() }
+    }
+}
+
+impl Recorder {
+    /// A new thread id, for a client labelled `label` (a client whose
+    /// operation failed goes on under a new one: see the module's doc).
+    pub fn thread(&self, label: &str) -> usize {
+        let mut h = self.inner.lock().unwrap();
+        h.labels.push(label.to_string());
+        h.labels.len() - 1
+    }
+
+    /// Logs the invocation of `op` on each of `keys` by thread `t` (a
+    /// multi-get invokes a read of each key at once).
+    pub fn invoke(&self, t: usize, keys: &[&str], op: RegisterOp<u64>) {
+        let mut h = self.inner.lock().unwrap();
+        let now = self.start.elapsed();
+        for k in keys {
+            h.events.push(Event::Invoke(t, k.to_string(), op.clone()));
+            h.times.push(now);
+        }
+    }
+
+    /// Logs the returns of thread `t`'s operations on each key.
+    pub fn ret(&self, t: usize, rets: &[(&str, RegisterRet<u64>)]) {
+        let mut h = self.inner.lock().unwrap();
+        let now = self.start.elapsed();
+        for (k, r) in rets {
+            h.events.push(Event::Return(t, k.to_string(), r.clone()));
+            h.times.push(now);
+            if *r == RegisterRet::WriteOk {
+                *self.acks.1.lock().unwrap() = k.to_string();
+                self.acks.0.fetch_add(1, Ordering::Release);
+            }
+        }
+    }
+
+    /// Waits (polling, up to `timeout`) until a write of a key that
+    /// `wanted` accepts is acknowledged from now on; whether one was.
+    pub fn await_ack(&self, wanted: impl Fn(&str) -> bool, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        let mut seen = self.acks.0.load(Ordering::Acquire);
+        while Instant::now() < deadline {
+            let n = self.acks.0.load(Ordering::Acquire);
+            if n != seen {
+                seen = n;
+                if wanted(&self.acks.1.lock().unwrap()) {
+                    return true;
+                }
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
+        false
+    }
+
+    /// Time since the recorder started: the clock of the log's times.
+    pub fn elapsed(&self) -> Duration {
+        self.start.elapsed()
+    }
+
+    /// A copy of the log so far.
+    pub fn history(&self) -> History {
+        self.inner.lock().unwrap().clone()
+    }
+}
+
+impl History {
+    /// Operations that returned.
+    pub fn returned(&self) -> usize {
+        self.events.iter().filter(|e| matches!(e, Event::Return(..))).count()
+    }
+
+    /// `s` in a line: which key, value, client, write missed, and when
+    /// (seconds from the recorder's start).
+    pub fn describe(&self, s: &StaleRead) -> String {
+        let at = |i: usize| self.times.get(i).map_or(f64::NAN, Duration::as_secs_f64);
+        let who = |t: usize| self.labels.get(t).map_or("?", String::as_str);
+        let value = |v: u64| if v == ABSENT { "absent (deleted)".to_string() } else { v.to_string() };
+        let written = s.written.map_or("the initial value".to_string(), |w| format!("written by t={:.3}s", at(w)));
+        format!(
+            "stale read of key {}: {} read {} ({written}) in t={:.3}-{:.3}s, but write {} by {} had returned at t={:.3}s (invoked t={:.3}s), before the read began",
+            s.key,
+            who(s.reader),
+            value(s.value),
+            at(s.read.0),
+            at(s.read.1),
+            value(s.missed),
+            who(s.writer),
+            at(s.missed_at.1),
+            at(s.missed_at.0),
+        )
+    }
+
+    /// Reads that returned a value no write of the key wrote (nor the
+    /// initial 0, nor absent): corruption, or a read of another key's item.
+    pub fn phantom_reads(&self) -> Vec<String> {
+        let written: std::collections::BTreeSet<(&str, u64)> = self
+            .events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Invoke(_, k, RegisterOp::Write(v)) => Some((k.as_str(), *v)),
+                _ => None,
+            })
+            .collect();
+        self.events
+            .iter()
+            .zip(&self.times)
+            .filter_map(|(e, at)| match e {
+                Event::Return(t, k, RegisterRet::ReadOk(v))
+                    if *v != 0 && *v != ABSENT && !written.contains(&(k.as_str(), *v)) =>
+                {
+                    let who = self.labels.get(*t).map_or("?", String::as_str);
+                    Some(format!(
+                        "read of key {k} by {who} at t={:.3}s returned {v}, which no write wrote",
+                        at.as_secs_f64()
+                    ))
+                }
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+/// The outcome of the full linearizability search.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FullSearch {
+    Linearizable,
+    /// The first key found not linearizable, and its history.
+    NotLinearizable(String),
+    /// The search did not finish within its budget (it is exponential in
+    /// the worst case), or could not run.
+    Inconclusive(String),
+}
+
+/// Environment variable naming the program that runs the full search (the
+/// `dmkv-history-check` binary; found beside the tests otherwise).
+const CHECKER: &str = "dmkv-history-check";
+
+/// Runs [`check`] on `log` in a child process (`dmkv-history-check`),
+/// killed when `budget` runs out: the search can run for hours on a
+/// history it cannot linearize, and a thread cannot be stopped.
+pub fn full_search(keys: &[String], log: &[Event], budget: Duration) -> FullSearch {
+    use std::io::Write;
+    let bin = match crate::find_bin(CHECKER) {
+        Ok(b) => b,
+        Err(e) => return FullSearch::Inconclusive(e),
+    };
+    let mut child = match std::process::Command::new(&bin)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit())
+        .spawn()
+    {
+        Ok(c) => c,
+        Err(e) => return FullSearch::Inconclusive(format!("cannot run {}: {e}", bin.display())),
+    };
+    let text = encode(keys, log);
+    let mut stdin = child.stdin.take().expect("piped stdin");
+    // A thread: the child may stop reading (it crashed) before taking all.
+    let feeder = std::thread::spawn(move || {
+        let _ = stdin.write_all(text.as_bytes());
+    });
+    let mut stdout = child.stdout.take().expect("piped stdout");
+    let reader = std::thread::spawn(move || {
+        let mut out = String::new();
+        let _ = std::io::Read::read_to_string(&mut stdout, &mut out);
+        out
+    });
+    let deadline = Instant::now() + budget;
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(s)) => break Some(s),
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                break None;
+            }
+        }
+    };
+    let _ = feeder.join();
+    let out = reader.join().unwrap_or_default();
+    match status {
+        None => FullSearch::Inconclusive(format!("the search did not finish within {budget:?}")),
+        Some(s) if s.success() && out.starts_with("linearizable") => FullSearch::Linearizable,
+        Some(s) if s.code() == Some(1) => FullSearch::NotLinearizable(out),
+        Some(s) => FullSearch::Inconclusive(format!("{CHECKER} exited {s}: {}", out.trim())),
+    }
+}
+
+/// A history as text, for [`full_search`]'s child: a line of keys, then
+/// one event a line (`i THREAD KEY r|w VALUE`, `r THREAD KEY ok|r VALUE`).
+/// Keys are the tests' own (no spaces).
+pub fn encode(keys: &[String], log: &[Event]) -> String {
+    let mut out = keys.join(" ") + "\n";
+    for e in log {
+        let line = match e {
+            Event::Invoke(t, k, RegisterOp::Read) => format!("i {t} {k} r 0"),
+            Event::Invoke(t, k, RegisterOp::Write(v)) => format!("i {t} {k} w {v}"),
+            Event::Return(t, k, RegisterRet::WriteOk) => format!("r {t} {k} ok 0"),
+            Event::Return(t, k, RegisterRet::ReadOk(v)) => format!("r {t} {k} r {v}"),
+        };
+        out += &line;
+        out.push('\n');
+    }
+    out
+}
+
+/// The inverse of [`encode`].
+pub fn decode(text: &str) -> Result<(Vec<String>, Vec<Event>), String> {
+    let mut lines = text.lines();
+    let keys = lines.next().ok_or("no line of keys")?.split_whitespace().map(String::from).collect();
+    let mut log = Vec::new();
+    for (n, line) in lines.enumerate() {
+        let bad = || format!("line {}: {line:?}", n + 2);
+        let w: Vec<&str> = line.split_whitespace().collect();
+        let [kind, t, k, what, v] = w[..] else { return Err(bad()) };
+        let (t, v): (usize, u64) = (t.parse().map_err(|_| bad())?, v.parse().map_err(|_| bad())?);
+        log.push(match (kind, what) {
+            ("i", "r") => Event::Invoke(t, k.into(), RegisterOp::Read),
+            ("i", "w") => Event::Invoke(t, k.into(), RegisterOp::Write(v)),
+            ("r", "ok") => Event::Return(t, k.into(), RegisterRet::WriteOk),
+            ("r", "r") => Event::Return(t, k.into(), RegisterRet::ReadOk(v)),
+            _ => return Err(bad()),
+        });
+    }
+    Ok((keys, log))
 }
 
 #[cfg(test)]

@@ -9,11 +9,19 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 pub mod cluster;
+pub mod disk;
+pub mod faults;
 pub mod history;
+pub mod linearize;
 pub mod memcached;
+pub mod needs;
+pub mod nemesis;
 pub mod netns;
 pub mod partition;
 pub mod prom;
+pub mod schedule;
+pub mod skewed;
+pub mod workload;
 
 /// How long a server gets to start and print its address.
 pub const START_DEADLINE: Duration = Duration::from_secs(20);
@@ -255,6 +263,10 @@ pub fn engine_connect(addr: &str, token: Option<&dmkv_common::auth::Token>) -> (
 /// that it leaves the machine to the test, until stopped or the store is
 /// full. Start the server with `--buckets 32` (one segment) and the index
 /// splits all the while.
+///
+/// A burst's puts are sent at once (pipelined on one connection): sent one
+/// by one, a loaded 2-vCPU VM stored 400 keys in 6 s, which one segment
+/// holds without a split, and the test that relied on it failed.
 pub struct Grower {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
     handle: Option<std::thread::JoinHandle<u64>>,
@@ -262,8 +274,8 @@ pub struct Grower {
 
 impl Grower {
     /// Keys stored per burst, and the pause after each.
-    const BURST: u64 = 100;
-    const PAUSE: Duration = Duration::from_millis(5);
+    const BURST: u64 = 50;
+    const PAUSE: Duration = Duration::from_millis(50);
 
     /// Starts storing keys at the server whose RPC address is `rpc`.
     pub fn start(rpc: &str) -> Grower {
@@ -271,19 +283,26 @@ impl Grower {
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let (rpc, flag) = (rpc.to_string(), std::sync::Arc::clone(&stop));
         let handle = std::thread::spawn(move || {
-            let cfg = dmkv_client::ClientConfig { read_path: dmkv_client::ReadPath::Rpc, ..Default::default() };
-            let c = dmkv_client::blocking::Client::connect_with(&rpc, cfg).expect("grower connects");
-            let mut n = 0u64;
-            'run: while !flag.load(Ordering::Relaxed) {
-                for _ in 0..Self::BURST {
-                    if c.put(format!("grow-{n}"), "g").is_err() {
-                        break 'run;
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("grower runtime");
+            rt.block_on(async move {
+                let cfg = dmkv_client::ClientConfig { read_path: dmkv_client::ReadPath::Rpc, ..Default::default() };
+                let c = dmkv_client::Client::connect_with(&rpc, cfg).await.expect("grower connects");
+                let mut n = 0u64;
+                while !flag.load(Ordering::Relaxed) {
+                    let mut burst = tokio::task::JoinSet::new();
+                    for i in n..n + Self::BURST {
+                        let c = c.clone();
+                        burst.spawn(async move { c.put(format!("grow-{i}"), "g").await.is_ok() });
                     }
-                    n += 1;
+                    let stored = burst.join_all().await;
+                    n += stored.iter().filter(|&&ok| ok).count() as u64;
+                    if stored.contains(&false) {
+                        break;
+                    }
+                    tokio::time::sleep(Self::PAUSE).await;
                 }
-                std::thread::sleep(Self::PAUSE);
-            }
-            n
+                n
+            })
         });
         Grower { stop, handle: Some(handle) }
     }

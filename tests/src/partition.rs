@@ -1,6 +1,8 @@
 //! Network partitions between processes on loopback, for tests: nftables
 //! rules that drop every packet between one address and others, in both
-//! directions, while everything else (clients on 127.0.0.1) flows.
+//! directions ([`Partition::isolate`]) or in one only
+//! ([`Partition::one_way`]), while everything else (clients on 127.0.0.1)
+//! flows.
 //!
 //! Each [`Partition`] is one nftables table of its own, named after the
 //! process id and a process-wide counter (`dmkv_part_PID_N`), holding one
@@ -96,9 +98,6 @@ impl Partition {
         if others.is_empty() {
             return Err("no address to isolate from".into());
         }
-        remove_stale();
-        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        let table = format!("{PREFIX}{}_{n}", std::process::id());
         let set = others.iter().map(Ipv4Addr::to_string).collect::<Vec<_>>().join(", ");
         let mut rules = vec![
             format!("ip saddr {node} ip daddr {{ {set} }} counter drop"),
@@ -110,6 +109,31 @@ impl Partition {
             let eps = endpoints.iter().map(|e| format!("{} . {}", e.ip(), e.port())).collect::<Vec<_>>().join(", ");
             rules.push(format!("meta skgid {gid} ip daddr . tcp dport {{ {eps} }} counter drop"));
         }
+        Partition::install(&rules)
+    }
+
+    /// Drops the IPv4 packets from each pair's first address to its
+    /// second, and nothing the other way: an asymmetric partition, as a
+    /// bad NIC queue, a one-way firewall rule or a route that lost its
+    /// return path makes. A TCP connection across it still delivers in
+    /// the open direction (only its ACKs back are lost); new connections
+    /// dialled from the cut side do not complete.
+    pub fn one_way(cuts: &[(Ipv4Addr, Ipv4Addr)]) -> Result<Partition, String> {
+        if cuts.is_empty() {
+            return Err("no direction to cut".into());
+        }
+        if let Some((a, _)) = cuts.iter().find(|(a, b)| a == b) {
+            return Err(format!("cannot cut {a} from itself"));
+        }
+        let rules: Vec<String> = cuts.iter().map(|(a, b)| format!("ip saddr {a} ip daddr {b} counter drop")).collect();
+        Partition::install(&rules)
+    }
+
+    /// Adds a table of this process's holding `rules` on the output hook.
+    fn install(rules: &[String]) -> Result<Partition, String> {
+        remove_stale();
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let table = format!("{PREFIX}{}_{n}", std::process::id());
         // One script: the table appears with all its rules at once.
         let rules: String = rules.iter().map(|r| format!("\t\t{r}\n")).collect();
         let script = format!(
@@ -291,6 +315,31 @@ mod tests {
         drop(p);
         assert!(!nft(&["list", "tables"]).unwrap().contains(&table), "{table} left behind");
         assert!(connect_from(a, to).is_ok(), "still cut after the partition healed");
+    }
+
+    #[test]
+    fn a_one_way_cut_drops_one_direction_only() {
+        if !Partition::available_or_skip("a_one_way_cut_drops_one_direction_only") {
+            return;
+        }
+        use std::net::UdpSocket;
+        let (a, b) = (Ipv4Addr::new(127, 255, 253, 9), Ipv4Addr::new(127, 255, 253, 10));
+        let (sa, sb) = (UdpSocket::bind((a, 0)).expect("bind"), UdpSocket::bind((b, 0)).expect("bind"));
+        for s in [&sa, &sb] {
+            s.set_read_timeout(Some(std::time::Duration::from_millis(300))).unwrap();
+        }
+        // Datagrams, not connections: a TCP handshake needs both ways. A
+        // datagram dropped on the output hook fails its send (EPERM).
+        let arrives = |from: &UdpSocket, to: &UdpSocket| {
+            from.send_to(b"x", to.local_addr().unwrap()).is_ok() && to.recv(&mut [0u8; 8]).is_ok()
+        };
+        let p = Partition::one_way(&[(a, b)]).expect("partition");
+        assert!(!arrives(&sa, &sb), "{a} reached {b} across the cut");
+        assert!(arrives(&sb, &sa), "{b} to {a} was cut too");
+        assert_eq!(p.dropped().unwrap().nodes, 1);
+        assert!(Partition::one_way(&[(a, a)]).is_err());
+        drop(p);
+        assert!(arrives(&sa, &sb), "still cut after the partition healed");
     }
 
     #[test]

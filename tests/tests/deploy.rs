@@ -198,6 +198,8 @@ const EXPORTED: &[&str] = &[
     "dmkv_shard_follower_lag_entries",
     "dmkv_shard_leader_changes_total",
     "dmkv_shard_snapshot_bytes",
+    "dmkv_shard_remembered_writes",
+    "dmkv_shard_remembered_dropped_early_total",
     "dmkv_raft_log_bytes",
     "dmkv_raft_fsync_duration_seconds",
     // the client library
@@ -385,8 +387,18 @@ fn the_kubernetes_start_script_forms_a_cluster() {
     let fake = dir.path("bin/getent");
     std::fs::write(&fake, getent).unwrap();
     std::fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-    let (data_token, admin_token) = ("k8s-test-data-0123456789abcdef", "k8s-test-admin-0123456789abcdef");
-    std::fs::write(dir.path("auth.toml"), format!("data = \"{data_token}\"\nadmin = \"{admin_token}\"\n")).unwrap();
+    // The Secret's own auth file, placeholders and all (they are valid
+    // secrets): it must hold what a node of the cluster needs, its own
+    // secret and every other node's.
+    let auth = configmap_data(&read("deploy/k8s/secret.yaml").replace("stringData:", "data:"));
+    let auth = auth.iter().find(|(k, _)| k == "auth.toml").expect("auth.toml in secret.yaml").1.clone();
+    std::fs::write(dir.path("auth.toml"), &auth).unwrap();
+    let data_token = auth
+        .lines()
+        .find_map(|l| l.strip_prefix("data = \"")?.strip_suffix('"'))
+        .expect("a data secret in secret.yaml")
+        .to_string();
+    let data_token = data_token.as_str();
     let dmkvd = find_bin("dmkvd").unwrap_or_else(|e| panic!("{e}"));
     let path = format!(
         "{}:{}:{}",

@@ -126,19 +126,19 @@ async fn only_authenticated_clients_with_the_right_role_get_in() {
     assert_eq!(data.get("k").await.unwrap().unwrap(), "v".as_bytes(), "the connection stays usable");
     assert_eq!(data.stats().await.unwrap()["region_epoch"], epoch);
 
-    // Nor send raft traffic: a peer's raft bytes are parsed only from the
-    // admin role.
+    // Nor send raft traffic: that goes to a cluster node's peer port only.
     let raft = || Op::Raft(proto::RaftBatch { from_node: 2, messages: vec![] });
     let err = data.send(raft()).await.unwrap().wait(Duration::from_secs(5)).await.unwrap();
     assert_eq!(code_of(&err), Some(ErrorCode::PermissionDenied));
 
-    // The admin role may.
+    // The admin role may re-register.
     let admin = Client::connect_with(&srv.rpc, cfg(Some(ADMIN))).await.unwrap();
     admin.reregister().await.unwrap();
     assert_eq!(admin.stats().await.unwrap()["region_epoch"], epoch + 1);
-    // (This node is in no cluster: its raft traffic is refused plainly.)
+    // But not send raft traffic either (cluster_raft_is_bound_to_the_node_that_proved_its_secret
+    // has the cluster's side).
     let r = admin.send(raft()).await.unwrap().wait(Duration::from_secs(5)).await.unwrap();
-    assert_eq!(code_of(&r), Some(ErrorCode::BadRequest));
+    assert_eq!(code_of(&r), Some(ErrorCode::PermissionDenied));
 
     // One-sided reads over the engine need the token too.
     let os = ClientConfig { read_path: ReadPath::OneSided, transport: Some(Transport::Tcp), ..cfg(Some(DATA)) };
@@ -389,4 +389,245 @@ fn a_cluster_with_tls_serves_every_shard() {
         }
         assert!(reader.read_stats().gets > 0, "no GET went one-sided over the TLS engine");
     });
+}
+
+/// A connection speaking the framed protocol by hand, from a chosen
+/// loopback address (every 127/8 address is local on Linux): to the peer
+/// port, which no client SDK speaks to, and to keep one test's failed
+/// proofs from rate-limiting another's address.
+struct Raw {
+    s: tokio::net::TcpStream,
+    buf: BytesMut,
+    id: u64,
+}
+
+impl Raw {
+    async fn connect(addr: &str, from: std::net::Ipv4Addr) -> Raw {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind((from, 0).into()).unwrap();
+        let s = socket.connect(addr.parse().unwrap()).await.unwrap();
+        Raw { s, buf: BytesMut::new(), id: 0 }
+    }
+
+    /// Sends `op` and returns its reply, or `None` once the peer closed.
+    async fn call(&mut self, op: Op) -> Option<Response> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        self.id += 1;
+        let mut out = BytesMut::new();
+        frame::encode(&Request { id: self.id, op: Some(op) }, 1 << 20, &mut out).unwrap();
+        self.s.write_all(&out).await.ok()?;
+        let dec = Decoder::new(4 << 20);
+        loop {
+            if let Some(r) = dec.next_message::<Response>(&mut self.buf).unwrap() {
+                return Some(r);
+            }
+            let n = tokio::time::timeout(Duration::from_secs(10), self.s.read_buf(&mut self.buf))
+                .await
+                .expect("a reply or a close within 10 s");
+            if n.unwrap_or(0) == 0 {
+                return None;
+            }
+        }
+    }
+
+    /// HELLO, then AUTHENTICATE with `secret`'s proof for `purpose`.
+    async fn authenticate(&mut self, secret: &str, purpose: dmkv_common::auth::Purpose) -> Option<Response> {
+        let hello = Op::Hello(proto::Hello { protocol_version: 1, client_name: "raw".into() });
+        let nonce = match self.call(hello).await?.result {
+            Some(R::Hello(h)) => h.auth_nonce,
+            other => panic!("unexpected reply to HELLO: {other:?}"),
+        };
+        assert_eq!(nonce.len(), 32, "the peer port asks for a proof");
+        let proof = Token::new(secret).unwrap().prove(purpose, &nonce).to_vec().into();
+        self.call(Op::Authenticate(proto::Authenticate { proof })).await
+    }
+}
+
+/// A raft message from replica `from` (a node's id << 32 | incarnation)
+/// that no shard acts on: a heartbeat response from an incarnation that is
+/// no member. Encoded by hand (raft-rs's `Message`: msg_type 1, from 3).
+fn harmless_raft_message(from: u64) -> bytes::Bytes {
+    let mut b = Vec::new();
+    prost::encoding::int32::encode(1, &9, &mut b); // MsgHeartbeatResponse
+    prost::encoding::uint64::encode(3, &from, &mut b);
+    b.into()
+}
+
+/// A batch claiming to come from node `from_node`, of one message from a
+/// replica of node `replica_node` to shard 0.
+fn raft_batch(from_node: u64, replica_node: u64) -> Op {
+    let env = proto::RaftEnvelope {
+        shard: 0,
+        message: harmless_raft_message((replica_node << 32) | 0xdead_beef),
+        part: 0,
+        parts: 1,
+    };
+    Op::Raft(proto::RaftBatch { from_node, messages: vec![env] })
+}
+
+/// How many of a batch's messages were handed to shards, or the refusal.
+fn accepted(r: &Option<Response>) -> Result<u32, (Option<ErrorCode>, String)> {
+    match r.as_ref().and_then(|r| r.result.as_ref()) {
+        Some(R::Raft(r)) => Ok(r.accepted),
+        Some(R::Error(e)) => Err((ErrorCode::try_from(e.code).ok(), e.message.clone())),
+        other => Err((None, format!("{other:?}"))),
+    }
+}
+
+fn node_secret(n: u64) -> String {
+    format!("node-{n}-secret-0123456789abcdef")
+}
+
+/// A 3-node cluster with secrets: every node proves its own node secret to
+/// its peers, and its raft traffic flows (the cluster elects and serves).
+/// The admin secret gets nothing on the peer port, and the client port
+/// takes raft traffic from no one. Node 2's secret makes a connection node
+/// 2: its batches from node 2 are taken, one claiming node 3 is refused,
+/// and so is a join for node 3's replica.
+#[test]
+fn cluster_raft_is_bound_to_the_node_that_proved_its_secret() {
+    use dmkv_common::auth::Purpose;
+    let dir = TempDir::new("peer-identity");
+    let nodes: String = (1..=3).map(|n| format!("node:{n} {}\n", node_secret(n))).collect();
+    let auth = dir.file("auth", &format!("data {DATA}\nadmin {ADMIN}\n{nodes}"));
+    let c = dmkv_tests::cluster::TestCluster::start(3, 3, 3, false, &["--auth-file", &auth]);
+    let peer = c.endpoint(0, "peer").expect("node 1's peer port").to_string();
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    rt.block_on(async {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        let client = loop {
+            if let Ok(client) = Client::connect_with(c.rpc(0), cfg(Some(DATA))).await
+                && let Ok(m) = client.cluster_map().await
+                && m.shards().iter().all(|s| s.leader.is_some())
+            {
+                break client;
+            }
+            assert!(std::time::Instant::now() < deadline, "no leaders with node secrets: node log:\n{}", c.log(0));
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        for i in 0..30 {
+            client.put(format!("p{i}"), format!("v{i}")).await.expect("a replicated put");
+        }
+        let other = Client::connect_with(c.rpc(2), cfg(Some(DATA))).await.unwrap();
+        assert_eq!(other.get("p7").await.unwrap().as_deref(), Some(&b"v7"[..]));
+
+        // The admin secret, proved for the peer port or the client port,
+        // is no node's: refused, and the connection closed.
+        let hostile = std::net::Ipv4Addr::new(127, 0, 0, 91);
+        for purpose in [Purpose::Peer, Purpose::Rpc] {
+            let mut raw = Raw::connect(&peer, hostile).await;
+            let r = raw.authenticate(ADMIN, purpose).await;
+            assert_eq!(r.as_ref().and_then(code_of), Some(ErrorCode::Unauthenticated), "{purpose:?}: {r:?}");
+            assert!(raw.call(raft_batch(2, 2)).await.is_none(), "served after a refused proof");
+        }
+        // Nor is a batch taken before any proof.
+        let mut raw = Raw::connect(&peer, std::net::Ipv4Addr::new(127, 0, 0, 92)).await;
+        let r = raw.call(raft_batch(2, 2)).await;
+        assert_eq!(accepted(&r).unwrap_err().0, Some(ErrorCode::Unauthenticated), "{r:?}");
+        // A node's secret is no role on the client port.
+        let err = Client::connect_with(c.rpc(0), cfg(Some(&node_secret(2)))).await.err().expect("a node secret");
+        assert_eq!(err.code(), Some(ErrorCode::Unauthenticated), "{err}");
+
+        // The client port takes no raft traffic and no join, not even
+        // from the admin role.
+        let admin = Client::connect_with(c.rpc(0), cfg(Some(ADMIN))).await.unwrap();
+        let join = |node: u64| Op::JoinShard(proto::JoinShard { shard: 0, replica_id: (node << 32) | 0xdead_beef });
+        for op in [raft_batch(2, 2), join(2)] {
+            let r = admin.send(op).await.unwrap().wait(Duration::from_secs(5)).await.unwrap();
+            let (code, message) = accepted(&Some(r)).unwrap_err();
+            assert_eq!(code, Some(ErrorCode::PermissionDenied));
+            assert!(message.contains("peer port"), "{message}");
+        }
+
+        // Node 2's secret: node 2, and only node 2.
+        let mut raw = Raw::connect(&peer, std::net::Ipv4Addr::new(127, 0, 0, 93)).await;
+        match raw.authenticate(&node_secret(2), Purpose::Peer).await.and_then(|r| r.result) {
+            Some(R::Authenticate(a)) => assert_eq!(a.role, "node:2"),
+            other => panic!("node 2's secret refused: {other:?}"),
+        }
+        let r = raw.call(raft_batch(3, 3)).await;
+        let (code, message) = accepted(&r).expect_err("node 2 passed a batch off as node 3's");
+        assert_eq!(code, Some(ErrorCode::PermissionDenied));
+        assert!(message.contains("node 2") && message.contains("node 3"), "{message}");
+        let r = raw.call(join(3)).await;
+        assert_eq!(accepted(&r).unwrap_err().0, Some(ErrorCode::PermissionDenied), "a join for node 3: {r:?}");
+        // The connection stays node 2's: its own batch is taken (and the
+        // message handed to shard 0), its map served.
+        assert_eq!(accepted(&raw.call(raft_batch(2, 2)).await), Ok(1));
+        let r = raw.call(Op::GetMap(proto::GetMap {})).await;
+        assert!(matches!(r.and_then(|r| r.result), Some(R::Map(_))), "the map for node 2");
+        // Still, a message of node 3's replica in node 2's batch is dropped.
+        assert_eq!(accepted(&raw.call(raft_batch(2, 3)).await), Ok(0));
+
+        // The cluster is unharmed.
+        client.put("after", "ok").await.expect("a put after the refusals");
+    });
+}
+
+/// Without secrets, a test cluster's nodes each have a peer IP of their
+/// own, and the peer port takes a batch only as from the node whose IP the
+/// connection comes from; an address that is no node's gets nothing.
+#[test]
+fn without_secrets_distinct_peer_ips_bind_raft_to_their_node() {
+    let c = dmkv_tests::cluster::TestCluster::start(3, 3, 3, false, &[]);
+    let peer = c.endpoint(0, "peer").expect("node 1's peer port").to_string();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let mut raw = Raw::connect(&peer, std::net::Ipv4Addr::LOCALHOST).await;
+        let (code, message) = accepted(&raw.call(raft_batch(2, 2)).await).unwrap_err();
+        assert_eq!(code, Some(ErrorCode::PermissionDenied));
+        assert!(message.contains("127.0.0.1 is none of them"), "{message}");
+        let mut raw = Raw::connect(&peer, c.peer_ip(1)).await;
+        let (code, message) = accepted(&raw.call(raft_batch(3, 3)).await).unwrap_err();
+        assert_eq!(code, Some(ErrorCode::PermissionDenied), "{message}");
+        assert_eq!(accepted(&raw.call(raft_batch(2, 2)).await), Ok(1));
+        // The client port takes no raft traffic here either.
+        let client = Client::connect_with(c.rpc(0), cfg(None)).await.unwrap();
+        let r = client.send(raft_batch(2, 2)).await.unwrap().wait(Duration::from_secs(5)).await.unwrap();
+        assert_eq!(code_of(&r), Some(ErrorCode::PermissionDenied));
+    });
+}
+
+/// A cluster node with secrets needs one of its own, from the auth file or
+/// DMKVD_NODE_TOKEN: the admin secret no longer stands in for it.
+#[test]
+fn a_cluster_node_without_its_own_secret_refuses_to_start() {
+    let dir = TempDir::new("node-secret");
+    let port = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let (rpc, peer) = (port(), port());
+    let cluster = dir.file(
+        "cluster.toml",
+        &format!("shards = 1\nreplicas = 1\n[[node]]\nid = 1\nrpc = \"{rpc}\"\npeer = \"{peer}\"\n"),
+    );
+    let auth = dir.file("auth", &format!("data {DATA}\nadmin {ADMIN}\n"));
+    let args = ["--memory", "16MiB", "--cluster", &cluster, "--node-id", "1", "--auth-file", &auth];
+    let mut child = std::process::Command::new(dmkv_tests::bin_path("dmkvd"))
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // A node that starts instead would never exit: wait a while only.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("a cluster node without its own secret started");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(status.code(), Some(2));
+    let mut err = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    assert!(err.contains("--auth-file") && err.contains("no secret for node 1"), "{err}");
+    assert!(err.contains("`node:1 SECRET`") && err.contains("DMKVD_NODE_TOKEN"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
+    // Its secret from the environment will do.
+    let env = [std::ffi::OsString::from("env"), format!("DMKVD_NODE_TOKEN={}", node_secret(1)).into()];
+    let srv = ServerProcess::start_with(&env, &rpc.to_string(), &args).expect("a node with DMKVD_NODE_TOKEN");
+    assert!(srv.endpoint("peer").is_some());
 }

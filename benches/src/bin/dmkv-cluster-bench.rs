@@ -9,7 +9,12 @@
 //!   per `--sync` policy.
 //! - `catch-up`: a replica that was down while its shard filled with
 //!   `--mib` MiB restarts; the time until it has applied what the leader
-//!   has (by snapshot: the log was compacted meanwhile).
+//!   has (by snapshot: the log was compacted meanwhile), and foreground
+//!   GET and PUT latency during it beside the same load idle before, and
+//!   whether the shard's leader changed.
+//! - `rss`: an in-memory 3-node cluster takes `--puts` PUTs of
+//!   `--value-size` over a key set that fits; each node's resident and
+//!   peak memory against `--memory`.
 //!
 //! Needs dmkvd built (release: `cargo build --release --bin dmkvd`).
 
@@ -67,6 +72,16 @@ enum Cmd {
         #[arg(long, default_value_t = 65536)]
         value_size: usize,
     },
+    /// Resident memory of an in-memory cluster after many large PUTs.
+    Rss {
+        #[arg(long, default_value_t = 100_000)]
+        puts: usize,
+        #[arg(long, default_value_t = 65536)]
+        value_size: usize,
+        /// Each node's `--memory` (MiB).
+        #[arg(long, default_value_t = 1024)]
+        memory_mib: u64,
+    },
 }
 
 fn main() -> ExitCode {
@@ -92,6 +107,7 @@ fn run(cli: Cli) -> Result<(), String> {
             rt.block_on(put_latency(&sync, puts, concurrency, value_size, nodes))
         }
         Cmd::CatchUp { mib, value_size } => rt.block_on(catch_up(mib, value_size)),
+        Cmd::Rss { puts, value_size, memory_mib } => rt.block_on(rss(puts, value_size, memory_mib)),
     }
 }
 
@@ -121,6 +137,11 @@ fn check(cmd: &Cmd) -> Result<(), String> {
             if mib.checked_mul(2 << 20).is_none() {
                 return Err(format!("--mib {mib} is too large"));
             }
+            value(*value_size)
+        }
+        Cmd::Rss { puts, value_size, memory_mib } => {
+            at_least_one("--puts", *puts as u64)?;
+            at_least_one("--memory-mib", *memory_mib)?;
             value(*value_size)
         }
     }
@@ -291,32 +312,21 @@ async fn catch_up(mib: u64, value_size: usize) -> Result<(), String> {
     let puts = (mib << 20) as usize / value_size;
     let filled = Instant::now();
     let value = vec![b'v'; value_size];
-    let mut tasks = tokio::task::JoinSet::new();
-    for t in 0..16 {
-        let (client, value) = (client.clone(), value.clone());
-        tasks.spawn(async move {
-            let mut failed = 0u64;
-            for i in (t..puts).step_by(16) {
-                while let Err(e) = client.put(format!("cu-{i}"), &value).await {
-                    failed += 1;
-                    if failed >= 1000 {
-                        return Err(format!("PUTs keep failing: {e}"));
-                    }
-                }
-            }
-            Ok(failed)
-        });
-    }
-    let mut failed = 0;
-    while let Some(f) = tasks.join_next().await {
-        failed += f.map_err(|e| format!("filler task: {e}"))??;
-    }
+    let failed = put_all(&client, puts, &value, |i| format!("cu-{i}")).await?;
     println!(
         "filled {mib} MiB ({puts} PUTs of {value_size} B) in {:.1} s, {failed} PUTs failed and were sent again",
         filled.elapsed().as_secs_f64()
     );
     let applied = |s: &dmkv_common::proto::ClusterMapReply| s.local.first().map_or(0, |r| r.applied);
-    let target = applied(&client.cluster_status().await.map_err(|e| format!("cluster status: {e}"))?);
+    let term = |s: &dmkv_common::proto::ClusterMapReply| s.shards.first().map(|e| (e.term, e.leader));
+    let before = client.cluster_status().await.map_err(|e| format!("cluster status: {e}"))?;
+    let target = applied(&before);
+    // The same foreground load idle, then during the catch-up.
+    let idle = Probe::start(client.clone());
+    tokio::time::sleep(PROBE_IDLE).await;
+    let idle = idle.stop().await;
+    let during = Probe::start(client.clone());
+    let watch = Watch::start(client.clone());
     let started = Instant::now();
     tokio::task::block_in_place(|| c.try_restart(away))?;
     let deadline = started + Duration::from_secs(600);
@@ -333,6 +343,33 @@ async fn catch_up(mib: u64, value_size: usize) -> Result<(), String> {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let took = started.elapsed();
+    let during = during.stop().await;
+    watch.stop().await;
+    let after = client.cluster_status().await.map_err(|e| format!("cluster status: {e}"))?;
+    idle.print("idle");
+    during.print("during catch-up");
+    let (t0, t1) = (term(&before), term(&after));
+    println!(
+        "shard leader and term before {t0:?}, after {t1:?}: {}",
+        if t0 == t1 { "no leader change" } else { "THE LEADER CHANGED" }
+    );
+    if t0 != t1 {
+        // Why: each node's account of the change, and what it warned of.
+        for i in 0..c.len() {
+            let log = c.log(i);
+            let lines: Vec<&str> = log
+                .lines()
+                .filter(|l| {
+                    ["leader changed", "WARN", "ERROR", "election", "became", "stepped down", "snapshot"]
+                        .iter()
+                        .any(|w| l.contains(w))
+                })
+                .collect();
+            for l in lines.iter().rev().take(25).rev() {
+                println!("  node {}: {l}", i + 1);
+            }
+        }
+    }
     let node = Client::connect(c.rpc(away)).await.map_err(connect_err)?;
     let stats = node.stats().await.map_err(|e| format!("STATS: {e}"))?;
     println!(
@@ -342,4 +379,202 @@ async fn catch_up(mib: u64, value_size: usize) -> Result<(), String> {
         stats.get("items").copied().unwrap_or(0)
     );
     Ok(())
+}
+
+/// PUTs `value` under `key(i)` for i in 0..puts, 16 in flight, each sent
+/// again until it is acknowledged (at most 1000 failures in all per
+/// writer); how many were sent again.
+async fn put_all(
+    client: &Client,
+    puts: usize,
+    value: &[u8],
+    key: impl Fn(usize) -> String + Clone + Send + 'static,
+) -> Result<u64, String> {
+    let mut tasks = tokio::task::JoinSet::new();
+    for t in 0..16 {
+        let (client, value, key) = (client.clone(), value.to_vec(), key.clone());
+        tasks.spawn(async move {
+            let mut failed = 0u64;
+            for i in (t..puts).step_by(16) {
+                while let Err(e) = client.put(key(i), &value).await {
+                    failed += 1;
+                    if failed >= 1000 {
+                        return Err(format!("PUTs keep failing: {e}"));
+                    }
+                }
+            }
+            Ok(failed)
+        });
+    }
+    let mut failed = 0;
+    while let Some(f) = tasks.join_next().await {
+        failed += f.map_err(|e| format!("writer task: {e}"))??;
+    }
+    Ok(failed)
+}
+
+/// How long the foreground load runs idle before a catch-up.
+const PROBE_IDLE: Duration = Duration::from_secs(10);
+/// The foreground load's pace: one GET and one PUT of 100 B each time.
+const PROBE_PACE: Duration = Duration::from_millis(2);
+
+/// A foreground client: GETs and PUTs of small values at a fixed pace,
+/// their latencies recorded.
+struct Probe {
+    stop: Arc<AtomicBool>,
+    task: tokio::task::JoinHandle<ProbeResult>,
+}
+
+struct ProbeResult {
+    gets: Histogram<u64>,
+    puts: Histogram<u64>,
+    errors: u64,
+}
+
+impl Probe {
+    fn start(client: Client) -> Probe {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&stop);
+        let task = tokio::spawn(async move {
+            let new = || Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("static bounds");
+            let mut r = ProbeResult { gets: new(), puts: new(), errors: 0 };
+            let value = vec![b'f'; 100];
+            let mut tick = tokio::time::interval(PROBE_PACE);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut i = 0u64;
+            while !flag.load(Ordering::Relaxed) {
+                tick.tick().await;
+                let key = format!("fg-{}", i % 1000);
+                let t = Instant::now();
+                match client.put(key.clone(), &value).await {
+                    Ok(_) => r.puts.saturating_record(t.elapsed().as_micros() as u64),
+                    Err(_) => r.errors += 1,
+                }
+                let t = Instant::now();
+                match client.get(key).await {
+                    Ok(_) => r.gets.saturating_record(t.elapsed().as_micros() as u64),
+                    Err(_) => r.errors += 1,
+                }
+                i += 1;
+            }
+            r
+        });
+        Probe { stop, task }
+    }
+
+    async fn stop(self) -> ProbeResult {
+        self.stop.store(true, Ordering::Relaxed);
+        self.task.await.expect("the probe task does not panic")
+    }
+}
+
+impl ProbeResult {
+    fn print(&self, when: &str) {
+        let line = |h: &Histogram<u64>| {
+            format!(
+                "n={} p50 {} µs, p99 {} µs, max {} µs",
+                h.len(),
+                h.value_at_quantile(0.5),
+                h.value_at_quantile(0.99),
+                h.max()
+            )
+        };
+        println!("foreground {when}: GET {}; PUT {}; {} errors", line(&self.gets), line(&self.puts), self.errors);
+    }
+}
+
+/// `VmRSS` and `VmHWM` of a process, in KiB.
+fn rss_kib(pid: u32) -> Option<(u64, u64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+    };
+    Some((field("VmRSS:")?, field("VmHWM:")?))
+}
+
+async fn rss(puts: usize, value_size: usize, memory_mib: u64) -> Result<(), String> {
+    let memory = format!("{memory_mib}MiB");
+    let c = tokio::task::block_in_place(|| TestCluster::try_start(3, 3, 3, false, &["--memory", &memory]))
+        .map_err(|e| format!("the cluster did not start: {e}"))?;
+    c.try_leaders_known(0).await?;
+    let client = Client::connect(c.rpc(0)).await.map_err(connect_err)?;
+    // Live data of about half of each node's memory: every node holds a
+    // replica of every shard, so the key set is overwritten again and
+    // again and the logs, not the stores, would grow.
+    let keys = ((memory_mib << 20) / 2 / value_size as u64).max(1) as usize;
+    let value = vec![b'r'; value_size];
+    let started = Instant::now();
+    let failed = put_all(&client, puts, &value, move |i| format!("rss-{}", i % keys)).await?;
+    println!(
+        "{puts} PUTs of {value_size} B over {keys} keys in {:.1} s ({failed} sent again), 3 in-memory nodes, --memory {memory}",
+        started.elapsed().as_secs_f64()
+    );
+    for i in 0..c.len() {
+        let pid = c.pid(i).ok_or_else(|| format!("node {} is not running", i + 1))?;
+        let (now, peak) = rss_kib(pid).ok_or_else(|| format!("cannot read node {}'s memory", i + 1))?;
+        println!(
+            "node {}: RSS {} MiB, peak {} MiB ({:.2} and {:.2} of --memory)",
+            i + 1,
+            now >> 10,
+            peak >> 10,
+            now as f64 / (memory_mib << 10) as f64,
+            peak as f64 / (memory_mib << 10) as f64
+        );
+    }
+    Ok(())
+}
+
+/// Watches the shard's term and leader, and the host's dirty page cache,
+/// during a catch-up: when a leader change came, and what the disk was
+/// doing then.
+struct Watch {
+    stop: Arc<AtomicBool>,
+    task: tokio::task::JoinHandle<Vec<String>>,
+}
+
+impl Watch {
+    fn start(client: Client) -> Watch {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&stop);
+        let task = tokio::spawn(async move {
+            let started = Instant::now();
+            let mut seen = None;
+            let mut notes = Vec::new();
+            let mut max_dirty = 0u64;
+            while !flag.load(Ordering::Relaxed) {
+                let dirty = dirty_kib().unwrap_or(0);
+                max_dirty = max_dirty.max(dirty);
+                if let Ok(s) = client.cluster_status().await {
+                    let now = s.shards.first().map(|e| (e.term, e.leader));
+                    if now != seen {
+                        notes.push(format!(
+                            "t={:.2}s term/leader {now:?} (dirty page cache {} MiB)",
+                            started.elapsed().as_secs_f64(),
+                            dirty >> 10
+                        ));
+                        seen = now;
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            notes.push(format!("most dirty page cache meanwhile: {} MiB", max_dirty >> 10));
+            notes
+        });
+        Watch { stop, task }
+    }
+
+    async fn stop(self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for n in self.task.await.unwrap_or_default() {
+            println!("  {n}");
+        }
+    }
+}
+
+fn dirty_kib() -> Option<u64> {
+    let m = std::fs::read_to_string("/proc/meminfo").ok()?;
+    m.lines().find_map(|l| l.strip_prefix("Dirty:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
 }

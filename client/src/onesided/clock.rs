@@ -28,6 +28,12 @@ fn nanos(t: rustix::time::Timespec) -> u64 {
     (t.tv_sec as u64).saturating_mul(1_000_000_000).saturating_add(t.tv_nsec as u64)
 }
 
+/// This host's `CLOCK_MONOTONIC` in nanoseconds: the clock a shard leader
+/// on this host publishes its lease on.
+pub fn mono_ns() -> u64 {
+    nanos(clock_gettime(ClockId::Monotonic))
+}
+
 impl AttemptClock {
     /// The cheapest clock that can time attempts against a grace period of
     /// `grace_nanos`.

@@ -147,6 +147,7 @@ impl EngineConn {
         }
         check_lengths(specs, &reply.results)?;
         out.clear();
+        out.stamps = Some((reply.started, reply.ended));
         for (status, range) in reply.results {
             match status {
                 ReadStatus::Success => out.push_slot(range.len()).copy_from_slice(&body[range]),

@@ -16,6 +16,7 @@ use dmkv_common::read::{
 };
 
 use super::{Backend, BackendError, OneSided, Reads, Trace, push_clock_read, shm::ShmRegion};
+use dmkv_common::cluster::lease_check::AttemptStart;
 
 /// Reusable buffers of local GETs. One per calling thread (or caller):
 /// they grow to the largest item read and then stay, so GETs allocate
@@ -191,9 +192,12 @@ impl OneSided {
             }
         };
         let mut look = self.lookup_hinted(kh, segment, hint);
+        // The attempt's start is read before its first read of the data:
+        // the lease check counts from it.
+        let mut lease_start = AttemptStart::at(look.started());
         s.specs.clear();
         look.first_reads(&mut s.specs);
-        let clock = self.read_batch(shm, s)?;
+        let clock = self.read_batch(shm, s, &mut lease_start)?;
         rounds += 1;
         let (Some(b0), Some(b1)) = (s.reads.get(0), s.reads.get(1)) else {
             self.counters.retry(Retry::Torn);
@@ -227,7 +231,7 @@ impl OneSided {
         s.specs.clear();
         look.item_reads(&mut s.specs);
         let n = look.item_read_count();
-        let clock = self.read_batch(shm, s)?;
+        let clock = self.read_batch(shm, s, &mut lease_start)?;
         rounds += 1;
         let mut bufs: [&[u8]; MAX_CANDIDATES] = [&[]; MAX_CANDIDATES];
         for (j, b) in bufs.iter_mut().enumerate().take(n) {
@@ -255,13 +259,13 @@ impl OneSided {
 
 impl OneSided {
     /// Reads the batch in `s.specs`, with the lease block (a cluster
-    /// region's) and the server's clock added last; checks the lease and
-    /// returns the clock (0: none read).
-    fn read_batch(&self, shm: &ShmRegion, s: &mut Scratch) -> Result<u64, BackendError> {
+    /// region's) and the server's clock added last; checks the lease (for
+    /// the attempt from `start` on) and returns the clock (0: none read).
+    fn read_batch(&self, shm: &ShmRegion, s: &mut Scratch, start: &mut AttemptStart) -> Result<u64, BackendError> {
         let lease_at = self.push_lease_read(&mut s.specs);
         let clock_at = push_clock_read(&mut s.specs);
         shm.read(&s.specs, &mut s.reads)?;
-        self.check_lease(&s.reads, lease_at)?;
+        self.check_lease(&s.reads, lease_at, start)?;
         Ok(judge_clock(s.reads.get(clock_at).unwrap_or(&[])))
     }
 }

@@ -21,10 +21,8 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use dmkv_common::cluster::lease::lease_holds;
-use dmkv_common::layout::{
-    DirEntry, KeyHash, LAYOUT_VERSION, LEASE_LEN, LEASE_OFFSET, LeaseBlock, RegionHeader, key_hash,
-};
+use dmkv_common::cluster::lease::ClockSample;
+use dmkv_common::layout::{DirEntry, KeyHash, LAYOUT_VERSION, LEASE_LEN, LEASE_OFFSET, RegionHeader, key_hash};
 use dmkv_common::proto::{RegionDescriptor, RegionInfoReply};
 use dmkv_common::read::{
     AfterBuckets, Hint, Lookup, MAX_ATTEMPTS, MAX_BATCH_KEYS, Outcome, ReadSpec, Retry, clock_read, dir_read,
@@ -34,7 +32,9 @@ use thiserror::Error;
 
 use crate::client::{Transport, Versioned};
 use access::AccessLog;
+pub use clock::mono_ns;
 use directory::DirCache;
+use dmkv_common::cluster::lease_check::{self as lease, AttemptStart, LeaseClock};
 use hints::{HintCache, HintId};
 pub use local::{ItemMeta, LocalGet, Scratch, with_scratch};
 
@@ -69,12 +69,16 @@ pub enum BackendError {
 pub struct Reads {
     data: Vec<u8>,
     ranges: Vec<Option<Range<usize>>>,
+    /// The server's monotonic clock before the batch's first read and
+    /// after its last, where the backend stamps batches (the engine).
+    stamps: Option<(u64, u64)>,
 }
 
 impl Reads {
     fn clear(&mut self) {
         self.data.clear();
         self.ranges.clear();
+        self.stamps = None;
     }
 
     /// Appends room for a read of `len` bytes and returns it.
@@ -138,6 +142,10 @@ pub struct ReadCounters {
     pub fallbacks: AtomicU64,
     /// Batches of a cluster shard's region refused for want of a lease.
     pub unleased: AtomicU64,
+    /// Clock samples of a remote server that did not agree with the one
+    /// before (a clock jumped or broke the drift bound): one-sided reads of
+    /// its leased regions are refused until two agree again.
+    pub clock_disagreements: AtomicU64,
     /// Keys read over RPC (GETs, each key of a multi-get, fallbacks and
     /// probes): kept here beside the one-sided count so the client's
     /// metrics can split all its reads by path (the server sees only these).
@@ -157,6 +165,7 @@ pub struct ReadStats {
     pub directory_reads: u64,
     pub fallbacks: u64,
     pub unleased: u64,
+    pub clock_disagreements: u64,
     pub rpc_gets: u64,
 }
 
@@ -175,6 +184,7 @@ impl ReadCounters {
             directory_reads: l(&self.directory_reads),
             fallbacks: l(&self.fallbacks),
             unleased: l(&self.unleased),
+            clock_disagreements: l(&self.clock_disagreements),
             rpc_gets: l(&self.rpc_gets),
         }
     }
@@ -220,10 +230,11 @@ pub struct OneSided {
     enforce_grace: bool,
     /// Keys per batch of a multi-get, sized to this path's measured speed.
     batch_keys: AtomicUsize,
-    /// A cluster shard's region: every batch reads the lease block too,
-    /// and its reads count only if the lease outlasted them by this skew
-    /// bound (ns). `None`: a single node's region, no lease.
-    lease_skew_ns: Option<u64>,
+    /// A cluster shard's region: every batch reads the lease block last,
+    /// and counts only if the attempt lay inside one run of the lease, on
+    /// the leader's clock as this bounds it (`lease`). `None`: a single
+    /// node's region, no lease.
+    lease: Option<LeaseClock>,
     /// Reads to report to a server that evicts.
     pub(crate) accesses: AccessLog,
     /// Which region, for access reports.
@@ -253,9 +264,11 @@ pub struct AttachOptions {
     /// Which region: `None`, a single node's (the first); `Some(s)`, the
     /// region of cluster shard `s`'s replica on this node.
     pub shard: Option<u32>,
-    /// A cluster region's lease must outlast reads by this much on this
-    /// client's clock (the most clocks differ between hosts).
-    pub lease_skew: Duration,
+    /// The server's clock as sampled just before attaching (the region
+    /// info's `monotonic_ns`, between this client's clock before and after
+    /// the call): how a cluster region's lease is judged. Needed for
+    /// cluster regions only.
+    pub clock: Option<ClockSample>,
     /// Check leases of cluster regions. Only tests that show the check
     /// matters turn it off.
     pub check_leases: bool,
@@ -303,7 +316,7 @@ pub async fn attach(
         repaths,
         token,
         shard,
-        lease_skew,
+        clock,
         check_leases,
     } = opts;
     let desc = match shard {
@@ -319,7 +332,6 @@ pub async fn attach(
     if desc.leased != shard.is_some() {
         return Err(BackendError::Attach("a cluster shard's region is read through the cluster router".into()));
     }
-    let lease_skew_ns = (desc.leased && check_leases).then_some(lease_skew.as_nanos() as u64);
     let header = header_of(desc)?;
     let candidates: &[Transport] = match forced {
         Some(t) => &[t][..],
@@ -357,6 +369,26 @@ pub async fn attach(
         };
         match attempt {
             Ok(backend) => {
+                let lease = match (desc.leased && check_leases, clock) {
+                    (false, _) => None,
+                    (true, None) => return Err(BackendError::Attach("no clock sample to judge leases by".into())),
+                    (true, Some(sample)) => {
+                        let same_clock = !info.host_id.is_empty()
+                            && info.host_id == local_host_id()
+                            && info.time_namespace != 0
+                            && info.time_namespace == dmkv_common::host::time_namespace();
+                        let c = LeaseClock::choose(t == Transport::Tcp, same_clock, sample)
+                            .map_err(|e| BackendError::Attach(format!("clock sample refused: {e}")))?;
+                        if let LeaseClock::Sampled(s) = &c {
+                            spawn_resync(
+                                client.clone(),
+                                std::sync::Arc::downgrade(s),
+                                std::sync::Arc::clone(&counters),
+                            );
+                        }
+                        Some(c)
+                    }
+                };
                 let clock = clock::AttemptClock::new(header.grace_nanos);
                 return Ok(OneSided {
                     header,
@@ -368,7 +400,7 @@ pub async fn attach(
                     clock,
                     enforce_grace,
                     batch_keys: AtomicUsize::new(MAX_BATCH_KEYS),
-                    lease_skew_ns,
+                    lease,
                     accesses: AccessLog::new(desc.evicts),
                     region_id: desc.region_id,
                 });
@@ -428,6 +460,39 @@ async fn attach_rdma(client: &crate::Client, epoch: u64, timeout: Duration) -> R
 async fn attach_rdma(_: &crate::Client, _: u64, _: Duration) -> Result<Backend, BackendError> {
     // `offered` refuses RDMA in builds without it.
     Err(BackendError::Attach(NO_CLIENT_RDMA.into()))
+}
+
+/// Takes a sample of `client`'s server's clock: its region info, and
+/// this client's clock before and after asking for it.
+pub(crate) async fn clock_sample(client: &crate::Client) -> Result<(RegionInfoReply, ClockSample), crate::ClientError> {
+    let sent = mono_ns();
+    let info = client.region_info_full().await?;
+    let sample = ClockSample { sent, server: info.monotonic_ns, received: mono_ns() };
+    Ok((info, sample))
+}
+
+/// Samples the server's clock every [`lease::CLOCK_RESYNC_INTERVAL`] while
+/// the path that needs it lives.
+fn spawn_resync(
+    client: crate::Client,
+    clock: std::sync::Weak<lease::SampledClock>,
+    counters: std::sync::Arc<ReadCounters>,
+) {
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(lease::CLOCK_RESYNC_INTERVAL).await;
+            let Some(c) = clock.upgrade() else { return };
+            // A failed call leaves the last sample to age out.
+            if let Ok((_, sample)) = clock_sample(&client).await
+                && !c.resample(sample)
+            {
+                counters.clock_disagreements.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    "the server's clock and this client's disagree beyond the drift bound; one-sided reads of its shards are refused until they agree again"
+                );
+            }
+        }
+    });
 }
 
 fn header_of(d: &RegionDescriptor) -> Result<RegionHeader, BackendError> {
@@ -634,6 +699,7 @@ impl OneSided {
         results: &mut [Option<OneSidedGet>],
     ) -> Result<(Vec<usize>, u32), BackendError> {
         let mut retry = Vec::new();
+        let mut lease_start = AttemptStart::at(self.attempt_start());
         // A key's first GET, or its first after a split, reads its
         // directory entry first: one more round trip.
         let hashes: Vec<KeyHash> = todo.iter().map(|&i| key_hash(keys[i].as_ref(), self.header.hash_seed)).collect();
@@ -662,7 +728,7 @@ impl OneSided {
         let clock_at = push_clock_read(&mut specs);
         let mut reads = Reads::default();
         self.backend.read(&specs, &mut reads).await?;
-        self.check_lease(&reads, lease_at)?;
+        self.check_lease(&reads, lease_at, &mut lease_start)?;
         let clock = judge_clock(reads.get(clock_at).unwrap_or(&[]));
         let mut item_specs = Vec::new();
         let mut second = Vec::new();
@@ -711,7 +777,7 @@ impl OneSided {
         let clock_at = push_clock_read(&mut item_specs);
         let mut items = Reads::default();
         self.backend.read(&item_specs, &mut items).await?;
-        self.check_lease(&items, lease_at)?;
+        self.check_lease(&items, lease_at, &mut lease_start)?;
         let clock = judge_clock(items.get(clock_at).unwrap_or(&[]));
         for (i, p) in second {
             let bufs: Vec<&[u8]> = p.items.clone().map(|j| items.get(j).unwrap_or(&[])).collect();
@@ -732,27 +798,27 @@ impl OneSided {
         self.accesses.take_ready()
     }
 
-    /// Adds the lease block's read to a batch of a cluster region's reads;
-    /// where it is (before the clock's: see `push_clock_read`).
+    /// Adds the lease block's read to a batch of a cluster region's reads,
+    /// after every data read (a reader must see the block as it was after
+    /// them); where it is (before the clock's: see `push_clock_read`).
     fn push_lease_read(&self, specs: &mut Vec<ReadSpec>) -> Option<usize> {
-        self.lease_skew_ns?;
+        self.lease.as_ref()?;
         specs.push(ReadSpec { offset: LEASE_OFFSET, len: LEASE_LEN as u32 });
         Some(specs.len() - 1)
     }
 
     /// Whether a batch's reads may be believed: in a cluster region, only
-    /// if the lease read with them outlasts them (clock read after the
-    /// batch completed, plus the skew bound). Bucket and item reads of one
-    /// GET each pass this, so the GET took effect while the region's
-    /// replica led and held every acknowledged write (docs/replication.md).
-    fn check_lease(&self, reads: &Reads, at: Option<usize>) -> Result<(), BackendError> {
-        let (Some(skew), Some(at)) = (self.lease_skew_ns, at) else { return Ok(()) };
-        let ended = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(u64::MAX, |d| d.as_nanos() as u64);
-        match reads.get(at).and_then(|b| LeaseBlock::decode(b, self.header.hash_seed)) {
-            Some(l) if lease_holds(l.expiry_unix_ns, ended, skew) => Ok(()),
-            _ => {
+    /// if the attempt so far (from `start` to the end of this batch) lay
+    /// inside one run of the lease whose block the batch read last
+    /// (`lease::check`). Bucket and item reads of one GET each pass this,
+    /// so the GET took effect while the region's replica was the only
+    /// leader and held every acknowledged write (docs/replication.md).
+    fn check_lease(&self, reads: &Reads, at: Option<usize>, start: &mut AttemptStart) -> Result<(), BackendError> {
+        let (Some(clock), Some(at)) = (&self.lease, at) else { return Ok(()) };
+        let ended = self.judge_time();
+        match lease::check(clock, self.header.hash_seed, reads.get(at), reads.stamps, start, ended) {
+            Ok(()) => Ok(()),
+            Err(_) => {
                 self.counters.unleased.fetch_add(1, Ordering::Relaxed);
                 Err(BackendError::Unleased)
             }

@@ -181,6 +181,20 @@ impl ClusterMap {
         Ok(news)
     }
 
+    /// Forgets that `node` leads `shard` (its replica there stopped), if the
+    /// map says it does; returns whether the map changed. The term stays:
+    /// the next leader's report, of that term or a later one, is news.
+    pub fn forget_leader(&mut self, shard: ShardId, node: NodeId) -> bool {
+        match self.shards.get_mut(shard as usize) {
+            Some(sh) if sh.leader == Some(node) => {
+                sh.leader = None;
+                self.version += 1;
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// The map as sent to clients (`local` left for the node to fill in).
     pub fn to_proto(&self) -> crate::proto::ClusterMapReply {
         crate::proto::ClusterMapReply {

@@ -28,7 +28,8 @@ impl RaftSink for LocalShards {
         let mut accepted = 0;
         for (shard, m) in msgs {
             // A message must come from the node it says it is from: a raft
-            // id holds its node's id, and the batch's sender authenticated.
+            // id holds its node's id, and the service takes a batch only
+            // from a connection of the node it names (`identity`).
             if dmkv_common::cluster::map::node_of(m.from) != from {
                 continue;
             }

@@ -16,6 +16,7 @@ use raft::{GetEntriesContext, RaftState, StorageError};
 use raft_engine::{Command, Engine, LogBatch, MessageExt};
 use thiserror::Error;
 
+use super::desk::{Descriptor, Desk};
 use super::snapshot::{Point, SnapshotSlot};
 
 /// raft-engine's view of raft-rs entries.
@@ -45,6 +46,9 @@ pub enum LogError {
     Compacted { shard: u64, at: u64, first: u64 },
     #[error("snapshot file {file}: {source}")]
     Snapshot { file: PathBuf, source: std::io::Error },
+    /// Broken beyond what can be cut out (see [`RaftLog::open_engine`]).
+    #[error("raft log in {dir} is damaged and cannot be repaired: {why}")]
+    Damaged { dir: String, why: String },
 }
 
 /// What one `Ready` asks to make durable.
@@ -73,6 +77,11 @@ pub enum SyncPolicy {
     None,
 }
 
+/// The engine's own default: log files are deleted only past 10 GB.
+pub const DEFAULT_PURGE_THRESHOLD: u64 = 10 << 30;
+/// Below this, purging would rewrite live entries again and again.
+pub const MIN_PURGE_THRESHOLD: u64 = 256 << 20;
+
 /// How often `--sync batch` forces the log to disk.
 pub const BATCH_SYNC_INTERVAL: std::time::Duration = std::time::Duration::from_millis(10);
 
@@ -98,19 +107,102 @@ pub struct RaftLog {
     sync: bool,
     /// Where the snapshot raft sends to followers comes from.
     slot: Option<Arc<SnapshotSlot>>,
+    /// The replica's snapshots: a leader's, installed before the log is
+    /// replaced by it, and the saved one, dropped by a reset.
+    desk: Option<Arc<Desk>>,
+}
+
+/// How a log opened.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Recovery {
+    /// As it was written (a torn last batch, from a crash while writing,
+    /// cut off as raft-engine always does).
+    Clean,
+    /// Broken batches inside it were cut out (a write that failed on a
+    /// full disk leaves one, and the log goes on in a later file): what
+    /// is left is whole, but entries this node acknowledged may be gone.
+    /// Its replicas must not vote as what they were (`node` makes them
+    /// new incarnations where the shard has other replicas).
+    Repaired(String),
 }
 
 impl RaftLog {
-    /// Opens (or creates) the log engine in `dir`, shared by a node's shards.
-    pub fn open_engine(dir: &str) -> Result<Arc<Engine>, LogError> {
-        let cfg = raft_engine::Config { dir: dir.to_string(), ..Default::default() };
-        Engine::open(cfg).map(Arc::new).map_err(|source| LogError::Engine { dir: dir.to_string(), source })
+    /// Opens (or creates) the log engine in `dir`, shared by a node's
+    /// shards. A log raft-engine's default recovery refuses (a broken
+    /// batch before its last file) is opened with the recovery that cuts
+    /// broken batches out, and said to be repaired: a node always starts.
+    pub fn open_engine(dir: &str) -> Result<(Arc<Engine>, Recovery), LogError> {
+        RaftLog::open_engine_then(dir, DEFAULT_PURGE_THRESHOLD, |_| Ok(()))
+    }
+
+    /// [`RaftLog::open_engine`], calling `before_repair` (with why) before
+    /// the log is touched to repair it: the caller records that the log is
+    /// not to be trusted first, so a crash during or after the repair
+    /// cannot leave a log that looks whole and is not.
+    /// `purge_threshold`: bytes of log files past which the engine
+    /// deletes the ones behind every shard's compaction point (and
+    /// rewrites what little of them is still live), when asked.
+    pub fn open_engine_then(
+        dir: &str,
+        purge_threshold: u64,
+        before_repair: impl FnOnce(&str) -> Result<(), String>,
+    ) -> Result<(Arc<Engine>, Recovery), LogError> {
+        let err = |source| LogError::Engine { dir: dir.to_string(), source };
+        let cfg = raft_engine::Config {
+            dir: dir.to_string(),
+            purge_threshold: raft_engine::ReadableSize(purge_threshold.max(MIN_PURGE_THRESHOLD)),
+            ..Default::default()
+        };
+        match Engine::open(cfg.clone()) {
+            Ok(e) => Ok((Arc::new(e), Recovery::Clean)),
+            Err(raft_engine::Error::Corruption(why)) => {
+                tracing::error!(dir, "raft log damaged ({why}): cutting out what is broken");
+                before_repair(&why).map_err(|e| LogError::Damaged { dir: dir.to_string(), why: e })?;
+                let cfg =
+                    raft_engine::Config { recovery_mode: raft_engine::RecoveryMode::TolerateAnyCorruption, ..cfg };
+                // Cutting out a batch in the middle leaves a hole, on which
+                // raft-engine panics: that is a refusal too.
+                let damaged = |why: String| LogError::Damaged { dir: dir.to_string(), why };
+                match super::engine_panic::caught(|| Engine::open(cfg)) {
+                    Ok(Ok(e)) => Ok((Arc::new(e), Recovery::Repaired(why))),
+                    Ok(Err(e)) => Err(damaged(format!("{why}; cutting it out failed: {e}"))),
+                    Err(p) => Err(damaged(format!("{why}; cutting it out leaves a hole ({})", panic_text(&p)))),
+                }
+            }
+            Err(e) => Err(err(e)),
+        }
+    }
+
+    /// Moves a damaged log `dir` (and its snapshots) aside, under a name
+    /// with the time, so that a fresh one can start there; returns where.
+    /// Earlier logs set aside are removed: one is kept, for a post-mortem.
+    pub fn set_aside(dir: &str) -> Result<String, LogError> {
+        let dir = dir.trim_end_matches('/');
+        let stamp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let parent = std::path::Path::new(dir).parent().unwrap_or(std::path::Path::new("."));
+        let name = std::path::Path::new(dir).file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+        let io = |source| LogError::Snapshot { file: PathBuf::from(dir), source };
+        if let Ok(entries) = std::fs::read_dir(parent) {
+            for e in entries.flatten() {
+                if e.file_name().to_string_lossy().starts_with(&format!("{name}.damaged-")) {
+                    let _ = std::fs::remove_dir_all(e.path());
+                }
+            }
+        }
+        let aside = format!("{dir}.damaged-{stamp}");
+        std::fs::rename(dir, &aside).map_err(io)?;
+        let snaps = format!("{dir}-snapshots");
+        if std::path::Path::new(&snaps).exists() {
+            std::fs::rename(&snaps, format!("{aside}/snapshots")).map_err(io)?;
+        }
+        std::fs::File::open(parent).and_then(|d| d.sync_all()).map_err(io)?;
+        Ok(aside)
     }
 
     /// Shard `shard`'s log in `engine`.
     pub fn new(engine: Arc<Engine>, shard: u64) -> RaftLog {
         let dir = engine.path().to_string();
-        RaftLog { engine, shard, dir, sync: false, slot: None }
+        RaftLog { engine, shard, dir, sync: false, slot: None, desk: None }
     }
 
     /// Hands raft the snapshots put in `slot` (without one, followers that
@@ -120,39 +212,29 @@ impl RaftLog {
         self
     }
 
-    /// The file holding this shard's state machine as of its last
-    /// snapshot, beside the log's directory.
-    pub fn snapshot_file(&self) -> PathBuf {
+    /// Takes snapshots through `desk` (with this log's snapshot directory,
+    /// [`RaftLog::snapshot_dir`]).
+    pub fn with_desk(mut self, desk: Arc<Desk>) -> RaftLog {
+        self.desk = Some(desk);
+        self
+    }
+
+    /// Where this shard's snapshots are saved: beside the log's directory.
+    pub fn snapshot_dir(&self) -> PathBuf {
         PathBuf::from(format!("{}-snapshots", self.dir.trim_end_matches('/')))
-            .join(format!("shard-{}.snap", self.shard))
     }
 
-    /// The saved snapshot's bytes, if there is one (checked by the caller:
-    /// `snapshot::decode`).
-    pub fn load_snapshot(&self) -> Result<Option<Vec<u8>>, LogError> {
-        let file = self.snapshot_file();
-        match std::fs::read(&file) {
-            Ok(b) => Ok(Some(b)),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-            Err(source) => Err(LogError::Snapshot { file, source }),
-        }
-    }
-
-    /// Saves a snapshot whole or not at all: written beside, forced to
-    /// disk, renamed over the last one, the directory forced too.
-    fn write_snapshot(&self, data: &[u8]) -> Result<(), LogError> {
+    /// Whether the disk takes writes: a small file written, synced and
+    /// removed beside the log. A replica that failed on a full disk is
+    /// started again only once this passes, so trying often costs little.
+    pub fn probe(&self) -> Result<(), LogError> {
         use std::io::Write;
-        let file = self.snapshot_file();
+        let file = PathBuf::from(format!("{}.probe", self.dir.trim_end_matches('/')));
         let err = |source| LogError::Snapshot { file: file.clone(), source };
-        let dir = file.parent().unwrap_or(std::path::Path::new("."));
-        std::fs::create_dir_all(dir).map_err(err)?;
-        let tmp = file.with_extension("snap.tmp");
-        let mut f = std::fs::File::create(&tmp).map_err(err)?;
-        f.write_all(data).map_err(err)?;
-        f.sync_all().map_err(err)?;
-        std::fs::rename(&tmp, &file).map_err(err)?;
-        std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(err)?;
-        Ok(())
+        let mut f = std::fs::File::create(&file).map_err(err)?;
+        let wrote = f.write_all(&[0x5a; 4096]).and_then(|()| f.sync_all());
+        let _ = std::fs::remove_file(&file);
+        wrote.map_err(err)
     }
 
     /// Forces every ready batch to disk before raft goes on.
@@ -178,7 +260,13 @@ impl RaftLog {
         if let Some(snap) = p.snapshot {
             // The state machine first: once the log is replaced by the
             // snapshot, a restart can only start from the saved state.
-            self.write_snapshot(&snap.data)?;
+            let desc = Descriptor::decode(snap.get_data()).ok_or_else(|| LogError::Damaged {
+                dir: self.dir.clone(),
+                why: "a snapshot without a descriptor".into(),
+            })?;
+            if let Some(desk) = &self.desk {
+                desk.install(&desc).map_err(|why| LogError::Damaged { dir: self.dir.clone(), why })?;
+            }
             // A snapshot replaces the whole log.
             let meta = snap.get_metadata();
             let mut hs = match hard_state.take() {
@@ -246,11 +334,8 @@ impl RaftLog {
     /// Empties the shard's log and saved snapshot, for a new replica `id`
     /// that starts from `conf` with no state.
     pub fn reset(&self, id: u64, conf: &ConfState) -> Result<(), LogError> {
-        let file = self.snapshot_file();
-        match std::fs::remove_file(&file) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(source) => return Err(LogError::Snapshot { file, source }),
+        if let Some(desk) = &self.desk {
+            desk.reset().map_err(|why| LogError::Damaged { dir: self.dir.clone(), why })?;
         }
         let mut b = LogBatch::default();
         b.add_command(self.shard, Command::Clean);
@@ -341,20 +426,6 @@ impl crate::cluster::replica::LogStore for RaftLog {
         self.set_conf_state(cs).map_err(|e| raft::Error::Store(StorageError::Other(Box::new(e))))
     }
 
-    fn save_snapshot(&self, data: Vec<u8>) -> std::sync::mpsc::Receiver<Result<(), String>> {
-        let (tx, rx) = std::sync::mpsc::channel();
-        let log = self.clone();
-        let spawned = std::thread::Builder::new().name(format!("shard-{}-save", self.shard)).spawn(move || {
-            let _ = tx.send(log.write_snapshot(&data).map_err(|e| e.to_string()));
-        });
-        if let Err(e) = spawned {
-            let (tx, rx2) = std::sync::mpsc::channel();
-            let _ = tx.send(Err(format!("cannot start the snapshot writer: {e}")));
-            return rx2;
-        }
-        rx
-    }
-
     fn set_commit(&self, commit: u64) -> raft::Result<()> {
         let mut hs: HardState =
             self.engine.get_message(self.shard, HARD_STATE).map_err(storage_err)?.unwrap_or_default();
@@ -362,6 +433,13 @@ impl crate::cluster::replica::LogStore for RaftLog {
         RaftLog::persist(self, Persist { hard_state: Some(&hs), ..Default::default() })
             .map_err(|e| raft::Error::Store(StorageError::Other(Box::new(e))))
     }
+}
+
+fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic".into())
 }
 
 fn storage_err(e: raft_engine::Error) -> raft::Error {
@@ -445,7 +523,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().to_str().unwrap();
         {
-            let log = RaftLog::new(RaftLog::open_engine(path).unwrap(), 3);
+            let log = RaftLog::new(RaftLog::open_engine(path).unwrap().0, 3);
             let ents: Vec<Entry> = (1..=5).map(|i| entry(i, 1)).collect();
             let hs = HardState { term: 1, commit: 4, ..Default::default() };
             log.persist(Persist { entries: &ents, hard_state: Some(&hs), snapshot: None, sync: true }).unwrap();
@@ -459,7 +537,7 @@ mod tests {
             })
             .unwrap();
         }
-        let log = RaftLog::new(RaftLog::open_engine(path).unwrap(), 3);
+        let log = RaftLog::new(RaftLog::open_engine(path).unwrap().0, 3);
         let st = log.initial_state().unwrap();
         assert_eq!((st.hard_state.term, st.hard_state.commit), (1, 4));
         assert_eq!(st.conf_state.voters, vec![1, 2, 3]);
@@ -473,10 +551,80 @@ mod tests {
         assert_eq!((other.first_index().unwrap(), other.last_index().unwrap()), (1, 0));
     }
 
+    /// A log in several files (small ones), 200 entries of shard 1.
+    fn log_in_files() -> (tempfile::TempDir, String, Vec<PathBuf>) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().to_str().unwrap().to_string();
+        let cfg = raft_engine::Config {
+            dir: path.clone(),
+            target_file_size: raft_engine::ReadableSize::kb(64),
+            ..Default::default()
+        };
+        {
+            let engine = Engine::open(cfg).unwrap();
+            for index in 1..=200u64 {
+                // Incompressible, so that the log spans several files.
+                let data: Vec<u8> = (0..2000).map(|_| rand::random::<u8>()).collect();
+                let e = Entry { index, term: 1, data: data.into(), ..Default::default() };
+                let mut b = LogBatch::default();
+                b.add_entries::<EntryExt>(1, &[e]).unwrap();
+                engine.write(&mut b, false).unwrap();
+            }
+        }
+        let mut files: Vec<_> = std::fs::read_dir(&path)
+            .unwrap()
+            .map(|f| f.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|e| e == "raftlog"))
+            .collect();
+        files.sort();
+        assert!(files.len() >= 3, "{files:?}");
+        (dir, path, files)
+    }
+
+    fn strict_open(path: &str) -> raft_engine::Result<()> {
+        Engine::open(raft_engine::Config { dir: path.to_string(), ..Default::default() }).map(|_| ())
+    }
+
+    /// What a full disk left in the fault suite: the leftover of a failed
+    /// write after a file's last batch, and the log going on in the next
+    /// file. raft-engine's default recovery forgives a torn tail only in
+    /// the last file, and refuses it; the node cuts it off and says so.
+    #[test]
+    fn a_torn_tail_before_the_last_file_opens_repaired() {
+        let (_dir, path, files) = log_in_files();
+        let mut f = std::fs::OpenOptions::new().append(true).open(&files[0]).unwrap();
+        std::io::Write::write_all(&mut f, &[0xa5; 3000]).unwrap();
+        drop(f);
+        assert!(matches!(strict_open(&path), Err(raft_engine::Error::Corruption(_))), "the default took it");
+        let (engine, recovery) = RaftLog::open_engine(&path).unwrap();
+        assert!(matches!(recovery, Recovery::Repaired(_)), "{recovery:?}");
+        let log = RaftLog::new(engine, 1);
+        assert_eq!(log.entries(1, 201, None, GetEntriesContext::empty(false)).unwrap().len(), 200, "nothing lost");
+    }
+
+    /// A break in the middle of the log cannot be cut out without a hole
+    /// (raft-engine then panics on the hole): refused, so the node can
+    /// set the log aside (`set_aside`) and start its replicas afresh.
+    #[test]
+    fn a_log_broken_in_the_middle_is_refused_without_a_panic() {
+        let (_dir, path, files) = log_in_files();
+        let mut bytes = std::fs::read(&files[0]).unwrap();
+        let mid = bytes.len() / 2;
+        // More than a batch: a batch header is among them.
+        bytes[mid..mid + 5000].fill(0xa5);
+        std::fs::write(&files[0], bytes).unwrap();
+        let err = RaftLog::open_engine(&path).err().expect("refused");
+        assert!(matches!(err, LogError::Damaged { .. }), "{err}");
+        let aside = RaftLog::set_aside(&path).unwrap();
+        assert!(std::path::Path::new(&aside).exists() && !std::path::Path::new(&path).exists());
+        let (_, recovery) = RaftLog::open_engine(&path).unwrap();
+        assert_eq!(recovery, Recovery::Clean, "a fresh log");
+    }
+
     #[test]
     fn holes_and_compacted_overwrites_are_errors_not_panics() {
         let dir = tempfile::tempdir().unwrap();
-        let log = RaftLog::new(RaftLog::open_engine(dir.path().to_str().unwrap()).unwrap(), 1);
+        let log = RaftLog::new(RaftLog::open_engine(dir.path().to_str().unwrap()).unwrap().0, 1);
         let ents: Vec<Entry> = (1..=10).map(|i| entry(i, 1)).collect();
         log.persist(Persist { entries: &ents, ..Default::default() }).unwrap();
         assert!(matches!(

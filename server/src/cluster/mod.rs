@@ -4,9 +4,11 @@
 
 pub mod apply;
 pub mod config;
+pub mod desk;
 pub mod driver;
-#[cfg(test)]
-mod lease_sim;
+pub mod engine_panic;
+pub mod identity;
+pub mod last_run;
 pub mod leasing;
 pub mod local;
 pub mod log;
@@ -14,5 +16,8 @@ pub mod node;
 pub mod peer;
 pub mod replica;
 pub mod shard;
+#[cfg(test)]
+mod sim;
 pub mod snapshot;
+pub mod transfer;
 pub mod wire;

@@ -16,17 +16,19 @@ use dmkv_common::proto;
 use raft::prelude::ConfState;
 use tokio::sync::watch;
 
-use super::apply::Remembered;
-use super::apply::{Applied, encode_delete_with, encode_put_with};
+use super::apply::{Applied, Remembered, RememberedStats, encode_delete_with, encode_put_with};
 use super::config::ClusterConfig;
-use super::driver::{LeasePublisher, ReplicaStatus, ShardThread, TICK};
+use super::desk::Desk;
+use super::driver::{LeasePublisher, ReplicaStatus, Restart, ShardThread, TICK};
+use super::last_run;
 use super::leasing::LeaseKeeper;
 use super::local::LocalShards;
-use super::log::{BATCH_SYNC_INTERVAL, RaftLog, SyncPolicy};
+use super::log::{BATCH_SYNC_INTERVAL, RaftLog, Recovery, SyncPolicy};
 use super::peer::{self as peer, Dialer, Peers};
 use super::replica::{MemLog, Replica};
 use super::shard::{JoinStep, ProposeError, RoomHook, ShardCore};
 use super::snapshot::{self as snap, SnapshotSlot};
+use super::transfer::Link;
 use crate::compact::Compactor;
 use crate::region::Region;
 use crate::registration::Registration;
@@ -35,9 +37,8 @@ use crate::store::{Location, Store};
 /// Raft's election timeout in ticks of [`super::driver::TICK`]: 150 ms,
 /// randomized by raft up to twice that. Heartbeats go every 30 ms.
 pub const ELECTION_TICKS: usize = 15;
-/// Most any node's clock rate is taken to differ from true time (ppm):
-/// ten times what a crystal oscillator without NTP drifts.
-pub const LEASE_DRIFT_PPM: u64 = 1000;
+/// Most any node's clock rate is taken to differ from true time (ppm).
+pub const LEASE_DRIFT_PPM: u64 = dmkv_common::cluster::lease::MAX_DRIFT_PPM;
 /// Taken off the lease for scheduling between reading a clock and acting.
 pub const LEASE_MARGIN: Duration = Duration::from_millis(20);
 
@@ -48,7 +49,6 @@ pub fn lease_config() -> dmkv_common::cluster::lease::LeaseConfig {
     dmkv_common::cluster::lease::LeaseConfig {
         election_timeout_ns: (ELECTION_TICKS as u64 - 1) * TICK.as_nanos() as u64,
         max_drift_ppm: LEASE_DRIFT_PPM,
-        max_skew_ns: 0,
         margin_ns: LEASE_MARGIN.as_nanos() as u64,
     }
 }
@@ -58,6 +58,10 @@ pub fn lease_config() -> dmkv_common::cluster::lease::LeaseConfig {
 /// the store's guarantee (`compact::GUARANTEED_PERCENT`), so that every
 /// replica can apply what the leader admitted.
 pub const ADMIT_PERCENT: u64 = crate::compact::GUARANTEED_PERCENT - 5;
+
+/// Tries of one RPC read whose permission did not hold by the end of the
+/// read (the lease ended, or the store was emptied meanwhile); then BUSY.
+pub const MAX_READ_TRIES: usize = 8;
 
 /// Smallest region a shard replica gets: the smallest region there is.
 pub const MIN_SHARD_MEMORY: u64 = dmkv_common::limits::MIN_REGION_LEN as u64;
@@ -102,6 +106,9 @@ struct LocalReplica {
     in_flight: AtomicU64,
     reg: Arc<Registration>,
     status: Arc<ReplicaStatus>,
+    remembered: Arc<RememberedStats>,
+    /// Its snapshots (the receiver hands them chunks).
+    desk: Arc<Desk>,
 }
 
 /// This node's part of the cluster.
@@ -112,6 +119,8 @@ pub struct ClusterNode {
     sink: Arc<LocalShards>,
     /// The raft log's engine, with `--data-dir` (its size is a metric).
     log: Option<Arc<raft_engine::Engine>>,
+    data_dir: Option<PathBuf>,
+    sync: SyncPolicy,
 }
 
 /// What a node needs from the server's configuration.
@@ -135,17 +144,48 @@ impl ClusterNode {
         let peers: Vec<_> = cfg.nodes.iter().filter(|n| n.id != me).map(|n| (n.id, n.peer)).collect();
         let dialer =
             Dialer { me, token: p.token, max_frame: p.max_frame, source: Dialer::source_of(cfg.node(me)?.peer) };
-        let peers = Arc::new(Peers::start(dialer.clone(), peers, stop.clone()));
+        let peers = Arc::new(Peers::start(dialer.clone(), peers, stop.clone(), p.memory));
+        // A log that may lack what its replicas acknowledged (see
+        // `last_run`, `log::Recovery`) is not trusted to vote: replicas of
+        // shards that have others rejoin as new incarnations.
+        let mut distrust = None;
         let engine = match &setup.data_dir {
             Some(dir) => {
                 let raft_dir = dir.join("raft");
                 std::fs::create_dir_all(&raft_dir)
                     .map_err(|e| format!("cannot create data directory {}: {e}", raft_dir.display()))?;
-                let engine = RaftLog::open_engine(&raft_dir.to_string_lossy()).map_err(|e| e.to_string())?;
+                if let last_run::Trust::Distrusted(why) = last_run::begin(dir, setup.sync)? {
+                    distrust = Some(why);
+                }
+                let raft_path = raft_dir.to_string_lossy().to_string();
+                let mark = |why: &str| last_run::distrust(dir, &format!("the raft log was damaged ({why})"));
+                let (engine, recovery) =
+                    match RaftLog::open_engine_then(&raft_path, log_purge_threshold(p.memory), mark) {
+                        // Every shard has other replicas to catch up from (one
+                        // `replicas` for all): the log is set aside, the node
+                        // starts with an empty one, and its replicas rejoin.
+                        Err(e @ super::log::LogError::Damaged { .. }) if local.iter().all(|s| s.replicas.len() > 1) => {
+                            let aside = RaftLog::set_aside(&raft_path).map_err(|e| e.to_string())?;
+                            tracing::error!("{e}: set aside as {aside}; every replica of this node rejoins its shard");
+                            std::fs::create_dir_all(&raft_dir)
+                                .map_err(|e| format!("cannot create data directory {}: {e}", raft_dir.display()))?;
+                            let (engine, _) =
+                                RaftLog::open_engine_then(&raft_path, log_purge_threshold(p.memory), |_| Ok(()))
+                                    .map_err(|e| e.to_string())?;
+                            (engine, Recovery::Repaired(e.to_string()))
+                        }
+                        r => r.map_err(|e| e.to_string())?,
+                    };
+                if let Recovery::Repaired(why) = recovery {
+                    distrust = Some(format!("the raft log was damaged and repaired ({why})"));
+                }
+                super::engine_panic::abort_on_engine_panic(dir);
                 if setup.sync == SyncPolicy::Batch {
                     spawn_batch_sync(Arc::clone(&engine), stop.clone())
                         .map_err(|e| format!("cannot start the log syncer: {e}"))?;
                 }
+                spawn_log_purge(Arc::clone(&engine), stop.clone())
+                    .map_err(|e| format!("cannot start the log purger: {e}"))?;
                 Some(engine)
             }
             None => None,
@@ -170,18 +210,13 @@ impl ClusterNode {
                 Compactor::spawn(Arc::clone(&store), p.compactor)
                     .map_err(|e| format!("shard {}: cannot start its compactor: {e}", sh.id))?,
             );
-            let room = || -> RoomHook {
-                let c = Arc::clone(&compactor);
-                Box::new(move |units| c.after_out_of_memory(units))
-            };
             let reg = Arc::new(Registration::new(*store.header()));
-            let publisher =
-                || LeasePublisher::new(Arc::clone(store.region()), Arc::clone(&reg), store.header().hash_seed);
-            let keeper = || LeaseKeeper::new(lease_config()).map_err(|e| e.to_string());
+            let publisher = LeasePublisher::new(Arc::clone(store.region()), Arc::clone(&reg), store.header().hash_seed);
             // The first members: every replica node's first incarnation.
             let conf =
                 ConfState { voters: sh.replicas.iter().map(|&n| replica_id(n, 1)).collect(), ..Default::default() };
             let status = Arc::new(ReplicaStatus::for_shard(sh.id));
+            let remembered = Arc::new(RememberedStats::default());
             let send = {
                 let (peers, shard) = (Arc::clone(&peers), sh.id);
                 move |msgs: Vec<raft::prelude::Message>| {
@@ -191,71 +226,76 @@ impl ClusterNode {
                 }
             };
             let name = format!("shard-{}", sh.id);
-            let slot = Arc::new(SnapshotSlot::default());
-            let first = replica_id(me, 1);
-            // A replica with no state starts as a member-to-be under a new
-            // incarnation; the membership task makes it a first member or
-            // has the leader add it (see `membership`).
-            let fresh = replica_id(me, rand::random_range(2..=u32::MAX));
-            let raft_err = |e: raft::Error| format!("shard {}: raft: {e}", sh.id);
+            // A received snapshot holds at most the region's items, met at
+            // most twice (see `store::view`), and its framing.
+            let max_snapshot = 2 * per_shard + super::desk::RECEIVE_SLACK;
+            let desk = Arc::new(match &engine {
+                Some(_) => {
+                    let dir = setup.data_dir.as_ref().expect("a log engine comes with a data dir");
+                    let snaps = PathBuf::from(format!("{}-snapshots", dir.join("raft").display()));
+                    Desk::durable(&snaps, sh.id, max_snapshot).map_err(|e| format!("shard {}: {e}", sh.id))?
+                }
+                None => Desk::memory(sh.id, max_snapshot),
+            });
+            // An in-memory log is cut by bytes too, tied to the memory it
+            // takes beside the region; one on disk by the time it replays.
+            let max_log_bytes =
+                if engine.is_some() { 2 * per_shard } else { per_shard / super::shard::LOG_MEMORY_SHARE };
+            let parts = Arc::new(ShardParts {
+                shard: sh.id,
+                me,
+                store: Arc::clone(&store),
+                slot: Arc::new(SnapshotSlot::default()),
+                desk: Arc::clone(&desk),
+                conf,
+                limits: super::shard::LogLimits { max_bytes: max_log_bytes, ..setup.log_limits },
+                replicas: sh.replicas.len(),
+                compactor: Arc::clone(&compactor),
+                logger: logger.clone(),
+                distrust: Mutex::new(distrust.clone().filter(|_| sh.replicas.len() > 1)),
+                remembered: Arc::clone(&remembered),
+            });
+            if let (Some(why), 1) = (&distrust, sh.replicas.len()) {
+                tracing::error!(
+                    shard = sh.id,
+                    "{why}; the shard has no other replica to catch up from, so it goes on with what the log holds"
+                );
+            }
             let (thread, joining) = match &engine {
                 Some(engine) => {
                     let log = RaftLog::new(Arc::clone(engine), u64::from(sh.id))
                         .with_sync(setup.sync == SyncPolicy::Always)
-                        .with_snapshots(Arc::clone(&slot));
+                        .with_snapshots(Arc::clone(&parts.slot))
+                        .with_desk(Arc::clone(&desk));
                     if raft::Storage::initial_state(&log).map_err(|e| e.to_string())?.conf_state.voters.is_empty() {
-                        log.set_conf_state(&conf).map_err(|e| e.to_string())?;
+                        log.set_conf_state(&parts.conf).map_err(|e| e.to_string())?;
                     }
-                    let known = log.replica_id().map_err(|e| e.to_string())?;
-                    let (applied, remembered) = recover(&log, &store).map_err(|e| format!("shard {}: {e}", sh.id))?;
-                    let replica =
-                        Replica::new_at(known.unwrap_or(fresh), log.clone(), ELECTION_TICKS, applied, &logger)
-                            .map_err(raft_err)?;
-                    let mut core = ShardCore::new(replica, Arc::clone(&store))
-                        .with_leases(keeper()?, ELECTION_TICKS as u64)
-                        .with_room(room())
-                        .with_snapshots(setup.log_limits, slot)
-                        .restored(applied, remembered);
-                    let (fresh_log, fresh_logger, fresh_conf) = (log.clone(), logger.clone(), conf.clone());
-                    core = core.with_fresh(Box::new(move |id| {
-                        fresh_log
-                            .reset(id, &fresh_conf)
-                            .map_err(|e| raft::Error::Store(raft::StorageError::Other(e.into())))?;
-                        Replica::new(id, fresh_log.clone(), ELECTION_TICKS, &fresh_logger)
-                    }));
-                    if known.is_none() {
-                        let (log, logger) = (log.clone(), logger.clone());
-                        core = core.with_first_member(Box::new(move || {
-                            log.set_replica_id(first)
-                                .map_err(|e| raft::Error::Store(raft::StorageError::Other(e.into())))?;
-                            Replica::new(first, log, ELECTION_TICKS, &logger)
-                        }));
-                    }
-                    let joining = known.is_none().then(|| {
-                        let log = log.clone();
-                        Box::new(move |id| log.set_replica_id(id).map_err(|e| e.to_string())) as RecordId
+                    let (core, joining) = parts.durable(&log)?;
+                    let again = Arc::clone(&parts);
+                    // After a failure: the store again from the snapshot
+                    // and the log, as at a start.
+                    let restart: Restart<RaftLog> = Box::new(move |_| {
+                        log.probe().map_err(|e| format!("the disk takes no writes yet: {e}"))?;
+                        again.store.clear(1).map_err(|e| format!("emptying the store: {e}"))?;
+                        again.durable(&log).map(|(core, _)| core)
                     });
-                    (ShardThread::spawn(name, core, Arc::clone(&status), Some(publisher()), send), joining)
+                    (ShardThread::spawn(name, core, restart, Arc::clone(&status), Some(publisher), send), joining)
                 }
                 None => {
-                    let replica =
-                        Replica::new(fresh, MemLog::new(conf.clone(), Arc::clone(&slot)), ELECTION_TICKS, &logger)
-                            .map_err(raft_err)?;
-                    let (logger, first_slot) = (logger.clone(), Arc::clone(&slot));
-                    let (fresh_logger, fresh_slot, fresh_conf) = (logger.clone(), Arc::clone(&slot), conf.clone());
-                    let core = ShardCore::new(replica, Arc::clone(&store))
-                        .with_fresh(Box::new(move |id| {
-                            let log = MemLog::new(fresh_conf.clone(), Arc::clone(&fresh_slot));
-                            Replica::new(id, log, ELECTION_TICKS, &fresh_logger)
-                        }))
-                        .with_leases(keeper()?, ELECTION_TICKS as u64)
-                        .with_room(room())
-                        .with_snapshots(setup.log_limits, slot)
-                        .with_first_member(Box::new(move || {
-                            Replica::new(first, MemLog::new(conf, first_slot), ELECTION_TICKS, &logger)
-                        }));
+                    // A replica with no state starts as a member-to-be
+                    // under a new incarnation; the membership task makes it
+                    // a first member or has the leader add it (see
+                    // `membership`).
+                    let core = parts.memory(fresh_incarnation(me), true)?;
+                    let again = Arc::clone(&parts);
+                    // After a failure its memory is not to be trusted: it
+                    // joins again as a new incarnation, as after a restart.
+                    let restart: Restart<MemLog> = Box::new(move |_| {
+                        again.store.clear(1).map_err(|e| format!("emptying the store: {e}"))?;
+                        again.memory(fresh_incarnation(again.me), false)
+                    });
                     let joining = Some(Box::new(|_| Ok(())) as RecordId);
-                    (ShardThread::spawn(name, core, Arc::clone(&status), Some(publisher()), send), joining)
+                    (ShardThread::spawn(name, core, restart, Arc::clone(&status), Some(publisher), send), joining)
                 }
             };
             let thread = thread.map_err(|e| format!("shard {}: cannot start its thread: {e}", sh.id))?;
@@ -275,12 +315,53 @@ impl ClusterNode {
                 stop: stop.clone(),
             }));
             sink.insert(sh.id, Box::new(thread.inbox()));
+            peers.snapshots.register(sh.id, Link { desk: Arc::clone(&desk), failed: thread.snapshot_failer() });
             replicas.insert(
                 sh.id,
-                LocalReplica { thread, store, _compactor: compactor, in_flight: AtomicU64::new(0), reg, status },
+                LocalReplica {
+                    thread,
+                    store,
+                    _compactor: compactor,
+                    in_flight: AtomicU64::new(0),
+                    reg,
+                    status,
+                    remembered,
+                    desk,
+                },
             );
         }
-        Ok(ClusterNode { id: me, map: Mutex::new(map), replicas, sink: Arc::new(sink), log: engine })
+        if let (Some(why), Some(dir)) = (&distrust, &setup.data_dir) {
+            // Every replica that could drop the distrusted log has, durably.
+            last_run::settled(dir)?;
+            tracing::info!("{why}: every replica with others to catch up from rejoins as a new incarnation");
+        }
+        Ok(ClusterNode {
+            id: me,
+            map: Mutex::new(map),
+            replicas,
+            sink: Arc::new(sink),
+            log: engine,
+            data_dir: setup.data_dir.clone(),
+            sync: setup.sync,
+        })
+    }
+
+    /// Stops every replica (each fences first), forces the log to disk and
+    /// records that this run stopped cleanly (`last_run`). Blocks.
+    pub fn shut_down(&self) {
+        for r in self.replicas.values() {
+            r.thread.halt();
+        }
+        if let (Some(engine), Some(dir)) = (&self.log, &self.data_dir) {
+            match engine.sync() {
+                Ok(()) => {
+                    if let Err(e) = last_run::end(dir, self.sync) {
+                        tracing::warn!("cannot record the clean stop: {e}");
+                    }
+                }
+                Err(e) => tracing::error!("the raft log could not be synced at shutdown: {e}"),
+            }
+        }
     }
 
     /// Where peers' raft messages go.
@@ -288,10 +369,16 @@ impl ClusterNode {
         Arc::clone(&self.sink)
     }
 
-    /// The map with what this node's replicas know of their leaders.
+    /// The map with what this node's replicas know of their leaders. A
+    /// replica that stopped (it failed, and is starting again) is never
+    /// named leader: clients go to the others.
     pub fn map(&self) -> ClusterMap {
         let mut map = crate::lock::lock(&self.map);
         for (&shard, r) in &self.replicas {
+            if r.status.role() == "stopped" {
+                map.forget_leader(shard, self.id);
+                continue;
+            }
             let leader = node_of(r.status.leader.load(std::sync::atomic::Ordering::Relaxed));
             if leader != 0 {
                 let _ = map.set_leader(shard, leader, r.status.term.load(std::sync::atomic::Ordering::Relaxed));
@@ -370,7 +457,10 @@ impl ClusterNode {
         match r.thread.propose(data).await {
             Ok(Ok(a)) => Ok(a),
             Ok(Err(e)) => Err(self.cluster_error(e)),
-            Err(_) => Err(ClusterError::Failed("the shard's replica stopped".into())),
+            // The replica failed with the write on its way: it may have
+            // committed (and be applied by the others). The client sends
+            // it again with its id, to whichever replica leads now.
+            Err(_) => Err(ClusterError::Uncertain),
         }
     }
 
@@ -378,7 +468,7 @@ impl ClusterNode {
     /// `id`: the client's write id, so that a PUT sent again applies once.
     pub async fn put(&self, key: &[u8], value: &[u8], id: Option<proto::WriteId>) -> Result<u64, ClusterError> {
         check_key(key).and_then(|()| check_value(value)).map_err(ClusterError::Store)?;
-        match self.propose(key, encode_put_with(key, value, id)).await? {
+        match self.propose(key, encode_put_with(key, value, id, crate::clock::now_ms())).await? {
             Applied::Put { version } => Ok(version),
             other => Err(ClusterError::Failed(format!("a PUT applied as {other:?}"))),
         }
@@ -387,38 +477,137 @@ impl ClusterNode {
     /// A DELETE, answered once committed and applied here.
     pub async fn delete(&self, key: &[u8], id: Option<proto::WriteId>) -> Result<bool, ClusterError> {
         check_key(key).map_err(ClusterError::Store)?;
-        match self.propose(key, encode_delete_with(key, id)).await? {
+        match self.propose(key, encode_delete_with(key, id, crate::clock::now_ms())).await? {
             Applied::Delete { existed } => Ok(existed),
             other => Err(ClusterError::Failed(format!("a DELETE applied as {other:?}"))),
         }
     }
 
-    /// The store of `key`'s shard, once a read of it is linearizable.
-    async fn readable(&self, key: &[u8]) -> Result<&Store, ClusterError> {
+    /// Reads `key`'s shard's store linearizably with `read`: once a quorum
+    /// round or the lease permits it. A read permitted under the lease
+    /// counts only if it ended before the lease did, on this node's clock
+    /// read after it: the permission was decided on the shard thread's
+    /// clock as of its last poll, which a preempted thread (or this task,
+    /// preempted between the permission and the read) may have made long
+    /// before the read. One that ended too late is asked again, under a
+    /// quorum round. Any read counts only if the store was not emptied
+    /// since the permission (its generation), else it is asked again. The
+    /// retries are bounded by the request's own deadline (the caller's
+    /// timeout drops this future).
+    async fn read_linearizably<T>(
+        &self,
+        key: &[u8],
+        read: impl Fn(&Store) -> Result<T, StoreError>,
+    ) -> Result<T, ClusterError> {
         let r = self.replica_of(key)?;
-        match r.thread.read().await {
-            Ok(Ok(())) => Ok(&r.store),
-            Ok(Err(e)) => Err(self.cluster_error(e)),
-            Err(_) => Err(ClusterError::Failed("the shard's replica stopped".into())),
+        let mut lease_ok = true;
+        for _ in 0..MAX_READ_TRIES {
+            let grant = match r.thread.read(lease_ok).await {
+                Ok(Ok(g)) => g,
+                Ok(Err(e)) => return Err(self.cluster_error(e)),
+                // The replica failed meanwhile: another one answers.
+                Err(_) => return Err(ClusterError::NotLeader { leader: None, map_version: self.map_version() }),
+            };
+            let got = read(&r.store).map_err(ClusterError::Store);
+            if r.store.generation() != grant.generation {
+                // Emptied and refilled under the read (a snapshot, a
+                // replacement, a restart): what it saw is no state the
+                // replica was in. Asked again, from the start.
+                r.status.lease_read_retries.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            let got = got?;
+            match grant.lease_until {
+                Some(until) if crate::clock::mono_ns() >= until => {
+                    r.status.lease_read_retries.fetch_add(1, Ordering::Relaxed);
+                    lease_ok = false;
+                }
+                _ => return Ok(got),
+            }
         }
+        Err(ClusterError::Busy)
     }
 
     /// A linearizable GET on the shard's leader.
     pub async fn get(&self, key: &[u8]) -> Result<Option<(Bytes, u64, Location)>, ClusterError> {
-        self.readable(key).await?.get_located(key).map_err(ClusterError::Store)
+        self.read_linearizably(key, |s| s.get_located(key)).await
     }
 
     /// Linearizable GETs of many keys: one read permission per shard
     /// (a quorum round, or the lease), then every key of that shard.
     pub async fn multi_get(&self, keys: &[Bytes]) -> Result<Vec<Option<(Bytes, u64, Location)>>, ClusterError> {
-        let mut permitted = std::collections::HashSet::new();
-        let mut out = Vec::with_capacity(keys.len());
-        for k in keys {
-            let shard = crate::lock::lock(&self.map).shard_of(k).id;
-            let store = if permitted.insert(shard) { self.readable(k).await? } else { &self.replica_of(k)?.store };
-            out.push(store.get_located(k).map_err(ClusterError::Store)?);
+        let mut by_shard: std::collections::BTreeMap<ShardId, Vec<usize>> = Default::default();
+        {
+            let map = crate::lock::lock(&self.map);
+            for (i, k) in keys.iter().enumerate() {
+                by_shard.entry(map.shard_of(k).id).or_default().push(i);
+            }
+        }
+        let mut out = vec![None; keys.len()];
+        for idx in by_shard.values() {
+            let first = &keys[idx[0]];
+            let got = self
+                .read_linearizably(first, |s| {
+                    idx.iter().map(|&i| s.get_located(&keys[i])).collect::<Result<Vec<_>, _>>()
+                })
+                .await?;
+            for (&i, v) in idx.iter().zip(got) {
+                out[i] = v;
+            }
         }
         Ok(out)
+    }
+
+    /// Takes a chunk of a snapshot a leader on node `c.from_node` streams to
+    /// this node's replica of `c.shard`. The last one, once the whole
+    /// stream checked out, hands raft the MsgSnapshot it carries.
+    pub async fn receive_snapshot(&self, c: proto::SnapshotChunk) -> Result<proto::SnapshotChunkReply, ClusterError> {
+        let Some(r) = self.replicas.get(&c.shard) else {
+            return Err(ClusterError::Failed(format!("shard {} has no replica on node {}", c.shard, self.id)));
+        };
+        let desk = Arc::clone(&r.desk);
+        let (from, id, offset, last) = (c.from_node, c.id, c.offset, c.last);
+        let data = c.data;
+        // Writes (and, at the end, a sync and a read of the whole stream)
+        // are off the async workers.
+        let taken = tokio::task::spawn_blocking(move || desk.receive(from, id, offset, &data, last))
+            .await
+            .map_err(|e| ClusterError::Failed(e.to_string()))?
+            .map_err(ClusterError::Failed)?;
+        let data = match taken {
+            super::desk::Taken::More(n) => return Ok(proto::SnapshotChunkReply { received: n }),
+            super::desk::Taken::Whole(data) => data,
+        };
+        let refuse = |why: String| ClusterError::Failed(format!("snapshot refused: {why}"));
+        let d = data.clone();
+        let checked = tokio::task::spawn_blocking(move || Desk::validate(&d))
+            .await
+            .map_err(|e| e.to_string())
+            .and_then(|r| r)
+            .and_then(|summary| {
+                let m = <raft::prelude::Message as protobuf::Message>::parse_from_bytes(&c.raft_message)
+                    .map_err(|e| e.to_string())?;
+                let desc = super::desk::Descriptor::decode(m.get_snapshot().get_data());
+                let meta = m.get_snapshot().get_metadata();
+                if m.get_msg_type() != raft::prelude::MessageType::MsgSnapshot
+                    || desc != Some(super::desk::Descriptor { id, at: summary.at })
+                    || (meta.index, meta.term) != (summary.at.index, summary.at.term)
+                {
+                    return Err("its raft message does not describe it".to_string());
+                }
+                Ok((summary, desc, m))
+            });
+        let (summary, desc, m) = match checked {
+            Ok(x) => x,
+            Err(why) => {
+                // A shard's worth of bytes: not left behind.
+                Desk::discard(&data);
+                return Err(refuse(why));
+            }
+        };
+        r.desk.received(desc.expect("checked"), data);
+        super::wire::RaftSink::deliver(&*self.sink, from, vec![(c.shard, m)]);
+        Ok(proto::SnapshotChunkReply { received: summary.bytes })
     }
 
     /// A new replica of `shard` (raft id `replica`) asks to be made a
@@ -470,21 +659,35 @@ impl ClusterNode {
     }
 
     /// Counters of this node's replicas, summed (for STATS).
-    pub fn replica_counters(&self) -> [(&'static str, u64); 4] {
+    pub fn replica_counters(&self) -> [(&'static str, u64); 8] {
         use std::sync::atomic::Ordering::Relaxed;
         let sum =
             |f: fn(&ReplicaStatus) -> &AtomicU64| self.replicas.values().map(|r| f(&r.status).load(Relaxed)).sum();
+        let remembered = |f: fn(&RememberedStats) -> &AtomicU64| -> u64 {
+            self.replicas.values().map(|r| f(&r.remembered).load(Relaxed)).sum()
+        };
         [
             ("shard_lease_reads", sum(|s| &s.lease_reads)),
+            ("shard_lease_read_retries", sum(|s| &s.lease_read_retries)),
+            ("shard_replica_restarts", sum(|s| &s.restarts)),
             ("shard_apply_stalls", sum(|s| &s.apply_stalls)),
             ("shard_snapshots_built", sum(|s| &s.snapshots_built)),
             ("shard_snapshots_installed", sum(|s| &s.snapshots_installed)),
+            ("shard_remembered_writes", remembered(|s| &s.writes)),
+            ("shard_remembered_dropped_early", remembered(|s| &s.dropped_early)),
         ]
     }
 
     /// Each local replica's status, by shard (for metrics and readiness).
     pub fn statuses(&self) -> Vec<(ShardId, Arc<ReplicaStatus>)> {
         let mut v: Vec<_> = self.replicas.iter().map(|(&s, r)| (s, Arc::clone(&r.status))).collect();
+        v.sort_by_key(|r| r.0);
+        v
+    }
+
+    /// Each local replica's remembered writes, by shard (for metrics).
+    pub fn remembered(&self) -> Vec<(ShardId, Arc<RememberedStats>)> {
+        let mut v: Vec<_> = self.replicas.iter().map(|(&s, r)| (s, Arc::clone(&r.remembered))).collect();
         v.sort_by_key(|r| r.0);
         v
     }
@@ -502,6 +705,123 @@ impl ClusterNode {
 
 /// Records the raft id a replica joins under (durable logs keep it).
 type RecordId = Box<dyn Fn(u64) -> Result<(), String> + Send + Sync>;
+
+/// A raft id for this node's replica under a new random incarnation.
+fn fresh_incarnation(me: NodeId) -> u64 {
+    replica_id(me, rand::random_range(2..=u32::MAX))
+}
+
+/// What one shard replica is built from: at the node's start, and again
+/// by its thread after it failed.
+struct ShardParts {
+    shard: ShardId,
+    me: NodeId,
+    store: Arc<Store>,
+    slot: Arc<SnapshotSlot>,
+    desk: Arc<Desk>,
+    /// The shard's first members.
+    conf: ConfState,
+    limits: super::shard::LogLimits,
+    /// Replicas the shard has.
+    replicas: usize,
+    compactor: Arc<Compactor>,
+    logger: slog::Logger,
+    /// Why the log is not to be trusted, until the replica has dropped it
+    /// (taken at the first build).
+    distrust: Mutex<Option<String>>,
+    /// Counts of the replica's remembered write ids (every build shares
+    /// them, so the metrics follow the replica across restarts).
+    remembered: Arc<RememberedStats>,
+}
+
+type Core<S> = ShardCore<S, super::driver::Answer, super::driver::ReadAnswer>;
+
+impl ShardParts {
+    fn raft_err(&self) -> impl Fn(raft::Error) -> String + '_ {
+        move |e| format!("shard {}: raft: {e}", self.shard)
+    }
+
+    /// The core around `replica`, with what every replica has.
+    fn core<S: super::replica::LogStore>(&self, replica: Replica<S>) -> Result<Core<S>, String> {
+        let keeper = LeaseKeeper::new(lease_config()).map_err(|e| e.to_string())?;
+        let c = Arc::clone(&self.compactor);
+        let room: RoomHook = Box::new(move |units| c.after_out_of_memory(units));
+        Ok(ShardCore::new(replica, Arc::clone(&self.store))
+            .with_leases(keeper, ELECTION_TICKS as u64)
+            .with_room(room)
+            .with_snapshots(self.limits, Arc::clone(&self.slot), Arc::clone(&self.desk))
+            .with_remembered_stats(Arc::clone(&self.remembered)))
+    }
+
+    /// A replica over a durable log: the store restored from the saved
+    /// snapshot and the log replayed after it. One that never decided who
+    /// it is (an empty log) starts as a member-to-be: returned with how to
+    /// record the id it joins under.
+    fn durable(&self, log: &RaftLog) -> Result<(Core<RaftLog>, Option<RecordId>), String> {
+        if let Some(why) = crate::lock::lock(&self.distrust).take() {
+            // Never as the member it was: its log and snapshot go, and it
+            // joins under a new incarnation, catching up from the leader.
+            let id = fresh_incarnation(self.me);
+            tracing::warn!(shard = self.shard, id, "{why}: the replica rejoins the shard as a new incarnation");
+            log.reset(id, &self.conf).map_err(|e| e.to_string())?;
+        }
+        let (applied, remembered) = match recover(log, &self.desk, &self.store) {
+            Ok(r) => r,
+            // Where the shard has other replicas to catch up from, a
+            // replica whose saved state is damaged starts over (a new
+            // incarnation, as a distrusted log does): a node always starts.
+            Err(Unrecovered::Damaged(e)) if self.replicas > 1 => {
+                let id = fresh_incarnation(self.me);
+                tracing::error!(shard = self.shard, id, "{e}: the replica rejoins the shard as a new incarnation");
+                log.reset(id, &self.conf).map_err(|e| e.to_string())?;
+                self.store.clear(1).map_err(|e| format!("emptying the store: {e}"))?;
+                (0, Remembered::default())
+            }
+            Err(Unrecovered::Damaged(e) | Unrecovered::Other(e)) => return Err(format!("shard {}: {e}", self.shard)),
+        };
+        let known = log.replica_id().map_err(|e| e.to_string())?;
+        let id = known.unwrap_or_else(|| fresh_incarnation(self.me));
+        let replica =
+            Replica::new_at(id, log.clone(), ELECTION_TICKS, applied, &self.logger).map_err(self.raft_err())?;
+        let mut core = self.core(replica)?.restored(applied, remembered);
+        let (fresh_log, fresh_logger, fresh_conf) = (log.clone(), self.logger.clone(), self.conf.clone());
+        core = core.with_fresh(Box::new(move |id| {
+            fresh_log.reset(id, &fresh_conf).map_err(|e| raft::Error::Store(raft::StorageError::Other(e.into())))?;
+            Replica::new(id, fresh_log.clone(), ELECTION_TICKS, &fresh_logger)
+        }));
+        if known.is_some() {
+            return Ok((core, None));
+        }
+        let (first_log, logger, first) = (log.clone(), self.logger.clone(), replica_id(self.me, 1));
+        core = core.with_first_member(Box::new(move || {
+            first_log.set_replica_id(first).map_err(|e| raft::Error::Store(raft::StorageError::Other(e.into())))?;
+            Replica::new(first, first_log, ELECTION_TICKS, &logger)
+        }));
+        let record = log.clone();
+        Ok((core, Some(Box::new(move |id| record.set_replica_id(id).map_err(|e| e.to_string())) as RecordId)))
+    }
+
+    /// A replica kept in memory only, as raft id `id`: a member-to-be (the
+    /// leader adds it), that may become one of the shard's first members
+    /// if `may_be_first` and the shard turns out never to have run.
+    fn memory(&self, id: u64, may_be_first: bool) -> Result<Core<MemLog>, String> {
+        let log = MemLog::new(self.conf.clone(), Arc::clone(&self.slot));
+        let replica = Replica::new(id, log, ELECTION_TICKS, &self.logger).map_err(self.raft_err())?;
+        let (fresh_logger, fresh_slot, fresh_conf) = (self.logger.clone(), Arc::clone(&self.slot), self.conf.clone());
+        let mut core = self.core(replica)?.with_fresh(Box::new(move |id| {
+            let log = MemLog::new(fresh_conf.clone(), Arc::clone(&fresh_slot));
+            Replica::new(id, log, ELECTION_TICKS, &fresh_logger)
+        }));
+        if may_be_first {
+            let (logger, slot, conf, first) =
+                (self.logger.clone(), Arc::clone(&self.slot), self.conf.clone(), replica_id(self.me, 1));
+            core = core.with_first_member(Box::new(move || {
+                Replica::new(first, MemLog::new(conf, slot), ELECTION_TICKS, &logger)
+            }));
+        }
+        Ok(core)
+    }
+}
 
 /// How often the membership task looks again.
 pub const MEMBERSHIP_INTERVAL: Duration = Duration::from_millis(300);
@@ -585,19 +905,40 @@ async fn membership(mut m: Membership) {
 }
 
 /// Restores `store` from the shard's saved snapshot, if it has one;
-/// returns the index it is at and the writes it remembers. A snapshot
-/// saved while the log was being replaced by it (a crash in between) is
-/// installed in the log now.
-fn recover(log: &RaftLog, store: &Store) -> Result<(u64, Remembered), String> {
-    let Some(bytes) = log.load_snapshot().map_err(|e| e.to_string())? else { return Ok((0, Remembered::default())) };
-    let file = log.snapshot_file();
-    let d = snap::decode(&bytes).map_err(|e| format!("{}: {e}", file.display()))?;
-    let remembered = snap::restore(store, &d).map_err(|e| format!("{}: {e}", file.display()))?;
-    let commit = raft::Storage::initial_state(log).map_err(|e| e.to_string())?.hard_state.commit;
-    if d.at.index > commit {
-        log.finish_install(d.at).map_err(|e| e.to_string())?;
+/// returns the index it is at and the writes it remembers. The file is
+/// read whole first (a damaged one changes nothing, and is named). A
+/// snapshot saved while the log was being replaced by it (a crash in
+/// between) is installed in the log now.
+fn recover(log: &RaftLog, desk: &Desk, store: &Store) -> Result<(u64, Remembered), Unrecovered> {
+    let other = Unrecovered::Other;
+    let Some((file, f)) = desk.saved().map_err(other)? else { return Ok((0, Remembered::default())) };
+    let named = |e: snap::SnapshotError| {
+        let why = format!("{}: {e}", file.display());
+        match e {
+            snap::SnapshotError::Damaged(_) | snap::SnapshotError::WrongPoint { .. } => Unrecovered::Damaged(why),
+            _ => Unrecovered::Other(why),
+        }
+    };
+    snap::validate(std::io::BufReader::with_capacity(1 << 20, f)).map_err(named)?;
+    let f = std::fs::File::open(&file).map_err(|e| other(format!("{}: {e}", file.display())))?;
+    let (at, remembered) = snap::restore(store, std::io::BufReader::with_capacity(1 << 20, f)).map_err(named)?;
+    let commit = raft::Storage::initial_state(log).map_err(|e| other(e.to_string()))?.hard_state.commit;
+    if at.index > commit {
+        log.finish_install(at).map_err(|e| other(e.to_string()))?;
     }
-    Ok((d.at.index, remembered))
+    Ok((at.index, remembered))
+}
+
+/// Why a replica's saved state could not be restored.
+#[derive(Debug)]
+enum Unrecovered {
+    /// The snapshot file is damaged: the replica may start over from its
+    /// peers.
+    Damaged(String),
+    /// Anything else (the disk failing, a store too small for what was
+    /// saved, an older format): the state may be the only copy of
+    /// acknowledged writes, so it is kept and the error reported.
+    Other(String),
 }
 
 /// `--sync batch`: forces the node's log to disk every
@@ -611,6 +952,39 @@ fn spawn_batch_sync(engine: Arc<raft_engine::Engine>, stop: watch::Receiver<bool
             crate::metrics::FSYNC.observe(started.elapsed());
             if let Err(e) = synced {
                 tracing::error!("raft log sync failed: {e}");
+            }
+        }
+    })?;
+    Ok(())
+}
+
+/// Log bytes past which old files are deleted: what the shards' logs may
+/// hold together (twice the node's memory: each is cut at twice its
+/// shard's), so the disk holds at most about twice that.
+fn log_purge_threshold(memory: u64) -> u64 {
+    memory.saturating_mul(2)
+}
+
+/// How often the log's files behind every shard's compaction point are
+/// deleted. The engine only marks them when a log is cut; without this a
+/// node's disk fills with entries no shard needs.
+pub const LOG_PURGE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Deletes the node's expired log files every [`LOG_PURGE_INTERVAL`],
+/// off the shard threads (it may rewrite what little is left of a file),
+/// until the node stops.
+fn spawn_log_purge(engine: Arc<raft_engine::Engine>, stop: watch::Receiver<bool>) -> std::io::Result<()> {
+    std::thread::Builder::new().name("dmkvd-log-purge".into()).spawn(move || {
+        super::transfer::background();
+        let mut last = std::time::Instant::now();
+        while !*stop.borrow() {
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            if last.elapsed() < LOG_PURGE_INTERVAL {
+                continue;
+            }
+            last = std::time::Instant::now();
+            if let Err(e) = engine.purge_expired_files() {
+                tracing::warn!("purging the raft log's old files failed (tried again later): {e}");
             }
         }
     })?;
@@ -643,28 +1017,64 @@ mod tests {
         Store::format(Arc::new(Region::create("recover", 4 << 20).unwrap()), 64, 1, 1, Duration::ZERO).unwrap()
     }
 
+    /// A durable replica's desk and log of `shard`, in a directory of their own.
+    fn durable(shard: u32) -> (tempfile::TempDir, Arc<Desk>, RaftLog) {
+        let dir = tempfile::tempdir().unwrap();
+        let engine = RaftLog::open_engine(dir.path().join("raft").to_str().unwrap()).unwrap().0;
+        let desk = Arc::new(Desk::durable(&dir.path().join("raft-snapshots"), shard, 1 << 30).unwrap());
+        let log = RaftLog::new(engine, u64::from(shard)).with_desk(Arc::clone(&desk));
+        (dir, desk, log)
+    }
+
+    /// `from`'s items taken as from a leader at index 42 (as snapshot
+    /// `id`): received, saved, and the log starts after it.
+    fn take_snapshot(desk: &Desk, log: &RaftLog, from: &Arc<Store>, id: u64) {
+        let at = Point { index: 42, term: 3 };
+        let bytes = encode(&from.view().unwrap(), &Default::default(), at).unwrap();
+        let desc = crate::cluster::desk::Descriptor { id, at };
+        let crate::cluster::desk::Taken::Whole(data) = desk.receive(1, id, 0, &bytes, true).unwrap() else {
+            panic!("one part")
+        };
+        desk.received(desc, data);
+        let mut sn = Snapshot { data: desc.encode().into(), ..Default::default() };
+        sn.set_metadata(SnapshotMetadata { index: at.index, term: at.term, ..Default::default() });
+        crate::cluster::replica::LogStore::persist(log, &[], None, Some(&sn)).unwrap();
+    }
+
     #[test]
     fn a_saved_snapshot_restores_and_a_damaged_one_is_named() {
-        let dir = tempfile::tempdir().unwrap();
-        let engine = RaftLog::open_engine(dir.path().join("raft").to_str().unwrap()).unwrap();
-        let log = RaftLog::new(engine, 4);
-        assert_eq!(recover(&log, &store()).unwrap().0, 0, "nothing saved: from the start");
-        let from = store();
+        let (_dir, desk, log) = durable(4);
+        assert_eq!(recover(&log, &desk, &store()).unwrap().0, 0, "nothing saved: from the start");
+        let from = Arc::new(store());
         from.put(b"k", b"v").unwrap();
-        let at = Point { index: 42, term: 3 };
-        let mut sn = Snapshot { data: encode(&from, &Remembered::default(), at).into(), ..Default::default() };
-        sn.set_metadata(SnapshotMetadata { index: 42, term: 3, ..Default::default() });
-        // Taken from a leader: saved, and the log starts after it.
-        crate::cluster::replica::LogStore::persist(&log, &[], None, Some(&sn)).unwrap();
+        take_snapshot(&desk, &log, &from, 9);
         let to = store();
-        assert_eq!(recover(&log, &to).unwrap().0, 42);
+        assert_eq!(recover(&log, &desk, &to).unwrap().0, 42);
         assert_eq!(to.get(b"k").unwrap().unwrap().0, bytes::Bytes::from_static(b"v"));
         assert_eq!(raft::Storage::first_index(&log).unwrap(), 43);
-        let mut bytes = std::fs::read(log.snapshot_file()).unwrap();
+        // A store too small for what was saved is no damage: the replica
+        // must keep its state (it may hold the only copy) and say why.
+        let tiny = store();
+        let big = Arc::new(
+            Store::format(Arc::new(Region::create("recover-big", 16 << 20).unwrap()), 64, 1, 1, Duration::ZERO)
+                .unwrap(),
+        );
+        for i in 0..700u32 {
+            big.put(format!("big{i}").as_bytes(), &[7u8; 8 << 10]).unwrap();
+        }
+        let (dir2, desk2, log2) = durable(5);
+        take_snapshot(&desk2, &log2, &big, 10);
+        assert!(matches!(recover(&log2, &desk2, &tiny), Err(Unrecovered::Other(_))), "too small is not damaged");
+        drop(dir2);
+        let file = desk.saved_file().unwrap();
+        let mut bytes = std::fs::read(&file).unwrap();
         let n = bytes.len();
         bytes[n / 2] ^= 0xff;
-        std::fs::write(log.snapshot_file(), bytes).unwrap();
-        let err = recover(&log, &store()).unwrap_err();
-        assert!(err.contains("shard-4.snap") && err.contains("checksum"), "{err}");
+        std::fs::write(&file, bytes).unwrap();
+        let kept = store();
+        kept.put(b"kept", b"1").unwrap();
+        let Err(Unrecovered::Damaged(err)) = recover(&log, &desk, &kept) else { panic!("damage must be told apart") };
+        assert!(err.contains("shard-4.snap") && err.contains("damaged"), "{err}");
+        assert!(kept.get(b"kept").unwrap().is_some(), "a damaged file changes nothing");
     }
 }

@@ -1,9 +1,12 @@
 //! Raft traffic to peer nodes: one connection per peer, dialed by this
-//! node, authenticated with the admin secret, carrying batches of raft
+//! node, authenticated with this node's own secret, carrying batches of raft
 //! messages as `Raft` requests of the framed protocol. Shard threads hand
-//! messages over without blocking: each peer has a bounded queue, and a
-//! message that finds it full (or the peer unreachable) is dropped: raft
-//! retransmits.
+//! messages over without blocking: each peer has a queue bounded in
+//! messages and in bytes, and a message that finds it full (or the peer
+//! unreachable) is dropped: raft retransmits. A peer that takes nothing
+//! for [`PEER_WRITE_TIMEOUT`] is dropped too, and its queue with it.
+//! Snapshots do not go this way: raft's MsgSnapshot goes to `transfer`,
+//! which streams the snapshot on a connection of its own.
 //!
 //! Dials leave from the IP of this node's own peer address in the cluster
 //! file (unless that is unspecified, `0.0.0.0` or `::`), so peers, and
@@ -12,11 +15,13 @@
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::BytesMut;
 use dmkv_common::PROTOCOL_VERSION;
-use dmkv_common::auth::{Purpose, Token};
+use dmkv_common::auth::{Purpose, Token, node_name};
 use dmkv_common::frame::{self, Decoder};
 use dmkv_common::proto::{self, Request, request::Op, response::Result as R};
 use raft::prelude::Message;
@@ -27,8 +32,18 @@ use tracing::{debug, info, warn};
 
 use super::wire::{self, MAX_BATCH_MESSAGES};
 
-/// Raft messages queued for one peer at most.
+/// Raft messages queued for one peer at most...
 pub const MAX_PEER_QUEUE: usize = 16384;
+/// ...and bytes of them (entries' data and a message's framing), at most
+/// this share (1/n) of the node's memory, and at most
+/// [`MAX_PEER_QUEUE_BYTES`].
+pub const PEER_QUEUE_MEMORY_SHARE: u64 = 16;
+pub const MAX_PEER_QUEUE_BYTES: u64 = 64 << 20;
+/// What a message costs in a queue beside its entries' data.
+const MESSAGE_OVERHEAD: u64 = 64;
+/// A write to a peer that does not complete within this drops the
+/// connection (the peer takes nothing: stalled, or gone without a reset).
+pub const PEER_WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 /// First wait before redialing a peer; doubles up to [`MAX_REDIAL`].
 pub const MIN_REDIAL: Duration = Duration::from_millis(50);
 /// Longest wait between dials of an unreachable peer.
@@ -38,14 +53,37 @@ pub const DIAL_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The node's queues towards its peers.
 pub struct Peers {
-    queues: HashMap<u64, mpsc::Sender<(u32, Message)>>,
+    queues: HashMap<u64, Queue>,
+    /// Where snapshots go.
+    pub snapshots: super::transfer::Transfers,
+}
+
+/// One peer's queue, and its bytes.
+struct Queue {
+    tx: mpsc::Sender<(u32, Message)>,
+    bytes: Arc<AtomicU64>,
+    max_bytes: u64,
+}
+
+/// Whether a queue holding `queued` bytes of at most `max` takes a
+/// message of `cost`. An empty queue takes any one message, however large
+/// (one entry of the largest value may be above a small node's bound):
+/// else it would be dropped, and resent, forever.
+fn admits(queued: u64, cost: u64, max: u64) -> bool {
+    queued == 0 || queued.saturating_add(cost) <= max
+}
+
+/// What a queued message costs.
+fn cost(m: &Message) -> u64 {
+    MESSAGE_OVERHEAD + m.entries.iter().map(|e| e.data.len() as u64 + MESSAGE_OVERHEAD).sum::<u64>()
 }
 
 /// Who this node is to its peers.
 #[derive(Clone)]
 pub struct Dialer {
     pub me: u64,
-    /// The admin secret (`None`: the cluster runs without authentication).
+    /// This node's own secret, which makes it node `me` to its peers
+    /// (`None`: the cluster runs without authentication).
     pub token: Option<Token>,
     pub max_frame: usize,
     /// Where dials leave from: the IP of this node's peer address, or
@@ -63,24 +101,44 @@ impl Dialer {
 
 impl Peers {
     /// Starts a sender task per peer on the current runtime; they stop
-    /// when `stop` turns true.
-    pub fn start(dialer: Dialer, peers: Vec<(u64, SocketAddr)>, stop: watch::Receiver<bool>) -> Peers {
+    /// when `stop` turns true. `memory`: the node's memory, which bounds
+    /// the queues' bytes.
+    pub fn start(dialer: Dialer, peers: Vec<(u64, SocketAddr)>, stop: watch::Receiver<bool>, memory: u64) -> Peers {
+        let max_bytes = (memory / PEER_QUEUE_MEMORY_SHARE).clamp(1 << 20, MAX_PEER_QUEUE_BYTES);
+        let snapshots = super::transfer::Transfers::new(dialer.clone(), &peers);
         let mut queues = HashMap::new();
         for (id, addr) in peers {
             let (tx, rx) = mpsc::channel(MAX_PEER_QUEUE);
-            queues.insert(id, tx);
-            tokio::spawn(send_loop(dialer.clone(), id, addr, rx, stop.clone()));
+            let bytes = Arc::new(AtomicU64::new(0));
+            queues.insert(id, Queue { tx, bytes: Arc::clone(&bytes), max_bytes });
+            tokio::spawn(send_loop(dialer.clone(), id, addr, rx, bytes, stop.clone()));
         }
-        Peers { queues }
+        Peers { queues, snapshots }
     }
 
     /// Queues `m` (of `shard`) for its addressee; drops it if the queue is
-    /// full or the peer is unknown.
+    /// full or the peer is unknown. A snapshot goes to [`Peers::snapshots`].
     pub fn send(&self, shard: u32, m: Message) {
-        if let Some(q) = self.queues.get(&dmkv_common::cluster::map::node_of(m.to)) {
-            let _ = q.try_send((shard, m));
+        if m.get_msg_type() == raft::prelude::MessageType::MsgSnapshot {
+            self.snapshots.send(shard, m);
+            return;
+        }
+        let Some(q) = self.queues.get(&dmkv_common::cluster::map::node_of(m.to)) else { return };
+        let c = cost(&m);
+        if !admits(q.bytes.fetch_add(c, Ordering::Relaxed), c, q.max_bytes) {
+            q.bytes.fetch_sub(c, Ordering::Relaxed);
+            return;
+        }
+        if q.tx.try_send((shard, m)).is_err() {
+            q.bytes.fetch_sub(c, Ordering::Relaxed);
         }
     }
+}
+
+/// Takes a message off a queue, giving its bytes back.
+fn taken(bytes: &AtomicU64, m: (u32, Message)) -> (u32, Message) {
+    bytes.fetch_sub(cost(&m.1), Ordering::Relaxed);
+    m
 }
 
 async fn send_loop(
@@ -88,6 +146,7 @@ async fn send_loop(
     peer: u64,
     addr: SocketAddr,
     mut rx: mpsc::Receiver<(u32, Message)>,
+    bytes: Arc<AtomicU64>,
     mut stop: watch::Receiver<bool>,
 ) {
     let mut backoff = MIN_REDIAL;
@@ -103,7 +162,7 @@ async fn send_loop(
                 backoff = MIN_REDIAL;
                 warned = false;
                 tokio::select! {
-                    r = pump(&d, stream, &mut rx) => match r {
+                    r = pump(&d, stream, &mut rx, &bytes) => match r {
                         Ok(()) => return,
                         Err(e) => warn!(peer, %addr, "peer connection lost: {e}"),
                     },
@@ -119,7 +178,9 @@ async fn send_loop(
         }
         // Messages queued while the peer was away are stale: raft resends
         // what still matters.
-        while rx.try_recv().is_ok() {}
+        while let Ok(m) = rx.try_recv() {
+            taken(&bytes, m);
+        }
         tokio::select! {
             _ = tokio::time::sleep(backoff) => {}
             _ = stop.changed() => return,
@@ -128,8 +189,8 @@ async fn send_loop(
     }
 }
 
-/// Connects and authenticates as admin.
-async fn dial(d: &Dialer, addr: SocketAddr) -> Result<TcpStream, String> {
+/// Connects and authenticates as node `d.me`.
+pub(super) async fn dial(d: &Dialer, addr: SocketAddr) -> Result<TcpStream, String> {
     let mut s = connect_from(d.source, addr).await?;
     let _ = s.set_nodelay(true);
     let mut buf = BytesMut::new();
@@ -141,11 +202,18 @@ async fn dial(d: &Dialer, addr: SocketAddr) -> Result<TcpStream, String> {
     if nonce.is_empty() {
         return Ok(s);
     }
-    let token = d.token.as_ref().ok_or("the peer requires authentication and this node has no admin secret")?;
-    let proof = token.prove(Purpose::Rpc, &nonce).to_vec().into();
+    let me = node_name(d.me);
+    let token = d.token.as_ref().ok_or_else(|| {
+        format!(
+            "the peer requires authentication and this node has no secret of its own (`{me} SECRET` in the auth file)"
+        )
+    })?;
+    let proof = token.prove(Purpose::Peer, &nonce).to_vec().into();
     match call(&mut s, &mut buf, d.max_frame, 2, Op::Authenticate(proto::Authenticate { proof })).await? {
-        R::Authenticate(a) if a.role == "admin" => Ok(s),
-        R::Authenticate(a) => Err(format!("the peer granted role {}, raft needs admin", a.role)),
+        R::Authenticate(a) if a.role == me => Ok(s),
+        // Another node's secret under this node's name: its batches would
+        // all be refused, so say so here, once.
+        R::Authenticate(a) => Err(format!("the peer knows this node's secret as {}'s, not {me}'s", a.role)),
         other => Err(format!("authentication refused: {other:?}")),
     }
 }
@@ -161,7 +229,7 @@ async fn connect_from(source: Option<IpAddr>, addr: SocketAddr) -> Result<TcpStr
     socket.connect(addr).await.map_err(|e| e.to_string())
 }
 
-/// Sends one request to a peer's peer port (authenticated as admin) and
+/// Sends one request to a peer's peer port (authenticated as this node) and
 /// returns its answer; bounded by [`DIAL_TIMEOUT`] in all.
 pub async fn ask(d: &Dialer, addr: SocketAddr, op: Op) -> Result<R, String> {
     let once = async {
@@ -192,7 +260,12 @@ async fn call(s: &mut TcpStream, buf: &mut BytesMut, max_frame: usize, id: u64, 
 }
 
 /// Sends batches until the queue closes (`Ok`) or the connection fails.
-async fn pump(d: &Dialer, stream: TcpStream, rx: &mut mpsc::Receiver<(u32, Message)>) -> Result<(), String> {
+async fn pump(
+    d: &Dialer,
+    stream: TcpStream,
+    rx: &mut mpsc::Receiver<(u32, Message)>,
+    bytes: &AtomicU64,
+) -> Result<(), String> {
     let (mut rd, mut wr) = stream.into_split();
     // Replies only count accepted messages: read and discard them, so the
     // peer's writes never block.
@@ -207,27 +280,19 @@ async fn pump(d: &Dialer, stream: TcpStream, rx: &mut mpsc::Receiver<(u32, Messa
             Some(m) => m,
             None => tokio::select! {
                 m = rx.recv() => match m {
-                    Some(m) => m,
+                    Some(m) => taken(bytes, m),
                     None => return Ok(()),
                 },
                 _ = &mut drain => return Err("connection closed by the peer".into()),
             },
         };
+        // Alone if over the budget: raft bounds a message's entries
+        // (`replica::MAX_MESSAGE_BYTES`), and one entry fits a frame.
         let mut size = protobuf::Message::compute_size(&first.1) as usize;
-        if size > budget {
-            // A snapshot: in parts, each alone in its frame.
-            for part in wire::encode_parts(d.me, first.0, &first.1, budget) {
-                id += 1;
-                out.clear();
-                let req = Request { id, op: Some(Op::Raft(part)) };
-                frame::encode(&req, d.max_frame, &mut out).map_err(|e| e.to_string())?;
-                wr.write_all(&out).await.map_err(|e| e.to_string())?;
-            }
-            continue;
-        }
         let mut batch = vec![first];
-        while batch.len() < MAX_BATCH_MESSAGES {
+        while batch.len() < MAX_BATCH_MESSAGES && size < budget {
             let Ok(m) = rx.try_recv() else { break };
+            let m = taken(bytes, m);
             let n = protobuf::Message::compute_size(&m.1) as usize;
             if size + n > budget {
                 next = Some(m);
@@ -240,11 +305,14 @@ async fn pump(d: &Dialer, stream: TcpStream, rx: &mut mpsc::Receiver<(u32, Messa
         let req = Request { id, op: Some(Op::Raft(wire::encode(d.me, &batch))) };
         out.clear();
         if let Err(e) = frame::encode(&req, d.max_frame, &mut out) {
-            // Within the budget, so never expected: say so loudly.
+            // Never expected (see above): say so loudly; raft sends again.
             warn!("raft batch of {size} bytes does not fit a frame: {e}");
             continue;
         }
-        wr.write_all(&out).await.map_err(|e| e.to_string())?;
+        match tokio::time::timeout(PEER_WRITE_TIMEOUT, wr.write_all(&out)).await {
+            Ok(r) => r.map_err(|e| e.to_string())?,
+            Err(_) => return Err(format!("the peer took nothing for {PEER_WRITE_TIMEOUT:?}")),
+        }
     }
 }
 
@@ -267,5 +335,13 @@ mod tests {
         // Another family: the route's source too.
         let _s = connect_from(Some("::1".parse().unwrap()), to).await.unwrap();
         assert_eq!(l.accept().await.unwrap().1.ip().to_string(), "127.0.0.1");
+    }
+
+    #[test]
+    fn a_queue_is_bounded_in_bytes_but_always_takes_one_message() {
+        assert!(admits(0, 5 << 20, 1 << 20), "an empty queue takes a message above its bound");
+        assert!(!admits(1, 1 << 20, 1 << 20), "a queue with something in it keeps its bound");
+        assert!(admits(100, 200, 300));
+        assert!(!admits(u64::MAX - 1, 10, u64::MAX - 1), "no overflow");
     }
 }

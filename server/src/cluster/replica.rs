@@ -24,20 +24,19 @@ pub trait LogStore: raft::Storage {
     /// Records the members a membership change applied made.
     fn set_conf(&self, cs: &ConfState) -> raft::Result<()>;
     /// Whether the log outlives the process: then the state machine must
-    /// be saved ([`LogStore::save_snapshot`]) before entries are dropped.
+    /// be saved (`desk::Desk::save`) before entries are dropped.
     fn durable(&self) -> bool {
         false
     }
-    /// Starts saving a snapshot of the state machine for restarts (durable
-    /// logs), off the caller's thread: writing a shard's worth of data
-    /// takes seconds, and raft must keep ticking meanwhile. The outcome
-    /// comes on the returned channel.
-    fn save_snapshot(&self, _data: Vec<u8>) -> std::sync::mpsc::Receiver<Result<(), String>> {
-        let (tx, rx) = std::sync::mpsc::channel();
-        let _ = tx.send(Ok(()));
-        rx
-    }
 }
+
+/// Most bytes of entries raft puts in one append message (at least one
+/// entry goes, however large: a maximum PUT fits a frame).
+pub const MAX_MESSAGE_BYTES: u64 = 1 << 20;
+/// Append messages in flight to one follower at most: with
+/// [`MAX_MESSAGE_BYTES`], what a leader sends a follower ahead of its
+/// answers.
+pub const MAX_INFLIGHT_MESSAGES: usize = 16;
 
 impl LogStore for MemStorage {
     fn persist(&self, entries: &[Entry], hs: Option<&HardState>, snapshot: Option<&Snapshot>) -> raft::Result<()> {
@@ -137,6 +136,8 @@ pub struct Output {
     /// A leader's snapshot this replica took: the state machine becomes
     /// its contents before `committed` is applied.
     pub snapshot: Option<Snapshot>,
+    /// Bytes of entries' data made durable in the log by this ready.
+    pub appended_bytes: u64,
 }
 
 /// A replica of one shard.
@@ -167,6 +168,8 @@ impl<S: LogStore> Replica<S> {
             heartbeat_tick: (election_tick / 5).max(1),
             check_quorum: true,
             pre_vote: true,
+            max_size_per_msg: MAX_MESSAGE_BYTES,
+            max_inflight_msgs: MAX_INFLIGHT_MESSAGES,
             ..Default::default()
         };
         Ok(Replica { node: RawNode::new(&cfg, storage, logger)? })
@@ -175,6 +178,13 @@ impl<S: LogStore> Replica<S> {
     /// The raft node, for queries (role, term, leader).
     pub fn raft(&self) -> &RawNode<S> {
         &self.node
+    }
+
+    /// The raft node, for the simulation to fix what raft-rs draws from
+    /// its own random source.
+    #[cfg(test)]
+    pub fn raft_mut(&mut self) -> &mut RawNode<S> {
+        &mut self.node
     }
 
     /// One tick of the logical clock.
@@ -242,18 +252,32 @@ impl<S: LogStore> Replica<S> {
             committed: Vec::new(),
             read_states: rd.take_read_states(),
             snapshot: snapshot.clone(),
+            appended_bytes: 0,
         };
         out.committed = rd.take_committed_entries();
+        out.appended_bytes = rd.entries().iter().map(|e| e.data.len() as u64).sum();
         self.node.store().persist(rd.entries(), rd.hs(), snapshot.as_ref())?;
         out.messages.extend(rd.take_persisted_messages());
-        let mut light = self.node.advance(rd);
+        let mut light = self.node.advance_append(rd);
         if let Some(commit) = light.commit_index() {
             self.node.store().set_commit(commit)?;
         }
         out.messages.extend(light.take_messages());
         out.committed.extend(light.take_committed_entries());
-        self.node.advance_apply();
         Ok(Some(out))
+    }
+
+    /// Tells raft the state machine has applied every entry up to `index`
+    /// (after the caller applied them: not when they were handed over, as
+    /// an apply may wait for room).
+    pub fn applied_to(&mut self, index: u64) {
+        let log = &self.node.raft.raft_log;
+        // raft-rs aborts on an index past what it committed and persisted;
+        // the store never gets ahead of those, so the clamp only guards.
+        let index = index.min(log.committed).min(log.persisted);
+        if index > log.applied {
+            self.node.advance_apply_to(index);
+        }
     }
 }
 
@@ -410,11 +434,15 @@ mod sim {
                 let Some(r) = n.replica.as_mut() else { continue };
                 while let Some(out) = r.ready().unwrap() {
                     net.extend(out.messages);
+                    if let Some(last) = out.committed.last() {
+                        let last = last.index;
+                        r.applied_to(last);
+                    }
                     for e in out.committed {
                         if e.data.is_empty() {
                             continue;
                         }
-                        apply(&n.store, &e.data).unwrap();
+                        apply(&n.store, e.index, &e.data).unwrap();
                         // Acknowledged: applied on the leader that took it.
                         if let Some(k) = pending.iter().position(|(p, _, d)| *p == i && d[..] == e.data[..]) {
                             acked.push(pending.swap_remove(k).2);
@@ -472,7 +500,7 @@ mod sim {
             use crate::cluster::log::RaftLog;
             let dir = tempfile::tempdir().unwrap();
             let path = dir.path().to_str().unwrap().to_string();
-            let engine = std::cell::RefCell::new(Some(RaftLog::open_engine(&path).unwrap()));
+            let engine = std::cell::RefCell::new(Some(RaftLog::open_engine(&path).unwrap().0));
             let log = |i: usize| RaftLog::new(engine.borrow().clone().expect("engine open"), i as u64 + 1);
             for i in 0..NODES as usize {
                 log(i).set_conf_state(&conf()).unwrap();
@@ -481,7 +509,7 @@ mod sim {
                 let old = engine.borrow_mut().take().expect("engine open");
                 assert_eq!(std::sync::Arc::strong_count(&old), 1, "every replica is down");
                 drop(old);
-                *engine.borrow_mut() = Some(RaftLog::open_engine(&path).unwrap());
+                *engine.borrow_mut() = Some(RaftLog::open_engine(&path).unwrap().0);
             };
             let (acked, logs) = run(seed, 600, log, cycle);
             check(seed, &acked, &logs)?;

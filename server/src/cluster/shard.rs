@@ -22,7 +22,8 @@ use tracing::warn;
 
 use dmkv_common::cluster::lease::LeaseAction;
 
-use super::apply::{Applied, ApplyError, Remembered, apply_once};
+use super::apply::{Applied, ApplyError, Remembered, RememberedStats, apply_once};
+use super::desk::{Descriptor, Desk};
 use super::leasing::LeaseKeeper;
 use super::replica::{LogStore, Replica};
 use super::snapshot::{self as snap, Point, SnapshotSlot};
@@ -31,6 +32,9 @@ use crate::store::Store;
 /// Most proposals waiting for their entry at once; more are refused
 /// (`Busy`) rather than queued without bound.
 pub const MAX_PENDING: usize = 4096;
+/// A warning is logged for the first write forgotten early, and then
+/// once per this many.
+pub const DROPPED_EARLY_WARN_EVERY: u64 = 10_000;
 /// Most reads waiting for confirmation at once.
 pub const MAX_PENDING_READS: usize = 16384;
 /// A read confirmation not back after this many ticks is asked again
@@ -54,6 +58,23 @@ pub enum ProposeError {
     Store(String),
 }
 
+/// Permission to read the store linearizably.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadGrant {
+    /// Granted under the lease, without a quorum round: the read counts
+    /// only if it ended before this (the replica's monotonic clock, ns).
+    /// The grant was decided on the clock as of the last poll, which a
+    /// preempted shard thread may have read long ago: the reader checks
+    /// the clock again after reading (`None`: confirmed by a quorum
+    /// round, no such check).
+    pub lease_until: Option<u64>,
+    /// The store's generation when granted: a read counts only if the
+    /// store still has it after the read (it was not emptied and refilled
+    /// meanwhile: a snapshot installed, the replica replaced or started
+    /// again).
+    pub generation: u64,
+}
+
 /// What a poll produced.
 #[derive(Debug, Default)]
 pub struct Poll<P, R = P> {
@@ -62,7 +83,7 @@ pub struct Poll<P, R = P> {
     /// Answers for proposals, by the caller's id.
     pub answers: Vec<(P, Result<Applied, ProposeError>)>,
     /// Reads that may now read the store (`Ok`), or may not.
-    pub reads: Vec<(R, Result<(), ProposeError>)>,
+    pub reads: Vec<(R, Result<ReadGrant, ProposeError>)>,
     /// The lease lapsed or leadership was lost while it held: stop
     /// one-sided reads of the region before anything else.
     pub fence: bool,
@@ -77,6 +98,9 @@ pub struct ShardCore<S: LogStore, P, R = P> {
     was_leader: bool,
     /// Reads asked for since the last poll.
     new_reads: Vec<R>,
+    /// Reads asked for since the last poll that must not be granted under
+    /// the lease (a lease read that ended after its lease did, asked again).
+    new_quorum_reads: Vec<R>,
     /// Reads waiting for a quorum, by context: (tick asked at, reads).
     confirming: BTreeMap<u64, (u64, Vec<R>)>,
     /// Reads confirmed at an index, waiting for the store to apply it.
@@ -102,10 +126,17 @@ pub struct ShardCore<S: LogStore, P, R = P> {
     room: Option<RoomHook>,
     /// Tries to apply that found no room.
     apply_stalls: u64,
+    /// The simulation's store with no room: every write stalls.
+    #[cfg(test)]
+    store_full: bool,
     /// Reads answered under the lease, without a ReadIndex round.
     lease_reads: u64,
     /// Outcomes of identified writes, so a retried one applies once.
     remembered: Remembered,
+    /// Writes forgotten early, over every remembered set this replica had.
+    dropped_early: u64,
+    /// Where the remembered writes are reported; `None`: nowhere.
+    remembered_stats: Option<Arc<RememberedStats>>,
     /// Snapshots and log compaction; `None`: the log is kept whole.
     snapshots: Option<Snapshots>,
     /// Makes the replica one of the shard's first members, for a replica
@@ -138,43 +169,56 @@ pub const CAUGHT_UP_ENTRIES: u64 = 64;
 /// When a shard's log is cut short (it would grow without bound).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LogLimits {
-    /// The log is compacted once it holds more entries than this...
+    /// The log is compacted once it holds more entries than this, or more
+    /// than `max_bytes` of them...
     pub max_entries: u64,
-    /// ...down to this many (a follower a little behind catches up from
-    /// entries; one further behind gets a snapshot).
+    pub max_bytes: u64,
+    /// ...down to a tenth of either (a follower a little behind catches up
+    /// from entries; one further behind gets a snapshot).
     pub keep_entries: u64,
 }
 
 impl Default for LogLimits {
     fn default() -> Self {
-        LogLimits { max_entries: DEFAULT_MAX_LOG_ENTRIES, keep_entries: DEFAULT_MAX_LOG_ENTRIES / 10 }
+        LogLimits {
+            max_entries: DEFAULT_MAX_LOG_ENTRIES,
+            max_bytes: u64::MAX,
+            keep_entries: DEFAULT_MAX_LOG_ENTRIES / 10,
+        }
     }
 }
+
+/// A log in memory may hold entries of at most this share (1/n) of its
+/// shard's memory before it is cut (the node's `--memory` bounds the
+/// log too: entries are as large as the values they write).
+pub const LOG_MEMORY_SHARE: u64 = 4;
 
 /// Entries a shard's log holds before it is compacted, by default.
 pub const DEFAULT_MAX_LOG_ENTRIES: u64 = 100_000;
 /// A snapshot sent to a follower that has not caught up after this many
-/// ticks is taken as lost: raft makes and sends another.
+/// ticks is taken as lost: raft makes and sends another. (The transfer
+/// reports a snapshot that did not go at once; this is for one that went
+/// and was not taken.)
 pub const SNAPSHOT_RETRY_TICKS: u64 = 3000;
-/// A snapshot built for followers is dropped (its memory) after this many
-/// ticks; raft asks for a new one if it needs one.
-pub const SNAPSHOT_KEEP_TICKS: u64 = 1000;
 
 struct Snapshots {
     limits: LogLimits,
     /// Where raft's storage finds the snapshot to send.
     slot: Arc<SnapshotSlot>,
-    /// When the snapshot in the slot was made (tick).
-    made_at: Option<u64>,
+    /// Offers, receives and saves.
+    desk: Arc<Desk>,
     /// Followers waiting for a snapshot, since (tick).
     sending: std::collections::HashMap<u64, u64>,
-    /// Snapshots built for followers, and taken from a leader.
+    /// Snapshots offered to followers, and taken from a leader.
     built: u64,
     installed: u64,
-    /// Bytes of the last snapshot built.
+    /// Bytes of the last snapshot installed.
     last_bytes: u64,
     /// A snapshot being saved, and where the log is cut once it is.
     saving: Option<(u64, std::sync::mpsc::Receiver<Result<(), String>>)>,
+    /// Bytes of entries in the log (an estimate: what was appended, less
+    /// a share at every compaction).
+    log_bytes: u64,
 }
 
 /// Asks for `units` of room in the store; how long to wait before trying.
@@ -188,6 +232,7 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
             pending: BTreeMap::new(),
             was_leader: false,
             new_reads: Vec::new(),
+            new_quorum_reads: Vec::new(),
             confirming: BTreeMap::new(),
             confirmed: VecDeque::new(),
             pending_reads: 0,
@@ -201,8 +246,12 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
             apply_retry_tick: 0,
             room: None,
             apply_stalls: 0,
+            #[cfg(test)]
+            store_full: false,
             lease_reads: 0,
             remembered: Remembered::default(),
+            dropped_early: 0,
+            remembered_stats: None,
             snapshots: None,
             first_member: None,
             fresh: None,
@@ -232,6 +281,14 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
         self.remembered = Remembered::default();
         self.to_apply.clear();
         self.first_member = None;
+        if let Some(s) = self.snapshots.as_mut() {
+            // A save of the old replica's state must not cut the new log
+            // (its rename is refused too: the reset came after it began).
+            s.saving = None;
+            s.sending.clear();
+            s.log_bytes = 0;
+            s.slot.clear();
+        }
         Ok(std::mem::take(&mut self.pending).into_values().map(|(_, p)| p).collect())
     }
 
@@ -256,20 +313,44 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
         }
     }
 
-    /// Compacts the log within `limits` and builds snapshots for followers
-    /// into `slot` (the one the log's storage hands raft).
-    pub fn with_snapshots(mut self, limits: LogLimits, slot: Arc<SnapshotSlot>) -> Self {
+    /// Compacts the log within `limits`, offers snapshots to followers
+    /// through `slot` (the one the log's storage hands raft) and `desk`,
+    /// and takes them from leaders through `desk`.
+    pub fn with_snapshots(mut self, limits: LogLimits, slot: Arc<SnapshotSlot>, desk: Arc<Desk>) -> Self {
         self.snapshots = Some(Snapshots {
             limits,
             slot,
-            made_at: None,
+            desk,
             sending: Default::default(),
             built: 0,
             installed: 0,
             last_bytes: 0,
             saving: None,
+            log_bytes: 0,
         });
         self
+    }
+
+    /// The snapshot at `index` sent to follower `to` did not reach it:
+    /// raft makes another when it next needs one. A report of an earlier
+    /// snapshot than the one raft now waits for is stale (that one's
+    /// stream ended after the next began) and changes nothing: taken, it
+    /// would abort the one in flight, and so on without end.
+    pub fn snapshot_failed(&mut self, to: u64, index: u64) {
+        let current = self
+            .replica
+            .raft()
+            .raft
+            .prs()
+            .get(to)
+            .is_some_and(|p| p.state == raft::ProgressState::Snapshot && p.pending_snapshot == index);
+        if !current {
+            return;
+        }
+        self.replica.snapshot_failed(to);
+        if let Some(s) = self.snapshots.as_mut() {
+            s.sending.remove(&to);
+        }
     }
 
     /// Starts from a state machine restored from a snapshot at `applied`
@@ -285,7 +366,7 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
         self.snapshots.as_ref().map_or((0, 0), |s| (s.built, s.installed))
     }
 
-    /// Bytes of the last snapshot built for followers (0: none yet).
+    /// Bytes of the last snapshot installed from a leader (0: none yet).
     pub fn snapshot_bytes(&self) -> u64 {
         self.snapshots.as_ref().map_or(0, |s| s.last_bytes)
     }
@@ -295,6 +376,45 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
     pub fn with_room(mut self, room: RoomHook) -> Self {
         self.room = Some(room);
         self
+    }
+
+    /// Reports the remembered writes to `stats` (kept current by `poll`).
+    pub fn with_remembered_stats(mut self, stats: Arc<RememberedStats>) -> Self {
+        self.remembered_stats = Some(stats);
+        self
+    }
+
+    /// The writes this replica remembers.
+    pub fn remembered(&self) -> &Remembered {
+        &self.remembered
+    }
+
+    /// Writes forgotten early (the byte bound) so far.
+    pub fn remembered_dropped_early(&self) -> u64 {
+        self.dropped_early
+    }
+
+    /// Counts the writes the byte bound made the remembered set forget,
+    /// warns now and then, and reports.
+    fn note_remembered(&mut self) {
+        let dropped = self.remembered.take_dropped_early();
+        if dropped > 0 {
+            let before = self.dropped_early;
+            self.dropped_early += dropped;
+            if before == 0 || before / DROPPED_EARLY_WARN_EVERY != self.dropped_early / DROPPED_EARLY_WARN_EVERY {
+                warn!(
+                    dropped_early = self.dropped_early,
+                    max_bytes = super::apply::MAX_REMEMBERED_BYTES,
+                    "write ids forgotten before their retry window passed, to stay within the shard's bound: a \
+                     write sent again after that applies again"
+                );
+            }
+        }
+        if let Some(st) = &self.remembered_stats {
+            use std::sync::atomic::Ordering::Relaxed;
+            st.writes.store(self.remembered.len() as u64, Relaxed);
+            st.dropped_early.store(self.dropped_early, Relaxed);
+        }
     }
 
     /// Reads answered under the lease so far.
@@ -322,9 +442,28 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
         self.now = self.now.max(now_ns);
     }
 
+    /// The lease held, by any clock: (term, end on this replica's clock).
+    pub fn lease_held(&self) -> Option<(u64, u64)> {
+        self.leases.as_ref()?.held()
+    }
+
     /// The lease to publish now: (term, end on this replica's clock).
     pub fn lease(&self) -> Option<(u64, u64)> {
         self.leases.as_ref()?.published(self.now, self.applied)
+    }
+
+    /// Makes every write stall as if the store had no room (the
+    /// simulation's memory filled behind raft's back).
+    #[cfg(test)]
+    pub fn set_store_full(&mut self, full: bool) {
+        self.store_full = full;
+    }
+
+    /// The lease as the old rule published it: valid by the clock, whether
+    /// or not the store applied what its round read. For the simulation.
+    #[cfg(test)]
+    pub fn lease_unapplied(&self) -> Option<(u64, u64)> {
+        self.leases.as_ref()?.published(self.now, u64::MAX)
     }
 
     /// The index of the last entry applied to the store.
@@ -338,8 +477,9 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
     }
 
     /// Asks to read the store linearizably for caller `id`: answered in a
-    /// later poll's `reads`.
-    pub fn read(&mut self, id: R) -> Result<(), (R, ProposeError)> {
+    /// later poll's `reads`. `lease_ok`: it may be granted under the lease
+    /// (else it waits for a quorum round).
+    pub fn read(&mut self, id: R, lease_ok: bool) -> Result<(), (R, ProposeError)> {
         if self.replica.raft().raft.state != StateRole::Leader {
             return Err((id, self.not_leader()));
         }
@@ -347,7 +487,11 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
             return Err((id, ProposeError::Busy));
         }
         self.pending_reads += 1;
-        self.new_reads.push(id);
+        if lease_ok {
+            self.new_reads.push(id)
+        } else {
+            self.new_quorum_reads.push(id)
+        }
         Ok(())
     }
 
@@ -359,6 +503,11 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
     }
 
     /// The replica (role, term, leader).
+    #[cfg(test)]
+    pub fn replica_mut(&mut self) -> &mut Replica<S> {
+        &mut self.replica
+    }
+
     pub fn replica(&self) -> &Replica<S> {
         &self.replica
     }
@@ -380,11 +529,15 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
             // `with_leases`): a candidate asks again.
             return Ok(());
         }
-        if m.get_msg_type() == raft::prelude::MessageType::MsgSnapshot
-            && let Err(e) = snap::decode(&m.get_snapshot().data)
-        {
-            // Checked before raft takes it: once taken, the log is replaced.
-            return Err(raft::Error::Store(raft::StorageError::Other(format!("snapshot refused: {e}").into())));
+        if m.get_msg_type() == raft::prelude::MessageType::MsgSnapshot {
+            // Its stream must be here and checked before raft takes it:
+            // once taken, the log is replaced.
+            let desc = Descriptor::decode(m.get_snapshot().get_data());
+            let here = desc.is_some_and(|d| self.snapshots.as_ref().is_some_and(|s| s.desk.has(&d)));
+            if !here {
+                let why = "snapshot refused: its data was not received whole";
+                return Err(raft::Error::Store(raft::StorageError::Other(why.into())));
+            }
         }
         self.replica.step(m)
     }
@@ -421,7 +574,13 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
                 self.applied = e.index;
                 continue;
             }
-            let result = apply_once(&self.store, &mut self.remembered, &e.data);
+            #[cfg(test)]
+            if self.store_full && !e.data.is_empty() {
+                self.apply_stalls += 1;
+                self.apply_retry_tick = self.ticks + 1;
+                break;
+            }
+            let result = apply_once(&self.store, &mut self.remembered, e.index, &e.data);
             if let Err(ApplyError::Store(dmkv_common::error::Error::OutOfMemory)) = &result {
                 // The leader admits a write only while it fits every
                 // replica's guarantee (`Store::live_within`): room comes
@@ -512,57 +671,66 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
         Ok(step)
     }
 
-    /// Makes the store what a leader's snapshot holds (checked in `step`).
+    /// Makes the store what a leader's snapshot holds (received whole and
+    /// checked before `step` let raft take it).
     fn install(&mut self, sn: &raft::prelude::Snapshot) -> Result<(), raft::Error> {
-        let fail = |e: snap::SnapshotError| raft::Error::Store(raft::StorageError::Other(e.to_string().into()));
-        let d = snap::decode(&sn.data).map_err(fail)?;
+        let fail = |e: String| raft::Error::Store(raft::StorageError::Other(e.into()));
+        let s = self.snapshots.as_mut().ok_or_else(|| fail("this replica takes no snapshots".into()))?;
+        let desc = Descriptor::decode(sn.get_data()).ok_or_else(|| fail("not a snapshot descriptor".into()))?;
+        let data = s.desk.take(&desc).ok_or_else(|| fail(format!("snapshot at {} is not here", desc.at.index)))?;
+        let reader = data.reader().map_err(|e| fail(e.to_string()))?;
+        let (at, remembered) = snap::restore(&self.store, reader).map_err(|e| fail(e.to_string()))?;
         let index = sn.get_metadata().index;
-        if d.at.index != index {
-            return Err(fail(snap::SnapshotError::WrongPoint { got: d.at.index, want: index }));
+        if at.index != index {
+            return Err(fail(snap::SnapshotError::WrongPoint { got: at.index, want: index }.to_string()));
         }
-        self.remembered = snap::restore(&self.store, &d).map_err(fail)?;
+        self.remembered = remembered;
         self.applied = index;
         // Entries the snapshot already holds.
         while self.to_apply.front().is_some_and(|e| e.index <= index) {
             self.to_apply.pop_front();
         }
-        if let Some(s) = self.snapshots.as_mut() {
-            s.installed += 1;
-        }
+        let s = self.snapshots.as_mut().expect("checked");
+        s.installed += 1;
+        s.log_bytes = 0;
+        s.last_bytes = self.store.counters.used_bytes.load(std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
 
-    /// The state machine now, as a raft snapshot.
-    fn snapshot_now(&self) -> Result<raft::prelude::Snapshot, raft::Error> {
+    /// Where the state machine is now: (its point, a view of the store).
+    fn view_now(&self) -> Result<Option<(Point, crate::store::StoreView)>, raft::Error> {
         let r = &self.replica.raft().raft;
         let at = Point { index: self.applied, term: r.raft_log.term(self.applied)? };
-        let mut sn = raft::prelude::Snapshot {
-            data: snap::encode(&self.store, &self.remembered, at).into(),
-            ..Default::default()
-        };
-        let meta = sn.mut_metadata();
-        meta.index = at.index;
-        meta.term = at.term;
-        meta.set_conf_state(r.prs().conf().to_conf_state());
-        Ok(sn)
+        match self.store.view() {
+            Ok(v) => Ok(Some((at, v))),
+            Err(e) => {
+                warn!("no snapshot now: {e}");
+                Ok(None)
+            }
+        }
     }
 
-    /// Builds the snapshot raft asked for, retries lost ones, drops old
-    /// ones, and compacts the log past its limit (saving the state first
-    /// where the log outlives the process).
+    /// Offers the snapshot raft asked for, retries lost ones, and compacts
+    /// the log past its limits (saving the state first where the log
+    /// outlives the process). Nothing here copies the store: views are
+    /// walked by other threads (`transfer`, `Desk::save`).
     fn tend_snapshots(&mut self) -> Result<(), raft::Error> {
         let Some(s) = self.snapshots.as_ref() else { return Ok(()) };
-        if s.slot.wanted() {
-            let sn = self.snapshot_now()?;
+        s.desk.drop_stale();
+        if s.slot.wanted()
+            && let Some((at, view)) = self.view_now()?
+        {
+            let r = &self.replica.raft().raft;
+            let s = self.snapshots.as_ref().expect("checked");
+            let desc = s.desk.offer(view, self.remembered.to_parts(), at);
+            let mut sn = raft::prelude::Snapshot { data: desc.encode().into(), ..Default::default() };
+            let meta = sn.mut_metadata();
+            meta.index = at.index;
+            meta.term = at.term;
+            meta.set_conf_state(r.prs().conf().to_conf_state());
             let s = self.snapshots.as_mut().expect("checked");
-            s.last_bytes = sn.get_data().len() as u64;
             s.slot.fill(sn);
-            s.made_at = Some(self.ticks);
             s.built += 1;
-        } else if s.made_at.is_some_and(|t| self.ticks - t >= SNAPSHOT_KEEP_TICKS) {
-            let s = self.snapshots.as_mut().expect("checked");
-            s.slot.clear();
-            s.made_at = None;
         }
         let r = &self.replica.raft().raft;
         let waiting: Vec<u64> = if r.state == StateRole::Leader {
@@ -574,7 +742,13 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
         s.sending.retain(|id, _| waiting.contains(id));
         let mut lost = Vec::new();
         for id in waiting {
-            let since = *s.sending.entry(id).or_insert(self.ticks);
+            let since = s.sending.entry(id).or_insert(self.ticks);
+            // A stream still going to it is not lost, however long a large
+            // shard takes: the wait counts from the stream's end.
+            if s.desk.streaming_to(id) {
+                *since = self.ticks;
+            }
+            let since = *since;
             if self.ticks - since >= SNAPSHOT_RETRY_TICKS {
                 lost.push(id);
                 s.sending.remove(&id);
@@ -592,7 +766,7 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
                 Err(std::sync::mpsc::TryRecvError::Empty) => return Ok(()),
                 Ok(Ok(())) => {
                     s.saving = None;
-                    self.replica.raft().store().compact(to)?;
+                    self.compact(to)?;
                 }
                 Ok(Err(e)) => {
                     s.saving = None;
@@ -603,15 +777,51 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
             return Ok(());
         }
         let first = self.replica.first_index();
-        if self.applied + 1 > first + limits.max_entries {
-            let to = (self.applied + 1).saturating_sub(limits.keep_entries).max(first);
-            if self.replica.raft().store().durable() {
-                let data = Vec::from(self.snapshot_now()?.data);
-                let rx = self.replica.raft().store().save_snapshot(data);
-                self.snapshots.as_mut().expect("checked").saving = Some((to, rx));
-            } else {
-                self.replica.raft().store().compact(to)?;
+        let entries = (self.applied + 1).saturating_sub(first);
+        if entries == 0 || (entries <= limits.max_entries && s.log_bytes <= limits.max_bytes) {
+            return Ok(());
+        }
+        // Keep a tenth, by count and by bytes; never entries a snapshot on
+        // offer needs after it (a follower taking it would need another).
+        let keep_by_bytes =
+            (entries as u128 * u128::from(limits.max_bytes / 10) / u128::from(s.log_bytes.max(1))) as u64;
+        let keep = limits.keep_entries.min(keep_by_bytes.max(1));
+        let mut to = (self.applied + 1).saturating_sub(keep).max(first);
+        if let Some(offered) = s.desk.oldest_offer() {
+            to = to.min(offered + 1);
+        }
+        // Nor entries a follower installing a snapshot needs next: sent and
+        // withdrawn, it is still being restored there.
+        let r = &self.replica.raft().raft;
+        if r.state == StateRole::Leader {
+            let pending = r.prs().iter().filter(|(_, p)| p.state == raft::ProgressState::Snapshot);
+            if let Some(min) = pending.map(|(_, p)| p.pending_snapshot).min() {
+                to = to.min(min + 1);
             }
+        }
+        if to <= first {
+            return Ok(());
+        }
+        if self.replica.raft().store().durable() {
+            if let Some((at, view)) = self.view_now()? {
+                let s = self.snapshots.as_mut().expect("checked");
+                let rx = s.desk.save(view, self.remembered.to_parts(), at);
+                s.saving = Some((to, rx));
+            }
+        } else {
+            self.compact(to)?;
+        }
+        Ok(())
+    }
+
+    /// Drops the log's entries before `to`, and their share of its bytes.
+    fn compact(&mut self, to: u64) -> Result<(), raft::Error> {
+        let first = self.replica.first_index();
+        let last = self.replica.raft().raft.raft_log.last_index();
+        self.replica.raft().store().compact(to)?;
+        if let Some(s) = self.snapshots.as_mut() {
+            let (all, kept) = ((last + 1).saturating_sub(first).max(1), (last + 1).saturating_sub(to));
+            s.log_bytes = (u128::from(s.log_bytes) * u128::from(kept) / u128::from(all)) as u64;
         }
         Ok(())
     }
@@ -633,16 +843,21 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
             }
         }
         // Under a lease no rival can be elected and every acknowledged
-        // write is applied (`LeaseKeeper::published`): reads need no round.
-        if !self.new_reads.is_empty() && self.lease().is_some() {
+        // write is applied (`LeaseKeeper::published`): reads need no round,
+        // but count only if they end before the lease does.
+        if let Some((_, until)) = self.lease()
+            && !self.new_reads.is_empty()
+        {
             let reads = std::mem::take(&mut self.new_reads);
             self.pending_reads -= reads.len();
             self.lease_reads += reads.len() as u64;
-            out.reads.extend(reads.into_iter().map(|r| (r, Ok(()))));
+            let grant = ReadGrant { lease_until: Some(until), generation: self.store.generation() };
+            out.reads.extend(reads.into_iter().map(|r| (r, Ok(grant))));
         }
         if can_confirm && self.replica.raft().raft.state == StateRole::Leader {
-            if !self.new_reads.is_empty() {
-                let reads = std::mem::take(&mut self.new_reads);
+            let mut reads = std::mem::take(&mut self.new_reads);
+            reads.append(&mut self.new_quorum_reads);
+            if !reads.is_empty() {
                 self.ask_quorum(reads);
             }
             let stale: Vec<u64> = self
@@ -673,14 +888,22 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
             if let Some(sn) = ready.snapshot {
                 self.install(&sn)?;
             }
+            if let Some(s) = self.snapshots.as_mut() {
+                s.log_bytes = s.log_bytes.saturating_add(ready.appended_bytes);
+            }
             self.to_apply.extend(ready.committed);
         }
         self.apply_committed(&mut out)?;
+        self.note_remembered();
+        // Only now: raft counts an entry applied once the store has it
+        // (a membership change may follow only an applied one).
+        self.replica.applied_to(self.applied);
         self.tend_snapshots()?;
         while self.confirmed.front().is_some_and(|(index, _)| *index <= self.applied) {
             let (_, reads) = self.confirmed.pop_front().expect("front exists");
             self.pending_reads -= reads.len();
-            out.reads.extend(reads.into_iter().map(|r| (r, Ok(()))));
+            let grant = ReadGrant { lease_until: None, generation: self.store.generation() };
+            out.reads.extend(reads.into_iter().map(|r| (r, Ok(grant))));
         }
         let leader = self.replica.raft().raft.state == StateRole::Leader;
         if self.was_leader && !leader {
@@ -694,6 +917,7 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
             let e = self.not_leader();
             let waiting = std::mem::take(&mut self.new_reads)
                 .into_iter()
+                .chain(std::mem::take(&mut self.new_quorum_reads))
                 .chain(std::mem::take(&mut self.confirming).into_values().flat_map(|(_, r)| r))
                 .chain(std::mem::take(&mut self.confirmed).into_iter().flat_map(|(_, r)| r));
             out.reads.extend(waiting.map(|r| (r, Err(e.clone()))));
@@ -725,7 +949,7 @@ mod tests {
         ShardCore::new(replica, Arc::new(store.unwrap()))
     }
 
-    type Reads = Vec<(u32, Result<(), ProposeError>)>;
+    type Reads = Vec<(u32, Result<ReadGrant, ProposeError>)>;
 
     /// Runs `cores` for `rounds` ticks over a perfect network, dropping
     /// everything to and from `down`; returns the answers.
@@ -806,6 +1030,90 @@ mod tests {
     }
 
     #[test]
+    fn every_replica_remembers_and_forgets_the_same_writes() {
+        use super::super::apply::encode_put_with;
+        use dmkv_common::proto::WriteId;
+        let stats: Vec<_> = (0..3).map(|_| Arc::new(RememberedStats::default())).collect();
+        let mut cores: Vec<_> =
+            (1..=3).map(|id| core(id).with_remembered_stats(Arc::clone(&stats[id as usize - 1]))).collect();
+        drive(&mut cores, 100, None);
+        let l = leader(&cores, None).expect("a leader");
+        let t = 5_000_000;
+        for seq in 0..30u32 {
+            // Windows of 1 and 2 s; the leader's clock 100 ms on a write.
+            let id = Some(WriteId { client: 9, seq: seq.into(), retry_window_ms: 1000 + 1000 * (seq % 2) });
+            let put = encode_put_with(format!("k{seq}").as_bytes(), b"v", id, t + 100 * u64::from(seq));
+            cores[l].propose(put, seq).unwrap();
+        }
+        drive(&mut cores, 5, None);
+        // By the last write's time, the 1 s ones of the first second are
+        // forgotten (seq 0, 2, .. 8), on every replica alike.
+        let parts = cores[l].remembered().to_parts();
+        assert_eq!(parts.now_ms, t + 2900);
+        assert_eq!(parts.writes.len(), 25);
+        assert!(parts.writes.iter().all(|w| w.seq % 2 == 1 || w.seq >= 10));
+        for (c, st) in cores.iter().zip(&stats) {
+            assert_eq!(c.remembered().to_parts(), parts);
+            assert_eq!(st.writes.load(std::sync::atomic::Ordering::Relaxed), 25);
+            assert_eq!(c.remembered_dropped_early(), 0);
+        }
+    }
+
+    /// Finding 11: raft counted entries applied as soon as they were handed
+    /// over, while a follower without room had not applied them (raft
+    /// uses its applied index to allow the next membership change).
+    #[test]
+    fn raft_counts_an_entry_applied_only_once_the_store_has_it() {
+        let mut cores: Vec<_> = (1..=3).map(core).collect();
+        drive(&mut cores, 100, None);
+        let l = leader(&cores, None).expect("a leader");
+        let f = (l + 1) % 3;
+        let junk = vec![7u8; 16 << 10];
+        let mut n = 0;
+        while cores[f].store().put(format!("junk{n}").as_bytes(), &junk).is_ok() {
+            n += 1;
+        }
+        cores[l].propose(encode_put(b"big", &vec![1u8; 64 << 10]), 1).unwrap();
+        cores[l].propose(encode_put(b"after", b"v"), 2).unwrap();
+        drive(&mut cores, 5, None);
+        let raft_applied = |c: &ShardCore<MemStorage, u32>| c.replica().raft().raft.raft_log.applied;
+        let committed = cores[f].replica().raft().raft.raft_log.committed;
+        assert!(cores[f].applied() < committed, "the follower could not apply");
+        assert_eq!(raft_applied(&cores[f]), cores[f].applied(), "raft's applied index is the store's");
+        for i in 0..n {
+            cores[f].store().delete(format!("junk{i}").as_bytes()).unwrap();
+        }
+        drive(&mut cores, 5, None);
+        assert_eq!(cores[f].applied(), committed);
+        assert_eq!(raft_applied(&cores[f]), committed);
+    }
+
+    /// Finding 7: a log in memory is cut by the bytes it holds, not only by
+    /// its count of entries (100,000 entries of 64 KiB are 6.4 GB).
+    #[test]
+    fn a_log_in_memory_is_cut_by_its_bytes() {
+        let limits = LogLimits { max_entries: 1_000_000, keep_entries: 100_000, max_bytes: 1 << 20 };
+        let mut cores: Vec<_> = (1..=3)
+            .map(|id| {
+                let desk = Arc::new(crate::cluster::desk::Desk::memory(0, 1 << 30));
+                core(id).with_snapshots(limits, Arc::default(), desk)
+            })
+            .collect();
+        drive(&mut cores, 100, None);
+        let l = leader(&cores, None).expect("a leader");
+        let value = vec![9u8; 16 << 10];
+        for i in 0..200u32 {
+            cores[l].propose(encode_put(format!("k{}", i % 8).as_bytes(), &value), i).unwrap();
+            drive(&mut cores, 1, None);
+        }
+        // 200 entries of 16 KiB went through a log of at most 1 MiB.
+        let c = &cores[l];
+        let held = c.applied() + 1 - c.replica().first_index();
+        assert!(held * (16 << 10) <= 2 << 20, "the log still holds {held} entries");
+        assert!(c.replica().first_index() > 1, "it was cut");
+    }
+
+    #[test]
     fn a_leader_that_loses_leadership_says_the_outcome_is_unknown() {
         let mut cores: Vec<_> = (1..=3).map(core).collect();
         drive(&mut cores, 100, None);
@@ -828,19 +1136,19 @@ mod tests {
         drive(&mut cores, 100, None);
         let l = leader(&cores, None).expect("a leader");
         let f = (l + 1) % 3;
-        assert_eq!(cores[f].read(1), Err((1, ProposeError::NotLeader { leader: Some(l as u64 + 1) })));
+        assert_eq!(cores[f].read(1, true), Err((1, ProposeError::NotLeader { leader: Some(l as u64 + 1) })));
         // A write then a read: the read is let through only once the write
         // has applied on the leader.
         cores[l].propose(encode_put(b"k", b"v1"), 7).unwrap();
-        cores[l].read(2).unwrap();
+        cores[l].read(2, true).unwrap();
         let mut reads = Vec::new();
         let answers = drive_reads(&mut cores, 2, None, &mut reads);
-        assert_eq!(reads, vec![(2, Ok(()))]);
+        assert_eq!(reads, vec![(2, Ok(ReadGrant { lease_until: None, generation: 0 }))]);
         assert!(answers.iter().any(|(id, r)| *id == 7 && r.is_ok()));
         assert!(cores[l].applied() >= 1);
         // Cut off from the others, a leader never lets a read through: it
         // steps down and says so.
-        cores[l].read(3).unwrap();
+        cores[l].read(3, true).unwrap();
         let mut isolated = Vec::new();
         for _ in 0..60 {
             cores[l].tick();
@@ -853,8 +1161,7 @@ mod tests {
     #[test]
     fn reads_under_the_lease_need_no_round_and_others_do() {
         use dmkv_common::cluster::lease::LeaseConfig;
-        let cfg =
-            LeaseConfig { election_timeout_ns: 90_000_000, max_drift_ppm: 1000, max_skew_ns: 0, margin_ns: 1_000_000 };
+        let cfg = LeaseConfig { election_timeout_ns: 90_000_000, max_drift_ppm: 1000, margin_ns: 1_000_000 };
         let mut cores: Vec<_> = (1..=3).map(|id| core(id).with_leases(LeaseKeeper::new(cfg).unwrap(), 0)).collect();
         // Ticks of 10 ms on every replica's clock.
         let mut now = 0u64;
@@ -870,17 +1177,24 @@ mod tests {
         let mut reads = Reads::new();
         step(&mut cores, 100, &mut reads);
         let l = leader(&cores, None).expect("a leader");
-        assert!(cores[l].lease().is_some(), "the leader holds a lease");
-        cores[l].read(1).unwrap();
+        let (_, until) = cores[l].lease().expect("the leader holds a lease");
+        cores[l].read(1, true).unwrap();
         let p = cores[l].poll().unwrap();
-        assert_eq!(p.reads.len(), 1, "answered at once under the lease");
+        let grant = ReadGrant { lease_until: Some(until), generation: 0 };
+        assert_eq!(p.reads, vec![(1, Ok(grant))], "answered at once under the lease");
         assert_eq!(cores[l].lease_reads(), 1);
+        // One that must not be granted under the lease waits for a round.
+        cores[l].read(4, false).unwrap();
+        assert!(cores[l].poll().unwrap().reads.is_empty());
+        let mut confirmed = Reads::new();
+        drive_reads(&mut cores, 2, None, &mut confirmed);
+        assert!(confirmed.contains(&(4, Ok(ReadGrant { lease_until: None, generation: 0 }))), "{confirmed:?}");
         // Without a lease (its clock past the end, no renewal heard), a
         // read waits for a quorum round.
         let far = now + 10_000_000_000;
         cores[l].set_clock(far);
         let _ = cores[l].poll().unwrap();
-        cores[l].read(2).unwrap();
+        cores[l].read(2, true).unwrap();
         let p = cores[l].poll().unwrap();
         assert!(p.reads.is_empty(), "no lease: the read waits for a round");
         assert_eq!(cores[l].lease_reads(), 1);

@@ -1,31 +1,53 @@
-//! A shard's state machine as one byte string, for raft snapshots: the
-//! store's live items with their versions, the version the next write
-//! gets, and the remembered write ids, at one applied log index. A
-//! replica that catches up by snapshot, or restarts from one, ends up with
-//! the same items, versions and remembered writes as the replica that
-//! made it.
+//! A shard's state machine as a stream of bytes, for raft snapshots: the
+//! store's items with their versions, flags and expiries, the version the
+//! next write gets, and the remembered write ids, at one applied log
+//! index. It is written while it is read from a consistent view of the
+//! store (`store::StoreView`), a record at a time, and read back the same
+//! way, so neither side holds a whole shard in memory or stops its shard
+//! thread for it. A replica that catches up by snapshot, or restarts from
+//! one, ends up with the same items, versions and remembered writes as the
+//! replica that made it.
 //!
 //! ```text
-//! magic "DMKVSNP1" | index u64 | term u64 | next_version u64
-//! | remembered u32 | (client u64, seq u64, kind u8, value u64)*
-//! | items u64 | (key_len u32, value_len u32, version u64, key, value)*
-//! | xxh3-64 of everything before, u64
+//! magic "DMKVSNP3" | index u64 | term u64 | next_version u64
+//! | remembered_len u32 | remembered: log_now_ms u64, count u32,
+//!   (client u64, seq u64, kind u8, value u64, expires_ms u64)*
+//! | (1 u8 | key_len u32 | value_len u32 | version u64 | flags u32 | expires u32 | key | value)*
+//! | 0 u8 | items u64 | xxh3-64 of everything before, u64
 //! ```
 //!
-//! All little-endian. Decoding checks the checksum and every length before
-//! the store is touched: a damaged or hostile snapshot changes nothing.
+//! All little-endian. A reader checks every length as it goes and the
+//! checksum at the end: a receiver reads a snapshot whole ([`validate`])
+//! before raft takes it, so a damaged or hostile one changes nothing. An
+//! item may come twice (a view meets an item in the index and again when
+//! it was unlinked meanwhile): both copies are the same version, and a
+//! restore keeps one.
+//!
+//! The remembered writes carry their expiry (log time) and the shard's log
+//! time, soonest to expire first, so a replica restored from a snapshot
+//! forgets the same writes at the same entries as the one that made it.
+
+use std::io::{Read, Write};
 
 use dmkv_common::limits::{MAX_KEY_LEN, MAX_VALUE_LEN};
 use thiserror::Error;
+use xxhash_rust::xxh3::Xxh3Default;
 
-use super::apply::{Applied, Remembered};
-use crate::store::Store;
+use super::apply::{Applied, MAX_REMEMBERED_WRITES, Remembered, RememberedParts, RememberedWrite};
+use crate::store::{Store, StoreView};
 
-const MAGIC: &[u8; 8] = b"DMKVSNP1";
-const TRAILER: usize = 8;
+const MAGIC: &[u8; 8] = b"DMKVSNP3";
+/// Formats this version does not read.
+const OLD_MAGICS: [&[u8; 8]; 2] = [b"DMKVSNP1", b"DMKVSNP2"];
+const ITEM: u8 = 1;
+const END: u8 = 0;
+/// Bytes of one remembered write in the stream.
+const REMEMBERED_BYTES: usize = 33;
+/// Largest remembered section a reader takes.
+const MAX_REMEMBERED_SECTION: usize = 12 + MAX_REMEMBERED_WRITES * REMEMBERED_BYTES;
 
 /// Why a snapshot was refused.
-#[derive(Debug, Error, PartialEq, Eq)]
+#[derive(Debug, Error)]
 pub enum SnapshotError {
     #[error("snapshot is damaged: {0}")]
     Damaged(String),
@@ -33,6 +55,11 @@ pub enum SnapshotError {
     WrongPoint { got: u64, want: u64 },
     #[error("store refused a snapshot item: {0}")]
     Store(dmkv_common::error::Error),
+    /// A format this version does not read (an older dmkv's).
+    #[error("snapshot format {0} is not read by this version: {1}")]
+    OldFormat(String, &'static str),
+    #[error("reading the snapshot: {0}")]
+    Io(#[from] std::io::Error),
 }
 
 /// Where a snapshot was taken: the last log entry it includes.
@@ -42,52 +69,280 @@ pub struct Point {
     pub term: u64,
 }
 
-/// Encodes `store`'s items and `remembered` as of `at` (the caller has
-/// applied exactly up to it).
-pub fn encode(store: &Store, remembered: &Remembered, at: Point) -> Vec<u8> {
-    let mut items = Vec::new();
-    let mut count = 0u64;
-    let next_version = store.dump(|k, v, ver| {
-        items.extend_from_slice(&(k.len() as u32).to_le_bytes());
-        items.extend_from_slice(&(v.len() as u32).to_le_bytes());
-        items.extend_from_slice(&ver.to_le_bytes());
-        items.extend_from_slice(k);
-        items.extend_from_slice(v);
-        count += 1;
-    });
-    let mut out = Vec::with_capacity(items.len() + 64);
-    out.extend_from_slice(MAGIC);
-    for x in [at.index, at.term, next_version] {
-        out.extend_from_slice(&x.to_le_bytes());
-    }
-    let remembered: Vec<_> = remembered.entries().collect();
-    out.extend_from_slice(&(remembered.len() as u32).to_le_bytes());
-    for ((client, seq), a) in remembered {
-        let (kind, value) = match a {
-            Applied::Nothing => (0u8, 0u64),
-            Applied::Put { version } => (1, *version),
-            Applied::Delete { existed } => (2, u64::from(*existed)),
-        };
-        out.extend_from_slice(&client.to_le_bytes());
-        out.extend_from_slice(&seq.to_le_bytes());
-        out.push(kind);
-        out.extend_from_slice(&value.to_le_bytes());
-    }
-    out.extend_from_slice(&count.to_le_bytes());
-    out.extend_from_slice(&items);
-    let sum = xxhash_rust::xxh3::xxh3_64(&out);
-    out.extend_from_slice(&sum.to_le_bytes());
-    out
+/// What a whole snapshot held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Summary {
+    pub at: Point,
+    /// Items in the stream (duplicates counted).
+    pub items: u64,
+    pub bytes: u64,
 }
 
-/// A checked snapshot, borrowing its items from the bytes.
-#[derive(Debug)]
-pub struct Decoded<'a> {
+/// One item of a snapshot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Item {
+    pub key: Vec<u8>,
+    pub value: Vec<u8>,
+    pub version: u64,
+    pub flags: u32,
+    pub expires_at: u32,
+}
+
+/// A writer that hashes what passes through it.
+struct Hashing<W> {
+    out: W,
+    hash: Xxh3Default,
+    bytes: u64,
+}
+
+impl<W: Write> Hashing<W> {
+    fn put(&mut self, b: &[u8]) -> std::io::Result<()> {
+        self.hash.update(b);
+        self.bytes += b.len() as u64;
+        self.out.write_all(b)
+    }
+}
+
+/// Writes a snapshot stream, a record at a time.
+pub struct Encoder<W: Write> {
+    w: Hashing<W>,
+    at: Point,
+    items: u64,
+}
+
+impl<W: Write> Encoder<W> {
+    /// Starts a snapshot taken at `at` into `out`.
+    pub fn new(out: W, at: Point, next_version: u64, remembered: &RememberedParts) -> std::io::Result<Encoder<W>> {
+        let mut w = Hashing { out, hash: Xxh3Default::new(), bytes: 0 };
+        w.put(MAGIC)?;
+        for x in [at.index, at.term, next_version] {
+            w.put(&x.to_le_bytes())?;
+        }
+        let section = encode_remembered(remembered);
+        w.put(&(section.len() as u32).to_le_bytes())?;
+        w.put(&section)?;
+        Ok(Encoder { w, at, items: 0 })
+    }
+
+    pub fn item(&mut self, key: &[u8], value: &[u8], version: u64, flags: u32, expires_at: u32) -> std::io::Result<()> {
+        let w = &mut self.w;
+        w.put(&[ITEM])?;
+        w.put(&(key.len() as u32).to_le_bytes())?;
+        w.put(&(value.len() as u32).to_le_bytes())?;
+        w.put(&version.to_le_bytes())?;
+        w.put(&flags.to_le_bytes())?;
+        w.put(&expires_at.to_le_bytes())?;
+        w.put(key)?;
+        w.put(value)?;
+        self.items += 1;
+        Ok(())
+    }
+
+    /// Ends the stream; the writer back, and what it holds.
+    pub fn finish(mut self) -> std::io::Result<(W, Summary)> {
+        self.w.put(&[END])?;
+        self.w.put(&self.items.to_le_bytes())?;
+        let sum = self.w.hash.digest();
+        self.w.out.write_all(&sum.to_le_bytes())?;
+        self.w.out.flush()?;
+        let summary = Summary { at: self.at, items: self.items, bytes: self.w.bytes + 8 };
+        Ok((self.w.out, summary))
+    }
+}
+
+/// Writes `view` (with `remembered`, taken at `at`) into `out`.
+pub fn encode_view<W: Write>(
+    view: &StoreView,
+    remembered: &RememberedParts,
+    at: Point,
+    out: W,
+) -> Result<(W, Summary), String> {
+    let mut e = Encoder::new(out, at, view.next_version(), remembered).map_err(|e| e.to_string())?;
+    view.walk(|it| e.item(it.key, it.value, it.version, it.flags, it.expires_at).map_err(|e| e.to_string()))?;
+    e.finish().map_err(|e| e.to_string())
+}
+
+/// Reads a snapshot stream, a record at a time. The checksum is checked
+/// when the end is read: until then an item may come from a damaged
+/// stream, so whoever acts on items reads the stream whole first
+/// ([`validate`]), or can undo what it did.
+pub struct Decoder<R: Read> {
+    r: R,
+    hash: Xxh3Default,
     pub at: Point,
     pub next_version: u64,
-    pub remembered: Vec<((u64, u64), Applied)>,
-    /// (key, value, version).
-    pub items: Vec<(&'a [u8], &'a [u8], u64)>,
+    pub remembered: RememberedParts,
+    items: u64,
+    bytes: u64,
+    ended: bool,
+}
+
+impl<R: Read> Decoder<R> {
+    /// Reads the header and the remembered writes.
+    pub fn new(r: R) -> Result<Decoder<R>, SnapshotError> {
+        let mut d = Decoder {
+            r,
+            hash: Xxh3Default::new(),
+            at: Point::default(),
+            next_version: 0,
+            remembered: RememberedParts::default(),
+            items: 0,
+            bytes: 0,
+            ended: false,
+        };
+        let mut magic = [0u8; 8];
+        d.take(&mut magic, "header")?;
+        if let Some(old) = OLD_MAGICS.iter().find(|m| **m == &magic) {
+            return Err(SnapshotError::OldFormat(
+                String::from_utf8_lossy(&old[..]).into_owned(),
+                "an older dmkv's; a replica whose saved snapshot it is must start with an empty data directory and \
+                 catch up from its shard's leader",
+            ));
+        }
+        if &magic != MAGIC && magic.starts_with(b"DMKVSNP") {
+            // A newer dmkv's, after a downgrade: no damage, and the
+            // replica must not throw away what may be the only copy.
+            return Err(SnapshotError::OldFormat(
+                String::from_utf8_lossy(&magic).into_owned(),
+                "a format this version does not know (a newer dmkv's)",
+            ));
+        }
+        if &magic != MAGIC {
+            return Err(SnapshotError::Damaged("not a dmkv snapshot".into()));
+        }
+        d.at = Point { index: d.u64("header")?, term: d.u64("header")? };
+        d.next_version = d.u64("header")?;
+        let len = d.u32("remembered writes")? as usize;
+        if len > MAX_REMEMBERED_SECTION {
+            return Err(SnapshotError::Damaged(format!("a remembered section of {len} bytes")));
+        }
+        let mut section = vec![0u8; len];
+        d.take(&mut section, "remembered writes")?;
+        d.remembered = decode_remembered(&mut Reader(&section))?;
+        Ok(d)
+    }
+
+    fn take(&mut self, buf: &mut [u8], what: &str) -> Result<(), SnapshotError> {
+        self.r.read_exact(buf).map_err(|e| match e.kind() {
+            std::io::ErrorKind::UnexpectedEof => SnapshotError::Damaged(format!("truncated in {what}")),
+            _ => SnapshotError::Io(e),
+        })?;
+        self.hash.update(buf);
+        self.bytes += buf.len() as u64;
+        Ok(())
+    }
+
+    fn u64(&mut self, what: &str) -> Result<u64, SnapshotError> {
+        let mut b = [0u8; 8];
+        self.take(&mut b, what)?;
+        Ok(u64::from_le_bytes(b))
+    }
+
+    fn u32(&mut self, what: &str) -> Result<u32, SnapshotError> {
+        let mut b = [0u8; 4];
+        self.take(&mut b, what)?;
+        Ok(u32::from_le_bytes(b))
+    }
+
+    /// The next item; `None` at the end, once the count and the checksum
+    /// checked out.
+    pub fn next_item(&mut self) -> Result<Option<Item>, SnapshotError> {
+        if self.ended {
+            return Ok(None);
+        }
+        let mut tag = [0u8; 1];
+        self.take(&mut tag, "items")?;
+        match tag[0] {
+            ITEM => {}
+            END => {
+                let count = self.u64("the end")?;
+                let want = self.hash.digest();
+                let mut sum = [0u8; 8];
+                self.r.read_exact(&mut sum).map_err(|e| match e.kind() {
+                    std::io::ErrorKind::UnexpectedEof => SnapshotError::Damaged("truncated in the checksum".into()),
+                    _ => SnapshotError::Io(e),
+                })?;
+                if u64::from_le_bytes(sum) != want {
+                    return Err(SnapshotError::Damaged("checksum does not match".into()));
+                }
+                if count != self.items {
+                    return Err(SnapshotError::Damaged(format!("{} items, the end says {count}", self.items)));
+                }
+                let mut rest = [0u8; 1];
+                if self.r.read(&mut rest)? != 0 {
+                    return Err(SnapshotError::Damaged("bytes after the end".into()));
+                }
+                self.ended = true;
+                self.bytes += 8;
+                return Ok(None);
+            }
+            t => return Err(SnapshotError::Damaged(format!("unknown record {t}"))),
+        }
+        let (kl, vl) = (self.u32("items")? as usize, self.u32("items")? as usize);
+        if kl == 0 || kl > MAX_KEY_LEN || vl > MAX_VALUE_LEN {
+            return Err(SnapshotError::Damaged(format!("item with key of {kl} bytes and value of {vl}")));
+        }
+        let version = self.u64("items")?;
+        let (flags, expires_at) = (self.u32("items")?, self.u32("items")?);
+        let mut key = vec![0u8; kl];
+        self.take(&mut key, "items")?;
+        let mut value = vec![0u8; vl];
+        self.take(&mut value, "items")?;
+        self.items += 1;
+        Ok(Some(Item { key, value, version, flags, expires_at }))
+    }
+
+    /// What was read so far (all of it, once `next_item` said `None`).
+    pub fn summary(&self) -> Summary {
+        Summary { at: self.at, items: self.items, bytes: self.bytes }
+    }
+}
+
+/// Reads a whole snapshot, checking everything; what it holds.
+pub fn validate<R: Read>(r: R) -> Result<Summary, SnapshotError> {
+    let mut d = Decoder::new(r)?;
+    while d.next_item()?.is_some() {}
+    Ok(d.summary())
+}
+
+/// Replaces `store`'s items with a snapshot's; where it was taken and the
+/// remembered writes it carried. Read [`validate`]d snapshots only: a
+/// damage found midway leaves the store half restored (the error says
+/// so, and the replica must not go on from it).
+pub fn restore<R: Read>(store: &Store, r: R) -> Result<(Point, Remembered), SnapshotError> {
+    let mut d = Decoder::new(r)?;
+    store.clear(d.next_version).map_err(SnapshotError::Store)?;
+    let mut waited = std::time::Duration::ZERO;
+    while let Some(it) = d.next_item()? {
+        // A second copy of an item is the same version: keep the first.
+        if store.get(&it.key).map_err(SnapshotError::Store)?.is_some_and(|(_, v)| v >= it.version) {
+            continue;
+        }
+        restore_item(store, &it, &mut waited)?;
+    }
+    Ok((d.at, Remembered::from_parts(&d.remembered)))
+}
+
+/// How long a restore waits, in all, for space still in its grace period
+/// (the store was just emptied: what it held becomes free only once
+/// readers that may have seen it are done).
+pub const MAX_RESTORE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+fn restore_item(store: &Store, it: &Item, waited: &mut std::time::Duration) -> Result<(), SnapshotError> {
+    loop {
+        match store.restore(&it.key, &it.value, it.version, it.flags, it.expires_at) {
+            Err(dmkv_common::error::Error::OutOfMemory) if *waited < MAX_RESTORE_WAIT => {
+                // No space waiting to be freed: it does not fit.
+                let Some(wait) = store.reclaim_wait() else {
+                    return Err(SnapshotError::Store(dmkv_common::error::Error::OutOfMemory));
+                };
+                let wait = wait.max(std::time::Duration::from_millis(1));
+                std::thread::sleep(wait);
+                *waited += wait;
+            }
+            r => return r.map_err(SnapshotError::Store),
+        }
+    }
 }
 
 /// Reads fields off the front of a byte string, never past its end.
@@ -110,63 +365,219 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// Checks and parses a snapshot.
-pub fn decode(data: &[u8]) -> Result<Decoded<'_>, SnapshotError> {
-    if data.len() < MAGIC.len() + TRAILER || &data[..MAGIC.len()] != MAGIC {
-        return Err(SnapshotError::Damaged("not a dmkv snapshot".into()));
+/// The remembered writes' section: the log time, then each write with its
+/// outcome and expiry, in the order they are forgotten.
+fn encode_remembered(parts: &RememberedParts) -> Vec<u8> {
+    let mut out = Vec::with_capacity(12 + parts.writes.len() * REMEMBERED_BYTES);
+    out.extend_from_slice(&parts.now_ms.to_le_bytes());
+    out.extend_from_slice(&(parts.writes.len() as u32).to_le_bytes());
+    for w in &parts.writes {
+        let (kind, value) = match w.outcome {
+            Applied::Nothing => (0u8, 0u64),
+            Applied::Put { version } => (1, version),
+            Applied::Delete { existed } => (2, u64::from(existed)),
+        };
+        out.extend_from_slice(&w.client.to_le_bytes());
+        out.extend_from_slice(&w.seq.to_le_bytes());
+        out.push(kind);
+        out.extend_from_slice(&value.to_le_bytes());
+        out.extend_from_slice(&w.expires_ms.to_le_bytes());
     }
-    let (body, sum) = data.split_at(data.len() - TRAILER);
-    if xxhash_rust::xxh3::xxh3_64(body).to_le_bytes() != sum {
-        return Err(SnapshotError::Damaged("checksum does not match".into()));
+    out
+}
+
+/// Reads what [`encode_remembered`] wrote. More writes than a shard keeps
+/// are refused: restored, the bound would drop some, which the replica
+/// that made the snapshot remembers.
+fn decode_remembered(r: &mut Reader<'_>) -> Result<RememberedParts, SnapshotError> {
+    const WHAT: &str = "remembered writes";
+    let now_ms = r.u64(WHAT)?;
+    let n = r.u32(WHAT)? as usize;
+    if n > MAX_REMEMBERED_WRITES {
+        return Err(SnapshotError::Damaged(format!(
+            "{n} remembered writes, more than the {MAX_REMEMBERED_WRITES} a shard keeps"
+        )));
     }
-    let mut r = Reader(&body[MAGIC.len()..]);
-    let at = Point { index: r.u64("header")?, term: r.u64("header")? };
-    let next_version = r.u64("header")?;
-    let n = r.u32("remembered writes")? as usize;
-    let mut remembered = Vec::with_capacity(n.min(super::apply::MAX_REMEMBERED_WRITES));
+    let mut writes = Vec::with_capacity(n.min(r.0.len() / REMEMBERED_BYTES));
     for _ in 0..n {
-        let id = (r.u64("remembered writes")?, r.u64("remembered writes")?);
-        let kind = r.take(1, "remembered writes")?[0];
-        let value = r.u64("remembered writes")?;
-        let a = match kind {
+        let (client, seq) = (r.u64(WHAT)?, r.u64(WHAT)?);
+        let kind = r.take(1, WHAT)?[0];
+        let value = r.u64(WHAT)?;
+        let outcome = match kind {
             0 => Applied::Nothing,
             1 => Applied::Put { version: value },
             2 => Applied::Delete { existed: value != 0 },
             k => return Err(SnapshotError::Damaged(format!("unknown outcome kind {k}"))),
         };
-        remembered.push((id, a));
-    }
-    let count = r.u64("items")?;
-    let mut items = Vec::new();
-    for _ in 0..count {
-        let (kl, vl) = (r.u32("items")? as usize, r.u32("items")? as usize);
-        if kl == 0 || kl > MAX_KEY_LEN || vl > MAX_VALUE_LEN {
-            return Err(SnapshotError::Damaged(format!("item with key of {kl} bytes and value of {vl}")));
-        }
-        let version = r.u64("items")?;
-        items.push((r.take(kl, "items")?, r.take(vl, "items")?, version));
+        writes.push(RememberedWrite { client, seq, outcome, expires_ms: r.u64(WHAT)? });
     }
     if !r.0.is_empty() {
-        return Err(SnapshotError::Damaged(format!("{} bytes after the last item", r.0.len())));
+        return Err(SnapshotError::Damaged(format!("{} bytes after the remembered writes", r.0.len())));
     }
-    Ok(Decoded { at, next_version, remembered, items })
+    Ok(RememberedParts { now_ms, writes })
 }
 
-/// Replaces `store`'s items with a checked snapshot's; the remembered
-/// writes it carried. The store is touched only once the whole snapshot
-/// checked out.
-pub fn restore(store: &Store, d: &Decoded<'_>) -> Result<Remembered, SnapshotError> {
-    store.clear(d.next_version).map_err(SnapshotError::Store)?;
-    for (k, v, ver) in &d.items {
-        store.restore(k, v, *ver).map_err(SnapshotError::Store)?;
-    }
-    Ok(Remembered::from_entries(d.remembered.iter().cloned()))
+/// A shard's whole state as bytes in memory (tests, and in-memory
+/// replicas' snapshots for followers).
+pub fn encode(view: &StoreView, remembered: &RememberedParts, at: Point) -> Result<Vec<u8>, String> {
+    encode_view(view, remembered, at, Vec::new()).map(|(v, _)| v)
 }
 
-/// The snapshot a leader hands raft for a follower that needs one: built
-/// on the shard thread when raft asks (its storage answers "not yet" and
-/// raft asks again a heartbeat later), kept a while for retries, then
-/// dropped (it is as large as the shard's data).
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::region::Region;
+    use dmkv_common::proto::WriteId;
+    use proptest::prelude::*;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    fn store() -> Arc<Store> {
+        Arc::new(Store::format(Arc::new(Region::create("snap", 4 << 20).unwrap()), 64, 9, 1, Duration::ZERO).unwrap())
+    }
+
+    fn sample() -> (Arc<Store>, Remembered) {
+        let s = store();
+        let mut seen = Remembered::default();
+        for i in 0..200u32 {
+            // Windows of 1 to 4 s, and the leader's clock 10 ms on a write.
+            let id = Some(WriteId { client: 1, seq: u64::from(i), retry_window_ms: 1000 * (1 + i % 4) });
+            let now = 1_000_000 + u64::from(i) * 10;
+            let put = super::super::apply::encode_put_with(format!("k{i}").as_bytes(), &i.to_le_bytes(), id, now);
+            super::super::apply::apply_once(&s, &mut seen, u64::from(i) + 1, &put).unwrap();
+        }
+        s.delete(b"k7").unwrap();
+        (s, seen)
+    }
+
+    fn bytes_of(s: &Arc<Store>, seen: &Remembered, at: Point) -> Vec<u8> {
+        encode(&s.view().unwrap(), &seen.to_parts(), at).unwrap()
+    }
+
+    fn items(bytes: &[u8]) -> Vec<Item> {
+        let mut d = Decoder::new(bytes).unwrap();
+        let mut v = Vec::new();
+        while let Some(it) = d.next_item().unwrap() {
+            v.push(it);
+        }
+        v.sort_by(|a, b| a.key.cmp(&b.key));
+        v
+    }
+
+    #[test]
+    fn a_snapshot_restores_items_versions_and_remembered_writes() {
+        let (a, seen) = sample();
+        let at = Point { index: 250, term: 3 };
+        let bytes = bytes_of(&a, &seen, at);
+        let sum = validate(&bytes[..]).unwrap();
+        assert_eq!((sum.at, sum.items, sum.bytes), (at, 199, bytes.len() as u64));
+        let b = store();
+        b.put(b"k7", b"stale").unwrap();
+        let (got_at, back) = restore(&b, &bytes[..]).unwrap();
+        assert_eq!(got_at, at);
+        assert_eq!(b.get(b"k7").unwrap(), None);
+        assert_eq!(b.get(b"k9").unwrap(), a.get(b"k9").unwrap());
+        assert_eq!(back.to_parts(), seen.to_parts());
+        // The restored replica would send the same snapshot, up to order.
+        let again = bytes_of(&b, &back, at);
+        assert_eq!(items(&bytes), items(&again));
+    }
+
+    #[test]
+    fn a_second_copy_of_an_item_is_kept_once() {
+        let mut e = Encoder::new(Vec::new(), Point { index: 1, term: 1 }, 10, &RememberedParts::default()).unwrap();
+        e.item(b"k", b"v", 3, 7, 0).unwrap();
+        e.item(b"k", b"v", 3, 7, 0).unwrap();
+        e.item(b"j", b"w", 4, 0, 99).unwrap();
+        let (bytes, sum) = e.finish().unwrap();
+        assert_eq!(validate(&bytes[..]).unwrap(), sum);
+        let s = store();
+        restore(&s, &bytes[..]).unwrap();
+        assert_eq!(s.get(b"k").unwrap().unwrap().1, 3);
+        let mut n = 0;
+        assert_eq!(s.dump(|_, _, _| n += 1), 10, "the next version");
+        assert_eq!(n, 2, "one copy of k, and j");
+    }
+
+    #[test]
+    fn remembered_writes_keep_their_expiries_through_a_snapshot() {
+        use super::super::apply::{apply_once, encode_put_with};
+        let (a, mut seen) = sample();
+        let bytes = bytes_of(&a, &seen, Point { index: 250, term: 3 });
+        let d = Decoder::new(&bytes[..]).unwrap();
+        assert_eq!(d.remembered.now_ms, 1_000_000 + 199 * 10);
+        let w = &d.remembered.writes;
+        assert!(w.windows(2).all(|p| p[0].expires_ms <= p[1].expires_ms), "soonest to expire first");
+        assert_eq!((w[0].seq, w[0].expires_ms), (0, 1_000_000 + 2000));
+        let b = store();
+        let (_, mut back) = restore(&b, &bytes[..]).unwrap();
+        // The same entries forget the same writes on both, and answer alike.
+        for step in 0..10u64 {
+            let now = 1_000_000 + 1990 + step * 700;
+            let retry =
+                encode_put_with(b"k3", b"again", Some(WriteId { client: 1, seq: 3, retry_window_ms: 4000 }), now);
+            assert_eq!(
+                apply_once(&a, &mut seen, 300 + step, &retry).unwrap(),
+                apply_once(&b, &mut back, 300 + step, &retry).unwrap()
+            );
+            assert_eq!(back.to_parts(), seen.to_parts(), "at {now}");
+        }
+        assert!(back.len() < 200, "some were forgotten meanwhile");
+    }
+
+    #[test]
+    fn older_formats_are_refused_by_name() {
+        for magic in [&b"DMKVSNP1"[..], b"DMKVSNP2"] {
+            let mut old = magic.to_vec();
+            old.extend_from_slice(&[0; 36]);
+            let e = validate(&old[..]).unwrap_err();
+            assert!(matches!(&e, SnapshotError::OldFormat(name, _) if name.as_bytes() == magic), "{e:?}");
+            assert!(e.to_string().contains("empty data directory"), "{e}");
+        }
+        // A newer format (after a downgrade) is not damage either: a
+        // replica must keep it rather than start over from its peers.
+        let mut newer = b"DMKVSNP9".to_vec();
+        newer.extend_from_slice(&[0; 36]);
+        assert!(matches!(validate(&newer[..]), Err(SnapshotError::OldFormat(..))));
+        assert!(matches!(validate(&[7u8; 44][..]), Err(SnapshotError::Damaged(_))), "not ours at all");
+    }
+
+    #[test]
+    fn damaged_snapshots_are_refused_by_validation() {
+        let (a, seen) = sample();
+        let bytes = bytes_of(&a, &seen, Point { index: 9, term: 1 });
+        let mut flipped = bytes.clone();
+        flipped[bytes.len() / 2] ^= 1;
+        let mut longer = bytes.clone();
+        longer.push(0);
+        for bad in [&bytes[..bytes.len() - 1], &flipped[..], &longer[..], &b"DMKVSNP3"[..], &[][..]] {
+            assert!(matches!(validate(bad), Err(SnapshotError::Damaged(_))), "{}", bad.len());
+        }
+    }
+
+    proptest! {
+        /// Whatever the bytes after a valid header: refused or read, never
+        /// a panic, and never an allocation beyond the limits.
+        #[test]
+        fn arbitrary_streams_never_panic(body in prop::collection::vec(any::<u8>(), 0..400)) {
+            let mut data = MAGIC.to_vec();
+            data.extend_from_slice(&body);
+            let _ = validate(&data[..]);
+            let mut e = Encoder::new(Vec::new(), Point::default(), 1, &RememberedParts::default()).unwrap();
+            e.item(b"k", &body, 0, 0, 0).unwrap();
+            let (mut ok, _) = e.finish().unwrap();
+            prop_assert!(validate(&ok[..]).is_ok());
+            let cut = body.len() % ok.len();
+            ok.truncate(cut);
+            prop_assert!(validate(&ok[..]).is_err());
+        }
+    }
+}
+
+/// The snapshot a leader hands raft for a follower that needs one: made on
+/// the shard thread when raft asks (its storage answers "not yet" and raft
+/// asks again a heartbeat later), and taken by raft once. Its data is a
+/// [`super::desk::Descriptor`]: the items stream to the follower apart.
 #[derive(Default)]
 pub struct SnapshotSlot {
     inner: std::sync::Mutex<SlotState>,
@@ -179,12 +590,12 @@ struct SlotState {
 }
 
 impl SnapshotSlot {
-    /// For `raft::Storage::snapshot`: the ready snapshot if it is at least
-    /// at `request_index`; else asks for one.
+    /// For `raft::Storage::snapshot`: the ready snapshot (taken) if it is
+    /// at least at `request_index`; else asks for one.
     pub fn for_raft(&self, request_index: u64) -> raft::Result<raft::prelude::Snapshot> {
         let mut s = crate::lock::lock(&self.inner);
-        match &s.ready {
-            Some(snap) if snap.get_metadata().index >= request_index => Ok(snap.clone()),
+        match s.ready.take() {
+            Some(snap) if snap.get_metadata().index >= request_index => Ok(snap),
             _ => {
                 s.wanted = true;
                 Err(raft::Error::Store(raft::StorageError::SnapshotTemporarilyUnavailable))
@@ -204,82 +615,8 @@ impl SnapshotSlot {
         s.wanted = false;
     }
 
-    /// Drops the ready snapshot (its memory).
+    /// Drops the ready snapshot.
     pub fn clear(&self) {
         crate::lock::lock(&self.inner).ready = None;
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::region::Region;
-    use dmkv_common::proto::WriteId;
-    use proptest::prelude::*;
-    use std::sync::Arc;
-    use std::time::Duration;
-
-    fn store() -> Store {
-        Store::format(Arc::new(Region::create("snap", 4 << 20).unwrap()), 64, 9, 1, Duration::ZERO).unwrap()
-    }
-
-    fn sample() -> (Store, Remembered) {
-        let s = store();
-        let mut seen = Remembered::default();
-        for i in 0..200u32 {
-            let id = Some(WriteId { client: 1, seq: u64::from(i) });
-            let put = super::super::apply::encode_put_with(format!("k{i}").as_bytes(), &i.to_le_bytes(), id);
-            super::super::apply::apply_once(&s, &mut seen, &put).unwrap();
-        }
-        s.delete(b"k7").unwrap();
-        (s, seen)
-    }
-
-    #[test]
-    fn a_snapshot_restores_items_versions_and_remembered_writes() {
-        let (a, seen) = sample();
-        let at = Point { index: 250, term: 3 };
-        let bytes = encode(&a, &seen, at);
-        let d = decode(&bytes).unwrap();
-        assert_eq!((d.at, d.items.len(), d.remembered.len()), (at, 199, 200));
-        let b = store();
-        b.put(b"k7", b"stale").unwrap();
-        let back = restore(&b, &d).unwrap();
-        assert_eq!(b.get(b"k7").unwrap(), None);
-        assert_eq!(b.get(b"k9").unwrap(), a.get(b"k9").unwrap());
-        assert_eq!(back.entries().collect::<Vec<_>>(), seen.entries().collect::<Vec<_>>());
-        // The restored replica would send the same snapshot, up to order.
-        let again = encode(&b, &back, at);
-        let (mut x, mut y) = (decode(&bytes).unwrap(), decode(&again).unwrap());
-        x.items.sort();
-        y.items.sort();
-        assert_eq!((x.items, x.next_version, x.remembered), (y.items, y.next_version, y.remembered));
-    }
-
-    #[test]
-    fn damaged_snapshots_are_refused_and_change_nothing() {
-        let (a, seen) = sample();
-        let bytes = encode(&a, &seen, Point { index: 9, term: 1 });
-        let b = store();
-        b.put(b"kept", b"1").unwrap();
-        let mut flipped = bytes.clone();
-        flipped[40] ^= 1;
-        for bad in [&bytes[..bytes.len() - 1], &flipped[..], &b"DMKVSNP1"[..], &[][..]] {
-            assert!(matches!(decode(bad), Err(SnapshotError::Damaged(_))));
-        }
-        assert_eq!(b.get(b"kept").unwrap().unwrap().0, bytes::Bytes::from_static(b"1"));
-    }
-
-    proptest! {
-        /// Whatever the bytes (with a valid checksum, so parsing runs):
-        /// refused or parsed, never a panic.
-        #[test]
-        fn arbitrary_bodies_never_panic(body in prop::collection::vec(any::<u8>(), 0..300)) {
-            let mut data = MAGIC.to_vec();
-            data.extend_from_slice(&body);
-            let sum = xxhash_rust::xxh3::xxh3_64(&data);
-            data.extend_from_slice(&sum.to_le_bytes());
-            let _ = decode(&data);
-        }
     }
 }

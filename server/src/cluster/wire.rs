@@ -13,9 +13,6 @@ pub const MAX_BATCH_MESSAGES: usize = 4096;
 /// Largest raft message accepted in one piece (entries of maximum PUTs,
 /// with room).
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
-/// Largest raft message accepted in parts: a snapshot of a shard's items.
-/// Parts are kept as they arrive, so memory follows what was sent.
-pub const MAX_ASSEMBLED_BYTES: usize = 64 << 30;
 
 /// Why a batch was refused (all of it: a peer that sends garbage is
 /// disconnected, raft retransmits).
@@ -27,8 +24,8 @@ pub enum WireError {
     TooLarge(usize),
     #[error("raft message for shard {shard} does not decode: {why}")]
     Malformed { shard: u32, why: String },
-    #[error("raft message in parts: {0}")]
-    Parts(String),
+    #[error("raft messages in parts are not taken (snapshots travel apart, as snapshot chunks)")]
+    Parts,
 }
 
 /// Where a node hands peers' raft messages: its local shard replicas.
@@ -54,78 +51,6 @@ pub fn encode(from: u64, msgs: &[(u32, Message)]) -> RaftBatch {
     }
 }
 
-/// One message too large for a frame as batches of one part each, of at
-/// most `part_bytes` bytes.
-pub fn encode_parts(from: u64, shard: u32, m: &Message, part_bytes: usize) -> Vec<RaftBatch> {
-    let bytes = m.write_to_bytes().expect("a raft message always encodes");
-    let chunks: Vec<&[u8]> = bytes.chunks(part_bytes.max(1)).collect();
-    let parts = chunks.len() as u32;
-    chunks
-        .into_iter()
-        .enumerate()
-        .map(|(i, c)| RaftBatch {
-            from_node: from,
-            messages: vec![RaftEnvelope { shard, message: c.to_vec().into(), part: i as u32, parts }],
-        })
-        .collect()
-}
-
-/// A connection's message in parts, as far as it arrived.
-#[derive(Default)]
-pub struct Assembler {
-    partial: Option<Partial>,
-}
-
-struct Partial {
-    shard: u32,
-    from: u64,
-    parts: u32,
-    next: u32,
-    bytes: Vec<u8>,
-}
-
-impl Assembler {
-    /// Decodes a batch: its messages, or, for a part, the whole message
-    /// once its last part came (nothing before). A batch out of place
-    /// (a part not the next, a whole batch between parts) drops the
-    /// message being assembled and is refused.
-    pub fn accept(&mut self, batch: &RaftBatch) -> Result<Vec<(u32, Message)>, WireError> {
-        let part = match batch.messages.as_slice() {
-            [env] if env.parts > 1 => env,
-            _ => {
-                if self.partial.take().is_some() {
-                    return Err(WireError::Parts("a batch came before the last part".into()));
-                }
-                return decode(batch);
-            }
-        };
-        let p = self.partial.get_or_insert_with(|| Partial {
-            shard: part.shard,
-            from: batch.from_node,
-            parts: part.parts,
-            next: 0,
-            bytes: Vec::new(),
-        });
-        if (p.shard, p.from, p.parts, p.next) != (part.shard, batch.from_node, part.parts, part.part) {
-            self.partial = None;
-            return Err(WireError::Parts(format!("part {} of {} out of place", part.part, part.parts)));
-        }
-        if p.bytes.len() + part.message.len() > MAX_ASSEMBLED_BYTES {
-            self.partial = None;
-            return Err(WireError::TooLarge(MAX_ASSEMBLED_BYTES + 1));
-        }
-        p.bytes.extend_from_slice(&part.message);
-        p.next += 1;
-        if p.next < p.parts {
-            return Ok(Vec::new());
-        }
-        let p = self.partial.take().expect("assembling");
-        Message::parse_from_bytes(&p.bytes)
-            .map(|m| vec![(p.shard, m)])
-            .map_err(|e| WireError::Malformed { shard: p.shard, why: e.to_string() })
-    }
-}
-
 /// Decodes a batch into (shard, message) pairs, or refuses all of it.
 pub fn decode(batch: &RaftBatch) -> Result<Vec<(u32, Message)>, WireError> {
     if batch.messages.len() > MAX_BATCH_MESSAGES {
@@ -135,6 +60,9 @@ pub fn decode(batch: &RaftBatch) -> Result<Vec<(u32, Message)>, WireError> {
         .messages
         .iter()
         .map(|env| {
+            if env.parts > 1 {
+                return Err(WireError::Parts);
+            }
             if env.message.len() > MAX_MESSAGE_BYTES {
                 return Err(WireError::TooLarge(env.message.len()));
             }
@@ -172,33 +100,9 @@ mod tests {
     }
 
     #[test]
-    fn a_message_in_parts_arrives_whole_and_parts_out_of_place_are_refused() {
-        let mut m = Message::default();
-        m.set_msg_type(MessageType::MsgSnapshot);
-        m.to = 2;
-        m.mut_snapshot().data = vec![7u8; 10_000].into();
-        let parts = encode_parts(1, 3, &m, 999);
-        assert!(parts.len() > 10);
-        let mut a = Assembler::default();
-        for p in &parts[..parts.len() - 1] {
-            assert_eq!(a.accept(p).unwrap(), vec![]);
-        }
-        assert_eq!(a.accept(parts.last().unwrap()).unwrap(), vec![(3, m.clone())]);
-        // A part skipped, a part from another sender, a whole batch between.
-        let mut a = Assembler::default();
-        a.accept(&parts[0]).unwrap();
-        assert!(matches!(a.accept(&parts[2]), Err(WireError::Parts(_))));
-        a.accept(&parts[0]).unwrap();
-        let mut other = parts[1].clone();
-        other.from_node = 9;
-        assert!(matches!(a.accept(&other), Err(WireError::Parts(_))));
-        a.accept(&parts[0]).unwrap();
-        assert!(matches!(a.accept(&encode(1, &[(3, Message::default())])), Err(WireError::Parts(_))));
-        // And it starts over cleanly.
-        for p in &parts[..parts.len() - 1] {
-            a.accept(p).unwrap();
-        }
-        assert_eq!(a.accept(parts.last().unwrap()).unwrap(), vec![(3, m)]);
+    fn messages_in_parts_are_refused() {
+        let env = RaftEnvelope { shard: 0, message: Default::default(), part: 0, parts: 3 };
+        assert_eq!(decode(&RaftBatch { from_node: 1, messages: vec![env] }), Err(WireError::Parts));
     }
 
     proptest! {

@@ -37,6 +37,12 @@ impl Store {
     /// Deletes every item, and sets the version the next write gets: the
     /// store then takes a snapshot's items with [`Store::restore`].
     pub fn clear(&self, next_version: u64) -> Result<(), Error> {
+        // Before the first key goes: a read begun on the old contents must
+        // be able to tell (`Store::generation`).
+        self.generation.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        // A snapshot being walked from the old contents would mix them
+        // with the refill's (a key a replay deletes again comes back).
+        self.views.abort_all();
         for k in self.keys() {
             self.delete(&k)?;
         }
@@ -44,9 +50,13 @@ impl Store {
         Ok(())
     }
 
-    /// Stores an item of a snapshot with the version it had.
-    pub fn restore(&self, key: &[u8], value: &[u8], version: u64) -> Result<(), Error> {
-        self.put_versioned(key, value, Some(version)).map(|_| ())
+    /// Stores an item of a snapshot with the version, flags and expiry it
+    /// had.
+    pub fn restore(&self, key: &[u8], value: &[u8], version: u64, flags: u32, expires_at: u32) -> Result<(), Error> {
+        let plan = |_: Option<super::Current<'_>>| {
+            Ok(super::Plan { value: value.into(), flags, expires_at, version: Some(version) })
+        };
+        self.write_item(key, false, plan).map(|_| ())
     }
 }
 
@@ -92,7 +102,7 @@ mod tests {
         b.put(b"stale", b"gone after clear").unwrap();
         b.clear(next).unwrap();
         for (k, (v, ver)) in &items {
-            b.restore(k, v, *ver).unwrap();
+            b.restore(k, v, *ver, 0, 0).unwrap();
         }
         assert_eq!(all(&b), (items, next), "same items, versions and next version");
         assert_eq!(a.put(b"new", b"1").unwrap(), b.put(b"new", b"1").unwrap());

@@ -106,8 +106,8 @@ pub struct Index {
 pub struct IndexWriter {
     pub meta: Vec<SegMeta>,
     /// Retired segments past their epoch, oldest first, waiting out the
-    /// grace period.
-    waiting: VecDeque<(u32, Instant)>,
+    /// grace period: (segment, retired at, retirement's number).
+    waiting: VecDeque<(u32, Instant, u64)>,
     /// Retired segments ready for reuse.
     pool: Vec<u32>,
     next_tag: u32,
@@ -149,6 +149,11 @@ impl Index {
     /// Segment `id`.
     pub fn seg(&self, id: u32) -> &Seg {
         self.slot_of(id as usize).and_then(OnceLock::get).expect("directory names only created segments")
+    }
+
+    /// The segment of every directory entry, in directory order.
+    pub fn directory(&self) -> impl Iterator<Item = u32> + '_ {
+        self.dir.iter().map(|d| d.load(Ordering::Acquire))
     }
 
     /// Every segment created so far, with its id.
@@ -328,7 +333,9 @@ impl Store {
         w.index.splits += 1;
         self.counters.index_splits.fetch_add(1, Ordering::Relaxed);
         let done = std::sync::Arc::clone(&self.segs_done);
-        guard.defer(move || lock(&done).push((id, Instant::now())));
+        let seq = self.retire_seq.fetch_add(1, Ordering::AcqRel);
+        let at = Instant::now();
+        guard.defer(move || lock(&done).push((id, at, seq)));
         debug!(segment = id, depth, suffix, "index segment split");
         Ok(())
     }
@@ -372,16 +379,17 @@ impl Store {
 
     /// Moves retired segments past their epoch and grace period to the
     /// pool. Writer only.
-    pub(super) fn reclaim_segments(&self, w: &mut Writer) {
+    pub(super) fn reclaim_segments(&self, w: &mut Writer, hold: u64) {
         {
             let mut done = lock(&self.segs_done);
             if !done.is_empty() {
-                done.sort_by_key(|&(_, since)| since);
+                done.sort_by_key(|&(_, _, seq)| seq);
                 w.index.waiting.extend(done.drain(..));
             }
         }
-        while let Some(&(id, since)) = w.index.waiting.front() {
-            if since.elapsed() < self.grace {
+        // A view walks the segments of its directory, split or not.
+        while let Some(&(id, since, seq)) = w.index.waiting.front() {
+            if since.elapsed() < self.grace || seq >= hold {
                 break;
             }
             w.index.pool.push(id);
