@@ -80,6 +80,7 @@ impl DmkvConn {
             read_path: opts.read_path,
             transport: opts.transport,
             tls,
+            token: ClientConfig::token_from_env().map_err(|e| e.to_string())?,
             ..Default::default()
         };
         let client = Client::connect_with(addr, cfg).await.map_err(|e| e.to_string())?;

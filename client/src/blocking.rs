@@ -11,8 +11,21 @@ use crate::onesided::ItemMeta;
 
 /// A blocking dmkv client.
 pub struct Client {
-    rt: tokio::runtime::Runtime,
+    /// `Some` until dropped.
+    rt: Option<tokio::runtime::Runtime>,
     inner: AsyncClient,
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        // Dropping a runtime waits for its blocking threads, which tokio
+        // refuses (with a panic) inside another runtime: there, let them go.
+        if let Some(rt) = self.rt.take()
+            && tokio::runtime::Handle::try_current().is_ok()
+        {
+            rt.shutdown_background();
+        }
+    }
 }
 
 impl Client {
@@ -21,8 +34,15 @@ impl Client {
         Client::connect_with(addr, ClientConfig::default())
     }
 
-    /// Connects with the given settings.
+    /// Connects with the given settings. Fails with
+    /// [`ClientError::InsideRuntime`] when called where a tokio runtime is
+    /// current, as every call of this client does: blocking there would
+    /// stall the runtime's worker (and tokio panics on it); use the async
+    /// [`AsyncClient`]. That includes `spawn_blocking` closures, which
+    /// tokio does not tell apart from its workers here: call the async
+    /// client through `Handle::block_on` there.
     pub fn connect_with(addr: impl Into<String>, cfg: ClientConfig) -> Result<Client, ClientError> {
+        outside_runtime()?;
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .enable_all()
@@ -30,12 +50,22 @@ impl Client {
             .map_err(|e| ClientError::Connect { addr: "runtime".into(), reason: e.to_string() })?;
         let addr = addr.into();
         let inner = rt.block_on(AsyncClient::connect_with(addr, cfg))?;
-        Ok(Client { rt, inner })
+        Ok(Client { rt: Some(rt), inner })
+    }
+
+    /// Runs `f` to completion on this client's runtime; refused inside
+    /// another runtime.
+    fn run<T>(&self, f: impl std::future::Future<Output = Result<T, ClientError>>) -> Result<T, ClientError> {
+        outside_runtime()?;
+        match &self.rt {
+            Some(rt) => rt.block_on(f),
+            None => Err(ClientError::ConnectionClosed),
+        }
     }
 
     /// See [`AsyncClient::get`].
     pub fn get(&self, key: impl AsRef<[u8]>) -> Result<Option<Bytes>, ClientError> {
-        self.rt.block_on(self.inner.get(key))
+        self.run(self.inner.get(key))
     }
 
     /// Reads `key` into `out` (its contents replaced by the value) and
@@ -50,7 +80,7 @@ impl Client {
         if let Some(r) = self.inner.get_local(key, out) {
             return r;
         }
-        Ok(self.rt.block_on(self.inner.get_versioned(key))?.map(|v| {
+        Ok(self.run(self.inner.get_versioned(key))?.map(|v| {
             out.clear();
             out.extend_from_slice(&v.value);
             ItemMeta { version: v.version, flags: v.flags, expires_at: v.expires_at }
@@ -59,17 +89,17 @@ impl Client {
 
     /// See [`AsyncClient::get_versioned`].
     pub fn get_versioned(&self, key: impl AsRef<[u8]>) -> Result<Option<Versioned>, ClientError> {
-        self.rt.block_on(self.inner.get_versioned(key))
+        self.run(self.inner.get_versioned(key))
     }
 
     /// See [`AsyncClient::put`].
     pub fn put(&self, key: impl AsRef<[u8]>, value: impl AsRef<[u8]>) -> Result<u64, ClientError> {
-        self.rt.block_on(self.inner.put(key, value))
+        self.run(self.inner.put(key, value))
     }
 
     /// See [`AsyncClient::delete`].
     pub fn delete(&self, key: impl AsRef<[u8]>) -> Result<bool, ClientError> {
-        self.rt.block_on(self.inner.delete(key))
+        self.run(self.inner.delete(key))
     }
 
     /// See [`AsyncClient::put_with`].
@@ -79,27 +109,27 @@ impl Client {
         value: impl AsRef<[u8]>,
         opts: crate::PutOptions,
     ) -> Result<u64, ClientError> {
-        self.rt.block_on(self.inner.put_with(key, value, opts))
+        self.run(self.inner.put_with(key, value, opts))
     }
 
     /// See [`AsyncClient::cas`].
     pub fn cas(&self, key: impl AsRef<[u8]>, value: impl AsRef<[u8]>, version: u64) -> Result<u64, ClientError> {
-        self.rt.block_on(self.inner.cas(key, value, version))
+        self.run(self.inner.cas(key, value, version))
     }
 
     /// See [`AsyncClient::incr`].
     pub fn incr(&self, key: impl AsRef<[u8]>, delta: u64) -> Result<u64, ClientError> {
-        self.rt.block_on(self.inner.incr(key, delta))
+        self.run(self.inner.incr(key, delta))
     }
 
     /// See [`AsyncClient::decr`].
     pub fn decr(&self, key: impl AsRef<[u8]>, delta: u64) -> Result<u64, ClientError> {
-        self.rt.block_on(self.inner.decr(key, delta))
+        self.run(self.inner.decr(key, delta))
     }
 
     /// See [`AsyncClient::touch`].
     pub fn touch(&self, key: impl AsRef<[u8]>, ttl: Option<std::time::Duration>) -> Result<bool, ClientError> {
-        self.rt.block_on(self.inner.touch(key, ttl))
+        self.run(self.inner.touch(key, ttl))
     }
 
     /// See [`AsyncClient::get_and_touch`].
@@ -108,32 +138,32 @@ impl Client {
         key: impl AsRef<[u8]>,
         ttl: Option<std::time::Duration>,
     ) -> Result<Option<Versioned>, ClientError> {
-        self.rt.block_on(self.inner.get_and_touch(key, ttl))
+        self.run(self.inner.get_and_touch(key, ttl))
     }
 
     /// See [`AsyncClient::delete_cas`].
     pub fn delete_cas(&self, key: impl AsRef<[u8]>, version: u64) -> Result<bool, ClientError> {
-        self.rt.block_on(self.inner.delete_cas(key, version))
+        self.run(self.inner.delete_cas(key, version))
     }
 
     /// See [`AsyncClient::multi_get`].
     pub fn multi_get<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Option<Bytes>>, ClientError> {
-        self.rt.block_on(self.inner.multi_get(keys))
+        self.run(self.inner.multi_get(keys))
     }
 
     /// See [`AsyncClient::stats`].
     pub fn stats(&self) -> Result<HashMap<String, u64>, ClientError> {
-        self.rt.block_on(self.inner.stats())
+        self.run(self.inner.stats())
     }
 
     /// The cluster map as the node knows it, with its replicas' state.
     pub fn cluster_status(&self) -> Result<dmkv_common::proto::ClusterMapReply, ClientError> {
-        self.rt.block_on(self.inner.cluster_status())
+        self.run(self.inner.cluster_status())
     }
 
     /// See [`AsyncClient::replace_replica`].
     pub fn replace_replica(&self, shard: u32) -> Result<u64, ClientError> {
-        self.rt.block_on(self.inner.replace_replica(shard))
+        self.run(self.inner.replace_replica(shard))
     }
 
     /// See [`AsyncClient::read_stats`].
@@ -159,5 +189,32 @@ impl Client {
     /// The async client inside, for mixing styles.
     pub fn as_async(&self) -> &AsyncClient {
         &self.inner
+    }
+}
+
+/// Refuses a blocking call made from inside an async runtime.
+fn outside_runtime() -> Result<(), ClientError> {
+    match tokio::runtime::Handle::try_current() {
+        Ok(_) => Err(ClientError::InsideRuntime),
+        Err(_) => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_blocking_call_inside_a_runtime_is_an_error_not_a_panic() {
+        // Refused before any connection is tried: the address is never used.
+        let r = Client::connect("127.0.0.1:1");
+        assert!(matches!(r, Err(ClientError::InsideRuntime)), "{:?}", r.err());
+    }
+
+    #[test]
+    fn outside_a_runtime_the_blocking_client_connects() {
+        // Nothing listens on port 1: the refusal is the connect's, not the runtime check's.
+        let r = Client::connect("127.0.0.1:1");
+        assert!(matches!(r, Err(ClientError::Connect { .. })), "{:?}", r.err());
     }
 }

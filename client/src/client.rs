@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use dmkv_common::PROTOCOL_VERSION;
 use dmkv_common::error::{check_key, check_value};
-use dmkv_common::limits::{DEFAULT_MAX_FRAME_LEN, MAX_MULTI_GET_KEYS};
+use dmkv_common::limits::{DEFAULT_MAX_FRAME_LEN, MAX_CLIENT_FRAME_LEN, MAX_MULTI_GET_KEYS};
 use dmkv_common::path::{ControllerStats, Path, PathConfig};
 use dmkv_common::proto::{self, ErrorCode, Response, request::Op, response::Result as R};
 use tokio::sync::Mutex;
@@ -133,7 +133,10 @@ pub struct ClientConfig {
     pub request_timeout: Duration,
     /// Longest wait for a TCP connection.
     pub connect_timeout: Duration,
-    /// Largest frame sent or accepted; must match the server's.
+    /// Ceiling on the largest frame sent or accepted. Each connection
+    /// learns the server's limit in its HELLO and uses the smaller of the
+    /// two (the default ceiling, 64 MiB, lets the server decide); until
+    /// then, and with a server that does not say, it is the default 2 MiB.
     pub max_frame: usize,
     /// Keys whose item address is cached for one-round-trip GETs.
     pub hint_cache_entries: usize,
@@ -142,7 +145,10 @@ pub struct ClientConfig {
     /// verification alone catches them.
     pub enforce_grace: bool,
     /// The secret to prove when the server requires authentication
-    /// (default: the `DMKV_TOKEN` environment variable, if set).
+    /// (default: none). The SDK never reads the environment for it: an
+    /// application that wants `DMKV_TOKEN` asks
+    /// [`ClientConfig::token_from_env`], as the `dmkv` CLI and `dmkv-ycsb`
+    /// do.
     pub token: Option<Arc<Token>>,
     /// TLS for RPC and engine connections (the server must serve TLS).
     pub tls: Option<TlsOptions>,
@@ -150,6 +156,21 @@ pub struct ClientConfig {
     /// is needed).
     #[doc(hidden)]
     pub check_leases: bool,
+}
+
+impl ClientConfig {
+    /// The token in the `DMKV_TOKEN` environment variable, if it is set;
+    /// an error if it is set but no valid token. For applications that
+    /// take their secret from the environment, as the `dmkv` CLI and
+    /// `dmkv-ycsb` do: the SDK never looks there itself.
+    pub fn token_from_env() -> Result<Option<Arc<Token>>, ClientError> {
+        match std::env::var(TOKEN_ENV) {
+            Ok(v) => {
+                Token::new(&v).map(|t| Some(Arc::new(t))).map_err(|e| ClientError::Config(format!("{TOKEN_ENV}: {e}")))
+            }
+            Err(_) => Ok(None),
+        }
+    }
 }
 
 impl Default for ClientConfig {
@@ -162,7 +183,7 @@ impl Default for ClientConfig {
             path: PathConfig::default(),
             request_timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(3),
-            max_frame: DEFAULT_MAX_FRAME_LEN,
+            max_frame: MAX_CLIENT_FRAME_LEN,
             hint_cache_entries: onesided::DEFAULT_HINT_ENTRIES,
             enforce_grace: true,
             token: None,
@@ -192,7 +213,7 @@ pub struct Client {
 struct Inner {
     addr: String,
     cfg: ClientConfig,
-    /// `cfg.token`, or the one from the environment.
+    /// `cfg.token`.
     token: Option<Arc<Token>>,
     tls: Option<Connector>,
     pool: Vec<Mutex<PoolSlot>>,
@@ -299,6 +320,35 @@ const FORCED_ONE_SIDED_TRIES: usize = 2;
 /// attempt (an rkey rotation between its descriptor and the first read):
 /// each asks for the descriptor again.
 const STALE_ATTACH_TRIES: usize = 3;
+
+/// What a measured one-sided GET came to.
+enum Measured {
+    /// Found or missing.
+    Done(Option<Versioned>),
+    /// Verification kept failing: the server must answer over RPC.
+    AskServer(GaveUp),
+}
+
+/// A one-sided GET that gave up, still to be priced: its RPC is part of
+/// what choosing the one-sided path cost this GET, so the admission is
+/// completed after that RPC ([`GaveUp::asked`]), whatever the RPC's
+/// outcome (its failure is the RPC's, not the path's).
+#[must_use = "complete the admission once the server has been asked"]
+struct GaveUp {
+    adm: Option<Admission>,
+    round_trips: u32,
+    retries: u32,
+}
+
+impl GaveUp {
+    /// The server was asked: the RPC counts as one more round trip.
+    fn asked(self) {
+        if let Some(adm) = self.adm {
+            adm.complete(self.round_trips + 1, self.retries);
+        }
+    }
+}
+
 /// How often a client in `ReadPath::Auto` retries attaching one-sided reads
 /// after a failure; GETs go over RPC meanwhile.
 const REATTACH_INTERVAL: Duration = Duration::from_millis(500);
@@ -306,6 +356,9 @@ const REATTACH_INTERVAL: Duration = Duration::from_millis(500);
 /// doubles per failure up to [`MAX_CONNECT_BACKOFF`]. Meanwhile requests on
 /// that slot fail at once with the connect's error.
 const CONNECT_BACKOFF: Duration = Duration::from_millis(50);
+/// Most seed addresses [`Client::connect_seeds`] takes: tried one after
+/// another, each within the connect timeout.
+pub const MAX_SEEDS: usize = 64;
 /// Longest wait between connects of one pool slot.
 const MAX_CONNECT_BACKOFF: Duration = Duration::from_secs(2);
 
@@ -339,6 +392,37 @@ impl Client {
         Client::open(addr.into(), cfg, None).await
     }
 
+    /// Connects to the first of `seeds` that answers, in order, as
+    /// [`Client::connect_with`] does to one: give a cluster's nodes, and
+    /// the client connects while any of them is up (it then learns the
+    /// map, and with it every node). Fails with the last seed's error
+    /// (each seed's in its message) if none answers; at most
+    /// [`MAX_SEEDS`] seeds.
+    pub async fn connect_seeds<A: AsRef<str>>(seeds: &[A], cfg: ClientConfig) -> Result<Client, ClientError> {
+        if seeds.is_empty() || seeds.len() > MAX_SEEDS {
+            return Err(ClientError::Config(format!("{} seed addresses: give 1 to {MAX_SEEDS}", seeds.len())));
+        }
+        let mut failed = Vec::new();
+        for seed in seeds {
+            match Client::connect_with(seed.as_ref(), cfg.clone()).await {
+                Ok(c) => return Ok(c),
+                Err(e) => failed.push(e),
+            }
+        }
+        let last = failed.pop().expect("one failure per seed, and there is a seed");
+        if failed.is_empty() {
+            return Err(last);
+        }
+        let all: Vec<String> = failed.iter().map(ToString::to_string).collect();
+        Err(match last {
+            ClientError::Connect { addr, reason } => ClientError::Connect {
+                addr,
+                reason: format!("{reason} (and every other seed failed: {})", all.join("; ")),
+            },
+            other => other,
+        })
+    }
+
     /// A session with one node, as the cluster router keeps: no map, no
     /// routing of its own.
     /// Its one-sided reads are counted in `counters` (the routing client's).
@@ -360,13 +444,7 @@ impl Client {
         let selector = PathSelector::new(cfg.path);
         selector.set_usable(Path::Rpc, true);
         let rpc_repaths = Arc::new(AtomicU64::new(0));
-        let token = match &cfg.token {
-            Some(t) => Some(Arc::clone(t)),
-            None => match std::env::var(TOKEN_ENV) {
-                Ok(v) => Some(Arc::new(Token::new(&v).map_err(|e| ClientError::Config(format!("{TOKEN_ENV}: {e}")))?)),
-                Err(_) => None,
-            },
-        };
+        let token = cfg.token.clone();
         let tls = cfg.tls.as_ref().map(|o| Connector::new(o, &addr)).transpose().map_err(ClientError::Config)?;
         let inner = Inner {
             token,
@@ -600,7 +678,10 @@ impl Client {
     async fn open_conn(&self, deadline: tokio::time::Instant) -> Result<Arc<Conn>, ClientError> {
         let cfg = &self.inner.cfg;
         let addr = &self.inner.addr;
-        let dial = Conn::connect(addr, cfg.connect_timeout, cfg.max_frame, self.inner.tls.as_ref());
+        // Until the server names its limit, no more than the default: a
+        // peer that is no dmkv server cannot make this client buffer more.
+        let before_hello = cfg.max_frame.min(DEFAULT_MAX_FRAME_LEN);
+        let dial = Conn::connect(addr, cfg.connect_timeout, before_hello, self.inner.tls.as_ref());
         let conn =
             tokio::time::timeout_at(deadline, dial).await.map_err(|_| ClientError::Timeout(cfg.request_timeout))??;
         let hello = Op::Hello(proto::Hello { protocol_version: PROTOCOL_VERSION, client_name: "dmkv-client".into() });
@@ -633,6 +714,7 @@ impl Client {
         let nonce = match unwrap(resp)? {
             R::Hello(h) => {
                 self.inner.cluster_node.store(h.cluster, Ordering::Relaxed);
+                conn.learn_frame_limit(h.max_frame, cfg.max_frame);
                 h.auth_nonce
             }
             other => return Err(unexpected(&other)),
@@ -644,7 +726,8 @@ impl Client {
             return Err(ClientError::Server {
                 code: ErrorCode::Unauthenticated,
                 message: format!(
-                    "{} requires authentication: give a token (ClientConfig::token, {TOKEN_ENV}, or --token-file)",
+                    "{} requires authentication: give a token (ClientConfig::token; the dmkv CLI and dmkv-ycsb take \
+                     {TOKEN_ENV} or --token-file)",
                     self.inner.addr
                 ),
             });
@@ -753,7 +836,8 @@ impl Client {
                     let path = self.attach().await?;
                     let adm = sel.admit_sampled(Path::OneSided, key);
                     match self.measured_one_sided_get(&path, key, adm).await {
-                        Ok(r) => return Ok(r),
+                        Ok(Measured::Done(r)) => return Ok(r),
+                        Ok(Measured::AskServer(gave_up)) => return self.ask_server(key, gave_up).await,
                         Err(e) => {
                             self.detach(&path, &e);
                             failure = Some(e);
@@ -802,13 +886,7 @@ impl Client {
         // fraction of any round trip (docs/path-selection.md).
         if let Some(path) = attached.as_ref().filter(|p| p.is_local()) {
             let adm = self.inner.selector.admit_sampled(Path::OneSided, key);
-            return match self.measured_one_sided_get(path, key, adm).await {
-                Ok(r) => Ok(r),
-                Err(e) => {
-                    self.detach(path, &e);
-                    self.node_rpc_get(key).await
-                }
-            };
+            return self.one_sided_or_rpc(path, key, adm).await;
         }
         let h = key_hash(key);
         let deadline = tokio::time::Instant::now() + self.inner.cfg.request_timeout;
@@ -820,14 +898,7 @@ impl Client {
             self.spawn_probe(p, key);
         }
         match (adm.path, attached) {
-            (Path::OneSided, Some(path)) => match self.measured_one_sided_get(&path, key, Some(adm)).await {
-                Ok(r) => Ok(r),
-                Err(e) => {
-                    // The failure moved traffic to RPC; this GET goes there too.
-                    self.detach(&path, &e);
-                    self.node_rpc_get(key).await
-                }
-            },
+            (Path::OneSided, Some(path)) => self.one_sided_or_rpc(&path, key, Some(adm)).await,
             (Path::Rpc, None) => self.measured_rpc_get(key, Some(adm)).await,
             // Detached since the choice: dropping the admission cancels it.
             (Path::OneSided, None) => {
@@ -851,14 +922,17 @@ impl Client {
     }
 
     /// A one-sided GET whose cost is reported to the path controller, if
-    /// admitted by it (`adm`). A backend failure is reported and returned;
-    /// verification that keeps failing falls back to RPC here.
+    /// admitted by it (`adm`). A backend failure is reported and returned.
+    /// When verification keeps failing the outcome says to ask the server;
+    /// the caller sends that RPC ([`Client::ask_server`]), and its failure
+    /// is the RPC's, not this path's (run in here, it became a backend
+    /// failure that detached a healthy path).
     async fn measured_one_sided_get(
         &self,
         path: &Arc<OneSided>,
         key: &[u8],
         adm: Option<Admission>,
-    ) -> Result<Option<Versioned>, BackendError> {
+    ) -> Result<Measured, BackendError> {
         self.report_accesses(path);
         let (got, t) = match path.get_traced(key).await {
             Ok(r) => r,
@@ -869,19 +943,43 @@ impl Client {
                 return Err(e);
             }
         };
-        let (r, rounds) = match got {
-            OneSidedGet::Found(v) => (Ok(Some(v)), t.round_trips),
-            OneSidedGet::Missing => (Ok(None), t.round_trips),
+        let value = match got {
+            OneSidedGet::Found(v) => Some(v),
+            OneSidedGet::Missing => None,
             OneSidedGet::GiveUp => {
-                let r = self.node_rpc_get(key).await;
-                // The RPC it ended with counts as one more round trip.
-                (r.map_err(|e| BackendError::Protocol(format!("fallback RPC failed: {e}"))), t.round_trips + 1)
+                return Ok(Measured::AskServer(GaveUp { adm, round_trips: t.round_trips, retries: t.retries }));
             }
         };
         if let Some(adm) = adm {
-            adm.complete(rounds, t.retries);
+            adm.complete(t.round_trips, t.retries);
         }
+        Ok(Measured::Done(value))
+    }
+
+    /// The RPC GET a one-sided GET that gave up ends with; then its price.
+    async fn ask_server(&self, key: &[u8], gave_up: GaveUp) -> Result<Option<Versioned>, ClientError> {
+        let r = self.node_rpc_get(key).await;
+        gave_up.asked();
         r
+    }
+
+    /// [`Client::measured_one_sided_get`], then what it leaves to RPC: a
+    /// GET that gave up, or one whose path failed (detached here).
+    async fn one_sided_or_rpc(
+        &self,
+        path: &Arc<OneSided>,
+        key: &[u8],
+        adm: Option<Admission>,
+    ) -> Result<Option<Versioned>, ClientError> {
+        match self.measured_one_sided_get(path, key, adm).await {
+            Ok(Measured::Done(r)) => Ok(r),
+            Ok(Measured::AskServer(gave_up)) => self.ask_server(key, gave_up).await,
+            Err(e) => {
+                // The failure moved traffic to RPC; this GET goes there too.
+                self.detach(path, &e);
+                self.node_rpc_get(key).await
+            }
+        }
     }
 
     /// Sends the items `path` read one-sidedly to its server, if it evicts
@@ -990,8 +1088,24 @@ impl Client {
     }
 
     pub(crate) async fn node_rpc_get(&self, key: &[u8]) -> Result<Option<Versioned>, ClientError> {
+        self.node_rpc_get_hinting(key, None).await
+    }
+
+    /// [`Client::node_rpc_get`]; where the server says the key's slot is,
+    /// `path` (the region the reply's hint is about: a cluster shard's)
+    /// caches it for its next one-sided GET of the key.
+    pub(crate) async fn node_rpc_get_hinting(
+        &self,
+        key: &[u8],
+        path: Option<&OneSided>,
+    ) -> Result<Option<Versioned>, ClientError> {
         match self.call(Op::Get(proto::Get { key: Bytes::copy_from_slice(key) })).await? {
-            R::Get(g) => Ok(self.learn(key, g)),
+            R::Get(g) => {
+                if let Some(p) = path.filter(|_| g.found && g.hint_slot != 0) {
+                    p.learn_hint(key, g.hint_bucket, g.hint_index, g.hint_slot);
+                }
+                Ok(self.learn(key, g))
+            }
             other => Err(unexpected(&other)),
         }
     }

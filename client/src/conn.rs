@@ -3,12 +3,13 @@
 //! requests into one write; a reader task dispatches replies.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use bytes::BytesMut;
 use dmkv_common::frame::{self, Decoder};
+use dmkv_common::limits::DEFAULT_MAX_FRAME_LEN;
 use dmkv_common::proto::{Request, Response, request::Op};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -76,7 +77,10 @@ pub struct Conn {
     pending: Pending,
     next_id: AtomicU64,
     closed: Arc<AtomicBool>,
-    max_frame: usize,
+    /// The largest frame sent or accepted: the client's ceiling until the
+    /// server's HELLO reply says its own ([`Conn::learn_frame_limit`]).
+    /// Shared with the reader's decoder.
+    max_frame: Arc<AtomicUsize>,
     /// Why the reader stopped, set before any waiter is woken.
     end: Arc<OnceLock<ReadEnd>>,
     /// Wakes the watchdog when a watched request is sent.
@@ -182,7 +186,8 @@ impl Conn {
         tokio::spawn(write_loop(wr, rx, Arc::clone(&closed)));
         let watched = Arc::new(tokio::sync::Notify::new());
         tokio::spawn(watchdog(Arc::downgrade(&pending), Arc::clone(&closed), Arc::clone(&watched)));
-        let decoder = Decoder::new(max_frame);
+        let max_frame = Arc::new(AtomicUsize::new(max_frame));
+        let limit = Arc::clone(&max_frame);
         let end: Arc<OnceLock<ReadEnd>> = Arc::default();
         let record = Arc::clone(&end);
         tokio::spawn(read_loop(
@@ -190,6 +195,7 @@ impl Conn {
             Arc::clone(&pending),
             Arc::clone(&closed),
             move |buf: &mut BytesMut| {
+                let decoder = Decoder::new(limit.load(Ordering::Relaxed));
                 Ok(decoder.next_message::<Response>(buf).map_err(|e| e.to_string())?.map(|r| (r.id, r)))
             },
             move |rest: &[u8], error: Option<String>| {
@@ -199,6 +205,23 @@ impl Conn {
             },
         ));
         Arc::new(Conn { tx, pending, next_id: AtomicU64::new(1), closed, max_frame, end, watched })
+    }
+
+    /// Takes the server's frame limit from its HELLO reply (`server`; 0
+    /// from a server that does not say): from now on the connection sends
+    /// and accepts frames up to the smaller of it and the client's
+    /// `ceiling`, so a client need not be configured to match the server.
+    pub(crate) fn learn_frame_limit(&self, server: u32, ceiling: usize) {
+        let server = match usize::try_from(server) {
+            Ok(0) | Err(_) => DEFAULT_MAX_FRAME_LEN,
+            Ok(n) => n,
+        };
+        self.max_frame.store(server.min(ceiling), Ordering::Relaxed);
+    }
+
+    /// The largest frame this connection sends or accepts now.
+    pub fn max_frame(&self) -> usize {
+        self.max_frame.load(Ordering::Relaxed)
     }
 
     /// How the reader stopped, once it has (before waiters are woken).
@@ -256,10 +279,9 @@ impl Conn {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let req = Request { id, op: Some(op) };
         let mut buf = BytesMut::new();
-        frame::encode(&req, self.max_frame, &mut buf).map_err(|_| ClientError::RequestTooLarge {
-            len: prost::Message::encoded_len(&req),
-            max: self.max_frame,
-        })?;
+        let max = self.max_frame();
+        frame::encode(&req, max, &mut buf)
+            .map_err(|_| ClientError::RequestTooLarge { len: prost::Message::encoded_len(&req), max })?;
         let (otx, orx) = oneshot::channel();
         let deadline = due.map(|(d, _)| d).filter(|_| watched);
         self.pending.lock().expect("pending poisoned").insert(id, Waiter { tx: otx, deadline });

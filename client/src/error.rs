@@ -7,8 +7,9 @@ use thiserror::Error;
 
 use crate::client::Transport;
 
-/// Why a request failed.
+/// Why a request failed. New reasons may be added: match with a `_` arm.
 #[derive(Debug, Clone, Error)]
+#[non_exhaustive]
 pub enum ClientError {
     /// The request was refused before sending (bad key or value).
     #[error("invalid request: {0}")]
@@ -35,6 +36,11 @@ pub enum ClientError {
     /// cluster router retries at `leader` (if known) within the deadline.
     #[error("node does not lead the key's shard (leader: {})", leader.map_or("unknown".to_string(), |l| format!("node {l}")))]
     NotLeader { leader: Option<u64>, map_version: u64 },
+    /// A call of the blocking client was made from inside an async
+    /// runtime, where blocking would stall the runtime's worker; nothing
+    /// was sent. Use the async client there.
+    #[error("the blocking client was called inside an async runtime: use dmkv_client::Client there")]
+    InsideRuntime,
     /// The server sent something this client does not understand.
     #[error("protocol error: {0}")]
     Protocol(String),
@@ -85,6 +91,7 @@ impl ClientError {
                 | ClientError::TransportUnavailable { .. }
                 | ClientError::Config(_)
                 | ClientError::RequestTooLarge { .. }
+                | ClientError::InsideRuntime
         )
     }
 

@@ -132,11 +132,34 @@ fn main() -> ExitCode {
     };
     match run(cli, explicit) {
         Ok(code) => code,
-        Err(msg) => {
+        // As Unix tools do (`dmkv stats | head`): the output was not wanted.
+        Err(Failure::ReaderGone) => ExitCode::SUCCESS,
+        Err(Failure::Msg(msg)) => {
             eprintln!("dmkv: {msg}");
             ExitCode::from(2)
         }
     }
+}
+
+/// Why a command failed.
+#[derive(Debug)]
+enum Failure {
+    /// Standard output was closed by its reader (a broken pipe): the
+    /// command ends quietly.
+    ReaderGone,
+    /// Anything else, said on standard error.
+    Msg(String),
+}
+
+impl From<String> for Failure {
+    fn from(msg: String) -> Failure {
+        Failure::Msg(msg)
+    }
+}
+
+/// A failed write to standard output.
+fn written(e: std::io::Error) -> Failure {
+    if e.kind() == std::io::ErrorKind::BrokenPipe { Failure::ReaderGone } else { Failure::Msg(e.to_string()) }
 }
 
 /// Which global options the user gave (on the command line or through the
@@ -221,7 +244,7 @@ fn value_from(value: Option<String>, stdin_is_terminal: bool) -> Result<ValueFro
     }
 }
 
-fn run(cli: Cli, explicit: Explicit) -> Result<ExitCode, String> {
+fn run(cli: Cli, explicit: Explicit) -> Result<ExitCode, Failure> {
     if let Cmd::Bench { args } = &cli.cmd {
         let args = bench_args(&cli, explicit, args)?;
         let token = match &cli.token_file {
@@ -230,12 +253,13 @@ fn run(cli: Cli, explicit: Explicit) -> Result<ExitCode, String> {
             ),
             None => None,
         };
-        return bench(&args, token);
+        return Ok(bench(&args, token)?);
     }
     if let (Some(t), ReadPath::Rpc) = (cli.transport, cli.path) {
         return Err(format!(
             "--transport {t} forces a one-sided backend, but --path rpc reads only over RPC: drop one"
-        ));
+        )
+        .into());
     }
     // Before connecting: a refused `put` must not wait for a server first.
     let put_value = match &cli.cmd {
@@ -248,7 +272,7 @@ fn run(cli: Cli, explicit: Explicit) -> Result<ExitCode, String> {
                 std::fs::read_to_string(path).map_err(|e| format!("cannot read token file {}: {e}", path.display()))?;
             Some(Arc::new(Token::new(&text).map_err(|e| format!("token file {}: {e}", path.display()))?))
         }
-        None => None,
+        None => ClientConfig::token_from_env().map_err(|e| e.to_string())?,
     };
     let tls = cli.tls_ca.map(|ca_file| TlsOptions {
         ca_file,
@@ -270,9 +294,9 @@ fn run(cli: Cli, explicit: Explicit) -> Result<ExitCode, String> {
     match cli.cmd {
         Cmd::Get { key, raw } => match client.get(&key).map_err(|e| e.to_string())? {
             Some(v) => {
-                stdout.write_all(&v).map_err(|e| e.to_string())?;
+                stdout.write_all(&v).map_err(written)?;
                 if !raw {
-                    stdout.write_all(b"\n").map_err(|e| e.to_string())?;
+                    stdout.write_all(b"\n").map_err(written)?;
                 }
                 Ok(ExitCode::SUCCESS)
             }
@@ -306,7 +330,7 @@ fn run(cli: Cli, explicit: Explicit) -> Result<ExitCode, String> {
             let mut stats: Vec<_> = client.stats().map_err(|e| e.to_string())?.into_iter().collect();
             stats.sort();
             for (k, v) in stats {
-                writeln!(stdout, "{k} {v}").map_err(|e| e.to_string())?;
+                writeln!(stdout, "{k} {v}").map_err(written)?;
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -316,8 +340,8 @@ fn run(cli: Cli, explicit: Explicit) -> Result<ExitCode, String> {
                 found += u32::from(client.get(&key).map_err(|e| e.to_string())?.is_some());
             }
             let secs = start.elapsed().as_secs_f64();
-            writeln!(stdout, "{gets} GETs of {key:?} ({found} found) in {secs:.3} s").map_err(|e| e.to_string())?;
-            write!(stdout, "{}", client.path_stats()).map_err(|e| e.to_string())?;
+            writeln!(stdout, "{gets} GETs of {key:?} ({found} found) in {secs:.3} s").map_err(written)?;
+            write!(stdout, "{}", client.path_stats()).map_err(written)?;
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Top { interval, iterations } => {
@@ -326,7 +350,7 @@ fn run(cli: Cli, explicit: Explicit) -> Result<ExitCode, String> {
         }
         Cmd::Cluster { cmd: ClusterCmd::Status } => {
             let status = cluster_status(&client, &cfg)?;
-            write!(stdout, "{status}").map_err(|e| e.to_string())?;
+            write!(stdout, "{status}").map_err(written)?;
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Cluster { cmd: ClusterCmd::ReplaceReplica { shard, node } } => {
@@ -347,7 +371,7 @@ fn run(cli: Cli, explicit: Explicit) -> Result<ExitCode, String> {
                 replica_name(id),
                 id & u64::from(u32::MAX)
             )
-            .map_err(|e| e.to_string())?;
+            .map_err(written)?;
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Bench { .. } => unreachable!("handled before connecting"),
@@ -395,7 +419,7 @@ fn top(
     interval: Duration,
     iterations: Option<u64>,
     out: &mut impl Write,
-) -> Result<(), String> {
+) -> Result<(), Failure> {
     use dmkv_client::top;
     let mut nodes: Vec<Watched> = match seed.cluster_status() {
         Ok(map) => map
@@ -445,7 +469,7 @@ fn top(
         // Home and clear, then the frame: the view stays in place.
         let clear = if terminal { "\x1b[H\x1b[2J" } else { "" };
         let gap = if terminal { "" } else { "\n" };
-        write!(out, "{clear}{frame}{gap}").and_then(|()| out.flush()).map_err(|e| e.to_string())?;
+        write!(out, "{clear}{frame}{gap}").and_then(|()| out.flush()).map_err(written)?;
         before = after;
         shown += 1;
     }

@@ -224,17 +224,6 @@ pub enum Retry {
     /// the write once), but once a try may have reached the shard, only
     /// within this window of it (see [`Resend`]).
     Identified(Duration),
-    /// Writes without an id: only a refusal that changed nothing
-    /// (NOT_LEADER, BUSY, no connection) is retried; a lost reply is the
-    /// caller's to judge.
-    IfUnsent,
-}
-
-impl Retry {
-    /// Whether a failure that may have reached a node is retried.
-    fn resends(self) -> bool {
-        matches!(self, Retry::Always | Retry::Identified(_))
-    }
 }
 
 /// The retry window of a write under a request timeout of `timeout`.
@@ -426,16 +415,13 @@ impl Router {
                         Err(e) if e.code() == Some(ErrorCode::Busy) => e,
                         // The write may or may not have committed: sent
                         // again with its id, it applies at most once.
-                        Err(e) if e.code() == Some(ErrorCode::Uncertain) && retry.resends() => e,
-                        Err(e) if e.is_transport() && (retry.resends() || !e.may_have_been_sent()) => {
-                            self.forget(node).await;
-                            self.routes.lock().expect("routes lock poisoned").on_unreachable(shard, node);
-                            e
-                        }
+                        // Every request this router sends may be sent again:
+                        // reads, and writes with an id.
+                        Err(e) if e.code() == Some(ErrorCode::Uncertain) => e,
                         Err(e) if e.is_transport() => {
                             self.forget(node).await;
                             self.routes.lock().expect("routes lock poisoned").on_unreachable(shard, node);
-                            return Err(e);
+                            e
                         }
                         r => return r.map_err(|e| report(&resend, e)),
                     };

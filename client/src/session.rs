@@ -107,15 +107,30 @@ impl Client {
         key: &[u8],
         one_sided: bool,
     ) -> Result<Option<Versioned>, ClientError> {
-        if one_sided && let Some(p) = self.shard_path(shard).await {
-            match p.get(key).await {
-                Ok(OneSidedGet::Found(v)) => return Ok(Some(v)),
-                Ok(OneSidedGet::Missing) => return Ok(None),
-                Ok(OneSidedGet::GiveUp) | Err(BackendError::Unleased) => {}
-                Err(e) => self.shard_path_failed(shard, &p, &e),
+        // The path the RPC reply's address hint is for: the server says
+        // where the item is in this very region.
+        let mut hinted = None;
+        if one_sided {
+            if let Some(p) = self.shard_path(shard).await {
+                match p.get(key).await {
+                    Ok(OneSidedGet::Found(v)) => return Ok(Some(v)),
+                    Ok(OneSidedGet::Missing) => return Ok(None),
+                    Ok(OneSidedGet::GiveUp) | Err(BackendError::Unleased) => hinted = Some(p),
+                    Err(e) => self.shard_path_failed(shard, &p, &e),
+                }
             }
+        } else {
+            hinted = self.attached_shard_path(shard);
         }
-        self.node_rpc_get(key).await
+        self.node_rpc_get_hinting(key, hinted.as_deref()).await
+    }
+
+    /// The path to `shard`'s region on this node, if it is attached now.
+    fn attached_shard_path(&self, shard: u32) -> Option<Arc<OneSided>> {
+        match self.shard_paths().lock().get(&shard) {
+            Some(ShardPath::Attached(p)) => Some(Arc::clone(p)),
+            _ => None,
+        }
     }
 
     /// Reads `keys` (all of `shard`) from this node, as [`Client::shard_get`].

@@ -9,6 +9,11 @@ pub const DEFAULT_MAX_FRAME_LEN: usize = 2 * 1024 * 1024;
 /// Smallest frame limit a server or client accepts in its configuration:
 /// one maximum-size PUT must always fit.
 pub const MIN_MAX_FRAME_LEN: usize = MAX_KEY_LEN + MAX_VALUE_LEN + 256;
+/// A client's default ceiling on its connections' frame limit: each
+/// connection uses the smaller of this and the limit the server names in
+/// its HELLO reply, so a server may raise its `--max-frame` this far
+/// without its clients being told.
+pub const MAX_CLIENT_FRAME_LEN: usize = 64 * 1024 * 1024;
 /// Length of the frame prefix (u32 little-endian).
 pub const FRAME_HEADER_LEN: usize = 4;
 /// Most keys in one MULTI_GET request.

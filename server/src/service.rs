@@ -465,6 +465,7 @@ async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response
                 server_version: env!("CARGO_PKG_VERSION").into(),
                 auth_nonce,
                 cluster: shared.cluster.is_some(),
+                max_frame: u32::try_from(shared.max_frame).unwrap_or(u32::MAX),
             })
         }
         Some(Op::Authenticate(_)) => match (conn.role, conn.node) {

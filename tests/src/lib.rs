@@ -12,6 +12,7 @@ pub mod cluster;
 pub mod disk;
 pub mod faults;
 pub mod history;
+pub mod layers;
 pub mod linearize;
 pub mod memcached;
 pub mod needs;

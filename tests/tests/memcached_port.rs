@@ -5,10 +5,11 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use dmkv_tests::memcached::{Memcached, port_of};
+use dmkv_tests::needs::{Need, available_or_skip};
 use dmkv_tests::{ServerProcess, TempDir};
 
 /// memccapable's text-protocol tests (`-a`), by name (`-T`).
@@ -42,23 +43,8 @@ const ASCII_TESTS: [&str; 27] = [
     "ascii stat",
 ];
 
-fn have(tool: &str) -> bool {
-    Command::new(tool).arg("-h").stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok()
-}
-
-/// Whether memccapable is there; without it the test fails under CI (which
-/// installs it, .ci/run) and is skipped loudly elsewhere.
-fn memccapable_available() -> bool {
-    if have("memccapable") {
-        return true;
-    }
-    let msg = "memccapable not found: install libmemcached-tools (apt-get install libmemcached-tools)";
-    if std::env::var_os("CI").is_some() {
-        panic!("{msg}");
-    }
-    eprintln!("\n!!! SKIPPED: {msg}\n");
-    false
-}
+const LIBMEMCACHED_TOOLS: &str = "apt-get install libmemcached-tools";
+const MEMCACHED: Need = Need::Tool { name: "memcached", install: "apt-get install memcached" };
 
 /// The memccapable tests that pass against `host:port`, each run alone.
 fn passing(port: u16) -> Vec<&'static str> {
@@ -77,7 +63,8 @@ fn passing(port: u16) -> Vec<&'static str> {
 
 #[test]
 fn memccapable_passes_what_it_passes_against_memcached() {
-    if !memccapable_available() {
+    let memccapable = Need::Tool { name: "memccapable", install: LIBMEMCACHED_TOOLS };
+    if !available_or_skip("memccapable_passes_what_it_passes_against_memcached", &[memccapable, MEMCACHED]) {
         return;
     }
     let reference = match Memcached::start() {
@@ -211,9 +198,8 @@ fn authentication_as_memcached_does_it_with_sasl_off() {
 /// its totals.
 #[test]
 fn memcaslap_runs_without_an_error_line() {
-    if !have("memcaslap") {
-        assert!(std::env::var_os("CI").is_none(), "memcaslap (libmemcached-tools) is missing under CI");
-        eprintln!("SKIPPED: memcaslap not installed (apt-get install libmemcached-tools)");
+    let memcaslap = Need::Tool { name: "memcaslap", install: LIBMEMCACHED_TOOLS };
+    if !available_or_skip("memcaslap_runs_without_an_error_line", &[memcaslap]) {
         return;
     }
     let srv = ServerProcess::start(&["--memory", "64MiB", "--memcached-listen", "127.0.0.1:0"]);

@@ -52,7 +52,7 @@ async fn metrics_count_traffic_exactly_and_pass_promtool() {
     assert!(!c.delete("missing").await.unwrap());
     let stats_after = c.stats().await.unwrap();
     let text = http_get(&addr, "/metrics").1;
-    promtool_check(&text);
+    promtool_check("metrics_count_traffic_exactly_and_pass_promtool", &text);
     let after = samples(&text);
 
     let delta = |series: &str| sample(&after, series) - before.get(series).copied().unwrap_or(0.0);
@@ -119,7 +119,7 @@ fn cluster_nodes_are_ready_once_leaders_are_known_with_one_leader_per_shard() {
     };
     assert!(wait_until(Duration::from_secs(20), one_leader_each), "not one leader per shard");
     let text = http_get(&addrs[0], "/metrics").1;
-    promtool_check(&text);
+    promtool_check("cluster_nodes_are_ready_once_leaders_are_known_with_one_leader_per_shard", &text);
     let m = samples(&text);
     for s in 0..SHARDS {
         for family in ["dmkv_shard_raft_term", "dmkv_shard_commit_index", "dmkv_shard_applied_index"] {

@@ -397,3 +397,25 @@ async fn multi_get_batches_fit_the_grace_period() {
     assert!(rs.slow > 0, "no attempt outlasted the grace period: {rs:?}");
     assert!(over_rpc * 10 < keys.len() as u64, "{over_rpc} of {} keys went over RPC: {rs:?}", keys.len());
 }
+
+/// A GET whose one-sided attempts give up asks the server over RPC; when
+/// that RPC fails, the GET fails with the RPC's error and the one-sided
+/// path stays attached. The RPC's failure is not the path's: it was taken
+/// for one, and a healthy path was detached.
+#[tokio::test]
+async fn a_failed_fallback_rpc_leaves_the_one_sided_path_attached() {
+    // With no grace period every attempt is too slow: each GET gives up.
+    let srv = ServerProcess::start(&["--memory", "16MiB", "--grace-ms", "0"]);
+    let timeout = ClientConfig { request_timeout: Duration::from_millis(300), ..cfg(ReadPath::Auto, None) };
+    let c = Client::connect_with(&srv.rpc, timeout).await.unwrap();
+    c.put("k", "v").await.unwrap();
+    assert_eq!(c.get("k").await.unwrap().as_deref(), Some(&b"v"[..]));
+    assert!(c.read_stats().fallbacks > 0, "the GET did not give up: {:?}", c.read_stats());
+    assert_eq!(c.one_sided_transport(), Some(Transport::Shm));
+    // Stopped, the server answers no RPC; its memory is still readable.
+    assert!(srv.signal("STOP"));
+    let r = c.get("k").await;
+    assert!(srv.signal("CONT"));
+    assert!(r.is_err(), "the fallback RPC answered while the server was stopped: {r:?}");
+    assert_eq!(c.one_sided_transport(), Some(Transport::Shm), "the failed RPC detached the one-sided path");
+}

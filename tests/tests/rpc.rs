@@ -500,3 +500,63 @@ async fn concurrent_requests_share_one_connect_and_keep_their_deadline() {
     // A deadline, not a benchmark: the old behaviour took 8 x 400 ms.
     assert!(slowest < 3 * timeout, "a request waited {slowest:?}, past its {timeout:?} deadline");
 }
+
+/// The frame limit is learned in HELLO: a server run with a larger
+/// `--max-frame` sends a multi-get reply larger than the default limit,
+/// and a client left at its defaults takes it (it had to be configured to
+/// match the server, or its connection failed on the reply).
+#[tokio::test]
+async fn the_frame_limit_is_learned_from_the_server() {
+    let srv = ServerProcess::start(&["--memory", "64MiB", "--max-frame", "8MiB"]);
+    let c =
+        Client::connect_with(&srv.rpc, ClientConfig { read_path: dmkv_client::ReadPath::Rpc, ..Default::default() })
+            .await
+            .unwrap();
+    let keys: Vec<String> = (0..4).map(|i| format!("big-{i}")).collect();
+    let value = |i: usize| vec![b'a' + i as u8; MAX_VALUE_LEN];
+    for (i, k) in keys.iter().enumerate() {
+        c.put(k, value(i)).await.unwrap();
+    }
+    // About 4 MiB in one reply: more than the default 2 MiB, within the server's 8.
+    let got = c.rpc_multi_get(&keys).await.expect("a reply within the server's limit");
+    for (i, v) in got.iter().enumerate() {
+        assert_eq!(v.as_deref(), Some(&value(i)[..]), "{}", keys[i]);
+    }
+}
+
+/// A client given several seed addresses connects while any one answers,
+/// and says what each failed seed did when none does.
+#[tokio::test]
+async fn connect_seeds_takes_the_first_seed_that_answers() {
+    let srv = ServerProcess::start(&["--memory", "16MiB"]);
+    // Nothing listens on port 1.
+    let dead = "127.0.0.1:1";
+    let c = Client::connect_seeds(&[dead, srv.rpc.as_str()], ClientConfig::default()).await.expect("the live seed");
+    c.put("seeded", "yes").await.unwrap();
+    assert_eq!(c.get("seeded").await.unwrap().as_deref(), Some(&b"yes"[..]));
+    let err =
+        Client::connect_seeds(&[dead, "127.0.0.1:2"], ClientConfig::default()).await.err().expect("no seed answers");
+    let msg = err.to_string();
+    assert!(msg.contains("127.0.0.1:1") && msg.contains("127.0.0.1:2"), "{msg}");
+    let none: [&str; 0] = [];
+    assert!(matches!(Client::connect_seeds(&none, ClientConfig::default()).await, Err(ClientError::Config(_))));
+}
+
+/// A blocking client made outside a runtime and then used and dropped
+/// inside one (an application's async code holding it): the calls fail
+/// with InsideRuntime, nothing was sent, and the drop does not panic
+/// (dropping its runtime there was tokio's panic).
+#[test]
+fn a_blocking_client_used_and_dropped_inside_a_runtime_does_not_panic() {
+    let srv = ServerProcess::start(&["--memory", "16MiB"]);
+    let c = dmkv_client::blocking::Client::connect(&srv.rpc).unwrap();
+    c.put("b", "1").unwrap();
+    let outer = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    outer.block_on(async move {
+        let err = c.put("b", "2").expect_err("refused inside the runtime");
+        assert!(matches!(err, ClientError::InsideRuntime) && !err.may_have_been_sent(), "{err}");
+        drop(c);
+    });
+    let c = dmkv_client::blocking::Client::connect(&srv.rpc).unwrap();
+    assert_eq!(c.get("b").unwrap().as_deref(), Some(&b"1"[..]), "the refused PUT was not sent");
+}
