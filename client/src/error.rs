@@ -5,7 +5,8 @@ use std::time::Duration;
 use dmkv_common::proto::ErrorCode;
 use thiserror::Error;
 
-use crate::client::Transport;
+use crate::read_path::Transport;
+use dmkv_common::proto::{Response, response::Result as R};
 
 /// Why a request failed. New reasons may be added: match with a `_` arm.
 #[derive(Debug, Clone, Error)]
@@ -107,6 +108,25 @@ impl ClientError {
                 | ClientError::NotDmkv { .. }
         )
     }
+}
+
+/// Turns a reply into its result, or the server's error into ours.
+pub fn unwrap(resp: Response) -> Result<R, ClientError> {
+    match resp.result {
+        Some(R::Error(e)) if e.code == ErrorCode::NotLeader as i32 => {
+            Err(ClientError::NotLeader { leader: (e.leader != 0).then_some(e.leader), map_version: e.map_version })
+        }
+        Some(R::Error(e)) => Err(ClientError::Server {
+            code: ErrorCode::try_from(e.code).unwrap_or(ErrorCode::Unspecified),
+            message: e.message,
+        }),
+        Some(r) => Ok(r),
+        None => Err(ClientError::Protocol("reply without a result".into())),
+    }
+}
+
+pub(crate) fn unexpected(r: &R) -> ClientError {
+    ClientError::Protocol(format!("unexpected reply {r:?}"))
 }
 
 #[cfg(test)]

@@ -17,22 +17,30 @@
 
 pub mod blocking;
 pub mod client;
+pub mod config;
 pub mod conn;
 pub mod error;
 pub mod metrics;
 pub mod onesided;
 pub mod ops;
 pub mod path;
+pub mod pool;
+pub mod read_path;
 pub mod router;
 pub mod session;
 pub mod tls;
 pub mod top;
+pub mod value;
 
-pub use client::{Client, ClientConfig, PathStats, ReadPath, Transport, Versioned};
+pub use client::Client;
+pub use config::ClientConfig;
 pub use dmkv_common::auth::Token;
 pub use dmkv_common::path::{Path, PathConfig};
 pub use dmkv_common::proto::ErrorCode;
 pub use error::ClientError;
 pub use onesided::{ItemMeta, ReadStats};
 pub use ops::{PutMode, PutOptions};
+pub use read_path::{ReadPath, Transport};
+pub use session::{PathStats, Session};
 pub use tls::TlsOptions;
+pub use value::Versioned;

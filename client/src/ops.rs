@@ -19,8 +19,9 @@ use dmkv_common::proto::{self, ErrorCode, request::Op, response::Result as R};
 
 pub use dmkv_common::proto::PutMode;
 
-use crate::client::{Client, Versioned, unexpected};
-use crate::error::ClientError;
+use crate::client::Client;
+use crate::error::{ClientError, unexpected};
+use crate::value::Versioned;
 
 /// How [`Client::put_with`] writes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

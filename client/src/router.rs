@@ -1,7 +1,7 @@
 //! The cluster router: which node a key's request goes to, and what to do
 //! when a node answers NOT_LEADER or cannot be reached. [`Routes`] is the
 //! decision logic with no sockets (testable alone); [`Router`] drives it
-//! over one session ([`Client`] in RPC mode) per node.
+//! over one [`Session`] per node.
 //!
 //! A GET goes router → node session → transport: the router picks the
 //! shard's leader, the session sends the request, and a NOT_LEADER answer
@@ -27,9 +27,12 @@ use dmkv_common::proto::ErrorCode;
 use std::sync::atomic::Ordering;
 use tokio::time::Instant;
 
-use crate::client::{Client, ClientConfig, ReadPath, Versioned};
+use crate::config::ClientConfig;
 use crate::error::ClientError;
 use crate::onesided::ReadCounters;
+use crate::read_path::ReadPath;
+use crate::session::Session;
+use crate::value::Versioned;
 
 /// First pause before retrying a shard with no known leader; doubles up
 /// to [`MAX_PAUSE`].
@@ -212,7 +215,7 @@ pub struct Router {
     next_seq: std::sync::atomic::AtomicU64,
     counters: std::sync::Arc<ReadCounters>,
     routes: std::sync::Mutex<Routes>,
-    sessions: tokio::sync::Mutex<HashMap<NodeId, Client>>,
+    sessions: tokio::sync::Mutex<HashMap<NodeId, Session>>,
 }
 
 /// Whether a request may be sent again after it may have reached a node.
@@ -302,7 +305,8 @@ impl Router {
         // A node that stopped answering (stalled, partitioned away) costs
         // one try, not the whole request: the rest is left for the others.
         let per_try = (cfg.request_timeout / TRIES_PER_TIMEOUT).max(MIN_TRY_TIMEOUT);
-        let sessions = ClientConfig { read_path: ReadPath::Rpc, request_timeout: per_try, ..cfg.clone() };
+        // Each session prices its node's paths with a selector of its own.
+        let sessions = ClientConfig { request_timeout: per_try, ..cfg.clone() };
         Router {
             cfg: sessions,
             deadline: cfg.request_timeout,
@@ -316,13 +320,21 @@ impl Router {
         }
     }
 
+    /// How each open session's GETs have been routed, by node.
+    pub async fn path_stats(&self) -> Vec<(NodeId, crate::session::PathStats)> {
+        let sessions = self.sessions.lock().await;
+        let mut out: Vec<_> = sessions.iter().map(|(n, s)| (*n, s.path_stats())).collect();
+        out.sort_by_key(|(n, _)| *n);
+        out
+    }
+
     /// The routes as they stand.
     pub fn routes(&self) -> Routes {
         self.routes.lock().expect("routes lock poisoned").clone()
     }
 
     /// The session with `node`, opened within `connect` if there is none.
-    async fn session(&self, node: NodeId, connect: Duration) -> Result<Client, ClientError> {
+    async fn session(&self, node: NodeId, connect: Duration) -> Result<Session, ClientError> {
         if let Some(s) = self.sessions.lock().await.get(&node) {
             return Ok(s.clone());
         }
@@ -330,7 +342,7 @@ impl Router {
             addr: format!("node {node}"),
             reason: "not in the cluster map".into(),
         })?;
-        let open = Client::connect_session(addr.clone(), self.cfg.clone(), std::sync::Arc::clone(&self.counters));
+        let open = Session::open(addr.clone(), self.cfg.clone(), std::sync::Arc::clone(&self.counters));
         let s = match tokio::time::timeout(connect, open).await {
             Ok(s) => s?,
             Err(_) => return Err(ClientError::Connect { addr, reason: format!("timed out after {connect:?}") }),
@@ -366,7 +378,7 @@ impl Router {
     /// (for an identified write, see [`Resend`]).
     pub async fn run<T, F, Fut>(&self, key: &[u8], retry: Retry, op: F) -> Result<T, ClientError>
     where
-        F: Fn(Client) -> Fut,
+        F: Fn(Session) -> Fut,
         Fut: Future<Output = Result<T, ClientError>>,
     {
         let mut attempts = Attempts::new(Instant::now(), self.deadline);
@@ -477,14 +489,14 @@ impl Router {
     pub async fn put(&self, key: &[u8], value: &[u8]) -> Result<u64, ClientError> {
         let id = self.write_id();
         let retry = Retry::Identified(self.write_window);
-        self.run(key, retry, |s| async move { s.node_put_with(key, value, Some(id)).await }).await
+        self.run(key, retry, |s| async move { s.put_with(key, value, Some(id)).await }).await
     }
 
     /// Deletes `key` through its shard's leader (applied once, as `put`).
     pub async fn delete(&self, key: &[u8]) -> Result<bool, ClientError> {
         let id = self.write_id();
         let retry = Retry::Identified(self.write_window);
-        self.run(key, retry, |s| async move { s.node_delete_with(key, Some(id)).await }).await
+        self.run(key, retry, |s| async move { s.delete_with(key, Some(id)).await }).await
     }
 
     /// Reads many keys: split per shard, the shards asked in parallel.

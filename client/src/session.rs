@@ -1,21 +1,906 @@
-//! A cluster node session's reads: one-sided on the region of the key's
-//! shard replica on that node while the replica leads and holds its lease,
-//! over RPC (a linearizable read on the leader) otherwise.
-//!
-//! The router picks the node; this picks the path. A follower's or a
-//! deposed leader's region has no lease that covers the reads, so reading
-//! it ends in [`BackendError::Unleased`] and the read goes over RPC, where
-//! NOT_LEADER sends the router on: never to a follower's stale memory.
+//! A session with one node: its RPC pool, its one-sided paths (the
+//! node's own region, or its shard regions in a cluster) and the path
+//! selector that prices them against RPC. One `get` plans (the
+//! selector), executes (a one-sided read or an RPC) and reports; a
+//! one-sided read that gives up returns that as an outcome, and the RPC
+//! that answers instead is sent by the caller, outside the measurement.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use dmkv_common::error::check_key;
+use dmkv_common::limits::MAX_MULTI_GET_KEYS;
+use dmkv_common::path::{ControllerStats, Path};
+use dmkv_common::proto::{self, ErrorCode, request::Op, response::Result as R};
 
-use crate::client::{Client, Versioned};
-use crate::error::ClientError;
-use crate::onesided::{self, AttachOptions, BackendError, OneSided, OneSidedGet};
+use crate::config::ClientConfig;
+use crate::conn::InFlight;
+use crate::error::{ClientError, unexpected, unwrap};
+use crate::onesided::{
+    self, AttachOptions, BackendError, ItemMeta, LocalGet, OneSided, OneSidedGet, ReadCounters, ReadStats,
+};
+use crate::path::{Admission, ConnHealth, PathSelector, key_hash};
+use crate::pool::RpcPool;
+use crate::read_path::{ReadPath, Transport};
+use crate::value::Versioned;
+
+/// A session with one node. Cheap to clone; clones share it.
+#[derive(Clone)]
+pub struct Session {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    cfg: ClientConfig,
+    pool: Arc<RpcPool>,
+    path: Mutex<PathState>,
+    read_counters: Arc<ReadCounters>,
+    selector: Arc<PathSelector>,
+    rpc_health: ConnHealth,
+    rpc_repaths: Arc<AtomicU64>,
+    engine_repaths: Arc<AtomicU64>,
+    /// A cluster session's one-sided paths, per shard region of its node.
+    shard_paths: ShardPaths,
+}
+
+/// Which of a session's regions a GET reads: the node's own (a single
+/// node), or a cluster shard's replica on the node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Region {
+    Node,
+    Shard(u32),
+}
+
+impl Region {
+    /// The path an RPC reply's address hint is for, when the session does
+    /// not find it itself: a shard's (a single node's is the attached one).
+    fn hinted(self, path: &OneSided) -> Option<&OneSided> {
+        match self {
+            Region::Node => None,
+            Region::Shard(_) => Some(path),
+        }
+    }
+}
+
+/// How this client's GETs have been routed (see [`Session::path_stats`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PathStats {
+    /// Windows, delays and counters of both paths, and the switches
+    /// between them.
+    pub controller: ControllerStats,
+    /// The one-sided backend attached now, if any.
+    pub transport: Option<Transport>,
+    /// Congested RPC connections replaced by fresh ones.
+    pub rpc_repaths: u64,
+    /// Congested engine connections replaced by fresh ones.
+    pub engine_repaths: u64,
+}
+
+impl std::fmt::Display for PathStats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let c = &self.controller;
+        let transport = self.transport.map_or("none", Transport::name);
+        writeln!(f, "preferred {} switches {} transport {transport}", c.preferred.name(), c.switches)?;
+        writeln!(
+            f,
+            "{:<10} {:>9} {:>7} {:>8} {:>8} {:>8} {:>8} {:>9} {:>9} {:>9} {:>6} {:>7}",
+            "path",
+            "requests",
+            "probes",
+            "failures",
+            "retries",
+            "diverted",
+            "window",
+            "base_us",
+            "delay_us",
+            "target_us",
+            "rounds",
+            "repaths"
+        )?;
+        for (p, s, repaths) in
+            [(Path::OneSided, &c.one_sided, self.engine_repaths), (Path::Rpc, &c.rpc, self.rpc_repaths)]
+        {
+            writeln!(
+                f,
+                "{:<10} {:>9} {:>7} {:>8} {:>8} {:>8} {:>8.1} {:>9.1} {:>9.1} {:>9.1} {:>6.2} {:>7}",
+                p.name(),
+                s.requests,
+                s.probes,
+                s.failures,
+                s.retries,
+                s.diverted,
+                s.window,
+                s.base_delay_ns as f64 / 1e3,
+                s.delay_ns as f64 / 1e3,
+                s.target_ns as f64 / 1e3,
+                s.round_trips,
+                repaths
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// The one-sided path, if attached, and when attaching was last tried.
+#[derive(Default)]
+struct PathState {
+    attached: Option<Arc<OneSided>>,
+    last_try: Option<Instant>,
+    /// A background attach is under way.
+    attaching: bool,
+}
+
+/// Paths a `ReadPath::OneSided` GET or multi-get tries (the one attached,
+/// then a fresh one) before it fails: it never answers over RPC because its
+/// path broke, only for keys whose reads keep failing verification.
+const FORCED_ONE_SIDED_TRIES: usize = 2;
+/// Attempts to attach a region whose registration changed under the
+/// attempt (an rkey rotation between its descriptor and the first read):
+/// each asks for the descriptor again.
+const STALE_ATTACH_TRIES: usize = 3;
+
+/// What a measured one-sided GET came to.
+enum Measured {
+    /// Found or missing.
+    Done(Option<Versioned>),
+    /// Verification kept failing: the server must answer over RPC.
+    AskServer(GaveUp),
+}
+
+/// A one-sided GET that gave up, still to be priced: its RPC is part of
+/// what choosing the one-sided path cost this GET, so the admission is
+/// completed after that RPC ([`GaveUp::asked`]), whatever the RPC's
+/// outcome (its failure is the RPC's, not the path's).
+#[must_use = "complete the admission once the server has been asked"]
+struct GaveUp {
+    adm: Option<Admission>,
+    round_trips: u32,
+    retries: u32,
+}
+
+impl GaveUp {
+    /// The server was asked: the RPC counts as one more round trip.
+    fn asked(self) {
+        if let Some(adm) = self.adm {
+            adm.complete(self.round_trips + 1, self.retries);
+        }
+    }
+}
+
+/// How often a client in `ReadPath::Auto` retries attaching one-sided reads
+/// after a failure; GETs go over RPC meanwhile.
+const REATTACH_INTERVAL: Duration = Duration::from_millis(500);
+impl Session {
+    /// Opens a session with the node at `addr`: one connection now (so a
+    /// wrong address fails here), with the protocol version checked. On a
+    /// single node the one-sided path is attached as `cfg.read_path` and
+    /// `cfg.transport` say; a cluster node's shard regions are attached on
+    /// first read. Its one-sided reads are counted in `counters`.
+    pub async fn open(addr: String, cfg: ClientConfig, counters: Arc<ReadCounters>) -> Result<Session, ClientError> {
+        let pool = Arc::new(RpcPool::new(addr, cfg.clone())?);
+        let selector = PathSelector::new(cfg.path);
+        selector.set_usable(Path::Rpc, true);
+        let rpc_repaths = Arc::new(AtomicU64::new(0));
+        let inner = Inner {
+            rpc_health: ConnHealth::new(pool.len(), cfg.path, Arc::clone(&rpc_repaths)),
+            cfg,
+            pool,
+            path: Default::default(),
+            read_counters: counters,
+            selector,
+            rpc_repaths,
+            engine_repaths: Arc::default(),
+            shard_paths: Default::default(),
+        };
+        let client = Session { inner: Arc::new(inner) };
+        let pool = &client.inner.pool;
+        pool.conn_at(0, pool.deadline()).await?;
+        if pool.is_cluster_node() {
+            return Ok(client);
+        }
+        match (client.inner.cfg.read_path, client.inner.cfg.transport) {
+            (ReadPath::Rpc, _) => {}
+            // A forced transport is what the caller asked for: failing to
+            // attach it is an error, not a reason to read over RPC.
+            (ReadPath::Auto | ReadPath::OneSided, Some(transport)) => {
+                client.attach().await.map_err(|e| match e {
+                    ClientError::OneSidedUnavailable(reason) => ClientError::TransportUnavailable { transport, reason },
+                    other => other,
+                })?;
+            }
+            (ReadPath::Auto, None) => {
+                if let Err(e) = client.attach().await {
+                    tracing::debug!("one-sided reads unavailable, using RPC: {e}");
+                }
+            }
+            (ReadPath::OneSided, None) => {
+                client.attach().await?;
+            }
+        }
+        Ok(client)
+    }
+
+    /// The one-sided path, attaching it if needed (rate-limited in `Auto`).
+    async fn one_sided(&self) -> Result<Option<Arc<OneSided>>, ClientError> {
+        match self.inner.cfg.read_path {
+            ReadPath::Rpc => Ok(None),
+            ReadPath::OneSided => self.attach().await.map(Some),
+            ReadPath::Auto => {
+                {
+                    let mut st = self.inner.path.lock().expect("path lock poisoned");
+                    if let Some(p) = &st.attached {
+                        return Ok(Some(Arc::clone(p)));
+                    }
+                    if st.attaching || st.last_try.is_some_and(|t| t.elapsed() < REATTACH_INTERVAL) {
+                        return Ok(None);
+                    }
+                    st.last_try = Some(Instant::now());
+                    st.attaching = true;
+                }
+                // Attach in the background: a GET must not wait for a
+                // connect that may time out; it goes over RPC meanwhile.
+                let client = self.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = client.attach().await {
+                        tracing::debug!("one-sided reads unavailable, using RPC: {e}");
+                    }
+                    client.inner.path.lock().expect("path lock poisoned").attaching = false;
+                });
+                Ok(None)
+            }
+        }
+    }
+
+    async fn attach(&self) -> Result<Arc<OneSided>, ClientError> {
+        {
+            let mut st = self.inner.path.lock().expect("path lock poisoned");
+            if let Some(p) = &st.attached {
+                return Ok(Arc::clone(p));
+            }
+            st.last_try = Some(Instant::now());
+        }
+        let cfg = &self.inner.cfg;
+        let mut tries = 0;
+        let attached = loop {
+            let info = self.region_info_full().await?;
+            let opts = AttachOptions {
+                forced: cfg.transport,
+                timeout: cfg.connect_timeout,
+                hint_entries: cfg.hint_cache_entries,
+                counters: Arc::clone(&self.inner.read_counters),
+                enforce_grace: cfg.enforce_grace,
+                engine_connections: cfg.engine_connections,
+                path_config: cfg.path,
+                repaths: Arc::clone(&self.inner.engine_repaths),
+                token: self.inner.pool.token().cloned(),
+                shard: None,
+                clock: None,
+                check_leases: cfg.check_leases,
+            };
+            tries += 1;
+            match onesided::attach(&self.inner.pool, &info, opts).await {
+                // The region was registered anew (an rkey rotation) while
+                // attaching: its new descriptor is asked for again.
+                Err(BackendError::Stale) if tries < STALE_ATTACH_TRIES => {}
+                r => break r,
+            }
+        };
+        let path = attached.map_err(|e| {
+            // A forced transport's reason is the whole story (see `open`).
+            ClientError::OneSidedUnavailable(if cfg.transport.is_some() { attach_reason(e) } else { e.to_string() })
+        })?;
+        debug_assert!(cfg.transport.is_none_or(|t| t == path.transport()), "a forced transport is the only one");
+        let path = Arc::new(path);
+        let mut st = self.inner.path.lock().expect("path lock poisoned");
+        let path = Arc::clone(st.attached.get_or_insert(path));
+        self.inner.selector.set_usable(Path::OneSided, true);
+        Ok(path)
+    }
+
+    /// Forgets a path that failed, so the next GET attaches anew.
+    fn detach(&self, failed: &Arc<OneSided>, why: &BackendError) {
+        tracing::debug!("one-sided path failed: {why}");
+        let mut st = self.inner.path.lock().expect("path lock poisoned");
+        if st.attached.as_ref().is_some_and(|p| Arc::ptr_eq(p, failed)) {
+            st.attached = None;
+            st.last_try = None;
+            self.inner.selector.set_usable(Path::OneSided, false);
+        }
+    }
+
+    /// The one-sided backend GETs use now, if any.
+    pub fn one_sided_transport(&self) -> Option<Transport> {
+        // Read-only, and called from metrics collectors inside the
+        // application's scrape handler: a poisoned lock still says which
+        // path is attached, and must not panic there.
+        let st = self.inner.path.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        st.attached.as_ref().map(|p| p.transport())
+    }
+
+    /// Counters of this client's reads: one-sided ones, their retries and
+    /// fallbacks, and the keys read over RPC.
+    pub fn read_stats(&self) -> ReadStats {
+        self.inner.read_counters.snapshot()
+    }
+
+    /// How this client's GETs have been routed: per path the requests,
+    /// retries, window and delay estimates, and the switches and repaths.
+    pub fn path_stats(&self) -> PathStats {
+        PathStats {
+            controller: self.inner.selector.stats(),
+            transport: self.one_sided_transport(),
+            rpc_repaths: self.inner.rpc_repaths.load(Ordering::Relaxed),
+            engine_repaths: self.inner.engine_repaths.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The node's address.
+    pub fn addr(&self) -> &str {
+        self.inner.pool.addr()
+    }
+
+    /// The node's RPC pool.
+    pub fn pool(&self) -> &Arc<RpcPool> {
+        &self.inner.pool
+    }
+
+    /// Whether the node said (in HELLO) that it is a cluster node.
+    pub fn is_cluster_node(&self) -> bool {
+        self.inner.pool.is_cluster_node()
+    }
+
+    /// Settings in use.
+    pub fn config(&self) -> &ClientConfig {
+        &self.inner.cfg
+    }
+
+    pub(crate) fn shard_paths(&self) -> &ShardPaths {
+        &self.inner.shard_paths
+    }
+
+    pub(crate) fn read_counters(&self) -> Arc<ReadCounters> {
+        Arc::clone(&self.inner.read_counters)
+    }
+
+    /// Reads `key` with its version, down the path [`ReadPath`] says: in
+    /// `Auto`, the one the path controller prices cheaper for this key now.
+    pub async fn get(&self, key: &[u8]) -> Result<Option<Versioned>, ClientError> {
+        let sel = &self.inner.selector;
+        match self.inner.cfg.read_path {
+            ReadPath::Rpc => self.measured_rpc_get(key, sel.admit_sampled(Path::Rpc, key), None).await,
+            ReadPath::Auto => self.auto_get(Region::Node, key).await,
+            ReadPath::OneSided => {
+                let mut failure = None;
+                for _ in 0..FORCED_ONE_SIDED_TRIES {
+                    let path = self.attach().await?;
+                    let adm = sel.admit_sampled(Path::OneSided, key);
+                    match self.measured_one_sided_get(&path, key, adm).await {
+                        Ok(Measured::Done(r)) => return Ok(r),
+                        Ok(Measured::AskServer(gave_up)) => return self.ask_server(key, gave_up, None).await,
+                        Err(e) => {
+                            self.detach(&path, &e);
+                            failure = Some(e);
+                        }
+                    }
+                }
+                Err(ClientError::OneSidedUnavailable(failure.map(|e| e.to_string()).unwrap_or_default()))
+            }
+        }
+    }
+
+    /// Reads `key` on the calling thread from a region mapped in this
+    /// process (shared memory), without a runtime or any allocation once
+    /// `out` has grown: the value replaces `out`'s contents. `None` when
+    /// the GET needs the runtime: no local path is attached (yet), the
+    /// read path is RPC, the client routes a cluster, the server evicts
+    /// (reads are reported from the runtime), or the server must answer
+    /// this key (see [`crate::blocking::Client::get_into`]).
+    pub fn get_local(&self, key: &[u8], out: &mut Vec<u8>) -> Option<Result<Option<ItemMeta>, ClientError>> {
+        if let Err(e) = check_key(key) {
+            return Some(Err(e.into()));
+        }
+        if self.inner.cfg.read_path == ReadPath::Rpc || self.is_cluster_node() {
+            return None;
+        }
+        let path = self.inner.path.lock().expect("path lock poisoned").attached.clone()?;
+        if !path.is_local() || path.accesses.is_on() {
+            return None;
+        }
+        self.inner.selector.count_unmeasured(Path::OneSided);
+        match onesided::with_scratch(|s| path.get_local(key, s, out)) {
+            Ok((LocalGet::Found(m), _)) => Some(Ok(Some(m))),
+            Ok((LocalGet::Missing, _)) => Some(Ok(None)),
+            Ok((LocalGet::GiveUp, _)) => None,
+            Err(e) => {
+                self.detach(&path, &e);
+                None
+            }
+        }
+    }
+
+    /// A GET in `ReadPath::Auto` of `region`: the selector chooses the
+    /// path (shared memory excepted), the read runs and reports its cost,
+    /// and what it leaves to RPC is asked after the measurement.
+    async fn auto_get(&self, region: Region, key: &[u8]) -> Result<Option<Versioned>, ClientError> {
+        let attached = match region {
+            Region::Node => self.one_sided().await?,
+            Region::Shard(s) => self.shard_path(s).await,
+        };
+        // Shared memory is not priced against RPC: a copy from local
+        // memory has no link or server queue to congest, and costs a
+        // fraction of any round trip (docs/path-selection.md).
+        if let Some(path) = attached.as_ref().filter(|p| p.is_local()) {
+            let adm = self.inner.selector.admit_sampled(Path::OneSided, key);
+            return self.one_sided_or_rpc(region, path, key, adm).await;
+        }
+        let h = key_hash(key);
+        let deadline = tokio::time::Instant::now() + self.inner.cfg.request_timeout;
+        let rounds = attached.as_ref().map(|p| if p.has_hint(key) { 1.0 } else { 2.0 });
+        let Some((adm, probes)) = self.inner.selector.admit(h, rounds, deadline).await else {
+            return Err(ClientError::Timeout(self.inner.cfg.request_timeout));
+        };
+        for p in probes {
+            self.spawn_probe(p, key, region, attached.clone());
+        }
+        match (adm.path, attached) {
+            (Path::OneSided, Some(path)) => self.one_sided_or_rpc(region, &path, key, Some(adm)).await,
+            (Path::Rpc, None) => self.measured_rpc_get(key, Some(adm), None).await,
+            // Detached since the choice: dropping the admission cancels it.
+            (Path::OneSided, None) => {
+                drop(adm);
+                self.rpc_get(key).await
+            }
+            (Path::Rpc, Some(path)) => match self.measured_rpc_get(key, Some(adm), region.hinted(&path)).await {
+                // The RPC path broke under this GET: answer it one-sided.
+                Err(e) if e.is_transport() => match path.get(key).await {
+                    Ok(OneSidedGet::Found(v)) => Ok(Some(v)),
+                    Ok(OneSidedGet::Missing) => Ok(None),
+                    Ok(OneSidedGet::GiveUp) => Err(e),
+                    Err(be) => {
+                        self.path_failed(region, &path, &be);
+                        Err(e)
+                    }
+                },
+                r => r,
+            },
+        }
+    }
+
+    /// A one-sided GET whose cost is reported to the path controller, if
+    /// admitted by it (`adm`). A backend failure is reported and returned.
+    /// When verification keeps failing the outcome says to ask the server;
+    /// the caller sends that RPC ([`Session::ask_server`]), and its failure
+    /// is the RPC's, not this path's (run in here, it became a backend
+    /// failure that detached a healthy path).
+    async fn measured_one_sided_get(
+        &self,
+        path: &Arc<OneSided>,
+        key: &[u8],
+        adm: Option<Admission>,
+    ) -> Result<Measured, BackendError> {
+        self.report_accesses(path);
+        let (got, t) = match path.get_traced(key).await {
+            Ok(r) => r,
+            Err(e) => {
+                if let Some(adm) = adm {
+                    adm.fail();
+                }
+                return Err(e);
+            }
+        };
+        let value = match got {
+            OneSidedGet::Found(v) => Some(v),
+            OneSidedGet::Missing => None,
+            OneSidedGet::GiveUp => {
+                return Ok(Measured::AskServer(GaveUp { adm, round_trips: t.round_trips, retries: t.retries }));
+            }
+        };
+        if let Some(adm) = adm {
+            adm.complete(t.round_trips, t.retries);
+        }
+        Ok(Measured::Done(value))
+    }
+
+    /// The RPC GET a one-sided GET that gave up ends with; then its price.
+    /// `hinted`: the region the reply's address hint is for.
+    async fn ask_server(
+        &self,
+        key: &[u8],
+        gave_up: GaveUp,
+        hinted: Option<&OneSided>,
+    ) -> Result<Option<Versioned>, ClientError> {
+        let r = self.rpc_get_hinting(key, hinted).await;
+        gave_up.asked();
+        r
+    }
+
+    /// Forgets `region`'s path that failed, so a later GET attaches anew.
+    /// A shard region read outside its lease has not failed: it is read
+    /// again once the lease covers it.
+    fn path_failed(&self, region: Region, path: &Arc<OneSided>, why: &BackendError) {
+        match (region, why) {
+            (Region::Shard(_), BackendError::Unleased) => {}
+            (Region::Node, _) => self.detach(path, why),
+            (Region::Shard(s), _) => self.shard_path_failed(s, path, why),
+        }
+    }
+
+    /// [`Session::measured_one_sided_get`], then what it leaves to RPC: a
+    /// GET that gave up, or one whose path failed (detached here).
+    async fn one_sided_or_rpc(
+        &self,
+        region: Region,
+        path: &Arc<OneSided>,
+        key: &[u8],
+        adm: Option<Admission>,
+    ) -> Result<Option<Versioned>, ClientError> {
+        match self.measured_one_sided_get(path, key, adm).await {
+            Ok(Measured::Done(r)) => Ok(r),
+            Ok(Measured::AskServer(gave_up)) => self.ask_server(key, gave_up, region.hinted(path)).await,
+            // Outside its lease, the region is the leader's still (or again
+            // soon): the RPC's reply hints it.
+            Err(BackendError::Unleased) => self.rpc_get_hinting(key, region.hinted(path)).await,
+            Err(e) => {
+                // The failure moved traffic to RPC; this GET goes there too.
+                self.path_failed(region, path, &e);
+                self.rpc_get(key).await
+            }
+        }
+    }
+
+    /// Sends the items `path` read one-sidedly to its server, if it evicts
+    /// and a batch is ready; in the background, and a lost report only
+    /// costs recency.
+    fn report_accesses(&self, path: &OneSided) {
+        let Some(units) = path.take_accesses() else { return };
+        let this = self.clone();
+        let region_id = path.region_id;
+        tokio::spawn(async move {
+            let _ = this.inner.pool.call(Op::AccessReport(proto::AccessReport { region_id, units })).await;
+        });
+    }
+
+    /// An RPC GET on the next pooled connection whose delay is reported to
+    /// the path controller and to that connection's congestion detector.
+    /// `adm`: the controller's admission, when it steers this client.
+    /// `hinted`: a cluster shard's region the reply's address hint is for.
+    async fn measured_rpc_get(
+        &self,
+        key: &[u8],
+        adm: Option<Admission>,
+        hinted: Option<&OneSided>,
+    ) -> Result<Option<Versioned>, ClientError> {
+        let i = self.inner.pool.next_slot();
+        let start = adm.as_ref().map_or_else(Instant::now, Admission::started);
+        // A probe's admission was taken before it was spawned (and before
+        // its GET waited for a window): the connection's detector times the
+        // request alone, or it would see congestion that is not there.
+        let sent = if adm.as_ref().is_some_and(Admission::is_probe) { Instant::now() } else { start };
+        let result = self.inner.pool.call_on(i, Op::Get(proto::Get { key: Bytes::copy_from_slice(key) })).await;
+        match &result {
+            Err(e) if e.is_transport() => {
+                if let Some(adm) = adm {
+                    adm.fail();
+                }
+            }
+            _ => {
+                let end = Instant::now();
+                let took = end.saturating_duration_since(start).as_nanos() as u64;
+                if let Some(adm) = adm {
+                    adm.complete_after(took, 1, 0);
+                }
+                let on_conn = end.saturating_duration_since(sent).as_nanos() as u64;
+                if self.inner.rpc_health.record_ended(end, i, on_conn) {
+                    // Congested for several rounds: later requests of this
+                    // slot open a fresh connection; this one drains.
+                    tracing::debug!(conn = i, "RPC connection congested: moving to a new one");
+                    self.inner.pool.replace(i).await;
+                }
+            }
+        }
+        match result? {
+            R::Get(g) => {
+                if let Some(p) = hinted.filter(|_| g.found && g.hint_slot != 0) {
+                    p.learn_hint(key, g.hint_bucket, g.hint_index, g.hint_slot);
+                }
+                Ok(self.learn(key, g))
+            }
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// The value of an RPC GET's reply; where the server says the key's
+    /// slot is, the one-sided path caches it for its next GET of the key.
+    /// Every key answered over RPC passes here, so it is counted here.
+    fn learn(&self, key: &[u8], g: proto::GetReply) -> Option<Versioned> {
+        self.inner.read_counters.rpc_gets.fetch_add(1, Ordering::Relaxed);
+        if !g.found {
+            return None;
+        }
+        // A client that reads only over RPC never attaches a one-sided path.
+        if g.hint_slot != 0 && self.inner.cfg.read_path != ReadPath::Rpc {
+            let attached = self.inner.path.lock().expect("path lock poisoned").attached.clone();
+            if let Some(p) = attached {
+                p.learn_hint(key, g.hint_bucket, g.hint_index, g.hint_slot);
+            }
+        }
+        Some(Versioned { value: g.value, version: g.version, flags: g.flags, expires_at: g.expires_at })
+    }
+
+    /// Sends a background copy of a GET down the path of `probe`, to keep
+    /// that path's estimates fresh; its answer is dropped.
+    /// `attached`: `region`'s path when the GET was admitted.
+    fn spawn_probe(&self, probe: Admission, key: &[u8], region: Region, attached: Option<Arc<OneSided>>) {
+        let client = self.clone();
+        let key = Bytes::copy_from_slice(key);
+        tokio::spawn(async move {
+            let timeout = client.inner.cfg.request_timeout;
+            match probe.path {
+                Path::Rpc => {
+                    let hinted = attached.as_deref().and_then(|p| region.hinted(p));
+                    let _ = client.measured_rpc_get(&key, Some(probe), hinted).await;
+                }
+                Path::OneSided => {
+                    // Not attached: dropping the probe cancels it.
+                    let Some(path) = attached else { return };
+                    match tokio::time::timeout(timeout, path.get_traced(&key)).await {
+                        Ok(Ok((_, t))) => probe.complete(t.round_trips, t.retries),
+                        Ok(Err(e)) => {
+                            probe.fail();
+                            client.path_failed(region, &path, &e);
+                        }
+                        Err(_) => probe.fail(),
+                    }
+                }
+            }
+        });
+    }
+
+    pub async fn rpc_get(&self, key: &[u8]) -> Result<Option<Versioned>, ClientError> {
+        self.rpc_get_hinting(key, None).await
+    }
+
+    /// [`Session::rpc_get`]; where the server says the key's slot is,
+    /// `path` (the region the reply's hint is about: a cluster shard's)
+    /// caches it for its next one-sided GET of the key.
+    pub async fn rpc_get_hinting(&self, key: &[u8], path: Option<&OneSided>) -> Result<Option<Versioned>, ClientError> {
+        match self.inner.pool.call(Op::Get(proto::Get { key: Bytes::copy_from_slice(key) })).await? {
+            R::Get(g) => {
+                if let Some(p) = path.filter(|_| g.found && g.hint_slot != 0) {
+                    p.learn_hint(key, g.hint_bucket, g.hint_index, g.hint_slot);
+                }
+                Ok(self.learn(key, g))
+            }
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// [`Session::put`] on this node, without routing.
+    pub async fn put(&self, key: &[u8], value: &[u8]) -> Result<u64, ClientError> {
+        self.put_with(key, value, None).await
+    }
+
+    /// [`Session::put`] with a write id (cluster writes, so one sent
+    /// again applies once).
+    pub async fn put_with(
+        &self,
+        key: &[u8],
+        value: &[u8],
+        write_id: Option<proto::WriteId>,
+    ) -> Result<u64, ClientError> {
+        let op = Op::Put(proto::Put {
+            key: Bytes::copy_from_slice(key),
+            value: Bytes::copy_from_slice(value),
+            write_id,
+            ..Default::default()
+        });
+        match self.inner.pool.call(op).await? {
+            R::Put(p) => Ok(p.version),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// [`Session::delete`] on this node, without routing.
+    pub async fn delete(&self, key: &[u8]) -> Result<bool, ClientError> {
+        self.delete_with(key, None).await
+    }
+
+    /// [`Session::delete`] with a write id.
+    pub async fn delete_with(&self, key: &[u8], write_id: Option<proto::WriteId>) -> Result<bool, ClientError> {
+        match self
+            .inner
+            .pool
+            .call(Op::Delete(proto::Delete { key: Bytes::copy_from_slice(key), write_id, cas: 0 }))
+            .await?
+        {
+            R::Delete(d) => Ok(d.existed),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// [`Session::multi_get`] on this node, without routing.
+    pub async fn multi_get<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Option<Bytes>>, ClientError> {
+        match self.inner.cfg.read_path {
+            ReadPath::Rpc => {}
+            ReadPath::OneSided => {
+                let mut failure = None;
+                for _ in 0..FORCED_ONE_SIDED_TRIES {
+                    let path = self.attach().await?;
+                    match self.one_sided_multi_get(&path, keys).await? {
+                        Ok(values) => return Ok(values),
+                        Err(e) => {
+                            self.detach(&path, &e);
+                            failure = Some(e);
+                        }
+                    }
+                }
+                let why = failure.map(|e| e.to_string()).unwrap_or_default();
+                return Err(ClientError::OneSidedUnavailable(why));
+            }
+            // A batch follows the path single GETs prefer now.
+            ReadPath::Auto => {
+                if self.inner.selector.preferred() != Path::Rpc
+                    && let Some(path) = self.one_sided().await?
+                {
+                    match self.one_sided_multi_get(&path, keys).await? {
+                        Ok(values) => return Ok(values),
+                        Err(e) => self.detach(&path, &e),
+                    }
+                }
+            }
+        }
+        self.rpc_multi_get(keys).await
+    }
+
+    /// A multi-get over `path`; keys whose reads kept failing verification
+    /// are asked over RPC. The outer error is that RPC's; the inner one, the
+    /// path's failure (nothing returned).
+    pub async fn one_sided_multi_get<K: AsRef<[u8]>>(
+        &self,
+        path: &OneSided,
+        keys: &[K],
+    ) -> Result<Result<Vec<Option<Bytes>>, BackendError>, ClientError> {
+        self.report_accesses(path);
+        let res = match path.multi_get(keys).await {
+            Ok(res) => res,
+            Err(e) => return Ok(Err(e)),
+        };
+        let mut out = Vec::with_capacity(keys.len());
+        let mut rest = Vec::new();
+        for (i, r) in res.into_iter().enumerate() {
+            match r {
+                OneSidedGet::Found(v) => out.push(Some(v.value)),
+                OneSidedGet::Missing => out.push(None),
+                OneSidedGet::GiveUp => {
+                    out.push(None);
+                    rest.push(i);
+                }
+            }
+        }
+        if !rest.is_empty() {
+            let rest_keys: Vec<&[u8]> = rest.iter().map(|&i| keys[i].as_ref()).collect();
+            for (i, v) in rest.into_iter().zip(self.rpc_multi_get(&rest_keys).await?) {
+                out[i] = v;
+            }
+        }
+        Ok(Ok(out))
+    }
+
+    pub async fn rpc_multi_get<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Option<Bytes>>, ClientError> {
+        let mut sent = Vec::new();
+        for chunk in keys.chunks(MAX_MULTI_GET_KEYS) {
+            let ks = chunk.iter().map(|k| Bytes::copy_from_slice(k.as_ref())).collect();
+            sent.push((chunk, self.inner.pool.send(Op::MultiGet(proto::MultiGet { keys: ks })).await?));
+        }
+        let mut out = Vec::with_capacity(keys.len());
+        for (chunk, inflight) in sent {
+            match unwrap(inflight.wait(self.inner.cfg.request_timeout).await?) {
+                Ok(R::MultiGet(m)) if m.values.len() == chunk.len() => {
+                    for (k, g) in chunk.iter().zip(m.values) {
+                        out.push(self.learn(k.as_ref(), g).map(|v| v.value));
+                    }
+                }
+                Ok(other) => return Err(unexpected(&other)),
+                // Too many large values for one reply: fetch them one by one.
+                Err(ClientError::Server { code: ErrorCode::ResponseTooLarge, .. }) => {
+                    for k in chunk {
+                        out.push(self.rpc_get(k.as_ref()).await?.map(|v| v.value));
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(out)
+    }
+
+    /// The cluster map as this node knows it, with its replicas' state
+    /// (`BAD_REQUEST` from a server outside a cluster).
+    pub async fn cluster_status(&self) -> Result<proto::ClusterMapReply, ClientError> {
+        match self.inner.pool.call(Op::GetMap(proto::GetMap {})).await? {
+            R::Map(m) => Ok(m),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Admin: replaces this node's replica of `shard` by a new one with no
+    /// state, which joins the shard and catches up from its leader (the
+    /// old one is removed from the members). Returns the new raft id.
+    pub async fn replace_replica(&self, shard: u32) -> Result<u64, ClientError> {
+        match self.inner.pool.call(Op::ReplaceReplica(proto::ReplaceReplica { shard })).await? {
+            R::ReplaceReplica(r) => Ok(r.replica_id),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// The cluster map as this node knows it, checked.
+    pub async fn cluster_map(&self) -> Result<dmkv_common::cluster::map::ClusterMap, ClientError> {
+        let m = self.cluster_status().await?;
+        dmkv_common::cluster::map::ClusterMap::from_proto(&m)
+            .map_err(|e| ClientError::Protocol(format!("the node sent a bad cluster map: {e}")))
+    }
+
+    /// The server's counters.
+    pub async fn stats(&self) -> Result<HashMap<String, u64>, ClientError> {
+        match self.inner.pool.call(Op::Stats(proto::Stats {})).await? {
+            R::Stats(s) => Ok(s.counters),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Descriptors of the server's remote-memory regions.
+    pub async fn region_info(&self) -> Result<Vec<proto::RegionDescriptor>, ClientError> {
+        Ok(self.region_info_full().await?.regions)
+    }
+
+    /// The server's regions and the one-sided endpoints it offers.
+    pub async fn region_info_full(&self) -> Result<proto::RegionInfoReply, ClientError> {
+        self.inner.pool.region_info().await
+    }
+
+    /// Sends a request on the next pooled connection without waiting for
+    /// its reply: the building block of pipelining.
+    pub async fn send(&self, op: Op) -> Result<InFlight, ClientError> {
+        self.inner.pool.send(op).await
+    }
+
+    /// Closes every pooled RPC connection, as the path controller does to a
+    /// congested one; later requests open fresh ones. For tests.
+    #[doc(hidden)]
+    pub async fn replace_rpc_connections(&self) {
+        self.inner.pool.replace_rpc_connections().await;
+    }
+
+    /// Admin: makes the server register its region anew (new epoch and
+    /// rkey). Every client's one-sided path then fails over and re-attaches.
+    pub async fn reregister(&self) -> Result<proto::RegionInfoReply, ClientError> {
+        match self.inner.pool.call(Op::Reregister(proto::Reregister {})).await? {
+            R::Reregister(r) => Ok(r),
+            other => Err(unexpected(&other)),
+        }
+    }
+}
+
+/// Why a forced transport could not be attached, without the wrapping
+/// that [`ClientError::TransportUnavailable`] adds itself.
+fn attach_reason(e: BackendError) -> String {
+    match e {
+        BackendError::Attach(why) => why,
+        other => other.to_string(),
+    }
+}
+
+// A cluster node session's reads.
+// A cluster node session's reads: one-sided on the region of the key's
+// shard replica on that node while the replica leads and holds its lease,
+// over RPC (a linearizable read on the leader) otherwise.
+//
+// The router picks the node; this picks the path. A follower's or a
+// deposed leader's region has no lease that covers the reads, so reading
+// it ends in [`BackendError::Unleased`] and the read goes over RPC, where
+// NOT_LEADER sends the router on: never to a follower's stale memory.
 
 /// How long after a failed attach a shard's region is tried again; reads
 /// go over RPC meanwhile.
@@ -40,7 +925,7 @@ impl ShardPaths {
     }
 }
 
-impl Client {
+impl Session {
     /// The path to `shard`'s region on this node: attached now by this
     /// caller if no one is attaching it and it did not just fail.
     async fn shard_path(&self, shard: u32) -> Option<Arc<OneSided>> {
@@ -60,6 +945,7 @@ impl Client {
             Ok(p) => {
                 let p = Arc::new(p);
                 paths.insert(shard, ShardPath::Attached(Arc::clone(&p)));
+                self.inner.selector.set_usable(Path::OneSided, true);
                 Some(p)
             }
             Err(e) => {
@@ -72,7 +958,8 @@ impl Client {
 
     async fn attach_shard(&self, shard: u32) -> Result<OneSided, BackendError> {
         let cfg = self.config();
-        let (info, sample) = onesided::clock_sample(self).await.map_err(|e| BackendError::Attach(e.to_string()))?;
+        let (info, sample) =
+            onesided::clock_sample(self.pool()).await.map_err(|e| BackendError::Attach(e.to_string()))?;
         let opts = AttachOptions {
             forced: cfg.transport,
             timeout: cfg.connect_timeout,
@@ -82,12 +969,12 @@ impl Client {
             engine_connections: cfg.engine_connections,
             path_config: cfg.path,
             repaths: Arc::default(),
-            token: self.token().cloned(),
+            token: self.pool().token().cloned(),
             shard: Some(shard),
             clock: Some(sample),
             check_leases: cfg.check_leases,
         };
-        onesided::attach(self, &info, opts).await
+        onesided::attach(self.pool(), &info, opts).await
     }
 
     /// A path that failed (not for want of a lease) is attached anew later.
@@ -107,6 +994,9 @@ impl Client {
         key: &[u8],
         one_sided: bool,
     ) -> Result<Option<Versioned>, ClientError> {
+        if one_sided && self.inner.cfg.read_path == ReadPath::Auto {
+            return self.auto_get(Region::Shard(shard), key).await;
+        }
         // The path the RPC reply's address hint is for: the server says
         // where the item is in this very region.
         let mut hinted = None;
@@ -122,7 +1012,7 @@ impl Client {
         } else {
             hinted = self.attached_shard_path(shard);
         }
-        self.node_rpc_get_hinting(key, hinted.as_deref()).await
+        self.rpc_get_hinting(key, hinted.as_deref()).await
     }
 
     /// The path to `shard`'s region on this node, if it is attached now.
@@ -133,13 +1023,16 @@ impl Client {
         }
     }
 
-    /// Reads `keys` (all of `shard`) from this node, as [`Client::shard_get`].
+    /// Reads `keys` (all of `shard`) from this node, as [`Session::shard_get`].
     pub(crate) async fn shard_multi_get<K: AsRef<[u8]>>(
         &self,
         shard: u32,
         keys: &[K],
         one_sided: bool,
     ) -> Result<Vec<Option<Bytes>>, ClientError> {
+        // In `Auto` a batch follows the path single GETs prefer now.
+        let one_sided =
+            one_sided && (self.inner.cfg.read_path != ReadPath::Auto || self.inner.selector.preferred() != Path::Rpc);
         if one_sided && let Some(p) = self.shard_path(shard).await {
             match self.one_sided_multi_get(&p, keys).await? {
                 Ok(values) => return Ok(values),
@@ -147,6 +1040,6 @@ impl Client {
                 Err(e) => self.shard_path_failed(shard, &p, &e),
             }
         }
-        self.node_rpc_multi_get(keys).await
+        self.rpc_multi_get(keys).await
     }
 }

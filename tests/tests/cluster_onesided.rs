@@ -158,3 +158,49 @@ fn rpc_replies_give_the_shard_path_its_address_hints() {
         assert_eq!(after.hint_hits, before.hint_hits + 1, "the RPC reply's hint was not used: {after:?}");
     });
 }
+
+/// Cluster GETs in `Auto` ask each node session's path selector, as a
+/// single node's do: when one-sided reads of the shard regions cost more
+/// than RPC (here every attempt outlasts a zero grace period, so every
+/// one-sided GET gives up and ends over RPC anyway), the selector moves
+/// GETs to RPC and only its probes still try one-sided. Without it, every
+/// GET went one-sided first whenever a lease held.
+#[test]
+fn cluster_gets_follow_the_path_selector() {
+    let c = TestCluster::start(3, 2, 3, false, &["--grace-ms", "0"]);
+    rt().block_on(async {
+        let writer = Client::connect(c.rpc(0)).await.expect("connect");
+        let keys: Vec<String> = (0..50).map(|i| format!("sel-{i}")).collect();
+        for k in &keys {
+            put_surely(&writer, k, "v").await;
+        }
+        // The engine is priced (shared memory is not: it has no link to congest).
+        let cfg = ClientConfig { transport: Some(Transport::Tcp), ..Default::default() };
+        let reader = Client::connect_with(c.rpc(0), cfg).await.expect("connect");
+        // Until a region is attached and leased, GETs go over RPC.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while reader.read_stats().fallbacks == 0 {
+            for k in &keys {
+                assert_eq!(reader.get(k).await.expect("get").as_deref(), Some(&b"v"[..]));
+            }
+            assert!(std::time::Instant::now() < deadline, "no one-sided GET of a shard region in 10 s");
+        }
+        let before = reader.read_stats();
+        let rounds = 10;
+        for _ in 0..rounds {
+            for k in &keys {
+                assert_eq!(reader.get(k).await.expect("get").as_deref(), Some(&b"v"[..]));
+            }
+        }
+        let after = reader.read_stats();
+        let tried = after.fallbacks - before.fallbacks;
+        let gets = (rounds * keys.len()) as u64;
+        let stats = reader.router().expect("a cluster client routes").path_stats().await;
+        println!("{gets} GETs, {tried} tried one-sided and gave up: {after:?}");
+        for (node, s) in &stats {
+            println!("node {node}: {s}");
+        }
+        assert!(tried * 4 < gets, "{tried} of {gets} GETs went one-sided although RPC was cheaper: {after:?}");
+        assert!(stats.iter().any(|(_, s)| s.controller.rpc.requests > 0), "no session priced RPC: {stats:?}");
+    });
+}

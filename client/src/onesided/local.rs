@@ -12,76 +12,21 @@ use std::sync::atomic::Ordering;
 
 use dmkv_common::layout::{KeyHash, key_hash};
 use dmkv_common::read::{
-    AfterBuckets, MAX_ATTEMPTS, MAX_CANDIDATES, Outcome, ReadSpec, Retry, dir_read, judge_clock, judge_dir_entry,
+    AfterBuckets, MAX_ATTEMPTS, MAX_CANDIDATES, Outcome, Retry, dir_read, judge_clock, judge_dir_entry,
 };
 
-use super::{Backend, BackendError, OneSided, Reads, Trace, push_clock_read, shm::ShmRegion};
+use super::backend::BackendError;
+use super::hints::HintId;
+use super::region::{Backend, OneSided, OneSidedGet, Trace, push_clock_read};
+use super::shm::ShmRegion;
 use dmkv_common::cluster::lease_check::AttemptStart;
 
-/// Reusable buffers of local GETs. One per calling thread (or caller):
-/// they grow to the largest item read and then stay, so GETs allocate
-/// nothing.
-#[derive(Debug, Default)]
-pub struct Scratch {
-    specs: Vec<ReadSpec>,
-    reads: Reads,
-}
-
-thread_local! {
-    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::default();
-}
-
-/// Keys a thread reads locally through the async API between two yields
-/// to its runtime.
-pub const LOCAL_GETS_PER_YIELD: usize = 8;
-
-thread_local! {
-    static SINCE_YIELD: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
-}
-
-/// Counts `keys` more local reads on this thread; true when it is time to
-/// yield. A local GET never waits, so tasks doing them would keep their
-/// thread from the runtime's other work: a PUT's reply waited in its
-/// socket behind runs of GETs (workload B, 2×16: a PUT's p50 419 µs
-/// without yielding, 405 µs with tokio's cooperative budget, 218 µs
-/// yielding every 8 GETs, 128 µs every GET for a quarter less GET
-/// throughput; docs/performance.md).
-pub fn yield_due(keys: usize) -> bool {
-    SINCE_YIELD.with(|n| {
-        let since = n.get().saturating_add(keys);
-        let due = since >= LOCAL_GETS_PER_YIELD;
-        n.set(if due { 0 } else { since });
-        due
-    })
-}
-
-/// Runs `f` with this thread's scratch buffers.
-pub fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
-    SCRATCH.with_borrow_mut(f)
-}
-
-/// What a found item carries besides its value.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ItemMeta {
-    pub version: u64,
-    /// Client flags and expiry (unix second; 0: never).
-    pub flags: u32,
-    pub expires_at: u32,
-}
-
-/// The result of a local GET; a found value is in the caller's buffer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LocalGet {
-    Found(ItemMeta),
-    Missing,
-    /// Verification kept failing (or the server must judge the item): ask
-    /// the server over RPC.
-    GiveUp,
-}
+use super::region::local_result;
+use super::scratch::{LocalGet, Scratch, with_scratch};
 
 impl OneSided {
     /// The shared-memory backend, if this path reads through one.
-    fn shm(&self) -> Option<&ShmRegion> {
+    pub(super) fn shm(&self) -> Option<&ShmRegion> {
         match &self.backend {
             Backend::Shm(s) => Some(s),
             _ => None,
@@ -101,7 +46,7 @@ impl OneSided {
     pub(super) fn multi_get_local<K: AsRef<[u8]>>(
         &self,
         keys: &[K],
-    ) -> Option<Result<(Vec<super::OneSidedGet>, Trace), BackendError>> {
+    ) -> Option<Result<(Vec<OneSidedGet>, Trace), BackendError>> {
         let shm = self.shm()?;
         {
             let mut hints = self.hints.lock().expect("hints poisoned");
@@ -111,7 +56,7 @@ impl OneSided {
                 for b in kh.buckets {
                     shm.prefetch(segment.bucket_offset(b), dmkv_common::limits::BUCKET_LEN);
                 }
-                if let Some(h) = hints.get(super::HintId::of(&kh)) {
+                if let Some(h) = hints.get(HintId::of(&kh)) {
                     shm.prefetch(h.slot.offset(), h.slot.len());
                 }
             }
@@ -124,7 +69,7 @@ impl OneSided {
                 let (got, t) = self.get_local(k.as_ref(), s, &mut value)?;
                 trace.round_trips += t.round_trips;
                 trace.retries += t.retries;
-                out.push(super::local_result(got, value));
+                out.push(local_result(got, value));
             }
             Ok(())
         });
@@ -157,7 +102,7 @@ impl OneSided {
 
     /// One attempt; `None` when it must be retried (the cause counted), and
     /// the round trips (batches of reads) it took.
-    fn attempt_local(
+    pub(super) fn attempt_local(
         &self,
         shm: &ShmRegion,
         key: &[u8],
@@ -261,7 +206,12 @@ impl OneSided {
     /// Reads the batch in `s.specs`, with the lease block (a cluster
     /// region's) and the server's clock added last; checks the lease (for
     /// the attempt from `start` on) and returns the clock (0: none read).
-    fn read_batch(&self, shm: &ShmRegion, s: &mut Scratch, start: &mut AttemptStart) -> Result<u64, BackendError> {
+    pub(super) fn read_batch(
+        &self,
+        shm: &ShmRegion,
+        s: &mut Scratch,
+        start: &mut AttemptStart,
+    ) -> Result<u64, BackendError> {
         let lease_at = self.push_lease_read(&mut s.specs);
         let clock_at = push_clock_read(&mut s.specs);
         shm.read(&s.specs, &mut s.reads)?;

@@ -32,8 +32,8 @@ use tokio::sync::Semaphore;
 use tokio::time::{Instant, timeout_at};
 
 use super::{BackendError, Reads};
-use crate::client::Client;
 use crate::conn::Conn;
+use crate::pool::RpcPool;
 
 /// Queue pairs per path: as many batches in flight at once. At most the
 /// server's per-connection limit (`MAX_QPS_PER_CONNECTION`, 4).
@@ -94,11 +94,11 @@ impl RdmaPath {
     /// Opens a local device, connects [`LANES`] queue pairs to the server
     /// over a control connection of their own, and proves the path with one
     /// read of the region header (which must carry `epoch`).
-    pub async fn attach(client: &Client, epoch: u64, timeout: Duration) -> Result<RdmaPath, BackendError> {
+    pub async fn attach(pool: &RpcPool, epoch: u64, timeout: Duration) -> Result<RdmaPath, BackendError> {
         let ctx = Context::open(None).map_err(|e| BackendError::Attach(format!("no usable RDMA device here: {e}")))?;
         let attach = |e: VerbsError| BackendError::Attach(format!("RDMA: {e}"));
         let control =
-            client.dedicated_conn().await.map_err(|e| BackendError::Attach(format!("RDMA control connection: {e}")))?;
+            pool.dedicated_conn().await.map_err(|e| BackendError::Attach(format!("RDMA control connection: {e}")))?;
         let mut lanes = Vec::with_capacity(LANES);
         let mut region = None;
         for _ in 0..LANES {
@@ -108,7 +108,7 @@ impl RdmaPath {
                 Ok(f) => f.wait(timeout).await.map_err(|e| e.to_string()),
                 Err(e) => Err(e.to_string()),
             };
-            let reply = match reply.map(crate::client::unwrap) {
+            let reply = match reply.map(crate::error::unwrap) {
                 Ok(Ok(R::RdmaConnect(r))) => r,
                 Ok(Ok(other)) => return Err(BackendError::Attach(format!("RDMA connect: unexpected reply {other:?}"))),
                 Ok(Err(e)) => return Err(BackendError::Attach(format!("RDMA connect: {e}"))),

@@ -1,0 +1,322 @@
+//! The RPC pool of one node: a few pipelined connections, each opened on
+//! demand (single-flight, with backoff after a failure), with the HELLO
+//! handshake and authentication. Sessions send their RPCs here; the
+//! one-sided backends get their control connections here.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use dmkv_common::PROTOCOL_VERSION;
+use dmkv_common::auth::{Purpose, Token};
+use dmkv_common::limits::DEFAULT_MAX_FRAME_LEN;
+use dmkv_common::proto::{self, ErrorCode, request::Op, response::Result as R};
+use tokio::sync::Mutex;
+
+use crate::config::{ClientConfig, TOKEN_ENV};
+use crate::conn::{Conn, InFlight};
+use crate::error::{ClientError, unexpected, unwrap};
+use crate::tls::Connector;
+
+/// First wait after a failed connect before a pool slot tries again; it
+/// doubles per failure up to [`MAX_CONNECT_BACKOFF`]. Meanwhile requests on
+/// that slot fail at once with the connect's error.
+const CONNECT_BACKOFF: Duration = Duration::from_millis(50);
+/// Longest wait between connects of one pool slot.
+const MAX_CONNECT_BACKOFF: Duration = Duration::from_secs(2);
+
+/// One pooled RPC connection, opened on demand. Connects are single-flight:
+/// one caller connects while the others wait for the slot, and after a
+/// failure they get its error at once until the backoff has passed, so no
+/// caller waits for more than one connect (and never past its deadline).
+#[derive(Default)]
+struct PoolSlot {
+    conn: Option<Arc<Conn>>,
+    failure: Option<ConnectFailure>,
+}
+
+struct ConnectFailure {
+    at: Instant,
+    backoff: Duration,
+    error: ClientError,
+}
+
+/// The RPC connections to one node.
+pub struct RpcPool {
+    addr: String,
+    cfg: ClientConfig,
+    token: Option<Arc<Token>>,
+    tls: Option<Connector>,
+    slots: Vec<Mutex<PoolSlot>>,
+    next: AtomicUsize,
+    /// The server said (in HELLO) that it is a cluster node.
+    cluster_node: AtomicBool,
+}
+
+impl RpcPool {
+    /// A pool of `cfg.pool_size` connections to `addr`, none open yet.
+    pub fn new(addr: String, cfg: ClientConfig) -> Result<RpcPool, ClientError> {
+        let tls = cfg.tls.as_ref().map(|o| Connector::new(o, &addr)).transpose().map_err(ClientError::Config)?;
+        Ok(RpcPool {
+            slots: (0..cfg.pool_size.max(1)).map(|_| Mutex::default()).collect(),
+            token: cfg.token.clone(),
+            tls,
+            addr,
+            cfg,
+            next: AtomicUsize::new(0),
+            cluster_node: AtomicBool::new(false),
+        })
+    }
+
+    /// How many connections the pool keeps.
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Never: a pool has at least one slot.
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    /// The server address.
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// Settings in use.
+    pub fn config(&self) -> &ClientConfig {
+        &self.cfg
+    }
+
+    /// The secret this pool proves, if any.
+    pub fn token(&self) -> Option<&Arc<Token>> {
+        self.token.as_ref()
+    }
+
+    /// The TLS connector, if the pool speaks TLS.
+    pub fn tls(&self) -> Option<&Connector> {
+        self.tls.as_ref()
+    }
+
+    /// Whether the server said (in HELLO) that it is a cluster node.
+    pub fn is_cluster_node(&self) -> bool {
+        self.cluster_node.load(Ordering::Relaxed)
+    }
+
+    /// When a request that starts now must have its reply.
+    pub fn deadline(&self) -> tokio::time::Instant {
+        tokio::time::Instant::now() + self.cfg.request_timeout
+    }
+
+    /// The open connection of pool slot `i`, connecting it if needed (see
+    /// [`PoolSlot`]); gives up at `deadline`.
+    pub async fn conn_at(&self, i: usize, deadline: tokio::time::Instant) -> Result<Arc<Conn>, ClientError> {
+        // The common case, an open connection and nobody connecting, takes
+        // no timer and no wait.
+        if let Ok(slot) = self.slots[i].try_lock()
+            && let Some(c) = &slot.conn
+            && !c.is_closed()
+        {
+            return Ok(Arc::clone(c));
+        }
+        let timeout = ClientError::Timeout(self.cfg.request_timeout);
+        let mut slot = tokio::time::timeout_at(deadline, self.slots[i].lock()).await.map_err(|_| timeout)?;
+        if let Some(c) = &slot.conn
+            && !c.is_closed()
+        {
+            return Ok(Arc::clone(c));
+        }
+        if let Some(f) = &slot.failure
+            && f.at.elapsed() < f.backoff
+        {
+            return Err(f.error.clone());
+        }
+        let result = self.open_conn(deadline).await;
+        match &result {
+            Ok(conn) => *slot = PoolSlot { conn: Some(Arc::clone(conn)), failure: None },
+            Err(e) => {
+                let backoff =
+                    slot.failure.as_ref().map_or(CONNECT_BACKOFF, |f| (f.backoff * 2).min(MAX_CONNECT_BACKOFF));
+                slot.conn = None;
+                slot.failure = Some(ConnectFailure { at: Instant::now(), backoff, error: e.clone() });
+            }
+        }
+        result
+    }
+
+    /// Connects, says HELLO, and authenticates if the server asks, all by
+    /// `deadline`. A peer that answers HELLO as no dmkv server would is
+    /// [`ClientError::NotDmkv`] (or a TLS server met without TLS).
+    async fn open_conn(&self, deadline: tokio::time::Instant) -> Result<Arc<Conn>, ClientError> {
+        let cfg = &self.cfg;
+        let addr = &self.addr;
+        // Until the server names its limit, no more than the default: a
+        // peer that is no dmkv server cannot make this client buffer more.
+        let before_hello = cfg.max_frame.min(DEFAULT_MAX_FRAME_LEN);
+        let dial = Conn::connect(addr, cfg.connect_timeout, before_hello, self.tls.as_ref());
+        let conn =
+            tokio::time::timeout_at(deadline, dial).await.map_err(|_| ClientError::Timeout(cfg.request_timeout))??;
+        let hello = Op::Hello(proto::Hello { protocol_version: PROTOCOL_VERSION, client_name: "dmkv-client".into() });
+        let sent = tokio::time::Instant::now();
+        let answer = match conn.send(hello).await {
+            Ok(inflight) => inflight.wait_until(deadline, cfg.request_timeout).await,
+            Err(e) => Err(e),
+        };
+        let resp = match answer {
+            Ok(resp) => resp,
+            Err(ClientError::ConnectionClosed) => {
+                return Err(hello_refused(addr, conn.read_end(), self.tls.is_some()));
+            }
+            // A HELLO left only a sliver of a request's budget proves nothing.
+            Err(ClientError::Timeout(t)) if sent.elapsed() < cfg.request_timeout / 2 => {
+                return Err(ClientError::Timeout(t));
+            }
+            Err(ClientError::Timeout(_)) => {
+                let waited = sent.elapsed();
+                return Err(ClientError::NotDmkv {
+                    addr: addr.clone(),
+                    detail: format!(
+                        "no answer to HELLO within {waited:.0?} (a dmkvd too busy or stalled to answer would not \
+                         either); is it dmkvd's RPC address?"
+                    ),
+                });
+            }
+            Err(e) => return Err(e),
+        };
+        let nonce = match unwrap(resp)? {
+            R::Hello(h) => {
+                self.cluster_node.store(h.cluster, Ordering::Relaxed);
+                conn.learn_frame_limit(h.max_frame, cfg.max_frame);
+                h.auth_nonce
+            }
+            other => return Err(unexpected(&other)),
+        };
+        if nonce.is_empty() {
+            return Ok(conn);
+        }
+        let Some(token) = &self.token else {
+            return Err(ClientError::Server {
+                code: ErrorCode::Unauthenticated,
+                message: format!(
+                    "{} requires authentication: give a token (ClientConfig::token; the dmkv CLI and dmkv-ycsb take \
+                     {TOKEN_ENV} or --token-file)",
+                    self.addr
+                ),
+            });
+        };
+        let proof = token.prove(Purpose::Rpc, &nonce).to_vec().into();
+        let resp = conn
+            .send(Op::Authenticate(proto::Authenticate { proof }))
+            .await?
+            .wait_until(deadline, cfg.request_timeout)
+            .await?;
+        match unwrap(resp)? {
+            R::Authenticate(_) => Ok(conn),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// A connection outside the pool, for state that must live as long as
+    /// a one-sided path (the server's RDMA queue pairs live as long as the
+    /// connection that set them up, and pooled connections get replaced).
+    pub async fn dedicated_conn(&self) -> Result<Arc<Conn>, ClientError> {
+        self.open_conn(self.deadline()).await
+    }
+
+    /// Closes every pooled RPC connection, as the path controller does to a
+    /// congested one; later requests open fresh ones. For tests.
+    #[doc(hidden)]
+    pub async fn replace_rpc_connections(&self) {
+        for slot in &self.slots {
+            slot.lock().await.conn = None;
+        }
+    }
+
+    /// Drops connection `slot` (congested): its next request opens a fresh
+    /// one, and requests on the old one drain.
+    pub async fn replace(&self, slot: usize) {
+        self.slots[slot].lock().await.conn = None;
+    }
+
+    /// Sends a request on the next pooled connection without waiting for
+    /// its reply: the building block of pipelining.
+    pub async fn send(&self, op: Op) -> Result<InFlight, ClientError> {
+        self.send_on(self.next_slot(), op, self.deadline()).await
+    }
+
+    /// The pooled connection the next request goes on.
+    pub fn next_slot(&self) -> usize {
+        self.next.fetch_add(1, Ordering::Relaxed) % self.slots.len()
+    }
+
+    pub async fn send_on(&self, slot: usize, op: Op, deadline: tokio::time::Instant) -> Result<InFlight, ClientError> {
+        self.conn_at(slot, deadline).await?.send_by(op, deadline, self.cfg.request_timeout).await
+    }
+
+    /// Sends `op` on connection `slot` and waits for its result; connecting
+    /// counts against the request's timeout, which the connection's
+    /// watchdog enforces (no timer per request).
+    pub async fn call_on(&self, slot: usize, op: Op) -> Result<R, ClientError> {
+        let deadline = self.deadline();
+        let timeout = self.cfg.request_timeout;
+        let sent = self.conn_at(slot, deadline).await?.send_until(op, deadline, timeout).await?;
+        unwrap(sent.wait_watched(deadline, timeout).await?)
+    }
+
+    pub async fn call(&self, op: Op) -> Result<R, ClientError> {
+        self.call_on(self.next_slot(), op).await
+    }
+
+    /// The server's regions and the one-sided endpoints it offers.
+    pub async fn region_info(&self) -> Result<proto::RegionInfoReply, ClientError> {
+        match self.call(Op::RegionInfo(proto::RegionInfo {})).await? {
+            R::RegionInfo(r) => Ok(r),
+            other => Err(unexpected(&other)),
+        }
+    }
+}
+
+/// The error for a peer at `addr` that closed the connection instead of
+/// answering HELLO; `end` says what it sent before, if anything.
+fn hello_refused(addr: &str, end: Option<&crate::conn::ReadEnd>, tls: bool) -> ClientError {
+    let not_dmkv = |detail: String| ClientError::NotDmkv { addr: addr.to_string(), detail };
+    let Some(end) = end else {
+        // The write failed before the reader noticed anything.
+        return not_dmkv("it closed the connection on HELLO; is it dmkvd's RPC address?".into());
+    };
+    let head = end.head.as_slice();
+    // A TLS record header: content type 20..=23, then version 3.x.
+    if !tls && head.len() >= 2 && (20..=23).contains(&head[0]) && head[1] == 3 {
+        return ClientError::Connect {
+            addr: addr.to_string(),
+            reason: "the server speaks TLS: give the CA that signed its certificate (ClientConfig::tls, --tls-ca)"
+                .into(),
+        };
+    }
+    if head.starts_with(&dmkv_common::onesided::ENGINE_MAGIC) {
+        return not_dmkv(
+            "it greets like dmkvd's one-sided engine: that is the engine port; give the RPC address (dmkvd prints \
+             rpc=ADDR)"
+                .into(),
+        );
+    }
+    match &end.error {
+        Some(e) => not_dmkv(format!(
+            "it answered HELLO with bytes that are no dmkv reply ({}: {e}); is it dmkvd's RPC address?",
+            hex_head(head)
+        )),
+        None if !head.is_empty() => not_dmkv(format!(
+            "it answered HELLO with {} bytes that are no dmkv reply ({}) and closed; is it dmkvd's RPC address?",
+            head.len(),
+            hex_head(head)
+        )),
+        None => not_dmkv("it closed the connection on HELLO without a word; is it dmkvd's RPC address?".into()),
+    }
+}
+
+/// The first bytes of a bad reply, as hex and as text where printable.
+fn hex_head(head: &[u8]) -> String {
+    let hex: Vec<String> = head.iter().take(8).map(|b| format!("{b:02x}")).collect();
+    let text: String = head.iter().take(8).map(|&b| if b.is_ascii_graphic() { b as char } else { '.' }).collect();
+    format!("{} {text:?}", hex.join(" "))
+}

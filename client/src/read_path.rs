@@ -1,0 +1,83 @@
+//! Which way a read goes: the mode a client is in ([`ReadPath`]) and the
+//! backend of its one-sided reads ([`Transport`]). The bottom of the
+//! client's layers: no crate imports.
+
+/// Which way GETs go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ReadPath {
+    /// Chosen per GET from measured delay, window and retries (see
+    /// [`crate::path`]): one-sided where that is cheaper, else RPC.
+    #[default]
+    Auto,
+    /// One-sided reads only: `get` and `multi_get` fail with
+    /// [`ClientError::OneSidedUnavailable`] when no one-sided path works
+    /// (after one try on a fresh path). Keys whose reads keep failing
+    /// verification (a writer racing the reader) are still answered over
+    /// RPC, never with unverified bytes.
+    OneSided,
+    /// RPC only.
+    Rpc,
+}
+
+impl ReadPath {
+    /// The name the CLI and config take (`auto`, `one-sided`, `rpc`).
+    pub fn name(self) -> &'static str {
+        match self {
+            ReadPath::Auto => "auto",
+            ReadPath::OneSided => "one-sided",
+            ReadPath::Rpc => "rpc",
+        }
+    }
+}
+
+impl std::str::FromStr for ReadPath {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(ReadPath::Auto),
+            "one-sided" | "onesided" => Ok(ReadPath::OneSided),
+            "rpc" => Ok(ReadPath::Rpc),
+            _ => Err(format!("unknown path {s:?}: expected auto, one-sided or rpc")),
+        }
+    }
+}
+
+/// Backends of one-sided reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// The server's region mapped read-only (same host only).
+    Shm,
+    /// The server's software one-sided engine over TCP.
+    Tcp,
+    /// RDMA READs by the NIC.
+    Rdma,
+}
+
+impl Transport {
+    /// The name the CLI and config take (`shm`, `tcp`, `rdma`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Transport::Shm => "shm",
+            Transport::Tcp => "tcp",
+            Transport::Rdma => "rdma",
+        }
+    }
+}
+
+impl std::fmt::Display for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Transport {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "shm" => Ok(Transport::Shm),
+            "tcp" => Ok(Transport::Tcp),
+            "rdma" => Ok(Transport::Rdma),
+            _ => Err(format!("unknown transport {s:?}: expected shm, tcp or rdma")),
+        }
+    }
+}
