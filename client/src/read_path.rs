@@ -6,14 +6,21 @@
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ReadPath {
     /// Chosen per GET from measured delay, window and retries (see
-    /// [`crate::path`]): one-sided where that is cheaper, else RPC.
+    /// [`crate::path`]): one-sided where that is cheaper, else RPC; in a
+    /// cluster by each node session's selector.
     #[default]
     Auto,
     /// One-sided reads only: `get` and `multi_get` fail with
-    /// [`ClientError::OneSidedUnavailable`] when no one-sided path works
-    /// (after one try on a fresh path). Keys whose reads keep failing
-    /// verification (a writer racing the reader) are still answered over
-    /// RPC, never with unverified bytes.
+    /// [`crate::ClientError::OneSidedUnavailable`] when no one-sided path
+    /// works (after one try on a fresh path). Keys whose reads keep
+    /// failing verification (a writer racing the reader) are still
+    /// answered over RPC, never with unverified bytes.
+    ///
+    /// In a cluster, a shard's region is only believed under its leader's
+    /// lease, which can lapse at any time (a failover, a stall): a read the
+    /// lease does not cover, or of a region that cannot be attached, is
+    /// asked of the leader over RPC rather than failed. Forcing a
+    /// transport the seed node does not offer fails at connect.
     OneSided,
     /// RPC only.
     Rpc,

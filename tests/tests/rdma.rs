@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use dmkv_client::{Client, ClientConfig, ReadPath, Transport};
-use dmkv_common::proto::RdmaConnectReply;
+use dmkv_common::proto::{RdmaConnect, RdmaConnectReply, request::Op, response::Result as R};
 use dmkv_tests::ServerProcess;
 use dmkv_verbs::{Context, Endpoint, MemoryRegion, QueuePair, ReadRequest, VerbsError};
 
@@ -72,7 +72,12 @@ async fn gets_over_rdma_read_never_reach_kv_code() {
 /// A raw queue pair connected to the server through `rpc`.
 async fn raw_qp(ctx: &std::sync::Arc<Context>, rpc: &Client) -> (QueuePair, RdmaConnectReply) {
     let mut qp = QueuePair::create(ctx, 64).unwrap();
-    let reply = rpc.rdma_connect(qp.endpoint().to_bytes().to_vec()).await.unwrap();
+    let op = Op::RdmaConnect(RdmaConnect { endpoint: qp.endpoint().to_bytes().to_vec().into() });
+    let sent = rpc.send(op).await.unwrap();
+    let reply = match dmkv_client::error::unwrap(sent.wait(Duration::from_secs(5)).await.unwrap()).unwrap() {
+        R::RdmaConnect(r) => r,
+        other => panic!("RDMA connect: unexpected reply {other:?}"),
+    };
     qp.connect(&Endpoint::from_bytes(&reply.endpoint).unwrap()).unwrap();
     (qp, reply)
 }
