@@ -6,8 +6,6 @@
 use clap::ValueEnum;
 use serde::{Deserialize, Serialize};
 
-use crate::workload::Distribution;
-
 /// YCSB's default zipfian constant.
 pub const ZIPFIAN_CONSTANT: f64 = 0.99;
 /// Item space of YCSB's `ScrambledZipfianGenerator`: draws are made over
@@ -262,6 +260,29 @@ impl Latest {
 /// inserts expected), and one more.
 pub fn zipfian_key_space(records: u64, new_keys: u64) -> Option<u64> {
     records.checked_add(new_keys)?.checked_add(1)
+}
+
+/// How keys of reads and updates are chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Distribution {
+    /// YCSB's scrambled zipfian, constant 0.99.
+    Zipfian,
+    /// Every key equally likely.
+    Uniform,
+    /// Skewed towards the most recently inserted keys.
+    Latest,
+}
+
+impl Distribution {
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Distribution::Zipfian => "zipfian",
+            Distribution::Uniform => "uniform",
+            Distribution::Latest => "latest",
+        }
+    }
 }
 
 /// How reads, updates and read-modify-writes choose their key: YCSB's

@@ -5,6 +5,7 @@ use bytes::Bytes;
 use clap::ValueEnum;
 use serde::{Deserialize, Serialize};
 
+pub use crate::generator::Distribution;
 use crate::generator::{Rng, derive, mix64};
 
 /// A core workload of YCSB.
@@ -23,29 +24,6 @@ pub enum Workload {
     E,
     /// Read-modify-write: 50% reads, 50% read-modify-writes.
     F,
-}
-
-/// How keys of reads and updates are chosen.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Distribution {
-    /// YCSB's scrambled zipfian, constant 0.99.
-    Zipfian,
-    /// Every key equally likely.
-    Uniform,
-    /// Skewed towards the most recently inserted keys.
-    Latest,
-}
-
-impl Distribution {
-    /// Lower-case name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Distribution::Zipfian => "zipfian",
-            Distribution::Uniform => "uniform",
-            Distribution::Latest => "latest",
-        }
-    }
 }
 
 /// What an update, and the write of a read-modify-write, writes.

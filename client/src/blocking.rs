@@ -177,6 +177,7 @@ impl Client {
     }
 
     /// See [`AsyncClient::register_metrics`].
+    #[cfg(feature = "prometheus")]
     pub fn register_metrics(&self, registry: &mut prometheus_client::registry::Registry) {
         self.inner.register_metrics(registry);
     }

@@ -38,6 +38,7 @@ struct Inner {
 }
 
 /// A [`Client`] that may have been dropped (see [`Client::downgrade`]).
+#[cfg(feature = "prometheus")]
 #[derive(Debug, Clone)]
 pub(crate) struct WeakClient(std::sync::Weak<Inner>);
 
@@ -47,6 +48,7 @@ impl std::fmt::Debug for Inner {
     }
 }
 
+#[cfg(feature = "prometheus")]
 impl WeakClient {
     /// The client, while some clone of it is alive.
     pub(crate) fn upgrade(&self) -> Option<Client> {
@@ -128,6 +130,7 @@ impl Client {
 
     /// A handle that does not keep the client (and its connections) alive,
     /// for metrics collectors that outlive it.
+    #[cfg(feature = "prometheus")]
     pub(crate) fn downgrade(&self) -> WeakClient {
         WeakClient(Arc::downgrade(&self.inner))
     }

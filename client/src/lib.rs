@@ -8,18 +8,22 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Where a GET goes: [`Client`] asks [`path`] which way is cheaper right
-//! now. [`onesided`] reads the server's region directly (RDMA, shared
-//! memory on the same host, the server's software engine over TCP
-//! elsewhere), every item verified; RPC sends a framed request on a pooled
-//! [`conn::Conn`] and matches the reply by id. PUTs and DELETEs always go
-//! over RPC.
+//! Where a GET goes: [`Client`] checks it and hands it to one
+//! [`Session`] (a single node) or to the [`router::Router`], which picks
+//! the key's shard leader and that node's session. The session asks its
+//! [`path`] selector which way is cheaper right now; one-sided, an
+//! attached region ([`onesided::OneSided`]) reads the server's memory
+//! directly (RDMA, shared memory on the same host, the server's software
+//! engine over TCP elsewhere), every item verified; over RPC, a framed
+//! request goes on a connection of the node's [`pool::RpcPool`] and is
+//! matched to its reply by id. PUTs and DELETEs always go over RPC.
 
 pub mod blocking;
 pub mod client;
 pub mod config;
 pub mod conn;
 pub mod error;
+#[cfg(feature = "prometheus")]
 pub mod metrics;
 pub mod onesided;
 pub mod ops;
@@ -29,6 +33,7 @@ pub mod read_path;
 pub mod router;
 pub mod session;
 pub mod tls;
+#[cfg(feature = "cli")]
 pub mod top;
 pub mod value;
 

@@ -109,7 +109,7 @@ impl RpcPool {
     }
 
     /// The open connection of pool slot `i`, connecting it if needed (see
-    /// [`PoolSlot`]); gives up at `deadline`.
+    /// `PoolSlot`); gives up at `deadline`.
     pub async fn conn_at(&self, i: usize, deadline: tokio::time::Instant) -> Result<Arc<Conn>, ClientError> {
         // The common case, an open connection and nobody connecting, takes
         // no timer and no wait.

@@ -22,6 +22,7 @@ pub mod partition;
 pub mod prom;
 pub mod schedule;
 pub mod skewed;
+pub mod skip;
 pub mod workload;
 
 /// How long a server gets to start and print its address.

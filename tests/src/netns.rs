@@ -26,17 +26,16 @@ use std::process::Command;
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU32, Ordering};
 
+/// Set to `1`, tests needing namespaces (or packet rules) fail where they
+/// cannot be made instead of skipping; defined with the skip policy.
+pub use crate::skip::REQUIRE_ENV;
+
 /// Candidate /30 blocks: 10.200.0.0 to 10.255.255.252.
 const BLOCKS: u32 = 56 * 256 * 64;
 /// How many names and address blocks `new` tries before giving up.
 const ATTEMPTS: u32 = 64;
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
-
-/// Environment variable that, set to `1`, makes tests needing namespaces
-/// (or packet rules, [`crate::partition`]) fail where they cannot be made
-/// instead of skipping.
-pub const REQUIRE_ENV: &str = "DMKV_NETNS_TESTS";
 
 /// A network namespace with a veth pair to the root namespace.
 #[derive(Debug)]
@@ -76,7 +75,7 @@ impl Netns {
     pub fn available_or_skip(test: &str) -> bool {
         match Netns::available() {
             Ok(()) => true,
-            Err(e) => crate::needs::skip(test, &format!("network namespaces unavailable here: {e}")),
+            Err(e) => crate::skip::skip(test, &format!("network namespaces unavailable here: {e}")),
         }
     }
 

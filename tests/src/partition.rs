@@ -22,7 +22,7 @@
 //!
 //! Needs root and `nft` (Debian package `nftables`). Like
 //! [`crate::netns`], tests skip where it is unavailable, unless skips are
-//! not allowed ([`crate::needs::required`], as in CI): then they fail.
+//! not allowed ([`crate::skip::required`], as in CI): then they fail.
 
 use std::io::Write;
 use std::net::{Ipv4Addr, SocketAddrV4};
@@ -61,12 +61,12 @@ impl Partition {
     /// Whether `test`, which needs partitions, can run: `true` if they are
     /// [available](Partition::available). If not, it says why and returns
     /// `false` so the test skips, unless skips are not allowed
-    /// ([`crate::needs::required`]; CI installs nftables): then a skip
+    /// ([`crate::skip::required`]; CI installs nftables): then a skip
     /// would hide a broken setup, so it panics.
     pub fn available_or_skip(test: &str) -> bool {
         match Partition::available() {
             Ok(()) => true,
-            Err(e) => crate::needs::skip(test, &format!("packet filtering (nftables) unavailable here: {e}")),
+            Err(e) => crate::skip::skip(test, &format!("packet filtering (nftables) unavailable here: {e}")),
         }
     }
 

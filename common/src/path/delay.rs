@@ -1,7 +1,7 @@
 //! Round-trip delay of one path: a windowed minimum as the base (the delay
 //! with empty queues) and an exponentially weighted mean of recent samples.
 
-use super::MILLIS;
+use super::units::MILLIS;
 
 /// How long a minimum counts as the base delay: between one and two of
 /// these. Long enough to span bursts of congestion, short enough that a

@@ -21,14 +21,11 @@ pub mod delay;
 pub mod keys;
 pub mod repath;
 pub mod select;
+pub mod units;
 pub mod window;
 
 pub use delay::DelayEstimator;
 pub use repath::Repath;
 pub use select::{Choice, Completion, Controller, ControllerStats, Path, PathConfig, PathSnapshot};
+pub use units::{MICROS, MILLIS};
 pub use window::Window;
-
-/// Nanoseconds in a microsecond, for readable constants.
-pub const MICROS: u64 = 1_000;
-/// Nanoseconds in a millisecond.
-pub const MILLIS: u64 = 1_000_000;

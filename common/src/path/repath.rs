@@ -4,7 +4,7 @@
 //! another ECMP path; anywhere it sheds a connection stuck behind a slow
 //! queue.
 
-use super::MILLIS;
+use super::units::MILLIS;
 
 /// Consecutive congested rounds that trigger a repath (PLB's N).
 pub const DEFAULT_CONGESTED_ROUNDS: u32 = 5;

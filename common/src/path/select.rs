@@ -19,8 +19,8 @@
 use super::delay::DelayEstimator;
 use super::keys::{DEFAULT_KEY_ENTRIES, KeyRounds};
 use super::repath::DEFAULT_CONGESTED_ROUNDS;
+use super::units::{MICROS, MILLIS};
 use super::window::{Window, WindowConfig};
-use super::{MICROS, MILLIS};
 
 /// The two ways a GET can go.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

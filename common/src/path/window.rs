@@ -36,7 +36,7 @@ impl Default for WindowConfig {
             // because loopback and VM scheduling add hundreds of µs of
             // noise; real congestion (a queue at a bottleneck, a saturated
             // server) shows up as milliseconds and is caught all the same.
-            target_margin_ns: 500 * super::MICROS,
+            target_margin_ns: 500 * super::units::MICROS,
             target_ratio: 1.0,
         }
     }
