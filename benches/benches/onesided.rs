@@ -120,7 +120,7 @@ fn sdk_get(c: &mut Criterion) {
             ),
             (
                 "tcp",
-                Client::connect_with(addr.clone(), mk(ReadPath::OneSided, Some(Transport::Tcp))).await.expect("tcp"),
+                Client::connect_with(addr.clone(), mk(ReadPath::OneSided, Some(Transport::Engine))).await.expect("tcp"),
             ),
             ("rpc", rpc),
         ]

@@ -81,7 +81,7 @@ pub struct Args {
     /// dmkv: which way GETs go (auto, one-sided, rpc).
     #[arg(long, default_value = "auto")]
     pub path: ReadPath,
-    /// dmkv: one-sided transport (shm, tcp, rdma) [default: the best available].
+    /// dmkv: one-sided transport (shm, engine, rdma; tcp is engine's old name) [default: the best available].
     #[arg(long)]
     pub transport: Option<Transport>,
     /// dmkv: speak TLS to the server, trusting this CA (PEM). A secret, if
@@ -175,7 +175,7 @@ mod tests {
         assert_eq!(s.duration, Some(Duration::from_secs(3)));
         assert_eq!(s.warmup, Warmup::Time(Duration::from_secs(2)));
         assert_eq!(s.dmkv.read_path, ReadPath::Rpc);
-        assert_eq!(s.dmkv.transport, Some(Transport::Tcp));
+        assert_eq!(s.dmkv.transport, Some(Transport::Engine));
         let d = Args::parse_from(["dmkv-ycsb"]).settings().unwrap();
         assert_eq!(d.operations, Some(DEFAULT_OPERATIONS));
         assert_eq!(d.value_size, 1000);

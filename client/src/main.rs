@@ -28,7 +28,7 @@ struct Cli {
     /// server's engine) [default: the best available]. If the server does
     /// not offer it (or this build lacks it), dmkv fails with exit 2 and
     /// says why, rather than reading over RPC. Not with --path rpc.
-    #[arg(long, value_name = "rdma|shm|tcp")]
+    #[arg(long, value_name = "rdma|shm|engine")]
     transport: Option<Transport>,
     /// File holding the secret to prove to a server that requires
     /// authentication (default: the DMKV_TOKEN environment variable).

@@ -54,18 +54,19 @@ impl std::str::FromStr for ReadPath {
 pub enum Transport {
     /// The server's region mapped read-only (same host only).
     Shm,
-    /// The server's software one-sided engine over TCP.
-    Tcp,
+    /// The server's software one-sided engine, over TCP (`engine`; the
+    /// CLI and config also take its old name, `tcp`).
+    Engine,
     /// RDMA READs by the NIC.
     Rdma,
 }
 
 impl Transport {
-    /// The name the CLI and config take (`shm`, `tcp`, `rdma`).
+    /// The name the CLI and config take (`shm`, `engine`, `rdma`).
     pub fn name(self) -> &'static str {
         match self {
             Transport::Shm => "shm",
-            Transport::Tcp => "tcp",
+            Transport::Engine => "engine",
             Transport::Rdma => "rdma",
         }
     }
@@ -82,9 +83,10 @@ impl std::str::FromStr for Transport {
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
             "shm" => Ok(Transport::Shm),
-            "tcp" => Ok(Transport::Tcp),
+            // RPC runs over TCP too: `tcp` is the engine's old name.
+            "engine" | "tcp" => Ok(Transport::Engine),
             "rdma" => Ok(Transport::Rdma),
-            _ => Err(format!("unknown transport {s:?}: expected shm, tcp or rdma")),
+            _ => Err(format!("unknown transport {s:?}: expected shm, engine (or tcp) or rdma")),
         }
     }
 }

@@ -174,7 +174,7 @@ impl Report {
 fn default_clients(s: &Schedule) -> Vec<ClientSpec> {
     let (pace, pad) = (s.clients.pace, s.clients.pad);
     let one = |p, t, via| ClientSpec { role: Role::Get(p, t), via, pace, pad };
-    let (os, shm, tcp) = (ReadPath::OneSided, Some(Transport::Shm), Some(Transport::Tcp));
+    let (os, shm, tcp) = (ReadPath::OneSided, Some(Transport::Shm), Some(Transport::Engine));
     let mut v = vec![
         ClientSpec { role: Role::Writer { id: 0, of: 2 }, via: 0, pace, pad },
         ClientSpec { role: Role::Writer { id: 1, of: 2 }, via: 1, pace, pad },

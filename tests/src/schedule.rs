@@ -240,7 +240,7 @@ impl Schedule {
             let offset_ms = if rng.random_bool(0.5) { -5000 } else { 5000 };
             let (path, transport) = match rng.random_range(0..3) {
                 0 => (ReadPath::OneSided, Some(Transport::Shm)),
-                1 => (ReadPath::OneSided, Some(Transport::Tcp)),
+                1 => (ReadPath::OneSided, Some(Transport::Engine)),
                 _ => (ReadPath::Auto, None),
             };
             clients.skewed.push(Skew { offset_ms, path, transport });

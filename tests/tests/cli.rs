@@ -61,7 +61,7 @@ fn forced_transport_the_server_lacks_fails_naming_it() {
         let o = dmkv(&[&args[..], &["--transport", "rdma", "get", "k"]].concat());
         fails_saying(&o, &["dmkv: transport rdma unavailable: ", "RDMA"]);
         let o = dmkv(&[&args[..], &["--transport", "tcp", "get", "k"]].concat());
-        fails_saying(&o, &["dmkv: transport tcp unavailable: ", "one-sided engine", "--no-engine"]);
+        fails_saying(&o, &["dmkv: transport engine unavailable: ", "one-sided engine", "--no-engine"]);
         let o = dmkv(&[&args[..], &["--transport", "shm", "get", "k"]].concat());
         fails_saying(&o, &["dmkv: transport shm unavailable: ", "shared memory", "--no-shm"]);
         assert!(stdout(&o).is_empty(), "nothing read: {}", stdout(&o));

@@ -327,7 +327,7 @@ fn clock_schedule(seed: u64) -> Schedule {
         step(ms(4000), ms(rng.random_range(1500..=2500)), Fault::Isolate(Target::Leader(b))),
         step(ms(7500), ms(rng.random_range(1000..=2000)), Fault::Pause(Target::Leader(a))),
     ];
-    let (os, shm, tcp) = (ReadPath::OneSided, Some(Transport::Shm), Some(Transport::Tcp));
+    let (os, shm, tcp) = (ReadPath::OneSided, Some(Transport::Shm), Some(Transport::Engine));
     let skewed = vec![
         Skew { offset_ms: -5000, path: os, transport: shm },
         Skew { offset_ms: -5000, path: os, transport: tcp },

@@ -41,7 +41,7 @@ fn one_sided_gets_read_shard_leaders_and_follow_a_failover() {
         }
         let readers = [
             ("shm", Client::connect_with(c.rpc(via), reader_config(Transport::Shm)).await.expect("connect")),
-            ("tcp", Client::connect_with(c.rpc(via), reader_config(Transport::Tcp)).await.expect("connect")),
+            ("tcp", Client::connect_with(c.rpc(via), reader_config(Transport::Engine)).await.expect("connect")),
         ];
         for (name, r) in &readers {
             for _ in 0..2 {
@@ -175,7 +175,7 @@ fn cluster_gets_follow_the_path_selector() {
             put_surely(&writer, k, "v").await;
         }
         // The engine is priced (shared memory is not: it has no link to congest).
-        let cfg = ClientConfig { transport: Some(Transport::Tcp), ..Default::default() };
+        let cfg = ClientConfig { transport: Some(Transport::Engine), ..Default::default() };
         let reader = Client::connect_with(c.rpc(0), cfg).await.expect("connect");
         // Until a region is attached and leased, GETs go over RPC.
         let deadline = std::time::Instant::now() + Duration::from_secs(10);

@@ -82,7 +82,7 @@ fn partitioned_leader_run(test: &str, check_leases: bool) -> Option<(Run, Seen)>
         .enable_all()
         .build()
         .expect("runtime");
-    let tcp = (ReadPath::OneSided, Some(Transport::Tcp));
+    let tcp = (ReadPath::OneSided, Some(Transport::Engine));
     clients.add_readers(&side_rt, &c, cut_off, check_leases, &[shm, tcp, rpc]);
     let endpoints: Vec<SocketAddrV4> = majority
         .iter()

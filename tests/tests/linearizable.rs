@@ -51,11 +51,14 @@ fn one_sided_gets_racing_puts_are_linearizable() {
                 .unwrap(),
         ),
         Arc::new(
-            Client::connect_with(&srv.rpc, ClientConfig { transport: Some(Transport::Tcp), ..rpc(ReadPath::OneSided) })
-                .unwrap(),
+            Client::connect_with(
+                &srv.rpc,
+                ClientConfig { transport: Some(Transport::Engine), ..rpc(ReadPath::OneSided) },
+            )
+            .unwrap(),
         ),
         Arc::new(
-            Client::connect_with(&srv.rpc, ClientConfig { transport: Some(Transport::Tcp), ..rpc(ReadPath::Auto) })
+            Client::connect_with(&srv.rpc, ClientConfig { transport: Some(Transport::Engine), ..rpc(ReadPath::Auto) })
                 .unwrap(),
         ),
     ];

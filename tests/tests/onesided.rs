@@ -30,7 +30,7 @@ async fn gets_go_one_sided_by_default_and_never_reach_kv_code() {
     for (name, c) in [
         ("auto", auto.clone()),
         ("shm", Client::connect_with(&srv.rpc, cfg(ReadPath::OneSided, Some(Transport::Shm))).await.unwrap()),
-        ("tcp", Client::connect_with(&srv.rpc, cfg(ReadPath::OneSided, Some(Transport::Tcp))).await.unwrap()),
+        ("tcp", Client::connect_with(&srv.rpc, cfg(ReadPath::OneSided, Some(Transport::Engine))).await.unwrap()),
     ] {
         let before = server_gets(&auto).await;
         let probes_before = auto.path_stats().controller.rpc.probes;
@@ -76,7 +76,7 @@ async fn gets_go_one_sided_by_default_and_never_reach_kv_code() {
 #[tokio::test]
 async fn one_sided_sees_overwrites_and_deletes() {
     let srv = ServerProcess::start(&["--memory", "64MiB"]);
-    for t in [Transport::Shm, Transport::Tcp] {
+    for t in [Transport::Shm, Transport::Engine] {
         let c = Client::connect_with(&srv.rpc, cfg(ReadPath::OneSided, Some(t))).await.unwrap();
         for n in [0usize, 10, 5000, 100, 200_000, 64, 1] {
             c.put("ow", vec![n as u8; n]).await.unwrap();
@@ -99,7 +99,7 @@ async fn one_sided_reads_follow_items_the_compactor_moves() {
         setup.put(format!("mv{i}"), value(i)).await.unwrap();
     }
     let moves_before = setup.stats().await.unwrap()["compactor_moves"];
-    for t in [Transport::Shm, Transport::Tcp] {
+    for t in [Transport::Shm, Transport::Engine] {
         let c = Client::connect_with(&srv.rpc, cfg(ReadPath::OneSided, Some(t))).await.unwrap();
         let gets_before = server_gets(&setup).await;
         let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(2);
@@ -131,7 +131,7 @@ async fn one_sided_reads_follow_a_growing_index() {
     }
     let splits_before = setup.stats().await.unwrap()["index_splits"];
     let grower = dmkv_tests::Grower::start(&srv.rpc);
-    for t in [Transport::Shm, Transport::Tcp] {
+    for t in [Transport::Shm, Transport::Engine] {
         let c = Client::connect_with(&srv.rpc, cfg(ReadPath::OneSided, Some(t))).await.unwrap();
         let gets_before = server_gets(&setup).await;
         let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(3);
@@ -162,7 +162,7 @@ async fn one_sided_reads_follow_a_growing_index() {
 #[tokio::test]
 async fn forced_transport_without_support_fails_clearly() {
     let srv = ServerProcess::start(&["--memory", "16MiB", "--no-shm", "--no-engine"]);
-    for t in [Transport::Shm, Transport::Tcp, Transport::Rdma] {
+    for t in [Transport::Shm, Transport::Engine, Transport::Rdma] {
         // Forced, in either path that reads one-sided: refused at connect,
         // never read over RPC instead.
         for path in [ReadPath::OneSided, ReadPath::Auto] {
@@ -260,7 +260,7 @@ async fn bad_rkeys_and_bounds_are_rejected_and_change_nothing() {
     let stats = c.stats().await.unwrap();
     assert!(stats["engine_rejected_reads"] >= 6);
     assert_eq!(c.get("k").await.unwrap().unwrap(), "v".as_bytes());
-    let os = Client::connect_with(&srv.rpc, cfg(ReadPath::OneSided, Some(Transport::Tcp))).await.unwrap();
+    let os = Client::connect_with(&srv.rpc, cfg(ReadPath::OneSided, Some(Transport::Engine))).await.unwrap();
     assert_eq!(os.get("k").await.unwrap().unwrap(), "v".as_bytes());
 }
 
@@ -270,7 +270,7 @@ async fn clients_follow_a_reregistration() {
     let admin = Client::connect_with(&srv.rpc, cfg(ReadPath::Rpc, None)).await.unwrap();
     admin.put("k", "v1").await.unwrap();
     let shm = Client::connect_with(&srv.rpc, cfg(ReadPath::OneSided, Some(Transport::Shm))).await.unwrap();
-    let tcp = Client::connect_with(&srv.rpc, cfg(ReadPath::OneSided, Some(Transport::Tcp))).await.unwrap();
+    let tcp = Client::connect_with(&srv.rpc, cfg(ReadPath::OneSided, Some(Transport::Engine))).await.unwrap();
     assert_eq!(shm.get("k").await.unwrap().unwrap(), "v1".as_bytes());
     assert_eq!(tcp.get("k").await.unwrap().unwrap(), "v1".as_bytes());
     admin.reregister().await.unwrap();
@@ -322,7 +322,7 @@ async fn a_get_loop_that_never_yields_notices_a_dead_server() {
 #[tokio::test]
 async fn an_rpc_get_teaches_the_one_sided_path_where_the_item_is() {
     let srv = ServerProcess::start(&["--memory", "64MiB"]);
-    let c = Client::connect_with(&srv.rpc, cfg(ReadPath::OneSided, Some(Transport::Tcp))).await.unwrap();
+    let c = Client::connect_with(&srv.rpc, cfg(ReadPath::OneSided, Some(Transport::Engine))).await.unwrap();
     c.put("taught", "v1").await.unwrap();
     let before = c.read_stats();
     assert_eq!(c.rpc_get(b"taught").await.unwrap().unwrap().value, "v1".as_bytes());
@@ -384,7 +384,7 @@ async fn multi_get_batches_fit_the_grace_period() {
     for k in &keys {
         admin.put(k, &value).await.unwrap();
     }
-    let c = Client::connect_with(&srv.rpc, cfg(ReadPath::OneSided, Some(Transport::Tcp))).await.unwrap();
+    let c = Client::connect_with(&srv.rpc, cfg(ReadPath::OneSided, Some(Transport::Engine))).await.unwrap();
     let gets = server_gets(&admin).await;
     for v in c.multi_get(&keys).await.unwrap() {
         assert_eq!(v.as_deref(), Some(&value[..]));

@@ -141,7 +141,7 @@ async fn only_authenticated_clients_with_the_right_role_get_in() {
     assert_eq!(code_of(&r), Some(ErrorCode::PermissionDenied));
 
     // One-sided reads over the engine need the token too.
-    let os = ClientConfig { read_path: ReadPath::OneSided, transport: Some(Transport::Tcp), ..cfg(Some(DATA)) };
+    let os = ClientConfig { read_path: ReadPath::OneSided, transport: Some(Transport::Engine), ..cfg(Some(DATA)) };
     let reader = Client::connect_with(&srv.rpc, os).await.unwrap();
     let gets = admin.stats().await.unwrap()["gets"];
     assert_eq!(reader.get("k").await.unwrap().unwrap(), "v".as_bytes());
@@ -242,7 +242,7 @@ async fn tls_carries_rpc_and_engine_reads() {
 
     let os = ClientConfig {
         read_path: ReadPath::OneSided,
-        transport: Some(Transport::Tcp),
+        transport: Some(Transport::Engine),
         tls: tls(&p.ca),
         ..cfg(Some(DATA))
     };
@@ -319,7 +319,7 @@ async fn rotated_rkeys_retire_the_old_ones_and_clients_follow() {
     s.read_exact(&mut body).unwrap();
     assert_eq!(onesided::decode_reply(&body).unwrap().results[0].0, ReadStatus::BadRkey, "old rkey still works");
     // Clients re-attach with the current rkey and keep reading right.
-    for t in [Transport::Tcp, Transport::Shm] {
+    for t in [Transport::Engine, Transport::Shm] {
         let os = ClientConfig { read_path: ReadPath::OneSided, transport: Some(t), ..cfg(None) };
         let r = Client::connect_with(&srv.rpc, os).await.unwrap();
         for _ in 0..30 {
@@ -366,7 +366,7 @@ fn a_cluster_with_tls_serves_every_shard() {
         let cfg = |path| ClientConfig {
             tls: tls(&p.ca),
             read_path: path,
-            transport: Some(Transport::Tcp),
+            transport: Some(Transport::Engine),
             ..Default::default()
         };
         let deadline = std::time::Instant::now() + Duration::from_secs(20);

@@ -134,7 +134,7 @@ fn stress_reader_child() {
     // "auto": the path controller mixes RPC GETs (whose replies teach the
     // one-sided path where items are) with one-sided reads over the engine.
     let (read_path, transport) = match std::env::var("DMKV_STRESS_TRANSPORT").unwrap().as_str() {
-        "auto" => (ReadPath::Auto, Transport::Tcp),
+        "auto" => (ReadPath::Auto, Transport::Engine),
         t => (ReadPath::OneSided, t.parse::<Transport>().unwrap()),
     };
     let secs: f64 = std::env::var("DMKV_STRESS_SECS").unwrap().parse().unwrap();

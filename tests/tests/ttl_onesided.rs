@@ -185,7 +185,7 @@ async fn scenario(srv: &ServerProcess, transport: Transport) {
 #[tokio::test]
 async fn one_sided_reads_honour_ttls_touch_and_agree_with_rpc() {
     let srv = ServerProcess::start(&["--memory", "32MiB"]);
-    for t in [Transport::Shm, Transport::Tcp] {
+    for t in [Transport::Shm, Transport::Engine] {
         scenario(&srv, t).await;
     }
 }

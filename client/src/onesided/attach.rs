@@ -98,7 +98,7 @@ pub async fn attach(
     let header = header_of(desc)?;
     let candidates: &[Transport] = match forced {
         Some(t) => &[t][..],
-        None => &[Transport::Rdma, Transport::Shm, Transport::Tcp],
+        None => &[Transport::Rdma, Transport::Shm, Transport::Engine],
     };
     let mut errors = Vec::new();
     for &t in candidates {
@@ -110,7 +110,7 @@ pub async fn attach(
                         .await
                         .map(Backend::Shm)
                 }
-                Transport::Tcp => {
+                Transport::Engine => {
                     let health =
                         crate::path::ConnHealth::new(engine_connections, path_config, std::sync::Arc::clone(&repaths));
                     match engine_dialer(pool, info) {
@@ -140,7 +140,7 @@ pub async fn attach(
                             && info.host_id == local_host_id()
                             && info.time_namespace != 0
                             && info.time_namespace == dmkv_common::host::time_namespace();
-                        let c = LeaseClock::choose(t == Transport::Tcp, same_clock, sample)
+                        let c = LeaseClock::choose(t == Transport::Engine, same_clock, sample)
                             .map_err(|e| BackendError::Attach(format!("clock sample refused: {e}")))?;
                         if let LeaseClock::Sampled(s) = &c {
                             spawn_resync(
@@ -188,12 +188,12 @@ pub fn offered(info: &RegionInfoReply, t: Transport) -> Result<(), String> {
         Transport::Shm if info.host_id.is_empty() || info.host_id != local_host_id() => {
             Err("the server is on another host; shared memory works only on the server's host".into())
         }
-        Transport::Tcp if info.engine_addr.is_empty() => {
+        Transport::Engine if info.engine_addr.is_empty() => {
             Err("the server does not offer its one-sided engine (dmkvd --no-engine, or engine = false)".into())
         }
         Transport::Rdma if info.rdma_device.is_empty() => Err(NO_SERVER_RDMA.into()),
         Transport::Rdma if !cfg!(feature = "rdma") => Err(NO_CLIENT_RDMA.into()),
-        Transport::Shm | Transport::Tcp | Transport::Rdma => Ok(()),
+        Transport::Shm | Transport::Engine | Transport::Rdma => Ok(()),
     }
 }
 
