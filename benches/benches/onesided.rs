@@ -104,7 +104,7 @@ fn sdk_get(c: &mut Criterion) {
         tokio::spawn(server.serve(async {
             let _ = stop_rx.await;
         }));
-        let mk = |path, transport| ClientConfig { pool_size: 1, read_path: path, transport, ..Default::default() };
+        let mk = |path, transport| ClientConfig::default().pool_size(1).read_path(path).transport(transport);
         let rpc = Client::connect_with(addr.clone(), mk(ReadPath::Rpc, None)).await.expect("connect");
         for i in 0..keys {
             rpc.put(key(i), vec![b'v'; VALUE_LEN]).await.expect("put");

@@ -30,7 +30,7 @@ fn rpc(c: &mut Criterion) {
         tokio::spawn(server.serve(async {
             let _ = stop_rx.await;
         }));
-        let cfg = ClientConfig { pool_size: 1, read_path: ReadPath::Rpc, ..Default::default() };
+        let cfg = ClientConfig::default().pool_size(1).read_path(ReadPath::Rpc);
         let client = Client::connect_with(addr, cfg).await.expect("connect");
         client.put("bench-key", vec![7u8; VALUE_LEN]).await.expect("put");
         client

@@ -75,14 +75,12 @@ impl DmkvConn {
     /// Connects one SDK client (one pooled connection) to `addr`.
     pub async fn connect(addr: &str, opts: &DmkvOptions) -> Result<DmkvConn, String> {
         let tls = opts.tls_ca.clone().map(|ca_file| dmkv_client::TlsOptions { ca_file, ..Default::default() });
-        let cfg = ClientConfig {
-            pool_size: 1,
-            read_path: opts.read_path,
-            transport: opts.transport,
-            tls,
-            token: ClientConfig::token_from_env().map_err(|e| e.to_string())?,
-            ..Default::default()
-        };
+        let cfg = ClientConfig::default()
+            .pool_size(1)
+            .read_path(opts.read_path)
+            .transport(opts.transport)
+            .tls(tls)
+            .token(ClientConfig::token_from_env().map_err(|e| e.to_string())?);
         let client = Client::connect_with(addr, cfg).await.map_err(|e| e.to_string())?;
         Ok(DmkvConn { client })
     }

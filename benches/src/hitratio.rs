@@ -308,7 +308,7 @@ pub struct DmkvCache {
 impl DmkvCache {
     /// Connects to `addr` with GETs going the `path` way.
     pub fn connect(addr: &str, path: ReadPath) -> Result<DmkvCache, String> {
-        let cfg = ClientConfig { pool_size: 1, read_path: path, ..Default::default() };
+        let cfg = ClientConfig::default().pool_size(1).read_path(path);
         let client = dmkv_client::blocking::Client::connect_with(addr, cfg).map_err(|e| e.to_string())?;
         Ok(DmkvCache { client })
     }

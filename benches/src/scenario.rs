@@ -252,12 +252,12 @@ impl Setup {
 
     /// A client of the given read path (one-sided reads over the engine).
     pub async fn client(&self, path: ReadPath) -> Result<Client, String> {
-        self.client_with(ClientConfig { read_path: path, ..Default::default() }).await
+        self.client_with(ClientConfig::default().read_path(path)).await
     }
 
     /// A client with settings of its own; one-sided reads over the engine.
     pub async fn client_with(&self, cfg: ClientConfig) -> Result<Client, String> {
-        let cfg = ClientConfig { transport: Some(Transport::Engine), ..cfg };
+        let cfg = cfg.transport(Some(Transport::Engine));
         Client::connect_with(self.rpc.clone(), cfg).await.map_err(|e| format!("connect to {}: {e}", self.rpc))
     }
 
@@ -667,7 +667,7 @@ impl Drop for Load {
 }
 
 async fn connect(rpc: &str, path: ReadPath) -> Result<Client, String> {
-    let cfg = ClientConfig { read_path: path, transport: Some(Transport::Engine), pool_size: 1, ..Default::default() };
+    let cfg = ClientConfig::default().read_path(path).transport(Some(Transport::Engine)).pool_size(1);
     Client::connect_with(rpc.to_string(), cfg).await.map_err(|e| format!("connect to {rpc}: {e}"))
 }
 

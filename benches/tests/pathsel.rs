@@ -67,7 +67,7 @@ struct Run {
 }
 
 fn start(name: &str, scenario: Scenario) -> Option<Run> {
-    start_with(name, scenario, ClientConfig { read_path: ReadPath::Auto, ..ClientConfig::default() })
+    start_with(name, scenario, ClientConfig::default().read_path(ReadPath::Auto))
 }
 
 /// [`start`] with the probe's settings given.
@@ -175,12 +175,10 @@ fn hot_key_auto_prefers_rpc() {
 fn a_failed_one_sided_path_moves_gets_to_rpc_and_back() {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     // Short timeouts, so a dead engine is noticed within the test.
-    let cfg = ClientConfig {
-        read_path: ReadPath::Auto,
-        connect_timeout: Duration::from_millis(300),
-        request_timeout: Duration::from_secs(2),
-        ..ClientConfig::default()
-    };
+    let cfg = ClientConfig::default()
+        .read_path(ReadPath::Auto)
+        .connect_timeout(Duration::from_millis(300))
+        .request_timeout(Duration::from_secs(2));
     let name = "a_failed_one_sided_path_moves_gets_to_rpc_and_back";
     let Some(run) = start_with(name, Scenario::RpcSaturated, cfg) else { return };
     run.expect("engine up: most GETs go one-sided", None, most_one_sided);

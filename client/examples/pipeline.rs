@@ -16,7 +16,7 @@ async fn main() {
     let ops: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(200_000);
     let depth: usize = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(16);
     let size: usize = args.get(4).and_then(|s| s.parse().ok()).unwrap_or(100);
-    let c = Client::connect_with(addr, ClientConfig { pool_size: 1, ..Default::default() }).await.expect("connect");
+    let c = Client::connect_with(addr, ClientConfig::default().pool_size(1)).await.expect("connect");
     let value = bytes::Bytes::from(vec![b'x'; size]);
     let keys: Vec<bytes::Bytes> = (0..10_000).map(|i| format!("key{i:08}").into()).collect();
     for (name, make) in [

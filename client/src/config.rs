@@ -23,7 +23,22 @@ pub const MAX_SEEDS: usize = 64;
 pub const DEFAULT_HINT_ENTRIES: usize = 64 * 1024;
 
 /// Client settings. The defaults suit a server on the same network.
+///
+/// Built from [`ClientConfig::default`] with one method per setting, so
+/// settings added later do not break callers:
+///
+/// ```
+/// use std::time::Duration;
+/// use dmkv_client::{ClientConfig, ReadPath, Transport};
+///
+/// let cfg = ClientConfig::default()
+///     .read_path(ReadPath::Auto)
+///     .transport(Transport::Shm)
+///     .request_timeout(Duration::from_millis(500));
+/// assert_eq!(cfg.transport, Some(Transport::Shm));
+/// ```
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct ClientConfig {
     /// Which way GETs go.
     pub read_path: ReadPath,
@@ -55,10 +70,10 @@ pub struct ClientConfig {
     pub max_frame: usize,
     /// Keys whose item address is cached for one-round-trip GETs.
     pub hint_cache_entries: usize,
-    /// Abandon one-sided attempts that outlast the server's grace period.
-    /// Only tests that provoke torn reads turn this off, to show that
-    /// verification alone catches them.
-    pub enforce_grace: bool,
+    /// Abandon one-sided attempts that outlast the server's grace period
+    /// (always, but for tests that provoke torn reads to show that
+    /// verification alone catches them: [`ClientConfig::testing_grace`]).
+    pub(crate) enforce_grace: bool,
     /// The secret to prove when the server requires authentication
     /// (default: none). The SDK never reads the environment for it: an
     /// application that wants `DMKV_TOKEN` asks
@@ -68,9 +83,76 @@ pub struct ClientConfig {
     /// TLS for RPC and engine connections (the server must serve TLS).
     pub tls: Option<TlsOptions>,
     /// Check cluster leases (always, but for tests that show the check
-    /// is needed).
+    /// is needed: [`ClientConfig::testing_leases`]).
+    pub(crate) check_leases: bool,
+}
+
+/// One setter per setting, each taking the config and returning it; an
+/// optional setting's takes the value or an `Option` of it.
+macro_rules! setters {
+    ($arg:ident; $($(#[$doc:meta])* $name:ident: $ty:ty;)*) => {
+        impl ClientConfig {
+            $(
+                $(#[$doc])*
+                #[must_use]
+                pub fn $name(mut self, v: setters!(@$arg $ty)) -> Self {
+                    self.$name = v.into();
+                    self
+                }
+            )*
+        }
+    };
+    (@plain $ty:ty) => { $ty };
+    (@optional $ty:ty) => { impl Into<Option<$ty>> };
+}
+
+setters! { plain;
+    /// Which way GETs go.
+    read_path: ReadPath;
+    /// RPC connections kept to the server.
+    pool_size: usize;
+    /// Connections to the server's one-sided engine.
+    engine_connections: usize;
+    /// Congestion control and path selection settings.
+    path: PathConfig;
+    /// Longest wait for a reply.
+    request_timeout: Duration;
+    /// Longest wait for a TCP connection.
+    connect_timeout: Duration;
+    /// Ceiling on the largest frame sent or accepted.
+    max_frame: usize;
+    /// Keys whose item address is cached for one-round-trip GETs.
+    hint_cache_entries: usize;
+}
+
+setters! { optional;
+    /// A transport to force, or `None` for the best available.
+    transport: Transport;
+    /// The secret to prove, or `None`.
+    token: Arc<Token>;
+    /// TLS options, or `None` for plaintext.
+    tls: TlsOptions;
+}
+
+impl ClientConfig {
+    /// For tests only: `false` keeps one-sided attempts going past the
+    /// server's grace period, to show that verification alone catches
+    /// torn reads.
     #[doc(hidden)]
-    pub check_leases: bool,
+    #[must_use]
+    pub fn testing_grace(mut self, enforce: bool) -> Self {
+        self.enforce_grace = enforce;
+        self
+    }
+
+    /// For tests only: `false` believes cluster regions without their
+    /// lease, to show that the check is needed.
+    #[doc(hidden)]
+    #[must_use]
+    pub fn testing_leases(mut self, check: bool) -> Self {
+        self.check_leases = check;
+        self
+    }
 }
 
 impl ClientConfig {

@@ -49,3 +49,8 @@ pub use read_path::{ReadPath, Transport};
 pub use session::{PathStats, Session};
 pub use tls::TlsOptions;
 pub use value::Versioned;
+
+/// The README's Rust examples, compiled by `cargo test --doc`.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+pub struct ReadmeDoctests;

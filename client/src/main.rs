@@ -280,15 +280,13 @@ fn run(cli: Cli, explicit: Explicit) -> Result<ExitCode, Failure> {
         client_cert: cli.tls_cert,
         client_key: cli.tls_key,
     });
-    let cfg = ClientConfig {
-        pool_size: 1,
-        request_timeout: Duration::from_millis(cli.timeout_ms),
-        read_path: cli.path,
-        transport: cli.transport,
-        token,
-        tls,
-        ..Default::default()
-    };
+    let cfg = ClientConfig::default()
+        .pool_size(1)
+        .request_timeout(Duration::from_millis(cli.timeout_ms))
+        .read_path(cli.path)
+        .transport(cli.transport)
+        .token(token)
+        .tls(tls);
     let client = Client::connect_with(cli.server, cfg.clone()).map_err(|e| e.to_string())?;
     let mut stdout = std::io::stdout().lock();
     match cli.cmd {

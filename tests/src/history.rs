@@ -58,14 +58,12 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
 /// after [`REQUEST_TIMEOUT`], connections after [`CONNECT_TIMEOUT`], so
 /// that an operation caught by a fault stays open a bounded time.
 pub fn client_config(read_path: ReadPath, transport: Option<Transport>, check_leases: bool) -> ClientConfig {
-    ClientConfig {
-        read_path,
-        transport,
-        request_timeout: REQUEST_TIMEOUT,
-        connect_timeout: CONNECT_TIMEOUT,
-        check_leases,
-        ..Default::default()
-    }
+    ClientConfig::default()
+        .read_path(read_path)
+        .transport(transport)
+        .request_timeout(REQUEST_TIMEOUT)
+        .connect_timeout(CONNECT_TIMEOUT)
+        .testing_leases(check_leases)
 }
 
 /// The clients of a recorded run.

@@ -287,7 +287,7 @@ impl Grower {
         let handle = std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("grower runtime");
             rt.block_on(async move {
-                let cfg = dmkv_client::ClientConfig { read_path: dmkv_client::ReadPath::Rpc, ..Default::default() };
+                let cfg = dmkv_client::ClientConfig::default().read_path(dmkv_client::ReadPath::Rpc);
                 let c = dmkv_client::Client::connect_with(&rpc, cfg).await.expect("grower connects");
                 let mut n = 0u64;
                 while !flag.load(Ordering::Relaxed) {

@@ -51,7 +51,7 @@ const GETS: usize = 100_000;
 fn shm_gets_allocate_nothing() {
     let srv = ServerProcess::start(&["--memory", "64MiB"]);
     for path in [ReadPath::OneSided, ReadPath::Auto] {
-        let cfg = ClientConfig { read_path: path, transport: Some(Transport::Shm), ..Default::default() };
+        let cfg = ClientConfig::default().read_path(path).transport(Some(Transport::Shm));
         let c = Client::connect_with(&srv.rpc, cfg).unwrap();
         let keys: Vec<String> = (0..KEYS).map(|i| format!("key-{i}")).collect();
         for (i, k) in keys.iter().enumerate() {

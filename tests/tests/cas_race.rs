@@ -79,7 +79,7 @@ async fn sdk_cas_race_has_one_winner_per_version() {
     let first = setup.put("counter", "0").await.unwrap();
     let mut tasks = Vec::new();
     for (i, path) in [ReadPath::Rpc, ReadPath::OneSided, ReadPath::Auto, ReadPath::Rpc].into_iter().enumerate() {
-        let cfg = ClientConfig { read_path: path, pool_size: 1, ..Default::default() };
+        let cfg = ClientConfig::default().read_path(path).pool_size(1);
         let c = Client::connect_with(&srv.rpc, cfg).await.unwrap();
         tasks.push(tokio::spawn(sdk_worker(c, format!("client{i}-{}", path.name()), "counter", 150)));
     }

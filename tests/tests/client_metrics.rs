@@ -16,7 +16,7 @@ fn encode(registry: &Registry) -> String {
 async fn client_metrics_count_one_sided_and_rpc_gets_exactly() {
     let srv = ServerProcess::start(&["--memory", "64MiB"]);
     // A fixed one-sided path: no probes, so every count below is exact.
-    let cfg = ClientConfig { read_path: ReadPath::OneSided, pool_size: 1, ..Default::default() };
+    let cfg = ClientConfig::default().read_path(ReadPath::OneSided).pool_size(1);
     let client = Client::connect_with(&srv.rpc, cfg).await.unwrap();
     for i in 0..10 {
         client.put(format!("k{i}"), "v").await.unwrap();

@@ -23,7 +23,7 @@ fn rt() -> tokio::runtime::Runtime {
 }
 
 fn reader_config(t: Transport) -> ClientConfig {
-    ClientConfig { read_path: ReadPath::OneSided, transport: Some(t), ..Default::default() }
+    ClientConfig::default().read_path(ReadPath::OneSided).transport(Some(t))
 }
 
 #[test]
@@ -175,7 +175,7 @@ fn cluster_gets_follow_the_path_selector() {
             put_surely(&writer, k, "v").await;
         }
         // The engine is priced (shared memory is not: it has no link to congest).
-        let cfg = ClientConfig { transport: Some(Transport::Engine), ..Default::default() };
+        let cfg = ClientConfig::default().transport(Some(Transport::Engine));
         let reader = Client::connect_with(c.rpc(0), cfg).await.expect("connect");
         // Until a region is attached and leased, GETs go over RPC.
         let deadline = std::time::Instant::now() + Duration::from_secs(10);

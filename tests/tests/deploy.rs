@@ -529,7 +529,7 @@ fn the_kubernetes_start_script_forms_a_cluster() {
     // And its client metrics are what a client of this cluster exports
     // into its application's registry, after a GET.
     let token = dmkv_client::Token::new(data_token).expect("the data token");
-    let cfg = dmkv_client::ClientConfig { token: Some(std::sync::Arc::new(token)), ..Default::default() };
+    let cfg = dmkv_client::ClientConfig::default().token(Some(std::sync::Arc::new(token)));
     let client = dmkv_client::blocking::Client::connect_with(format!("{}:{rpc_port}", ip(0)), cfg)
         .unwrap_or_else(|e| panic!("client of dmkv-0: {e}\n{}", logs()));
     assert_eq!(client.get("k8s-key").unwrap().as_deref(), Some(&b"k8s-value"[..]));

@@ -58,8 +58,7 @@ impl Text {
 /// write; panics at the first failed write. Returns how many hot keys are
 /// still stored at the end.
 async fn stream_with_hot_set(srv: &ServerProcess, tag: &str, reader: &Client) -> usize {
-    let writer =
-        Client::connect_with(&srv.rpc, ClientConfig { read_path: ReadPath::Rpc, ..Default::default() }).await.unwrap();
+    let writer = Client::connect_with(&srv.rpc, ClientConfig::default().read_path(ReadPath::Rpc)).await.unwrap();
     let hot: Vec<String> = (0..HOT).map(|i| format!("{tag}-hot-{i}")).collect();
     for (i, k) in hot.iter().enumerate() {
         writer.put(k, value(i)).await.unwrap();
@@ -97,20 +96,14 @@ async fn check_bounded(c: &Client, tag: &str) -> u64 {
 #[tokio::test]
 async fn lru_evicts_the_cold_and_keeps_a_hot_set_read_over_rpc_or_one_sided() {
     let srv = ServerProcess::start(&["--memory", MEMORY, "--evict", "lru", "--memcached-listen", "127.0.0.1:0"]);
-    let rpc =
-        Client::connect_with(&srv.rpc, ClientConfig { read_path: ReadPath::Rpc, ..Default::default() }).await.unwrap();
+    let rpc = Client::connect_with(&srv.rpc, ClientConfig::default().read_path(ReadPath::Rpc)).await.unwrap();
     let survived = stream_with_hot_set(&srv, "rpc", &rpc).await;
     let before = check_bounded(&rpc, "rpc").await;
     assert!(survived * 10 >= HOT * 9, "rpc: only {survived} of {HOT} hot keys survived");
 
     // Now the hot set is read only one-sidedly: the server sees none of
     // those reads but through the client's access reports.
-    let cfg = ClientConfig {
-        read_path: ReadPath::OneSided,
-        transport: Some(Transport::Shm),
-        pool_size: 1,
-        ..Default::default()
-    };
+    let cfg = ClientConfig::default().read_path(ReadPath::OneSided).transport(Some(Transport::Shm)).pool_size(1);
     let one = Client::connect_with(&srv.rpc, cfg).await.unwrap();
     let server_gets = rpc.stats().await.unwrap()["gets"];
     let survived = stream_with_hot_set(&srv, "one-sided", &one).await;
@@ -128,8 +121,7 @@ async fn lru_evicts_the_cold_and_keeps_a_hot_set_read_over_rpc_or_one_sided() {
 #[tokio::test]
 async fn without_eviction_a_full_store_refuses_writes_and_keeps_what_it_acknowledged() {
     let srv = ServerProcess::start(&["--memory", MEMORY, "--memcached-listen", "127.0.0.1:0"]);
-    let c =
-        Client::connect_with(&srv.rpc, ClientConfig { read_path: ReadPath::Rpc, ..Default::default() }).await.unwrap();
+    let c = Client::connect_with(&srv.rpc, ClientConfig::default().read_path(ReadPath::Rpc)).await.unwrap();
     let mut stored = Vec::new();
     let mut sdk_refused = None;
     for i in 0..STREAM {

@@ -39,28 +39,16 @@ fn one_sided_gets_racing_puts_are_linearizable() {
     // must be as invisible to readers as it is to the history.
     // And the index grows from one segment meanwhile: reads race splits.
     let srv = ServerProcess::start(&["--memory", "32MiB", "--compactor", "continuous", "--buckets", "32"]);
-    let rpc = |path| ClientConfig { read_path: path, pool_size: 1, ..Default::default() };
+    let rpc = |path| ClientConfig::default().read_path(path).pool_size(1);
     let setup = Client::connect_with(&srv.rpc, rpc(ReadPath::Rpc)).unwrap();
     // Threads 0-1 write over RPC; 2 reads over shm, 3 over the TCP engine,
     // 4 in auto (RPC or the engine, per GET).
     let clients: Vec<Arc<Client>> = vec![
         Arc::new(Client::connect_with(&srv.rpc, rpc(ReadPath::Rpc)).unwrap()),
         Arc::new(Client::connect_with(&srv.rpc, rpc(ReadPath::Rpc)).unwrap()),
-        Arc::new(
-            Client::connect_with(&srv.rpc, ClientConfig { transport: Some(Transport::Shm), ..rpc(ReadPath::OneSided) })
-                .unwrap(),
-        ),
-        Arc::new(
-            Client::connect_with(
-                &srv.rpc,
-                ClientConfig { transport: Some(Transport::Engine), ..rpc(ReadPath::OneSided) },
-            )
-            .unwrap(),
-        ),
-        Arc::new(
-            Client::connect_with(&srv.rpc, ClientConfig { transport: Some(Transport::Engine), ..rpc(ReadPath::Auto) })
-                .unwrap(),
-        ),
+        Arc::new(Client::connect_with(&srv.rpc, rpc(ReadPath::OneSided).transport(Some(Transport::Shm))).unwrap()),
+        Arc::new(Client::connect_with(&srv.rpc, rpc(ReadPath::OneSided).transport(Some(Transport::Engine))).unwrap()),
+        Arc::new(Client::connect_with(&srv.rpc, rpc(ReadPath::Auto).transport(Some(Transport::Engine))).unwrap()),
     ];
     let gets_before = setup.stats().unwrap()["gets"];
     let raced = || {

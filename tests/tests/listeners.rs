@@ -23,13 +23,11 @@ const FLOOD: usize = 50;
 const CAP: usize = 8;
 
 fn good_config() -> ClientConfig {
-    ClientConfig {
-        read_path: ReadPath::Rpc,
-        pool_size: 1,
-        request_timeout: SERVED_DEADLINE,
-        connect_timeout: SERVED_DEADLINE,
-        ..Default::default()
-    }
+    ClientConfig::default()
+        .read_path(ReadPath::Rpc)
+        .pool_size(1)
+        .request_timeout(SERVED_DEADLINE)
+        .connect_timeout(SERVED_DEADLINE)
 }
 
 /// A PUT and a GET by a well-behaved client; returns how long they took.

@@ -25,7 +25,7 @@ fn sample(all: &HashMap<String, f64>, series: &str) -> f64 {
 
 fn rpc_only() -> ClientConfig {
     // Every GET through the server, so that the server counts it.
-    ClientConfig { read_path: ReadPath::Rpc, pool_size: 1, ..Default::default() }
+    ClientConfig::default().read_path(ReadPath::Rpc).pool_size(1)
 }
 
 #[tokio::test]
@@ -142,8 +142,7 @@ async fn json_logs_parse_and_a_failed_authentication_names_peer_and_code() {
     let args = ["--memory", "16MiB", "--auth-file", auth.to_str().unwrap(), "--log-format", "json"];
     let file = std::fs::File::create(&log).unwrap();
     let srv = ServerProcess::start_logged(&[], "127.0.0.1:0", &args, Some(file)).unwrap();
-    let wrong =
-        ClientConfig { token: Some(Arc::new(Token::new("wrong-token-0123456789abcdef").unwrap())), ..rpc_only() };
+    let wrong = rpc_only().token(Some(Arc::new(Token::new("wrong-token-0123456789abcdef").unwrap())));
     assert!(Client::connect_with(&srv.rpc, wrong).await.is_err());
     let found = wait_until(Duration::from_secs(10), || {
         std::fs::read_to_string(&log).unwrap_or_default().contains("unauthenticated")

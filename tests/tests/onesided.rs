@@ -12,7 +12,7 @@ use dmkv_common::shm_handoff;
 use dmkv_tests::{ServerProcess, wait_until};
 
 fn cfg(path: ReadPath, transport: Option<Transport>) -> ClientConfig {
-    ClientConfig { read_path: path, transport, pool_size: 1, ..Default::default() }
+    ClientConfig::default().read_path(path).transport(transport).pool_size(1)
 }
 
 async fn server_gets(c: &Client) -> u64 {
@@ -406,7 +406,7 @@ async fn multi_get_batches_fit_the_grace_period() {
 async fn a_failed_fallback_rpc_leaves_the_one_sided_path_attached() {
     // With no grace period every attempt is too slow: each GET gives up.
     let srv = ServerProcess::start(&["--memory", "16MiB", "--grace-ms", "0"]);
-    let timeout = ClientConfig { request_timeout: Duration::from_millis(300), ..cfg(ReadPath::Auto, None) };
+    let timeout = cfg(ReadPath::Auto, None).request_timeout(Duration::from_millis(300));
     let c = Client::connect_with(&srv.rpc, timeout).await.unwrap();
     c.put("k", "v").await.unwrap();
     assert_eq!(c.get("k").await.unwrap().as_deref(), Some(&b"v"[..]));

@@ -23,7 +23,7 @@ fn device_or_skip(test: &str) -> bool {
 }
 
 fn rdma_cfg() -> ClientConfig {
-    ClientConfig { read_path: ReadPath::OneSided, transport: Some(Transport::Rdma), pool_size: 1, ..Default::default() }
+    ClientConfig::default().read_path(ReadPath::OneSided).transport(Some(Transport::Rdma)).pool_size(1)
 }
 
 #[tokio::test]
@@ -33,8 +33,7 @@ async fn gets_over_rdma_read_never_reach_kv_code() {
     }
     let srv = ServerProcess::start(&["--memory", "64MiB"]);
     assert!(srv.endpoint("rdma").is_some(), "dmkvd did not register its region for RDMA");
-    let rpc =
-        Client::connect_with(&srv.rpc, ClientConfig { read_path: ReadPath::Rpc, ..Default::default() }).await.unwrap();
+    let rpc = Client::connect_with(&srv.rpc, ClientConfig::default().read_path(ReadPath::Rpc)).await.unwrap();
     let value = |i: usize| format!("v{i}-").repeat(1 + (i * 37) % 400).into_bytes();
     for i in 0..300 {
         rpc.put(format!("k{i}"), value(i)).await.unwrap();
@@ -89,9 +88,7 @@ async fn wrong_rkey_and_out_of_bounds_fail_with_completion_errors() {
     }
     let srv = ServerProcess::start(&["--memory", "16MiB"]);
     let rpc =
-        Client::connect_with(&srv.rpc, ClientConfig { read_path: ReadPath::Rpc, pool_size: 1, ..Default::default() })
-            .await
-            .unwrap();
+        Client::connect_with(&srv.rpc, ClientConfig::default().read_path(ReadPath::Rpc).pool_size(1)).await.unwrap();
     rpc.put("k", "v").await.unwrap();
     let ctx = Context::open(None).unwrap();
     let mut buf = MemoryRegion::register_local(&ctx, 4096).unwrap();
@@ -129,9 +126,7 @@ async fn reregistration_revokes_the_rdma_rkey() {
     }
     let srv = ServerProcess::start(&["--memory", "16MiB"]);
     let rpc =
-        Client::connect_with(&srv.rpc, ClientConfig { read_path: ReadPath::Rpc, pool_size: 1, ..Default::default() })
-            .await
-            .unwrap();
+        Client::connect_with(&srv.rpc, ClientConfig::default().read_path(ReadPath::Rpc).pool_size(1)).await.unwrap();
     rpc.put("k", "v1").await.unwrap();
     let c = Client::connect_with(&srv.rpc, rdma_cfg()).await.unwrap();
     assert_eq!(c.get("k").await.unwrap().unwrap(), "v1".as_bytes());
@@ -225,12 +220,12 @@ async fn rdma_needs_authentication_and_follows_rotated_rkeys() {
     assert_eq!(err.code(), Some(dmkv_client::ErrorCode::Unauthenticated), "{err}");
     let rpc = Client::connect_with(
         &srv.rpc,
-        ClientConfig { read_path: ReadPath::Rpc, pool_size: 1, token: token.clone(), ..Default::default() },
+        ClientConfig::default().read_path(ReadPath::Rpc).pool_size(1).token(token.clone()),
     )
     .await
     .unwrap();
     rpc.put("k", "v").await.unwrap();
-    let c = Client::connect_with(&srv.rpc, ClientConfig { token, ..rdma_cfg() }).await.unwrap();
+    let c = Client::connect_with(&srv.rpc, rdma_cfg().token(token)).await.unwrap();
     let epoch = rpc.stats().await.unwrap()["region_epoch"];
     let gets = rpc.stats().await.unwrap()["gets"];
     // Across rotations (one a second) every GET is right and one-sided.

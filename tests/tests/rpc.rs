@@ -93,7 +93,7 @@ async fn many_concurrent_clients() {
     for t in 0..16 {
         let addr = srv.rpc.clone();
         tasks.push(tokio::spawn(async move {
-            let c = Client::connect_with(addr, ClientConfig { pool_size: 1, ..Default::default() }).await.unwrap();
+            let c = Client::connect_with(addr, ClientConfig::default().pool_size(1)).await.unwrap();
             for i in 0..200 {
                 let k = format!("c{t}-{i}");
                 c.put(&k, format!("{t}:{i}:{}", "x".repeat(i))).await.unwrap();
@@ -112,7 +112,7 @@ async fn many_concurrent_clients() {
 #[tokio::test]
 async fn pipelined_requests_on_one_connection() {
     let srv = ServerProcess::start(&["--memory", "64MiB"]);
-    let c = Client::connect_with(&srv.rpc, ClientConfig { pool_size: 1, ..Default::default() }).await.unwrap();
+    let c = Client::connect_with(&srv.rpc, ClientConfig::default().pool_size(1)).await.unwrap();
     let mut inflight = Vec::new();
     for i in 0..64u32 {
         let op = Op::Put(proto::Put { key: format!("p{i}").into(), value: i.to_string().into(), ..Default::default() });
@@ -212,7 +212,7 @@ async fn full_store_keeps_every_acknowledged_value() {
 #[tokio::test]
 async fn bad_input_closes_only_that_connection() {
     let srv = ServerProcess::start(&["--memory", "16MiB"]);
-    let good = Client::connect_with(&srv.rpc, ClientConfig { pool_size: 1, ..Default::default() }).await.unwrap();
+    let good = Client::connect_with(&srv.rpc, ClientConfig::default().pool_size(1)).await.unwrap();
     good.put("before", "1").await.unwrap();
 
     // Garbage: a length prefix followed by bytes that are not a message.
@@ -278,7 +278,7 @@ async fn graceful_shutdown_answers_in_flight_requests() {
 /// Sends 200 pipelined PUTs, stops the server, and counts the answers.
 async fn shutdown_round() -> usize {
     let mut srv = ServerProcess::start(&["--memory", "16MiB"]);
-    let c = Client::connect_with(&srv.rpc, ClientConfig { pool_size: 1, ..Default::default() }).await.unwrap();
+    let c = Client::connect_with(&srv.rpc, ClientConfig::default().pool_size(1)).await.unwrap();
     let mut inflight = Vec::new();
     for i in 0..200u32 {
         inflight.push(
@@ -382,7 +382,7 @@ async fn random_garbage_never_breaks_the_server() {
 #[tokio::test]
 async fn pipelined_gets_of_large_values_are_all_answered() {
     let srv = ServerProcess::start(&["--memory", "32MiB"]);
-    let c = Client::connect_with(&srv.rpc, ClientConfig { pool_size: 1, ..Default::default() }).await.unwrap();
+    let c = Client::connect_with(&srv.rpc, ClientConfig::default().pool_size(1)).await.unwrap();
     c.put("big", vec![3u8; MAX_VALUE_LEN]).await.unwrap();
     let mut inflight = Vec::new();
     for _ in 0..200 {
@@ -468,13 +468,11 @@ async fn concurrent_requests_share_one_connect_and_keep_their_deadline() {
     use std::sync::atomic::Ordering;
     let (addr, accepted) = stalling_server().await;
     let timeout = Duration::from_millis(400);
-    let cfg = ClientConfig {
-        pool_size: 1,
-        read_path: dmkv_client::ReadPath::Rpc,
-        request_timeout: timeout,
-        connect_timeout: timeout,
-        ..Default::default()
-    };
+    let cfg = ClientConfig::default()
+        .pool_size(1)
+        .read_path(dmkv_client::ReadPath::Rpc)
+        .request_timeout(timeout)
+        .connect_timeout(timeout);
     let c = Client::connect_with(&addr, cfg).await.unwrap();
     // Let the client's reader see the hang-up.
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -509,9 +507,7 @@ async fn concurrent_requests_share_one_connect_and_keep_their_deadline() {
 async fn the_frame_limit_is_learned_from_the_server() {
     let srv = ServerProcess::start(&["--memory", "64MiB", "--max-frame", "8MiB"]);
     let c =
-        Client::connect_with(&srv.rpc, ClientConfig { read_path: dmkv_client::ReadPath::Rpc, ..Default::default() })
-            .await
-            .unwrap();
+        Client::connect_with(&srv.rpc, ClientConfig::default().read_path(dmkv_client::ReadPath::Rpc)).await.unwrap();
     let keys: Vec<String> = (0..4).map(|i| format!("big-{i}")).collect();
     let value = |i: usize| vec![b'a' + i as u8; MAX_VALUE_LEN];
     for (i, k) in keys.iter().enumerate() {

@@ -22,7 +22,7 @@ fn token(s: &str) -> Option<Arc<Token>> {
 }
 
 fn cfg(tok: Option<&str>) -> ClientConfig {
-    ClientConfig { read_path: ReadPath::Rpc, pool_size: 1, token: tok.and_then(token), ..Default::default() }
+    ClientConfig::default().read_path(ReadPath::Rpc).pool_size(1).token(tok.and_then(token))
 }
 
 fn authed_server(dir: &TempDir, extra: &[&str]) -> ServerProcess {
@@ -141,7 +141,7 @@ async fn only_authenticated_clients_with_the_right_role_get_in() {
     assert_eq!(code_of(&r), Some(ErrorCode::PermissionDenied));
 
     // One-sided reads over the engine need the token too.
-    let os = ClientConfig { read_path: ReadPath::OneSided, transport: Some(Transport::Engine), ..cfg(Some(DATA)) };
+    let os = cfg(Some(DATA)).read_path(ReadPath::OneSided).transport(Some(Transport::Engine));
     let reader = Client::connect_with(&srv.rpc, os).await.unwrap();
     let gets = admin.stats().await.unwrap()["gets"];
     assert_eq!(reader.get("k").await.unwrap().unwrap(), "v".as_bytes());
@@ -235,32 +235,26 @@ async fn tls_carries_rpc_and_engine_reads() {
     let dir = TempDir::new("tls");
     let p = pki(&dir);
     let srv = authed_server(&dir, &["--tls-cert", &p.server_cert, "--tls-key", &p.server_key]);
-    let c = Client::connect_with(&srv.rpc, ClientConfig { tls: tls(&p.ca), ..cfg(Some(DATA)) }).await.unwrap();
+    let c = Client::connect_with(&srv.rpc, cfg(Some(DATA)).tls(tls(&p.ca))).await.unwrap();
     c.put("k", vec![7u8; 100_000]).await.unwrap();
     assert_eq!(c.get("k").await.unwrap().unwrap().len(), 100_000);
     assert!(c.region_info_full().await.unwrap().engine_tls);
 
-    let os = ClientConfig {
-        read_path: ReadPath::OneSided,
-        transport: Some(Transport::Engine),
-        tls: tls(&p.ca),
-        ..cfg(Some(DATA))
-    };
+    let os = cfg(Some(DATA)).read_path(ReadPath::OneSided).transport(Some(Transport::Engine)).tls(tls(&p.ca));
     let reader = Client::connect_with(&srv.rpc, os).await.unwrap();
     let gets = c.stats().await.unwrap()["gets"];
     assert_eq!(reader.get("k").await.unwrap().unwrap(), vec![7u8; 100_000]);
     assert_eq!(c.stats().await.unwrap()["gets"], gets, "the GET went one-sided over the TLS engine");
 
     // Plaintext clients, and clients that do not trust the server's CA, fail.
-    let err =
-        Client::connect_with(&srv.rpc, ClientConfig { connect_timeout: Duration::from_secs(2), ..cfg(Some(DATA)) })
-            .await
-            .err()
-            .expect("plaintext against TLS");
+    let err = Client::connect_with(&srv.rpc, cfg(Some(DATA)).connect_timeout(Duration::from_secs(2)))
+        .await
+        .err()
+        .expect("plaintext against TLS");
     // The server's TLS alert tells a TLS mismatch from a peer that is no
     // dmkv server.
     assert!(matches!(err, ClientError::Connect { .. }) && err.to_string().contains("the server speaks TLS"), "{err}");
-    let err = Client::connect_with(&srv.rpc, ClientConfig { tls: tls(&p.other_ca), ..cfg(Some(DATA)) })
+    let err = Client::connect_with(&srv.rpc, cfg(Some(DATA)).tls(tls(&p.other_ca)))
         .await
         .err()
         .expect("untrusted server certificate");
@@ -278,7 +272,7 @@ async fn client_certificates_are_required_when_configured() {
     let p = pki(&dir);
     let srv =
         authed_server(&dir, &["--tls-cert", &p.server_cert, "--tls-key", &p.server_key, "--tls-client-ca", &p.ca]);
-    let anon = ClientConfig { tls: tls(&p.ca), ..cfg(Some(DATA)) };
+    let anon = cfg(Some(DATA)).tls(tls(&p.ca));
     let ok = match Client::connect_with(&srv.rpc, anon).await {
         // TLS 1.3 reports a refused client certificate after the handshake,
         // at the first request.
@@ -292,7 +286,7 @@ async fn client_certificates_are_required_when_configured() {
         client_key: Some(p.client_key.clone().into()),
         ..Default::default()
     });
-    let c = Client::connect_with(&srv.rpc, ClientConfig { tls, ..cfg(Some(DATA)) }).await.unwrap();
+    let c = Client::connect_with(&srv.rpc, cfg(Some(DATA)).tls(tls)).await.unwrap();
     c.put("k", "v").await.unwrap();
     assert_eq!(c.get("k").await.unwrap().unwrap(), "v".as_bytes());
 }
@@ -320,7 +314,7 @@ async fn rotated_rkeys_retire_the_old_ones_and_clients_follow() {
     assert_eq!(onesided::decode_reply(&body).unwrap().results[0].0, ReadStatus::BadRkey, "old rkey still works");
     // Clients re-attach with the current rkey and keep reading right.
     for t in [Transport::Engine, Transport::Shm] {
-        let os = ClientConfig { read_path: ReadPath::OneSided, transport: Some(t), ..cfg(None) };
+        let os = cfg(None).read_path(ReadPath::OneSided).transport(Some(t));
         let r = Client::connect_with(&srv.rpc, os).await.unwrap();
         for _ in 0..30 {
             assert_eq!(r.get("k").await.unwrap().unwrap(), "v".as_bytes(), "{t:?}");
@@ -363,12 +357,7 @@ fn a_cluster_with_tls_serves_every_shard() {
     );
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     rt.block_on(async {
-        let cfg = |path| ClientConfig {
-            tls: tls(&p.ca),
-            read_path: path,
-            transport: Some(Transport::Engine),
-            ..Default::default()
-        };
+        let cfg = |path| ClientConfig::default().tls(tls(&p.ca)).read_path(path).transport(Some(Transport::Engine));
         let deadline = std::time::Instant::now() + Duration::from_secs(20);
         let client = loop {
             if let Ok(client) = Client::connect_with(c.rpc(0), cfg(ReadPath::Rpc)).await

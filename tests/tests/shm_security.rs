@@ -22,7 +22,7 @@ use tokio::sync::oneshot;
 const EPERM: i32 = 1;
 
 fn cfg(path: ReadPath, transport: Option<Transport>, token: Option<&Token>) -> ClientConfig {
-    ClientConfig { read_path: path, transport, pool_size: 1, token: token.cloned().map(Arc::new), ..Default::default() }
+    ClientConfig::default().read_path(path).transport(transport).pool_size(1).token(token.cloned().map(Arc::new))
 }
 
 /// An in-process server with its own handoff socket; stops when dropped.

@@ -143,18 +143,10 @@ fn stress_reader_child() {
     let seed: u64 = std::env::var("DMKV_STRESS_SEED").unwrap().parse().unwrap();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let res = rt.block_on(async move {
-        let cfg = ClientConfig {
-            read_path,
-            transport: Some(transport),
-            pool_size: 1,
-            enforce_grace: enforce,
-            // Tearing mode: no cached addresses, so every GET reads the bucket,
-            // then the item a round trip later, leaving a window for reuse (a
+        let cfg = ClientConfig::default().read_path(read_path).transport(Some(transport)).pool_size(1).testing_grace(enforce).// Tearing mode: no cached addresses(// Tearing mode: no cached addresses).so every GET reads the bucket(so every GET reads the bucket).// then the item a round trip later(// then the item a round trip later).leaving a window for reuse (a
             // cached address is read in the same batch as its bucket, which
             // an NIC serves back to back).
-            hint_cache_entries: if enforce { ClientConfig::default().hint_cache_entries } else { 0 },
-            ..Default::default()
-        };
+            hint_cache_entries(if enforce { ClientConfig::default().hint_cache_entries } else { 0 });
         let c = Client::connect_with(rpc, cfg).await.unwrap();
         let mut rng = SmallRng::seed_from_u64(seed);
         let mut res = ReaderResult::default();
@@ -236,7 +228,7 @@ impl Writers {
         let thread = std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
             rt.block_on(async move {
-                let cfg = ClientConfig { read_path: ReadPath::Rpc, pool_size: WRITERS, ..Default::default() };
+                let cfg = ClientConfig::default().read_path(ReadPath::Rpc).pool_size(WRITERS);
                 let c = Client::connect_with(rpc, cfg).await.unwrap();
                 let mut tasks = Vec::new();
                 for wi in 0..WRITERS {
@@ -357,9 +349,7 @@ fn racing_writers_and_reader_processes() {
         {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
             rt.block_on(async {
-                let c = Client::connect_with(&srv.rpc, ClientConfig { read_path: ReadPath::Rpc, ..Default::default() })
-                    .await
-                    .unwrap();
+                let c = Client::connect_with(&srv.rpc, ClientConfig::default().read_path(ReadPath::Rpc)).await.unwrap();
                 for i in 0..keys {
                     c.put(key(i), make_value(&key(i), 1, 100)).await.unwrap();
                 }

@@ -11,7 +11,7 @@ use dmkv_tests::{ServerProcess, bin_path};
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn top_shows_each_interval_with_a_put_rate() {
     let srv = ServerProcess::start(&["--memory", "64MiB"]);
-    let cfg = ClientConfig { read_path: ReadPath::Rpc, pool_size: 1, ..Default::default() };
+    let cfg = ClientConfig::default().read_path(ReadPath::Rpc).pool_size(1);
     let client = Client::connect_with(&srv.rpc, cfg).await.unwrap();
     let stop = Arc::new(AtomicBool::new(false));
     let traffic = tokio::spawn({

@@ -98,11 +98,10 @@ fn range(ttl: u32, t0: u64, t1: u64) -> Option<(u32, u32)> {
 
 async fn scenario(srv: &ServerProcess, transport: Transport) {
     let tag = transport.name();
-    let cfg = |read_path| ClientConfig { read_path, transport: Some(transport), pool_size: 1, ..Default::default() };
+    let cfg = |read_path| ClientConfig::default().read_path(read_path).transport(Some(transport)).pool_size(1);
     let one = Client::connect_with(&srv.rpc, cfg(ReadPath::OneSided)).await.unwrap();
     assert_eq!(one.one_sided_transport(), Some(transport));
-    let rpc =
-        Client::connect_with(&srv.rpc, ClientConfig { read_path: ReadPath::Rpc, ..Default::default() }).await.unwrap();
+    let rpc = Client::connect_with(&srv.rpc, ClientConfig::default().read_path(ReadPath::Rpc)).await.unwrap();
 
     let mut keys: HashMap<String, Key> = HashMap::new();
     let add = |keys: &mut HashMap<String, Key>, name: String, value: Vec<u8>, range| {

@@ -194,7 +194,7 @@ async fn run(a: Args, run_for: Duration) -> Result<(), String> {
         t if a.path == "auto" => (ReadPath::Auto, Some(t.parse::<Transport>()?)),
         t => (ReadPath::OneSided, Some(t.parse::<Transport>()?)),
     };
-    let cfg = ClientConfig { read_path: path, transport, pool_size: 1, ..Default::default() };
+    let cfg = ClientConfig::default().read_path(path).transport(transport).pool_size(1);
     let c = Client::connect_with(a.server.clone(), cfg)
         .await
         .map_err(|e| format!("cannot connect to {} (--transport {}): {e}", a.server, a.transport))?;

@@ -139,7 +139,7 @@ struct Outcome {
 
 fn run(args: &Args, level: u64, first: Sizes, then: Sizes) -> Result<Outcome, String> {
     let srv = start(args)?;
-    let c = Client::connect_with(&srv.addr, ClientConfig { read_path: ReadPath::Rpc, ..Default::default() })
+    let c = Client::connect_with(&srv.addr, ClientConfig::default().read_path(ReadPath::Rpc))
         .map_err(|e| format!("cannot connect to dmkvd at {}: {e}", srv.addr))?;
     let stats = c.stats().map_err(|e| format!("STATS: {e}"))?;
     let data_units = stats.get("data_bytes").copied().ok_or("STATS has no data_bytes")? / UNIT as u64;
