@@ -1,13 +1,12 @@
 //! Measures PUT and GET throughput with a fixed number of requests in
-//! flight on one connection.
+//! flight on one connection, with the SDK's typed pipelining.
 //!
 //! `cargo run --release -p dmkv-client --example pipeline -- ADDR [OPS] [DEPTH] [VALUE_BYTES]`
 
 use std::collections::VecDeque;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use dmkv_client::{Client, ClientConfig};
-use dmkv_common::proto::{self, request::Op};
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
@@ -17,29 +16,37 @@ async fn main() {
     let depth: usize = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(16);
     let size: usize = args.get(4).and_then(|s| s.parse().ok()).unwrap_or(100);
     let c = Client::connect_with(addr, ClientConfig::default().pool_size(1)).await.expect("connect");
-    let value = bytes::Bytes::from(vec![b'x'; size]);
-    let keys: Vec<bytes::Bytes> = (0..10_000).map(|i| format!("key{i:08}").into()).collect();
-    for (name, make) in [
-        (
-            "PUT",
-            Box::new(|k: bytes::Bytes| Op::Put(proto::Put { key: k, value: value.clone(), ..Default::default() }))
-                as Box<dyn Fn(bytes::Bytes) -> Op>,
-        ),
-        ("GET", Box::new(|k: bytes::Bytes| Op::Get(proto::Get { key: k }))),
-    ] {
-        let start = Instant::now();
-        let mut window = VecDeque::with_capacity(depth);
-        for i in 0..ops {
-            if window.len() == depth {
-                let f: dmkv_client::conn::InFlight = window.pop_front().unwrap();
-                f.wait(Duration::from_secs(10)).await.expect("reply");
-            }
-            window.push_back(c.send(make(keys[i % keys.len()].clone())).await.expect("send"));
+    let value = vec![b'x'; size];
+    let keys: Vec<String> = (0..10_000).map(|i| format!("key{i:08}")).collect();
+    let start = Instant::now();
+    let mut window = VecDeque::with_capacity(depth);
+    for i in 0..ops {
+        if window.len() == depth {
+            let p: dmkv_client::pipeline::Pending<u64> = window.pop_front().unwrap();
+            p.wait().await.expect("reply");
         }
-        for f in window {
-            f.wait(Duration::from_secs(10)).await.expect("reply");
-        }
-        let secs = start.elapsed().as_secs_f64();
-        println!("{name}: {ops} ops, {depth} in flight, {size} B values: {:.0} ops/s", ops as f64 / secs);
+        window.push_back(c.send_put(&keys[i % keys.len()], &value).await.expect("send"));
     }
+    for p in window {
+        p.wait().await.expect("reply");
+    }
+    report("PUT", ops, depth, size, start);
+    let start = Instant::now();
+    let mut window = VecDeque::with_capacity(depth);
+    for i in 0..ops {
+        if window.len() == depth {
+            let p: dmkv_client::pipeline::Pending<_> = window.pop_front().unwrap();
+            p.wait().await.expect("reply");
+        }
+        window.push_back(c.send_get(&keys[i % keys.len()]).await.expect("send"));
+    }
+    for p in window {
+        p.wait().await.expect("reply");
+    }
+    report("GET", ops, depth, size, start);
+}
+
+fn report(name: &str, ops: usize, depth: usize, size: usize, start: Instant) {
+    let secs = start.elapsed().as_secs_f64();
+    println!("{name}: {ops} ops, {depth} in flight, {size} B values: {:.0} ops/s", ops as f64 / secs);
 }

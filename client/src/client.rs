@@ -227,9 +227,12 @@ impl Client {
         }
     }
 
-    /// Sends a request on the next pooled connection of the node this
-    /// client connected to, without waiting for its reply: the building
-    /// block of pipelining (no routing: give a single node).
+    /// Sends a raw request on the next pooled connection of the node this
+    /// client connected to, without waiting for its reply (no routing).
+    /// Applications pipeline with the typed [`Client::send_get`],
+    /// [`Client::send_put`] and [`Client::send_delete`]; this is for tests
+    /// and benchmarks that speak the protocol itself.
+    #[doc(hidden)]
     pub async fn send(&self, op: Op) -> Result<InFlight, ClientError> {
         self.inner.node.send(op).await
     }

@@ -28,6 +28,7 @@ pub mod metrics;
 pub mod onesided;
 pub mod ops;
 pub mod path;
+pub mod pipeline;
 pub mod pool;
 pub mod read_path;
 pub mod router;

@@ -38,6 +38,11 @@ fn a_three_node_cluster_serves_every_shard() {
             shards.insert(map.shard_of(k.as_bytes()).id);
         }
         assert_eq!(shards.len(), 6, "the keys span every shard");
+        // Typed pipelining goes to one node: a cluster refuses it and
+        // nothing is sent (its writes need the router's retries).
+        let refused = client.send_put("pipelined", "v").await.err();
+        assert!(matches!(refused, Some(dmkv_client::ClientError::Config(_))), "{:?}", refused.map(|e| e.to_string()));
+        assert_eq!(client.get("pipelined").await.expect("get"), None);
         for k in &keys {
             assert_eq!(client.get(k).await.expect("get").as_deref(), Some(format!("value of {k}").as_bytes()));
         }

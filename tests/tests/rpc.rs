@@ -556,3 +556,43 @@ fn a_blocking_client_used_and_dropped_inside_a_runtime_does_not_panic() {
     let c = dmkv_client::blocking::Client::connect(&srv.rpc).unwrap();
     assert_eq!(c.get("b").unwrap().as_deref(), Some(&b"1"[..]), "the refused PUT was not sent");
 }
+
+/// Typed pipelining: many requests in flight on one node, each reply
+/// parsed into what the matching call returns; a cluster refuses it (its
+/// writes need the router's retries).
+#[tokio::test]
+async fn typed_pipelining_returns_what_the_calls_would() {
+    let srv = ServerProcess::start(&["--memory", "16MiB"]);
+    let c = Client::connect_with(&srv.rpc, ClientConfig::default().pool_size(1)).await.unwrap();
+    let mut puts = Vec::new();
+    for i in 0..64 {
+        puts.push(c.send_put(format!("tp{i}"), format!("v{i}")).await.unwrap());
+    }
+    let mut versions = Vec::new();
+    for p in puts {
+        versions.push(p.wait().await.unwrap());
+    }
+    assert!(versions.windows(2).all(|w| w[0] < w[1]), "versions not increasing in send order: {versions:?}");
+    let gets: Vec<_> = futures_join(&c, 64).await;
+    for (i, v) in gets.into_iter().enumerate() {
+        let v = v.expect("found");
+        assert_eq!(v.value, format!("v{i}").as_bytes());
+        assert_eq!(v.version, versions[i]);
+    }
+    assert_eq!(c.send_get("missing").await.unwrap().wait().await.unwrap(), None);
+    assert!(c.send_delete("tp0").await.unwrap().wait().await.unwrap());
+    assert!(!c.send_delete("tp0").await.unwrap().wait().await.unwrap());
+    assert!(matches!(c.send_get("").await, Err(ClientError::Invalid(_))), "an empty key was sent");
+}
+
+async fn futures_join(c: &Client, n: usize) -> Vec<Option<dmkv_client::Versioned>> {
+    let mut sent = Vec::new();
+    for i in 0..n {
+        sent.push(c.send_get(format!("tp{i}")).await.unwrap());
+    }
+    let mut out = Vec::new();
+    for p in sent {
+        out.push(p.wait().await.unwrap());
+    }
+    out
+}
