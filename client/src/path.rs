@@ -18,7 +18,7 @@ use tokio::sync::Notify;
 pub const MAX_ADMISSION_WAITS: u32 = 1024;
 
 /// A stable hash of a key, to remember its one-sided round trips.
-pub fn key_hash(key: &[u8]) -> u64 {
+pub fn selector_hash(key: &[u8]) -> u64 {
     xxhash_rust::xxh3::xxh3_64(key)
 }
 
@@ -141,7 +141,7 @@ impl PathSelector {
     /// window) alive for operators.
     pub fn admit_sampled(self: &Arc<Self>, path: Path, key: &[u8]) -> Option<Admission> {
         if self.sampled.fetch_add(1, Ordering::Relaxed).is_multiple_of(FIXED_SAMPLE) {
-            return Some(self.admit_fixed(path, key_hash(key)));
+            return Some(self.admit_fixed(path, selector_hash(key)));
         }
         self.fixed[path.idx()].fetch_add(1, Ordering::Relaxed);
         None

@@ -220,7 +220,7 @@ pub struct Router {
 
 /// Whether a request may be sent again after it may have reached a node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Retry {
+pub enum RetryPolicy {
     /// Reads: any failure may be retried.
     Always,
     /// Writes with an id: any failure may be retried (the shard applies
@@ -376,7 +376,7 @@ impl Router {
     /// Runs `op` against the node that should serve `key`, following
     /// NOT_LEADER answers and failed nodes until the request's deadline
     /// (for an identified write, see [`Resend`]).
-    pub async fn run<T, F, Fut>(&self, key: &[u8], retry: Retry, op: F) -> Result<T, ClientError>
+    pub async fn run<T, F, Fut>(&self, key: &[u8], retry: RetryPolicy, op: F) -> Result<T, ClientError>
     where
         F: Fn(Session) -> Fut,
         Fut: Future<Output = Result<T, ClientError>>,
@@ -384,7 +384,7 @@ impl Router {
         let mut attempts = Attempts::new(Instant::now(), self.deadline);
         let mut last: Option<ClientError> = None;
         let mut resend = match retry {
-            Retry::Identified(window) => Some(Resend::new(window)),
+            RetryPolicy::Identified(window) => Some(Resend::new(window)),
             _ => None,
         };
         let report = |resend: &Option<Resend>, e| match resend {
@@ -471,7 +471,7 @@ impl Router {
 
     async fn get_via(&self, key: &[u8], one_sided: bool) -> Result<Option<Versioned>, ClientError> {
         let shard = self.routes().map().shard_of(key).id;
-        self.run(key, Retry::Always, |s| async move { s.shard_get(shard, key, one_sided).await }).await
+        self.run(key, RetryPolicy::Always, |s| async move { s.shard_get(shard, key, one_sided).await }).await
     }
 
     /// The id of a new write: the same on every try of it, so the shard
@@ -488,14 +488,14 @@ impl Router {
     /// reply or a leader change (it applies once) within its window.
     pub async fn put(&self, key: &[u8], value: &[u8]) -> Result<u64, ClientError> {
         let id = self.write_id();
-        let retry = Retry::Identified(self.write_window);
+        let retry = RetryPolicy::Identified(self.write_window);
         self.run(key, retry, |s| async move { s.put_with(key, value, Some(id)).await }).await
     }
 
     /// Deletes `key` through its shard's leader (applied once, as `put`).
     pub async fn delete(&self, key: &[u8]) -> Result<bool, ClientError> {
         let id = self.write_id();
-        let retry = Retry::Identified(self.write_window);
+        let retry = RetryPolicy::Identified(self.write_window);
         self.run(key, retry, |s| async move { s.delete_with(key, Some(id)).await }).await
     }
 
@@ -520,7 +520,7 @@ impl Router {
             let ks: Vec<&[u8]> = idx.iter().map(|&i| keys[i].as_ref()).collect();
             let ks = &ks;
             let values = self
-                .run(first, Retry::Always, |s| async move { s.shard_multi_get(shard, ks, one_sided).await })
+                .run(first, RetryPolicy::Always, |s| async move { s.shard_multi_get(shard, ks, one_sided).await })
                 .await?;
             Ok::<_, ClientError>((idx, values))
         });

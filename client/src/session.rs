@@ -22,7 +22,7 @@ use crate::error::{ClientError, unexpected, unwrap};
 use crate::onesided::{
     self, AttachOptions, BackendError, ItemMeta, LocalGet, OneSided, OneSidedGet, ReadCounters, ReadStats,
 };
-use crate::path::{Admission, ConnHealth, PathSelector, key_hash};
+use crate::path::{Admission, ConnHealth, PathSelector, selector_hash};
 use crate::pool::RpcPool;
 use crate::read_path::{ReadPath, Transport};
 use crate::value::Versioned;
@@ -436,7 +436,7 @@ impl Session {
             let adm = self.inner.selector.admit_sampled(Path::OneSided, key);
             return self.one_sided_or_rpc(region, path, key, adm).await;
         }
-        let h = key_hash(key);
+        let h = selector_hash(key);
         let deadline = tokio::time::Instant::now() + self.inner.cfg.request_timeout;
         let rounds = attached.as_ref().map(|p| if p.has_hint(key) { 1.0 } else { 2.0 });
         let Some((adm, probes)) = self.inner.selector.admit(h, rounds, deadline).await else {

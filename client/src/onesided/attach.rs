@@ -10,8 +10,8 @@ use dmkv_common::layout::{LAYOUT_VERSION, RegionHeader};
 use dmkv_common::proto::{RegionDescriptor, RegionInfoReply};
 use dmkv_common::read::MAX_BATCH_KEYS;
 
-use super::access::AccessLog;
-use super::clock::{self, mono_ns};
+use super::access_log::AccessLog;
+use super::attempt_clock::{AttemptClock, mono_ns};
 use super::directory::DirCache;
 use super::hints::HintCache;
 use crate::pool::RpcPool;
@@ -152,7 +152,7 @@ pub async fn attach(
                         Some(c)
                     }
                 };
-                let clock = clock::AttemptClock::new(header.grace_nanos);
+                let clock = AttemptClock::new(header.grace_nanos);
                 return Ok(OneSided {
                     header,
                     dir: DirCache::new(header.dir_depth),

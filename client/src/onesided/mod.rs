@@ -5,15 +5,15 @@
 //! backend: [`shm`] (the region mapped in this process) or [`engine`] (the
 //! server's software one-sided engine over TCP).
 
-pub mod access;
+pub mod access_log;
 mod attach;
+mod attempt_clock;
 mod backend;
-mod clock;
 mod counters;
 mod directory;
 pub mod engine;
 mod hints;
-mod local;
+mod local_get;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 mod region;
@@ -23,8 +23,8 @@ pub mod shm;
 pub use crate::config::DEFAULT_HINT_ENTRIES;
 pub(crate) use attach::clock_sample;
 pub use attach::{AttachOptions, attach, offered};
+pub use attempt_clock::mono_ns;
 pub use backend::{BackendError, Reads};
-pub use clock::mono_ns;
 pub use counters::{ReadCounters, ReadStats};
 pub use region::{OneSided, OneSidedGet, Trace};
 pub use scratch::{ItemMeta, LocalGet, Scratch, with_scratch};

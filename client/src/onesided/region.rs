@@ -13,8 +13,8 @@ use dmkv_common::read::{
     judge_dir_entry, next_batch_keys,
 };
 
-use super::access::AccessLog;
-use super::clock::{self};
+use super::access_log::AccessLog;
+use super::attempt_clock::AttemptClock;
 use super::directory::DirCache;
 use super::hints::{HintCache, HintId};
 use super::scratch::{self, ItemMeta, LocalGet};
@@ -71,7 +71,7 @@ pub struct OneSided {
     pub(super) transport: Transport,
     pub(super) hints: Mutex<HintCache>,
     pub(super) counters: std::sync::Arc<ReadCounters>,
-    pub(super) clock: clock::AttemptClock,
+    pub(super) clock: AttemptClock,
     pub(super) enforce_grace: bool,
     /// Keys per batch of a multi-get, sized to this path's measured speed.
     pub(super) batch_keys: AtomicUsize,
