@@ -30,6 +30,9 @@ pub const DEFAULT_GRACE: Duration = Duration::from_millis(100);
 pub const DEFAULT_BYTES_PER_BUCKET: u64 = 4096;
 /// Most client connections served at once; more wait in the accept queue.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
+/// Connections the memcached port serves at once by default (as the RPC
+/// port); more wait in the kernel's accept queue.
+pub const MAX_MEMCACHED_CONNECTIONS: usize = DEFAULT_MAX_CONNECTIONS;
 /// Environment variable holding a `data` secret (besides `--auth-file`).
 pub const DATA_TOKEN_ENV: &str = "DMKVD_DATA_TOKEN";
 /// Environment variable holding an `admin` secret.
@@ -181,7 +184,7 @@ pub struct Flags {
     /// When a cluster node forces its raft log to disk: always (every
     /// batch, before acknowledging), batch (every 10 ms) or none.
     #[arg(long, value_name = "POLICY")]
-    pub sync: Option<crate::cluster::log::SyncPolicy>,
+    pub sync: Option<crate::cluster::sync_policy::SyncPolicy>,
     /// Entries a shard's raft log holds before it is cut down to a tenth
     /// (the shard's items saved as a snapshot first, with --data-dir).
     #[arg(long, value_name = "N")]
@@ -237,7 +240,7 @@ pub struct FileConfig {
     pub cluster: Option<PathBuf>,
     pub node_id: Option<u64>,
     pub data_dir: Option<PathBuf>,
-    pub sync: Option<crate::cluster::log::SyncPolicy>,
+    pub sync: Option<crate::cluster::sync_policy::SyncPolicy>,
     pub raft_log_entries: Option<u64>,
     pub rkey_rotate_secs: Option<u64>,
     pub tls_cert: Option<PathBuf>,
@@ -644,7 +647,7 @@ impl Config {
             log_format: flags.log_format.or(file.log_format).unwrap_or_default(),
             metrics_listen: flags.metrics_listen.or(file.metrics_listen),
             memcached_listen,
-            max_memcached_connections: crate::memcache::MAX_MEMCACHED_CONNECTIONS,
+            max_memcached_connections: MAX_MEMCACHED_CONNECTIONS,
             auth,
             insecure,
             rkey_rotate,
@@ -952,7 +955,7 @@ mod tests {
 
     #[test]
     fn sync_policies_need_a_cluster_data_dir() {
-        use crate::cluster::log::SyncPolicy;
+        use crate::cluster::sync_policy::SyncPolicy;
         let dir = std::env::temp_dir().join(format!("dmkv-sync-test-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let file = dir.join("cluster.toml");

@@ -79,7 +79,7 @@ pub struct Engine {
     pub gate: Arc<Gate>,
     pub tls: Option<TlsAcceptor>,
     /// Counts the engine's connections and bytes.
-    pub stats: Arc<crate::metrics::ListenerStats>,
+    pub stats: Arc<crate::counters::ListenerStats>,
 }
 
 /// Accepts engine connections until shutdown.
@@ -102,7 +102,7 @@ struct Conn {
     gate: Arc<Gate>,
     tls: Option<TlsAcceptor>,
     limits: framed::Limits,
-    stats: Arc<crate::metrics::ListenerStats>,
+    stats: Arc<crate::counters::ListenerStats>,
 }
 
 /// Runs TLS (if on) and the handshake, then serves reads until the peer

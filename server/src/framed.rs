@@ -104,7 +104,7 @@ pub fn display_peer(peer: Option<std::net::SocketAddr>) -> String {
 pub async fn serve_connection<H: Handler>(
     mut stream: impl AsyncRead + AsyncWrite + Unpin + Send,
     peer: Option<std::net::SocketAddr>,
-    stats: std::sync::Arc<crate::metrics::ListenerStats>,
+    stats: std::sync::Arc<crate::counters::ListenerStats>,
     mut handler: H,
     limits: Limits,
     mut shutdown: watch::Receiver<bool>,
@@ -242,7 +242,7 @@ async fn write_out<W: AsyncWrite + Unpin>(
     wr: &mut W,
     out: &mut BytesMut,
     limits: Limits,
-    stats: &crate::metrics::ListenerStats,
+    stats: &crate::counters::ListenerStats,
 ) -> std::io::Result<()> {
     let write = async {
         wr.write_all(out).await?;
@@ -381,7 +381,7 @@ mod tests {
         let (_stop, shutdown) = watch::channel(false);
         let server = tokio::spawn(async move {
             let (s, _) = l.accept().await.unwrap();
-            let stats = crate::metrics::ListenerStats::new("test");
+            let stats = crate::counters::ListenerStats::new("test");
             serve_connection(s, None, stats, Slow { delay: Duration::from_millis(1500) }, limits, shutdown).await;
         });
         let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();

@@ -332,7 +332,7 @@ impl Server {
         if let Some(l) = self.memcached {
             let (rx, srx) = (stop_rx.clone(), stop_rx.clone());
             let svc = Arc::new(memcache::Service::new(
-                kv::Kv::new(Arc::clone(&self.shared)),
+                Arc::clone(&self.shared),
                 self.threads,
                 self.max_memcached_connections,
             ));

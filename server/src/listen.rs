@@ -68,7 +68,7 @@ impl Listener for UnixListener {
 /// abort; the listener is closed by then.
 pub async fn serve<L, F, Fut>(
     listener: L,
-    stats: Arc<crate::metrics::ListenerStats>,
+    stats: Arc<crate::counters::ListenerStats>,
     max_connections: usize,
     mut shutdown: watch::Receiver<bool>,
     mut handle: F,

@@ -60,7 +60,15 @@ pub struct Shared {
     /// holds the data; in a cluster the shards' stores do).
     pub cluster: Option<Arc<ClusterNode>>,
     /// Request counts and latencies, per-listener bytes and connections.
-    pub metrics: Arc<crate::metrics::Metrics>,
+    pub metrics: Arc<crate::counters::Metrics>,
+}
+
+impl Shared {
+    /// The store's semantics (expiry, conditional writes, waiting for
+    /// room) over this server's store and compactor.
+    pub fn kv(&self) -> crate::kv::Kv<'_> {
+        crate::kv::Kv::new(&self.store, &self.compactor)
+    }
 }
 
 /// What a connection owns besides its socket.
@@ -192,7 +200,7 @@ impl Requests {
         let shared = Arc::clone(&self.shared);
         self.deferred.push(Box::pin(async move {
             let (id, max_frame) = (req.id, shared.max_frame);
-            let op_index = crate::metrics::op_index(req.op.as_ref());
+            let op_index = crate::counters::op_index(req.op.as_ref());
             let node = shared.cluster.as_ref().expect("deferrable: a cluster node");
             let op = req.op.expect("deferrable: a data op");
             let resp = match cluster_request(node, max_frame, &op).await {
@@ -222,7 +230,7 @@ impl framed::Handler for Requests {
     async fn handle_next(&mut self, inbuf: &mut BytesMut, out: &mut BytesMut) -> Result<bool, Close> {
         let Some(req) = self.decoder.next_message::<Request>(inbuf).map_err(Close::Frame)? else { return Ok(false) };
         let started = self.read_at.unwrap_or_else(std::time::Instant::now);
-        let op = crate::metrics::op_index(req.op.as_ref());
+        let op = crate::counters::op_index(req.op.as_ref());
         // The peer port's raft traffic is not client requests.
         let counted = !self.state.peer_port;
         let resp = match admit(&self.shared, &mut self.state, &req) {
@@ -480,7 +488,7 @@ async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response
         },
         Some(Op::Put(p)) => {
             let w = write_of(&p, crate::clock::now_ms());
-            match kv::write(shared, &p.key, &w).await {
+            match kv::write(&shared.kv(), &p.key, &w).await {
                 Ok(meta) => R::Put(proto::PutReply { version: meta.version }),
                 Err(e) => return store_error(id, e),
             }
@@ -490,20 +498,20 @@ async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response
             Ok(None) => R::Get(proto::GetReply::default()),
             Err(e) => return store_error(id, e),
         },
-        Some(Op::Delete(d)) => match kv::delete(shared, &d.key, d.cas) {
+        Some(Op::Delete(d)) => match kv::delete(&shared.kv(), &d.key, d.cas) {
             Ok(existed) => R::Delete(proto::DeleteReply { existed }),
             Err(e) => return store_error(id, e),
         },
         Some(Op::Arith(a)) => {
             let arith = arith_of(&a, crate::clock::now_ms());
-            match kv::arith(shared, &a.key, &arith).await {
+            match kv::arith(&shared.kv(), &a.key, &arith).await {
                 Ok((value, meta)) => R::Arith(proto::ArithReply { value, version: meta.version }),
                 Err(e) => return store_error(id, e),
             }
         }
         Some(Op::Touch(t)) => {
             let at = expiry_of(t.ttl_secs, t.expires_at, crate::clock::now_ms());
-            match kv::touch(shared, &t.key, at).await {
+            match kv::touch(&shared.kv(), &t.key, at).await {
                 Ok(Some(item)) => {
                     let mut r = found(item, crate::store::Location { which: 0, index: 0, slot: 0 });
                     if !t.get {

@@ -105,7 +105,7 @@ pub async fn serve(
     served: &[Served],
     gate: Arc<Gate>,
     max_connections: usize,
-    stats: Arc<crate::metrics::ListenerStats>,
+    stats: Arc<crate::counters::ListenerStats>,
     shutdown: watch::Receiver<bool>,
 ) -> io::Result<()> {
     // A read-only reopen of the memfd: what clients get can only be mapped

@@ -38,16 +38,20 @@ use crate::region::Region;
 mod dump;
 mod evacuate;
 pub mod evict;
+mod holds;
 mod index;
+mod index_ops;
 pub mod item;
 mod ops;
+mod plan;
+mod recency;
+mod relocation;
 pub mod view;
 
-pub use evacuate::{Candidate, Relocation};
 use index::{Index, IndexWriter, MAX_SPLITS_PER_WRITE, Seg};
 use item::ItemMeta;
-pub(crate) use ops::{Current, Plan};
-pub use view::{StoreView, ViewError};
+pub(crate) use plan::{Current, Plan};
+pub use relocation::{Candidate, Relocation};
 
 /// Counters exported by STATS. Relaxed atomics: they are statistics.
 #[derive(Debug, Default)]
@@ -195,12 +199,12 @@ pub struct Store {
     pub counters: Counters,
     log_limit: LogLimit,
     /// Last-access stamps, with eviction on (`evict`).
-    recency: std::sync::OnceLock<evict::Recency>,
+    recency: std::sync::OnceLock<recency::Recency>,
     /// Retirements of blocks and segments so far, numbered under the
     /// writer lock: a view holds those from its number on.
     retire_seq: AtomicU64,
     /// Snapshot views in progress (`view`).
-    views: view::Views,
+    views: holds::Views,
     /// Bumped whenever the store is emptied (to be refilled from a
     /// snapshot or a log): a read that saw the same generation before and
     /// after did not see contents being replaced.
@@ -234,7 +238,7 @@ impl Store {
             index: Index::new((header.data_len / SEGMENT_LEN as u64) as usize, header.dir_depth),
             segs_done: Arc::default(),
             retire_seq: AtomicU64::new(0),
-            views: view::Views::default(),
+            views: holds::Views::default(),
             generation: AtomicU64::new(0),
             writer: Mutex::new(Writer {
                 alloc: Allocator::new(start, end),
@@ -585,7 +589,7 @@ impl Store {
     fn retire(&self, old: Slot, guard: &epoch::Guard) {
         let seq = self.retire_seq.fetch_add(1, Ordering::AcqRel);
         let r = Retired { at: old.offset_units, units: old.units as usize, since: Instant::now(), seq };
-        self.views.note_unlinked(old, self.header.data_len / UNIT as u64 / view::MAX_HELD_SHARE);
+        self.views.note_unlinked(old, self.header.data_len / UNIT as u64 / holds::MAX_HELD_SHARE);
         let done = Arc::clone(&self.epoch_done);
         let in_epoch = Arc::clone(&self.in_epoch);
         in_epoch.fetch_add(r.units as u64, Ordering::Relaxed);

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use super::apply::RememberedParts;
 use super::snapshot::{self as snap, Point, Summary};
 use crate::lock::lock;
-use crate::store::StoreView;
+use crate::store::view::StoreView;
 
 /// A stream to a follower in progress (see [`Desk::stream_to`]).
 pub struct StreamGuard {
@@ -464,7 +464,7 @@ impl Desk {
         let desk = Arc::clone(self);
         let spawned = std::thread::Builder::new().name(format!("shard-{}-save", self.shard)).spawn(move || {
             // A whole shard's walk: the shard threads' ticks come first.
-            super::transfer::background();
+            super::thread_priority::background();
             let files = desk.files.as_ref().expect("durable");
             let tmp = files.temp(&format!("save-{:016x}", rand::random::<u64>()));
             let written = (|| {

@@ -17,7 +17,7 @@
 
 use std::path::Path;
 
-use super::log::SyncPolicy;
+use super::sync_policy::SyncPolicy;
 
 /// The file, in the data directory.
 pub const FILE: &str = "last-run";

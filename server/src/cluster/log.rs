@@ -61,41 +61,10 @@ pub struct Persist<'a> {
     pub sync: bool,
 }
 
-/// When the log is forced to disk (`--sync`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum SyncPolicy {
-    /// Every ready batch is fsynced before raft goes on: an acknowledged
-    /// write survives power loss of every replica. The default.
-    #[default]
-    Always,
-    /// Written at once (a process crash loses nothing), fsynced every
-    /// [`BATCH_SYNC_INTERVAL`]: a power loss of a majority of a shard's
-    /// replicas within that time can lose acknowledged writes.
-    Batch,
-    /// Written at once, fsynced when the kernel decides.
-    None,
-}
-
 /// The engine's own default: log files are deleted only past 10 GB.
 pub const DEFAULT_PURGE_THRESHOLD: u64 = 10 << 30;
 /// Below this, purging would rewrite live entries again and again.
 pub const MIN_PURGE_THRESHOLD: u64 = 256 << 20;
-
-/// How often `--sync batch` forces the log to disk.
-pub const BATCH_SYNC_INTERVAL: std::time::Duration = std::time::Duration::from_millis(10);
-
-impl std::str::FromStr for SyncPolicy {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "always" => Ok(SyncPolicy::Always),
-            "batch" => Ok(SyncPolicy::Batch),
-            "none" => Ok(SyncPolicy::None),
-            _ => Err(format!("unknown sync policy {s:?} (always, batch or none)")),
-        }
-    }
-}
 
 /// One shard's log.
 #[derive(Clone)]
@@ -309,7 +278,7 @@ impl RaftLog {
             self.engine.write(&mut b, p.sync).map_err(|e| self.err(e))?;
             // Unsynced writes reach the page cache only: not an fsync.
             if p.sync {
-                crate::metrics::FSYNC.observe(started.elapsed());
+                crate::counters::FSYNC.observe(started.elapsed());
             }
         }
         Ok(())

@@ -5,6 +5,7 @@
 pub mod apply;
 pub mod config;
 pub mod desk;
+pub mod dial;
 pub mod driver;
 pub mod engine_panic;
 pub mod identity;
@@ -19,5 +20,7 @@ pub mod shard;
 #[cfg(test)]
 mod sim;
 pub mod snapshot;
+pub mod sync_policy;
+pub mod thread_priority;
 pub mod transfer;
 pub mod wire;

@@ -23,11 +23,12 @@ use super::driver::{LeasePublisher, ReplicaStatus, Restart, ShardThread, TICK};
 use super::last_run;
 use super::leasing::LeaseKeeper;
 use super::local::LocalShards;
-use super::log::{BATCH_SYNC_INTERVAL, RaftLog, Recovery, SyncPolicy};
+use super::log::{RaftLog, Recovery};
 use super::peer::{self as peer, Dialer, Peers};
 use super::replica::{MemLog, Replica};
 use super::shard::{JoinStep, ProposeError, RoomHook, ShardCore};
 use super::snapshot::{self as snap, SnapshotSlot};
+use super::sync_policy::{BATCH_SYNC_INTERVAL, SyncPolicy};
 use super::transfer::Link;
 use crate::compact::Compactor;
 use crate::region::Region;
@@ -75,7 +76,7 @@ pub struct ClusterSetup {
     /// Where the raft log lives; `None`: in memory only.
     pub data_dir: Option<PathBuf>,
     /// When the log is forced to disk.
-    pub sync: super::log::SyncPolicy,
+    pub sync: SyncPolicy,
     /// When shard logs are compacted.
     pub log_limits: super::shard::LogLimits,
 }
@@ -949,7 +950,7 @@ fn spawn_batch_sync(engine: Arc<raft_engine::Engine>, stop: watch::Receiver<bool
             std::thread::sleep(BATCH_SYNC_INTERVAL);
             let started = std::time::Instant::now();
             let synced = engine.sync();
-            crate::metrics::FSYNC.observe(started.elapsed());
+            crate::counters::FSYNC.observe(started.elapsed());
             if let Err(e) = synced {
                 tracing::error!("raft log sync failed: {e}");
             }
@@ -975,7 +976,7 @@ pub const LOG_PURGE_INTERVAL: std::time::Duration = std::time::Duration::from_se
 /// until the node stops.
 fn spawn_log_purge(engine: Arc<raft_engine::Engine>, stop: watch::Receiver<bool>) -> std::io::Result<()> {
     std::thread::Builder::new().name("dmkvd-log-purge".into()).spawn(move || {
-        super::transfer::background();
+        super::thread_priority::background();
         let mut last = std::time::Instant::now();
         while !*stop.borrow() {
             std::thread::sleep(std::time::Duration::from_millis(200));

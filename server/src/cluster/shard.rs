@@ -698,7 +698,7 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
     }
 
     /// Where the state machine is now: (its point, a view of the store).
-    fn view_now(&self) -> Result<Option<(Point, crate::store::StoreView)>, raft::Error> {
+    fn view_now(&self) -> Result<Option<(Point, crate::store::view::StoreView)>, raft::Error> {
         let r = &self.replica.raft().raft;
         let at = Point { index: self.applied, term: r.raft_log.term(self.applied)? };
         match self.store.view() {

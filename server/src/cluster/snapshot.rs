@@ -2,7 +2,7 @@
 //! store's items with their versions, flags and expiries, the version the
 //! next write gets, and the remembered write ids, at one applied log
 //! index. It is written while it is read from a consistent view of the
-//! store (`store::StoreView`), a record at a time, and read back the same
+//! store (`store::view::StoreView`), a record at a time, and read back the same
 //! way, so neither side holds a whole shard in memory or stops its shard
 //! thread for it. A replica that catches up by snapshot, or restarts from
 //! one, ends up with the same items, versions and remembered writes as the
@@ -34,7 +34,8 @@ use thiserror::Error;
 use xxhash_rust::xxh3::Xxh3Default;
 
 use super::apply::{Applied, MAX_REMEMBERED_WRITES, Remembered, RememberedParts, RememberedWrite};
-use crate::store::{Store, StoreView};
+use crate::store::Store;
+use crate::store::view::StoreView;
 
 const MAGIC: &[u8; 8] = b"DMKVSNP3";
 /// Formats this version does not read.

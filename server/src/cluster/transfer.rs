@@ -27,8 +27,9 @@ use tokio::sync::{Semaphore, mpsc};
 use tracing::{info, warn};
 
 use super::desk::{Descriptor, Desk, Outgoing};
-use super::peer::{self, Dialer};
+use super::dial::{self, Dialer};
 use super::snapshot;
+use super::thread_priority::background;
 
 /// Bytes of a snapshot in one chunk (one request frame).
 pub const CHUNK_BYTES: usize = 1 << 20;
@@ -168,7 +169,7 @@ async fn send_one(
     out: Arc<Outgoing>,
     m: &Message,
 ) -> Result<u64, String> {
-    let stream = tokio::time::timeout(peer::DIAL_TIMEOUT, peer::dial(d, addr))
+    let stream = tokio::time::timeout(dial::DIAL_TIMEOUT, dial::dial(d, addr))
         .await
         .unwrap_or_else(|_| Err("timed out connecting".into()))?;
     let (mut rd, mut wr) = stream.into_split();
@@ -254,10 +255,4 @@ async fn reply(
         Some(R::Error(e)) => Err(format!("{:?}: {}", e.code(), e.message)),
         other => Err(format!("unexpected answer {other:?}")),
     }
-}
-
-/// Lowers the calling thread's scheduling priority (on Linux a priority is
-/// per thread), so a snapshot's walk takes the CPU the shard threads leave.
-pub fn background() {
-    let _ = rustix::process::setpriority_process(Some(rustix::thread::gettid()), 10);
 }

@@ -8,11 +8,33 @@ use bytes::BytesMut;
 use dmkv_common::error::Error;
 use dmkv_common::expiry::{RELATIVE_LIMIT_SECS, from_exptime};
 
+use super::counters::count_store;
 use super::meta::{self, error_line};
-use super::stats::{self, Counters};
+use super::service::{Service, VERSION};
+use super::stats;
 use super::text::{Request, StatsKind, Store, line, value};
-use super::{Close, Service};
 use crate::kv::{Arith, Expiry, Mode, Write};
+
+/// Why a memcached connection is closed.
+#[derive(Debug)]
+pub enum Close {
+    /// The client said `quit`.
+    Quit,
+    /// A command before authenticating, or a failed authentication.
+    Unauthenticated,
+    /// Input memcached closes on (a line too long).
+    Protocol(&'static str),
+}
+
+impl std::fmt::Display for Close {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Close::Quit => f.write_str("quit"),
+            Close::Unauthenticated => f.write_str("not authenticated"),
+            Close::Protocol(msg) => f.write_str(msg),
+        }
+    }
+}
 
 /// What the connection does after a request.
 #[derive(Debug)]
@@ -28,27 +50,9 @@ pub enum Step {
     Close(Close),
 }
 
-/// Counts a store's outcome as memcached does.
-pub fn count_store<T>(c: &Counters, is_cas: bool, r: &Result<T, Error>) {
-    let counter = match r {
-        Ok(_) => {
-            if is_cas {
-                c.cas_hits.fetch_add(1, Relaxed);
-            }
-            &c.total_items
-        }
-        Err(Error::Exists) => &c.cas_badval,
-        Err(Error::NotFound) if is_cas => &c.cas_misses,
-        Err(Error::ValueTooLarge(_)) => &c.store_too_large,
-        Err(Error::OutOfMemory | Error::IndexFull) => &c.store_no_memory,
-        Err(_) => return,
-    };
-    counter.fetch_add(1, Relaxed);
-}
-
 /// Runs `req`, appending its reply to `out`. A get resumes at key `from`.
 pub async fn execute(req: &Request<'_>, svc: &Service, out: &mut BytesMut, from: usize) -> Step {
-    let (kv, c) = (&svc.kv, &svc.counters);
+    let (kv, c) = (&svc.kv(), &svc.counters);
     let reply = |out: &mut BytesMut, noreply: bool, s: &str| {
         if !noreply {
             line(out, s)
@@ -137,7 +141,7 @@ pub async fn execute(req: &Request<'_>, svc: &Service, out: &mut BytesMut, from:
             kv.flush_all(Duration::from_secs(flush_delay(*delay, kv.now_ms())));
             reply(out, *noreply, "OK");
         }
-        Request::Version => line(out, &format!("VERSION {}", super::VERSION)),
+        Request::Version => line(out, &format!("VERSION {}", VERSION)),
         Request::Verbosity { noreply } => reply(out, *noreply, "OK"),
         Request::Quit => return Step::Close(Close::Quit),
         Request::Stats(kind) => match kind {
@@ -172,7 +176,7 @@ pub fn flush_delay(delay: i64, now_ms: u64) -> u64 {
 }
 
 async fn store(s: &Store<'_>, svc: &Service, out: &mut BytesMut) {
-    let (kv, c) = (&svc.kv, &svc.counters);
+    let (kv, c) = (&svc.kv(), &svc.counters);
     c.cmd_set.fetch_add(1, Relaxed);
     // Append and prepend keep the item's flags and expiry.
     let expiry = match s.mode {

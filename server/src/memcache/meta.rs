@@ -15,8 +15,9 @@ use bytes::{Bytes, BytesMut};
 use dmkv_common::error::Error;
 use dmkv_common::expiry::from_exptime;
 
-use super::stats::Counters;
-use super::text::{MAX_KEY_LEN, err, number};
+use super::counters::{Counters, count_store};
+use super::reply::err;
+use super::token::{MAX_KEY_LEN, number};
 use crate::kv::{Arith, Expiry, Item, ItemMeta, Kv, Mode, Write};
 
 /// Most flags on one meta command (memcached's MFLAG_MAX_OPT_LENGTH).
@@ -226,7 +227,7 @@ fn status(out: &mut BytesMut, code: &str, m: &Meta, which: &[u8], item: Option<&
 }
 
 /// Runs `m`, appending its reply (none for a quiet success) to `out`.
-pub async fn execute(m: &Meta<'_>, kv: &Kv, c: &Counters, out: &mut BytesMut) {
+pub async fn execute(m: &Meta<'_>, kv: &Kv<'_>, c: &Counters, out: &mut BytesMut) {
     let now_ms = kv.now_ms();
     let now_secs = now_ms / 1000;
     let result = match m.cmd {
@@ -251,11 +252,11 @@ pub async fn execute(m: &Meta<'_>, kv: &Kv, c: &Counters, out: &mut BytesMut) {
         },
     };
     if let Err(e) = result {
-        super::text::line(out, error_line(&e));
+        super::reply::line(out, error_line(&e));
     }
 }
 
-async fn get(m: &Meta<'_>, kv: &Kv, c: &Counters, now_ms: u64, out: &mut BytesMut) -> Result<(), Error> {
+async fn get(m: &Meta<'_>, kv: &Kv<'_>, c: &Counters, now_ms: u64, out: &mut BytesMut) -> Result<(), Error> {
     c.cmd_get.fetch_add(1, Relaxed);
     let found = match m.ttl {
         Some(t) => {
@@ -319,7 +320,7 @@ fn miss(m: &Meta, c: &Counters, out: &mut BytesMut) -> Result<(), Error> {
     Ok(())
 }
 
-async fn set(m: &Meta<'_>, kv: &Kv, c: &Counters, now_ms: u64, out: &mut BytesMut) -> Result<(), Error> {
+async fn set(m: &Meta<'_>, kv: &Kv<'_>, c: &Counters, now_ms: u64, out: &mut BytesMut) -> Result<(), Error> {
     c.cmd_set.fetch_add(1, Relaxed);
     let mode = match m.mode {
         Some(b'E') => Mode::Add,
@@ -344,7 +345,7 @@ async fn set(m: &Meta<'_>, kv: &Kv, c: &Counters, now_ms: u64, out: &mut BytesMu
         vivify: concat && m.vivify.is_some(),
     };
     let r = kv.write(&m.key, &w).await;
-    super::exec::count_store(c, m.cas.is_some(), &r);
+    count_store(c, m.cas.is_some(), &r);
     match r {
         Ok(meta) => {
             if !m.quiet {
@@ -366,7 +367,7 @@ async fn set(m: &Meta<'_>, kv: &Kv, c: &Counters, now_ms: u64, out: &mut BytesMu
     }
 }
 
-async fn delete(m: &Meta<'_>, kv: &Kv, c: &Counters, out: &mut BytesMut) -> Result<(), Error> {
+async fn delete(m: &Meta<'_>, kv: &Kv<'_>, c: &Counters, out: &mut BytesMut) -> Result<(), Error> {
     match kv.delete(&m.key, m.cas.unwrap_or(0)).await {
         Ok(true) => {
             c.delete_hits.fetch_add(1, Relaxed);
@@ -384,7 +385,7 @@ async fn delete(m: &Meta<'_>, kv: &Kv, c: &Counters, out: &mut BytesMut) -> Resu
     Ok(())
 }
 
-async fn arith(m: &Meta<'_>, kv: &Kv, c: &Counters, now_ms: u64, out: &mut BytesMut) -> Result<(), Error> {
+async fn arith(m: &Meta<'_>, kv: &Kv<'_>, c: &Counters, now_ms: u64, out: &mut BytesMut) -> Result<(), Error> {
     let incr = matches!(m.mode, None | Some(b'I' | b'+'));
     let a = Arith {
         delta: m.delta,

@@ -3,8 +3,10 @@
 //! against dmkv (docs/memcached.md).
 //!
 //! [`text`] parses requests (and [`meta`] the meta commands' flags), pure
-//! code; [`exec`] and [`meta::execute`] run them against the store through
-//! [`crate::kv::Kv`]; [`stats`] counts. A connection is driven by the same
+//! code, from [`token`]s; [`reply`] encodes the answers; [`exec`] and
+//! [`meta::execute`] run them against the store through
+//! [`crate::kv::Kv`]; [`counters`] counts and [`stats`] reports. What the
+//! connections share is a [`Service`]. A connection is driven by the same
 //! loop as the native port ([`crate::framed`]): every request a read
 //! brought is answered in order, and the replies go out in one write.
 //!
@@ -14,17 +16,20 @@
 //! `framed::MAX_PENDING_REPLY_BYTES` (a get of many large values is
 //! written out part by part), time by the server's idle and frame timeouts.
 
+pub mod counters;
 pub mod exec;
 pub mod meta;
+pub mod reply;
+pub mod service;
 pub mod stats;
 pub mod text;
+pub mod token;
 
 #[cfg(test)]
 mod tests;
 
 use std::net::IpAddr;
 use std::sync::Arc;
-use std::time::Instant;
 
 use bytes::{Buf, BytesMut};
 use dmkv_common::auth::{Purpose, Role, Token};
@@ -32,58 +37,17 @@ use dmkv_common::limits::MAX_VALUE_LEN;
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
-use crate::kv::Kv;
+pub use crate::config::MAX_MEMCACHED_CONNECTIONS;
+pub use exec::Close;
+pub use service::{Service, VERSION};
+
+use crate::service::Shared;
 use exec::Step;
 use text::{Parsed, Request, err, line};
 
-/// Connections the memcached port serves at once by default (as the RPC
-/// port); more wait in the kernel's accept queue.
-pub const MAX_MEMCACHED_CONNECTIONS: usize = crate::config::DEFAULT_MAX_CONNECTIONS;
 /// Largest `user password` block of the authenticating `set`
 /// (memcached's bound).
 pub const MAX_AUTH_LEN: usize = 16 * 1024;
-/// The version the port reports: memcached's protocol level, then dmkv's.
-/// Clients that parse it see a 1.6 server (meta commands).
-pub const VERSION: &str = concat!("1.6.0-dmkv-", env!("CARGO_PKG_VERSION"));
-
-/// What the memcached port's connections share.
-pub struct Service {
-    pub kv: Kv,
-    pub counters: stats::Counters,
-    pub started: Instant,
-    /// Worker threads, for `stats`.
-    pub threads: usize,
-    pub max_connections: usize,
-}
-
-impl Service {
-    /// The port's state over `kv`.
-    pub fn new(kv: Kv, threads: usize, max_connections: usize) -> Service {
-        Service { kv, counters: Default::default(), started: Instant::now(), threads, max_connections }
-    }
-}
-
-/// Why a memcached connection is closed.
-#[derive(Debug)]
-pub enum Close {
-    /// The client said `quit`.
-    Quit,
-    /// A command before authenticating, or a failed authentication.
-    Unauthenticated,
-    /// Input memcached closes on (a line too long).
-    Protocol(&'static str),
-}
-
-impl std::fmt::Display for Close {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Close::Quit => f.write_str("quit"),
-            Close::Unauthenticated => f.write_str("not authenticated"),
-            Close::Protocol(msg) => f.write_str(msg),
-        }
-    }
-}
-
 /// One connection's state.
 struct Conn {
     svc: Arc<Service>,
@@ -149,7 +113,7 @@ impl Conn {
         };
         let c = &self.svc.counters;
         c.auth_cmds.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        if check_password(self.svc.kv.shared(), self.peer, store.value) {
+        if check_password(&self.svc.shared, self.peer, store.value) {
             self.authenticated = true;
             line(out, "STORED");
             Step::Done
@@ -165,7 +129,7 @@ impl Conn {
 /// The secret is checked as the other listeners check theirs: through a
 /// proof for a fresh nonce, compared in constant time against every
 /// secret, with the gate's per-address failure limit.
-fn check_password(shared: &crate::service::Shared, peer: Option<IpAddr>, creds: &[u8]) -> bool {
+fn check_password(shared: &Shared, peer: Option<IpAddr>, creds: &[u8]) -> bool {
     let gate = &shared.gate;
     let ip = peer.unwrap_or(IpAddr::from([127, 0, 0, 1]));
     let text = std::str::from_utf8(creds).unwrap_or("");
@@ -193,7 +157,7 @@ fn check_password(shared: &crate::service::Shared, peer: Option<IpAddr>, creds: 
 pub async fn serve_connection(stream: TcpStream, svc: Arc<Service>, shutdown: watch::Receiver<bool>) {
     let peer = stream.peer_addr().ok();
     let _ = stream.set_nodelay(true);
-    let shared = Arc::clone(svc.kv.shared());
+    let shared = Arc::clone(&svc.shared);
     let conn = Conn { authenticated: !shared.gate.enabled(), peer: peer.map(|p| p.ip()), svc, swallow: 0, resume: 0 };
     let stats = Arc::clone(&shared.metrics.memcached);
     crate::framed::serve_connection(stream, peer, stats, conn, shared.limits, shutdown).await

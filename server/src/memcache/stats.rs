@@ -1,85 +1,26 @@
-//! The memcached port's own counters (relaxed atomics: they are
-//! statistics) and the `stats` reply, with memcached's field names.
+//! The `stats` reply, with memcached's field names: the port's own
+//! counters ([`Counters`]) and the store's.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use bytes::BytesMut;
 
-use super::Service;
-
-/// What the memcached port counts, per listener.
-#[derive(Debug, Default)]
-pub struct Counters {
-    pub cmd_get: AtomicU64,
-    pub cmd_set: AtomicU64,
-    pub cmd_flush: AtomicU64,
-    pub cmd_touch: AtomicU64,
-    pub get_hits: AtomicU64,
-    pub get_misses: AtomicU64,
-    pub delete_hits: AtomicU64,
-    pub delete_misses: AtomicU64,
-    pub incr_hits: AtomicU64,
-    pub incr_misses: AtomicU64,
-    pub decr_hits: AtomicU64,
-    pub decr_misses: AtomicU64,
-    pub cas_hits: AtomicU64,
-    pub cas_misses: AtomicU64,
-    pub cas_badval: AtomicU64,
-    pub touch_hits: AtomicU64,
-    pub touch_misses: AtomicU64,
-    /// Successful stores through this port.
-    pub total_items: AtomicU64,
-    pub store_too_large: AtomicU64,
-    pub store_no_memory: AtomicU64,
-    pub auth_cmds: AtomicU64,
-    pub auth_errors: AtomicU64,
-}
-
-impl Counters {
-    /// `stats reset`: the counters start over (the store's own do not).
-    pub fn reset(&self) {
-        for c in [
-            &self.cmd_get,
-            &self.cmd_set,
-            &self.cmd_flush,
-            &self.cmd_touch,
-            &self.get_hits,
-            &self.get_misses,
-            &self.delete_hits,
-            &self.delete_misses,
-            &self.incr_hits,
-            &self.incr_misses,
-            &self.decr_hits,
-            &self.decr_misses,
-            &self.cas_hits,
-            &self.cas_misses,
-            &self.cas_badval,
-            &self.touch_hits,
-            &self.touch_misses,
-            &self.total_items,
-            &self.store_too_large,
-            &self.store_no_memory,
-            &self.auth_cmds,
-            &self.auth_errors,
-        ] {
-            c.store(0, Relaxed);
-        }
-    }
-}
+pub use super::counters::Counters;
+use super::service::{Service, VERSION};
 
 /// The general `stats` reply: `STAT name value` lines and END.
 pub fn general(svc: &Service, out: &mut BytesMut) {
     let c = &svc.counters;
-    let shared = svc.kv.shared();
+    let shared = &svc.shared;
     let store = &shared.store;
     let listener = &shared.metrics.memcached;
-    let now_ms = svc.kv.now_ms();
+    let now_ms = svc.kv().now_ms();
     let n = |a: &AtomicU64| a.load(Relaxed).to_string();
     let fields: Vec<(&str, String)> = vec![
         ("pid", std::process::id().to_string()),
         ("uptime", svc.started.elapsed().as_secs().to_string()),
         ("time", (now_ms / 1000).to_string()),
-        ("version", super::VERSION.to_string()),
+        ("version", VERSION.to_string()),
         ("pointer_size", (usize::BITS).to_string()),
         ("curr_connections", n(&listener.open)),
         ("total_connections", n(&listener.accepted)),

@@ -1,16 +1,17 @@
 //! memcached's text protocol as pure code: [`parse`] takes bytes off the
-//! front of a connection's input and names the request they make; the
-//! reply encoders write what memcached writes. Nothing here touches the
-//! store, so every input can be tested, and none can panic.
+//! front of a connection's input and names the request they make (the
+//! reply encoders, in [`super::reply`], write what memcached writes).
+//! Nothing here touches the store, so every input can be tested, and none
+//! can panic.
 //!
 //! Limits are memcached's: a command line of at most [`MAX_LINE_LEN`]
 //! bytes (retrieval lines, which carry many keys, [`MAX_KEYS_LINE_LEN`]),
 //! keys of at most [`MAX_KEY_LEN`] bytes without NUL, CR or LF, values
 //! of at most `limits::MAX_VALUE_LEN` (memcached's `-I` default, 1 MiB).
 
-use bytes::BytesMut;
-
 use super::meta;
+pub use super::reply::{err, line, value};
+pub use super::token::{MAX_KEY_LEN, key_ok, number};
 use crate::kv::Mode;
 
 /// Longest command line (memcached's bound: longer ones close the
@@ -19,27 +20,9 @@ pub const MAX_LINE_LEN: usize = 2048;
 /// Longest get/gets/gat/gats line: the only lines that grow with the number
 /// of keys. Bounds the keys of one get too (each takes at least 2 bytes).
 pub const MAX_KEYS_LINE_LEN: usize = 64 * 1024;
-/// Longest key on the text protocol.
-pub const MAX_KEY_LEN: usize = 250;
 /// Most tokens on a line other than a retrieval line (memcached's
 /// MAX_TOKENS); meta commands allow fewer flags, see [`meta::MAX_FLAGS`].
 pub const MAX_TOKENS: usize = 24;
-
-/// The error lines, exactly as memcached writes them (without CRLF).
-pub mod err {
-    pub const ERROR: &str = "ERROR";
-    pub const BAD_FORMAT: &str = "CLIENT_ERROR bad command line format";
-    pub const BAD_DELETE: &str = "CLIENT_ERROR bad command line format.  Usage: delete <key> [noreply]";
-    pub const BAD_CHUNK: &str = "CLIENT_ERROR bad data chunk";
-    pub const LINE_TOO_LONG: &str = "CLIENT_ERROR line too long";
-    pub const TOO_LARGE: &str = "SERVER_ERROR object too large for cache";
-    pub const NO_MEMORY: &str = "SERVER_ERROR out of memory storing object";
-    pub const NON_NUMERIC: &str = "CLIENT_ERROR cannot increment or decrement non-numeric value";
-    pub const BAD_DELTA: &str = "CLIENT_ERROR invalid numeric delta argument";
-    pub const BAD_EXPTIME: &str = "CLIENT_ERROR invalid exptime argument";
-    pub const UNAUTHENTICATED: &str = "CLIENT_ERROR unauthenticated";
-    pub const AUTH_FAILED: &str = "CLIENT_ERROR authentication failure";
-}
 
 /// What the input at hand holds.
 #[derive(Debug, PartialEq, Eq)]
@@ -252,14 +235,6 @@ fn starts_with_retrieval(buf: &[u8]) -> bool {
     [&b"get "[..], b"gets ", b"gat ", b"gats "].iter().any(|p| buf.starts_with(p))
 }
 
-/// Whether `key` is a key the text protocol accepts: 1 to 250 bytes, no
-/// NUL, CR or LF (spaces cannot be in a token). Other control bytes pass,
-/// as they do in memcached, whose tokenizer splits on spaces only:
-/// memcaslap's keys start with such bytes.
-pub fn key_ok(key: &[u8]) -> bool {
-    !key.is_empty() && key.len() <= MAX_KEY_LEN && key.iter().all(|&b| !matches!(b, 0 | b'\r' | b'\n'))
-}
-
 fn keys<'a>(args: &[&'a [u8]]) -> Result<Vec<&'a [u8]>, &'static str> {
     if args.is_empty() {
         return Err(err::ERROR);
@@ -268,18 +243,6 @@ fn keys<'a>(args: &[&'a [u8]]) -> Result<Vec<&'a [u8]>, &'static str> {
         return Err(err::BAD_FORMAT);
     }
     Ok(args.to_vec())
-}
-
-/// A decimal number as memcached reads one: digits (and a sign for signed
-/// types), nothing else.
-pub fn number<T: std::str::FromStr>(tok: &[u8]) -> Option<T> {
-    if tok.is_empty()
-        || tok.len() > 20
-        || !tok.iter().enumerate().all(|(i, &b)| b.is_ascii_digit() || (i == 0 && b == b'-'))
-    {
-        return None;
-    }
-    std::str::from_utf8(tok).ok()?.parse().ok()
 }
 
 /// The data block of `vlen` bytes after a line of `line_len` bytes: the
@@ -367,26 +330,3 @@ fn meta_set<'a>(buf: &'a [u8], line_len: usize, args: &[&'a [u8]], max_value: us
         Err(msg) => error(len, msg),
     }
 }
-
-/// Appends `line` and CRLF.
-pub fn line(out: &mut BytesMut, line: &str) {
-    out.extend_from_slice(line.as_bytes());
-    out.extend_from_slice(b"\r\n");
-}
-
-/// Appends one item of a get reply: `VALUE key flags bytes [cas]` and the
-/// data block.
-pub fn value(out: &mut BytesMut, key: &[u8], flags: u32, value: &[u8], cas: Option<u64>) {
-    out.extend_from_slice(b"VALUE ");
-    out.extend_from_slice(key);
-    let head = match cas {
-        Some(c) => format!(" {flags} {} {c}\r\n", value.len()),
-        None => format!(" {flags} {}\r\n", value.len()),
-    };
-    out.extend_from_slice(head.as_bytes());
-    out.extend_from_slice(value);
-    out.extend_from_slice(b"\r\n");
-}
-
-// A key the text protocol takes is one the store takes.
-const _: () = assert!(MAX_KEY_LEN <= dmkv_common::limits::MAX_KEY_LEN);

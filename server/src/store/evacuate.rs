@@ -19,38 +19,13 @@ use dmkv_common::layout::Slot;
 use dmkv_common::limits::{UNIT, WORDS_PER_BUCKET};
 
 use super::Store;
+use super::relocation::{Candidate, Relocation};
 
 /// Free blocks copied per hold of the writer lock (about 0.3 ms).
 const FREE_BLOCKS_PER_LOCK: usize = 16_384;
 /// Most scans for a range's items (a split during one repeats it).
 const SCANS: usize = 4;
 use crate::lock::lock;
-
-/// A live item the compactor means to move: where its slot is in the index,
-/// and the slot word it had when it was listed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Candidate {
-    seg: u32,
-    pos: usize,
-    word: u64,
-}
-
-impl Candidate {
-    /// Units of the item.
-    pub fn units(&self) -> u64 {
-        Slot::unpack(self.word).map_or(0, |s| u64::from(s.units))
-    }
-}
-
-/// What became of one move.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Relocation {
-    /// Moved.
-    Moved,
-    /// The key was overwritten or deleted since it was listed (or its item
-    /// no longer verified and was unlinked): nothing to move.
-    Gone,
-}
 
 impl Store {
     /// The allocator's free blocks (start, length in units) in address

@@ -17,14 +17,15 @@
 //! background pass keeps [`Store::evict_to_headroom`]'s headroom of the
 //! data area free or retiring, so writes rarely wait for space.
 
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::{Duration, Instant};
+use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use crossbeam_epoch as epoch;
 use dmkv_common::layout::Slot;
 use dmkv_common::limits::{SEGMENT_BUCKETS, SLOTS_PER_BUCKET};
 
 use super::Store;
+use super::recency::Recency;
 use crate::lock::lock;
 
 /// Items sampled for each eviction: the oldest of them goes. Redis finds
@@ -62,51 +63,6 @@ pub fn start(store: &std::sync::Arc<Store>) -> std::io::Result<()> {
         }
     })?;
     Ok(())
-}
-
-/// Last-access stamps, one per unit of the data area.
-pub struct Recency {
-    start: Instant,
-    first_unit: u64,
-    stamps: Box<[AtomicU32]>,
-}
-
-impl Recency {
-    fn new(units: std::ops::Range<u64>) -> Recency {
-        let n = (units.end - units.start) as usize;
-        Recency { start: Instant::now(), first_unit: units.start, stamps: (0..n).map(|_| AtomicU32::new(0)).collect() }
-    }
-
-    fn now(&self) -> u32 {
-        (self.start.elapsed().as_millis() as u32).wrapping_add(1).max(1)
-    }
-
-    /// Stamps the item at `unit` as used now; units outside the data area
-    /// (a report can name anything) are ignored.
-    fn stamp(&self, unit: u64) {
-        if let Some(s) = unit.checked_sub(self.first_unit).and_then(|i| self.stamps.get(i as usize)) {
-            s.store(self.now(), Ordering::Relaxed);
-        }
-    }
-
-    /// Gives the item at `to` the stamp of the one at `from`.
-    fn copy(&self, from: u64, to: u64) {
-        let at = |u: u64| u.checked_sub(self.first_unit).and_then(|i| self.stamps.get(i as usize));
-        if let (Some(f), Some(t)) = (at(from), at(to)) {
-            t.store(f.load(Ordering::Relaxed), Ordering::Relaxed);
-        }
-    }
-
-    /// How long ago the item at `unit` was used (never: the longest).
-    fn age(&self, unit: u64, now: u32) -> u32 {
-        match unit.checked_sub(self.first_unit).and_then(|i| self.stamps.get(i as usize)) {
-            Some(s) => match s.load(Ordering::Relaxed) {
-                0 => u32::MAX,
-                t => now.wrapping_sub(t),
-            },
-            None => u32::MAX,
-        }
-    }
 }
 
 /// xorshift64: the sampling needs spread, not quality.

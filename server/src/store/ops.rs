@@ -11,35 +11,15 @@ use bytes::Bytes;
 use crossbeam_epoch as epoch;
 use dmkv_common::error::{Error, check_key};
 use dmkv_common::expiry::expired;
-use dmkv_common::layout::{self, ItemRef, Slot, decode_item, key_hash};
+use dmkv_common::layout::{self, Slot, decode_item, key_hash};
 
 use super::item::{Arith, Expiry, Item, ItemMeta, Mode, Write};
+use super::plan::{Current, Plan};
 use super::{Location, Store};
 use crate::lock::lock;
 
 /// Most decimal digits of a counter (u64::MAX has 20).
 pub const MAX_COUNTER_DIGITS: usize = 20;
-
-/// The key's item as a write found it: verified, and live at the write's
-/// clock (an expired item is passed as none).
-pub(crate) struct Current<'a> {
-    pub item: ItemRef<'a>,
-}
-
-impl Current<'_> {
-    fn meta(&self) -> ItemMeta {
-        ItemMeta { version: self.item.version, flags: self.item.flags, expires_at: self.item.expires_at }
-    }
-}
-
-/// What a write stores: the value, flags and expiry, and the version
-/// (`None`: the next one).
-pub(crate) struct Plan<'v> {
-    pub value: Cow<'v, [u8]>,
-    pub flags: u32,
-    pub expires_at: u32,
-    pub version: Option<u64>,
-}
 
 /// The value of a counter item, or `NotNumeric`: decimal digits, at most
 /// [`MAX_COUNTER_DIGITS`], optionally followed by spaces (memcached pads a

@@ -24,11 +24,10 @@ use dmkv_common::limits::{SEGMENT_BUCKETS, SLOTS_PER_BUCKET};
 use thiserror::Error;
 
 use super::Store;
+use super::holds::Held;
+pub use super::holds::MAX_HELD_SHARE;
 use crate::lock::lock;
 
-/// A view may hold at most this share (1/n) of the data area's units from
-/// reuse before it is aborted.
-pub const MAX_HELD_SHARE: u64 = 4;
 /// Most views of one store at once (a snapshot for each follower that
 /// needs one, and a save).
 pub const MAX_VIEWS: usize = 4;
@@ -40,81 +39,6 @@ pub enum ViewError {
     TooMany,
     #[error("the snapshot was aborted: writes since it began held more than 1/{MAX_HELD_SHARE} of the store's memory")]
     Aborted,
-}
-
-/// What `retire` keeps for one view.
-#[derive(Debug)]
-pub(super) struct Held {
-    id: u64,
-    /// Retirements numbered from here on are held (see `Store::retire_seq`).
-    pub(super) from_seq: u64,
-    /// Blocks unlinked since the view began.
-    unlinked: Mutex<Vec<Slot>>,
-    /// Units held so far.
-    units: AtomicU64,
-    aborted: AtomicBool,
-}
-
-/// The views of a store in progress.
-#[derive(Debug, Default)]
-pub(super) struct Views {
-    list: Mutex<Vec<Arc<Held>>>,
-    /// Views in `list`: `retire` looks only when there are any.
-    pub(super) active: std::sync::atomic::AtomicUsize,
-    next_id: AtomicU64,
-}
-
-impl Views {
-    /// Notes that `slot` was unlinked (and is held for every view); aborts
-    /// a view that now holds more than `max_units`.
-    pub(super) fn note_unlinked(&self, slot: Slot, max_units: u64) {
-        if self.active.load(Ordering::Acquire) == 0 {
-            return;
-        }
-        let list = lock(&self.list);
-        for h in list.iter() {
-            if h.aborted.load(Ordering::Relaxed) {
-                continue;
-            }
-            let held = h.units.fetch_add(u64::from(slot.units), Ordering::Relaxed) + u64::from(slot.units);
-            if held > max_units {
-                h.aborted.store(true, Ordering::Release);
-                lock(&h.unlinked).clear();
-                continue;
-            }
-            lock(&h.unlinked).push(slot);
-        }
-    }
-
-    /// Retirements from this number on are held (`u64::MAX`: none).
-    pub(super) fn hold_from(&self) -> u64 {
-        if self.active.load(Ordering::Acquire) == 0 {
-            return u64::MAX;
-        }
-        lock(&self.list)
-            .iter()
-            .filter(|h| !h.aborted.load(Ordering::Relaxed))
-            .map(|h| h.from_seq)
-            .min()
-            .unwrap_or(u64::MAX)
-    }
-
-    /// Aborts every view: the store is being emptied and refilled
-    /// (`Store::clear`), so what a view walks from now on is no state the
-    /// store was in at the view's moment (a refill's items, unlinked by a
-    /// replay, would come back as if live).
-    pub(super) fn abort_all(&self) {
-        for h in lock(&self.list).iter() {
-            h.aborted.store(true, Ordering::Release);
-            lock(&h.unlinked).clear();
-        }
-    }
-
-    fn remove(&self, id: u64) {
-        let mut list = lock(&self.list);
-        list.retain(|h| h.id != id);
-        self.active.store(list.len(), Ordering::Release);
-    }
 }
 
 /// A consistent view of a store (see the module's comment).

@@ -33,7 +33,9 @@ mod reader;
 use std::sync::Arc;
 
 use dmkv_common::cluster::lease::LeaseConfig;
+use dmkv_common::cluster::lease_check::{AttemptStart, LeaseClock, SampledClock};
 use dmkv_common::layout::{LEASE_LEN, LEASE_OFFSET, LeaseBlock};
+use dmkv_common::read::Lookup;
 use raft::StateRole;
 use raft::prelude::{ConfState, Message};
 use raft::storage::MemStorage;
@@ -47,8 +49,7 @@ use super::shard::ShardCore;
 use crate::region::Region;
 use crate::registration::Registration;
 use crate::store::Store;
-use history::History;
-use reader::Client;
+use history::{History, Via};
 
 pub const NODES: usize = 3;
 pub const ELECTION_TICKS: usize = 10;
@@ -375,7 +376,7 @@ impl World {
         for i in 0..NODES {
             w.boot(i);
         }
-        w.clients = reader::clients(&mut w.rng);
+        w.add_clients();
         w
     }
 
@@ -686,7 +687,7 @@ impl World {
             self.poll(i, None);
         }
         for id in refused {
-            reader::refused(self, id);
+            self.client_refused(id);
         }
     }
 
@@ -723,10 +724,10 @@ impl World {
         }
         self.send(i, p.messages);
         for (id, r) in p.answers {
-            reader::answered(self, i, id, r);
+            self.client_answered(i, id, r);
         }
         for (id, r) in p.reads {
-            reader::granted(self, i, id, r);
+            self.client_granted(i, id, r);
         }
     }
 
@@ -773,7 +774,7 @@ impl World {
         for (i, a) in arrived.into_iter().enumerate() {
             self.drive(i, a);
         }
-        reader::step_clients(self);
+        self.step_clients();
         self.check_leases();
     }
 
@@ -827,7 +828,7 @@ impl World {
                 if version == 0 || at >= t {
                     continue;
                 }
-                let has = store.get(reader::key(k).as_bytes()).unwrap().map_or(0, |(_, v)| v);
+                let has = store.get(key(k).as_bytes()).unwrap().map_or(0, |(_, v)| v);
                 if has < version {
                     self.out.violation = Some(format!(
                         "replica {} holds a lease at {} ms but has version {has} of key {k}, version {version} acknowledged at {} ms",
@@ -851,6 +852,95 @@ impl World {
             self.cut = Some((i, self.t + self.rng.random_range(300..800) * MS));
         }
     }
+}
+
+// The clients' state ([`reader`] steps it): here, with the world that
+// holds it.
+
+/// The key named by number `k`.
+pub fn key(k: usize) -> String {
+    format!("k{k}")
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Writer,
+    OneSided(Via),
+    Rpc,
+}
+
+pub(crate) struct Client {
+    kind: Kind,
+    state: State,
+    seq: u64,
+    /// A sampling reader's own clock (rate and origin).
+    ppm: i64,
+    offset: u64,
+    /// A sampling reader's bounds on each replica's clock, and when (true
+    /// time) they were last sampled.
+    samples: [Option<(Arc<SampledClock>, u64)>; NODES],
+}
+
+enum State {
+    Idle { at: u64 },
+    Writing { id: u64, key: usize, until: u64 },
+    OneSided(Get),
+    Rpc(RpcGet),
+}
+
+/// A one-sided GET in progress: as the client's, two batches (buckets,
+/// then items), each read by its backend, then its lease block read last
+/// and judged, the attempt's start carried from the first to the second.
+struct Get {
+    key: usize,
+    invoked: u64,
+    node: usize,
+    store: Arc<Store>,
+    clock: LeaseClock,
+    start: AttemptStart,
+    phase: Phase,
+    /// When the next phase is due.
+    at: u64,
+    /// What the bucket batch said.
+    step: Result<Step, ()>,
+    /// What the item batch found.
+    found: Result<Option<u64>, ()>,
+    /// The engine's stamps of the batch: before its data, after its block.
+    stamps: (u64, u64),
+    block: [u8; LEASE_LEN],
+}
+
+/// Where a GET stands after its bucket batch.
+#[derive(Debug, Clone)]
+enum Step {
+    Done(Option<u64>),
+    Items(Box<Lookup>),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Buckets,
+    BucketsBlock,
+    Items,
+    ItemsBlock,
+}
+
+/// An RPC GET in progress.
+struct RpcGet {
+    id: u64,
+    key: usize,
+    invoked: u64,
+    node: usize,
+    phase: RpcPhase,
+}
+
+enum RpcPhase {
+    /// Waiting for the replica's grant, until a deadline.
+    Asked { until: u64 },
+    /// Granted; the service reads the store at `at`.
+    Reading { at: u64, lease_until: Option<u64>, generation: u64 },
+    /// The answer reaches the client at `at`.
+    Replying { at: u64, got: Option<u64> },
 }
 
 /// Runs `steps` steps of 1 ms from `seed`.

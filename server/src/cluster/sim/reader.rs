@@ -16,19 +16,14 @@ use rand::Rng;
 use rand::rngs::SmallRng;
 
 use super::history::{Read, Via};
-use super::{Input, KEYS, MS, NODES, ReadRule, World};
+use super::{Client, Get, Input, KEYS, Kind, MS, NODES, Phase, ReadRule, RpcGet, RpcPhase, State, Step, World, key};
 use crate::cluster::apply::{Applied, encode_put};
 use crate::cluster::shard::{ProposeError, ReadGrant};
 use crate::store::Store;
 
-/// The key named by number `k`.
-pub fn key(k: usize) -> String {
-    format!("k{k}")
-}
-
 /// Writers and readers of a run: three writers, two readers of each
 /// one-sided kind and four over RPC: more clients than replicas.
-pub(crate) fn clients(rng: &mut SmallRng) -> Vec<Client> {
+fn clients(rng: &mut SmallRng) -> Vec<Client> {
     let kinds = [
         Kind::Writer,
         Kind::Writer,
@@ -55,87 +50,6 @@ pub(crate) fn clients(rng: &mut SmallRng) -> Vec<Client> {
             samples: std::array::from_fn(|_| None),
         })
         .collect()
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    Writer,
-    OneSided(Via),
-    Rpc,
-}
-
-pub(crate) struct Client {
-    kind: Kind,
-    state: State,
-    seq: u64,
-    /// A sampling reader's own clock (rate and origin).
-    ppm: i64,
-    offset: u64,
-    /// A sampling reader's bounds on each replica's clock, and when (true
-    /// time) they were last sampled.
-    samples: [Option<(Arc<SampledClock>, u64)>; NODES],
-}
-
-enum State {
-    Idle { at: u64 },
-    Writing { id: u64, key: usize, until: u64 },
-    OneSided(Get),
-    Rpc(RpcGet),
-}
-
-/// A one-sided GET in progress: as the client's, two batches (buckets,
-/// then items), each read by its backend, then its lease block read last
-/// and judged, the attempt's start carried from the first to the second.
-struct Get {
-    key: usize,
-    invoked: u64,
-    node: usize,
-    store: Arc<Store>,
-    clock: LeaseClock,
-    start: AttemptStart,
-    phase: Phase,
-    /// When the next phase is due.
-    at: u64,
-    /// What the bucket batch said.
-    step: Result<Step, ()>,
-    /// What the item batch found.
-    found: Result<Option<u64>, ()>,
-    /// The engine's stamps of the batch: before its data, after its block.
-    stamps: (u64, u64),
-    block: [u8; LEASE_LEN],
-}
-
-/// Where a GET stands after its bucket batch.
-#[derive(Debug, Clone)]
-enum Step {
-    Done(Option<u64>),
-    Items(Box<Lookup>),
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Phase {
-    Buckets,
-    BucketsBlock,
-    Items,
-    ItemsBlock,
-}
-
-/// An RPC GET in progress.
-struct RpcGet {
-    id: u64,
-    key: usize,
-    invoked: u64,
-    node: usize,
-    phase: RpcPhase,
-}
-
-enum RpcPhase {
-    /// Waiting for the replica's grant, until a deadline.
-    Asked { until: u64 },
-    /// Granted; the service reads the store at `at`.
-    Reading { at: u64, lease_until: Option<u64>, generation: u64 },
-    /// The answer reaches the client at `at`.
-    Replying { at: u64, got: Option<u64> },
 }
 
 impl Client {
@@ -216,7 +130,7 @@ fn item_batch(store: &Store, key: &[u8], look: &Lookup) -> Result<Option<u64>, (
 }
 
 /// Steps every client whose next event is due.
-pub(crate) fn step_clients(w: &mut World) {
+fn step_clients(w: &mut World) {
     for c in 0..w.clients.len() {
         step_client(w, c);
     }
@@ -490,7 +404,7 @@ fn owner(w: &World, id: u64) -> Option<usize> {
 }
 
 /// A replica answered write `id`.
-pub(crate) fn answered(w: &mut World, i: usize, id: u64, r: Result<Applied, ProposeError>) {
+fn answered(w: &mut World, i: usize, id: u64, r: Result<Applied, ProposeError>) {
     let Some(c) = owner(w, id) else { return };
     if let (State::Writing { key, .. }, Ok(Applied::Put { version })) = (&w.clients[c].state, &r) {
         let (key, version) = (*key, *version);
@@ -500,7 +414,7 @@ pub(crate) fn answered(w: &mut World, i: usize, id: u64, r: Result<Applied, Prop
 }
 
 /// Replica `i` granted (or refused) RPC read `id`.
-pub(crate) fn granted(w: &mut World, _i: usize, id: u64, r: Result<ReadGrant, ProposeError>) {
+fn granted(w: &mut World, _i: usize, id: u64, r: Result<ReadGrant, ProposeError>) {
     let Some(c) = owner(w, id) else { return };
     let pause = preemption(w);
     let t = w.t;
@@ -517,11 +431,40 @@ pub(crate) fn granted(w: &mut World, _i: usize, id: u64, r: Result<ReadGrant, Pr
 }
 
 /// A replica refused request `id` at once (not the leader, too busy).
-pub(crate) fn refused(w: &mut World, id: u64) {
+fn refused(w: &mut World, id: u64) {
     if let Some(c) = owner(w, id) {
         if matches!(w.clients[c].kind, Kind::Rpc) {
             w.out.refused += 1;
         }
         idle(w, c);
+    }
+}
+
+/// What the world asks of its clients: it names none of this module, so
+/// the clients' steps sit on the world's state and not the other way.
+impl World {
+    /// Gives the world its clients (see [`clients`]).
+    pub(super) fn add_clients(&mut self) {
+        self.clients = clients(&mut self.rng);
+    }
+
+    /// Steps every client due now (see [`step_clients`]).
+    pub(super) fn step_clients(&mut self) {
+        step_clients(self)
+    }
+
+    /// A replica answered a client's proposal (see [`answered`]).
+    pub(super) fn client_answered(&mut self, i: usize, id: u64, r: Result<Applied, ProposeError>) {
+        answered(self, i, id, r)
+    }
+
+    /// A replica answered a client's read (see [`granted`]).
+    pub(super) fn client_granted(&mut self, i: usize, id: u64, r: Result<ReadGrant, ProposeError>) {
+        granted(self, i, id, r)
+    }
+
+    /// A client's request was refused (see [`refused`]).
+    pub(super) fn client_refused(&mut self, id: u64) {
+        refused(self, id)
     }
 }

@@ -1,0 +1,40 @@
+//! What the memcached port writes back, in both the text and the meta
+//! protocol: memcached's error lines and reply encoders.
+
+use bytes::BytesMut;
+
+/// The error lines, exactly as memcached writes them (without CRLF).
+pub mod err {
+    pub const ERROR: &str = "ERROR";
+    pub const BAD_FORMAT: &str = "CLIENT_ERROR bad command line format";
+    pub const BAD_DELETE: &str = "CLIENT_ERROR bad command line format.  Usage: delete <key> [noreply]";
+    pub const BAD_CHUNK: &str = "CLIENT_ERROR bad data chunk";
+    pub const LINE_TOO_LONG: &str = "CLIENT_ERROR line too long";
+    pub const TOO_LARGE: &str = "SERVER_ERROR object too large for cache";
+    pub const NO_MEMORY: &str = "SERVER_ERROR out of memory storing object";
+    pub const NON_NUMERIC: &str = "CLIENT_ERROR cannot increment or decrement non-numeric value";
+    pub const BAD_DELTA: &str = "CLIENT_ERROR invalid numeric delta argument";
+    pub const BAD_EXPTIME: &str = "CLIENT_ERROR invalid exptime argument";
+    pub const UNAUTHENTICATED: &str = "CLIENT_ERROR unauthenticated";
+    pub const AUTH_FAILED: &str = "CLIENT_ERROR authentication failure";
+}
+
+/// Appends `line` and CRLF.
+pub fn line(out: &mut BytesMut, line: &str) {
+    out.extend_from_slice(line.as_bytes());
+    out.extend_from_slice(b"\r\n");
+}
+
+/// Appends one item of a get reply: `VALUE key flags bytes [cas]` and the
+/// data block.
+pub fn value(out: &mut BytesMut, key: &[u8], flags: u32, value: &[u8], cas: Option<u64>) {
+    out.extend_from_slice(b"VALUE ");
+    out.extend_from_slice(key);
+    let head = match cas {
+        Some(c) => format!(" {flags} {} {c}\r\n", value.len()),
+        None => format!(" {flags} {}\r\n", value.len()),
+    };
+    out.extend_from_slice(head.as_bytes());
+    out.extend_from_slice(value);
+    out.extend_from_slice(b"\r\n");
+}
