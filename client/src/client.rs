@@ -255,7 +255,8 @@ impl Client {
 
     /// How this client's GETs to the node it connected to have been
     /// routed: per path the requests, retries, window and delay
-    /// estimates, and the switches and repaths.
+    /// estimates, and the switches and repaths. In a cluster each node's
+    /// session has a selector of its own: see [`Router::path_stats`].
     pub fn path_stats(&self) -> PathStats {
         self.inner.node.path_stats()
     }

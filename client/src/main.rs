@@ -573,7 +573,7 @@ mod tests {
         assert_eq!(
             bench_of(&["dmkv", "--server", "h:1", "--path", "rpc", "--transport", "tcp", "bench", "--records", "9"])
                 .unwrap(),
-            ["--server", "h:1", "--path", "rpc", "--transport", "tcp", "--records", "9"]
+            ["--server", "h:1", "--path", "rpc", "--transport", "engine", "--records", "9"]
         );
         assert_eq!(
             bench_of(&["dmkv", "--server", "h:1", "--path", "rpc", "bench", "--server=h:2", "--path", "auto"]).unwrap(),

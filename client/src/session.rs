@@ -195,32 +195,32 @@ impl Session {
             engine_repaths: Arc::default(),
             shard_paths: Default::default(),
         };
-        let client = Session { inner: Arc::new(inner) };
-        let pool = &client.inner.pool;
+        let session = Session { inner: Arc::new(inner) };
+        let pool = &session.inner.pool;
         pool.conn_at(0, pool.deadline()).await?;
         if pool.is_cluster_node() {
-            return Ok(client);
+            return Ok(session);
         }
-        match (client.inner.cfg.read_path, client.inner.cfg.transport) {
+        match (session.inner.cfg.read_path, session.inner.cfg.transport) {
             (ReadPath::Rpc, _) => {}
             // A forced transport is what the caller asked for: failing to
             // attach it is an error, not a reason to read over RPC.
             (ReadPath::Auto | ReadPath::OneSided, Some(transport)) => {
-                client.attach().await.map_err(|e| match e {
+                session.attach().await.map_err(|e| match e {
                     ClientError::OneSidedUnavailable(reason) => ClientError::TransportUnavailable { transport, reason },
                     other => other,
                 })?;
             }
             (ReadPath::Auto, None) => {
-                if let Err(e) = client.attach().await {
+                if let Err(e) = session.attach().await {
                     tracing::debug!("one-sided reads unavailable, using RPC: {e}");
                 }
             }
             (ReadPath::OneSided, None) => {
-                client.attach().await?;
+                session.attach().await?;
             }
         }
-        Ok(client)
+        Ok(session)
     }
 
     /// The one-sided path, attaching it if needed (rate-limited in `Auto`).
@@ -242,12 +242,12 @@ impl Session {
                 }
                 // Attach in the background: a GET must not wait for a
                 // connect that may time out; it goes over RPC meanwhile.
-                let client = self.clone();
+                let session = self.clone();
                 tokio::spawn(async move {
-                    if let Err(e) = client.attach().await {
+                    if let Err(e) = session.attach().await {
                         tracing::debug!("one-sided reads unavailable, using RPC: {e}");
                     }
-                    client.inner.path.lock().expect("path lock poisoned").attaching = false;
+                    session.inner.path.lock().expect("path lock poisoned").attaching = false;
                 });
                 Ok(None)
             }
@@ -437,13 +437,24 @@ impl Session {
             return self.one_sided_or_rpc(region, path, key, adm).await;
         }
         let h = selector_hash(key);
-        let deadline = tokio::time::Instant::now() + self.inner.cfg.request_timeout;
+        let timeout = self.inner.cfg.request_timeout;
+        // A cluster session's wait for a window is this client's own
+        // queue, not the node failing to answer: it is bounded by half a
+        // try, and the GET then goes over RPC unmeasured. A timeout here
+        // would make the router drop a node that was never asked.
+        let wait = match region {
+            Region::Node => timeout,
+            Region::Shard(_) => timeout / 2,
+        };
         let rounds = attached.as_ref().map(|p| if p.has_hint(key) { 1.0 } else { 2.0 });
-        let Some((adm, probes)) = self.inner.selector.admit(h, rounds, deadline).await else {
-            return Err(ClientError::Timeout(self.inner.cfg.request_timeout));
+        let Some((adm, probes)) = self.inner.selector.admit(h, rounds, tokio::time::Instant::now() + wait).await else {
+            return match region {
+                Region::Node => Err(ClientError::Timeout(timeout)),
+                Region::Shard(_) => self.rpc_get_hinting(key, attached.as_deref()).await,
+            };
         };
         for p in probes {
-            self.spawn_probe(p, key, region, attached.clone());
+            self.spawn_probe(p, key, region);
         }
         match (adm.path, attached) {
             (Path::OneSided, Some(path)) => self.one_sided_or_rpc(region, &path, key, Some(adm)).await,
@@ -484,6 +495,13 @@ impl Session {
         self.report_accesses(path);
         let (got, t) = match path.get_traced(key).await {
             Ok(r) => r,
+            // Outside its lease a shard's region is not broken: the read
+            // cost a round trip and the leader answers over RPC, priced
+            // as a GET that gave up. Failing the admission would mark
+            // one-sided reads down for every shard of the node.
+            Err(BackendError::Unleased) => {
+                return Ok(Measured::AskServer(GaveUp { adm, round_trips: 1, retries: 0 }));
+            }
             Err(e) => {
                 if let Some(adm) = adm {
                     adm.fail();
@@ -540,9 +558,6 @@ impl Session {
         match self.measured_one_sided_get(path, key, adm).await {
             Ok(Measured::Done(r)) => Ok(r),
             Ok(Measured::AskServer(gave_up)) => self.ask_server(key, gave_up, region.hinted(path)).await,
-            // Outside its lease, the region is the leader's still (or again
-            // soon): the RPC's reply hints it.
-            Err(BackendError::Unleased) => self.rpc_get_hinting(key, region.hinted(path)).await,
             Err(e) => {
                 // The failure moved traffic to RPC; this GET goes there too.
                 self.path_failed(region, path, &e);
@@ -632,25 +647,32 @@ impl Session {
 
     /// Sends a background copy of a GET down the path of `probe`, to keep
     /// that path's estimates fresh; its answer is dropped.
-    /// `attached`: `region`'s path when the GET was admitted.
-    fn spawn_probe(&self, probe: Admission, key: &[u8], region: Region, attached: Option<Arc<OneSided>>) {
-        let client = self.clone();
+    /// The probe reads `region`'s path attached when it runs (one attached
+    /// since its admission is the one to price).
+    fn spawn_probe(&self, probe: Admission, key: &[u8], region: Region) {
+        let session = self.clone();
         let key = Bytes::copy_from_slice(key);
         tokio::spawn(async move {
-            let timeout = client.inner.cfg.request_timeout;
+            let timeout = session.inner.cfg.request_timeout;
+            let attached = match region {
+                Region::Node => session.inner.path.lock().expect("path lock poisoned").attached.clone(),
+                Region::Shard(s) => session.attached_shard_path(s),
+            };
             match probe.path {
                 Path::Rpc => {
                     let hinted = attached.as_deref().and_then(|p| region.hinted(p));
-                    let _ = client.measured_rpc_get(&key, Some(probe), hinted).await;
+                    let _ = session.measured_rpc_get(&key, Some(probe), hinted).await;
                 }
                 Path::OneSided => {
                     // Not attached: dropping the probe cancels it.
                     let Some(path) = attached else { return };
                     match tokio::time::timeout(timeout, path.get_traced(&key)).await {
                         Ok(Ok((_, t))) => probe.complete(t.round_trips, t.retries),
+                        // Unleased for now: dropping the probe cancels it.
+                        Ok(Err(BackendError::Unleased)) => drop(probe),
                         Ok(Err(e)) => {
                             probe.fail();
-                            client.path_failed(region, &path, &e);
+                            session.path_failed(region, &path, &e);
                         }
                         Err(_) => probe.fail(),
                     }
@@ -678,7 +700,7 @@ impl Session {
         }
     }
 
-    /// [`Session::put`] on this node, without routing.
+    /// Stores `value` under `key` on this node; returns the write's version.
     pub async fn put(&self, key: &[u8], value: &[u8]) -> Result<u64, ClientError> {
         self.put_with(key, value, None).await
     }
@@ -703,7 +725,7 @@ impl Session {
         }
     }
 
-    /// [`Session::delete`] on this node, without routing.
+    /// Removes `key` on this node; returns whether it existed.
     pub async fn delete(&self, key: &[u8]) -> Result<bool, ClientError> {
         self.delete_with(key, None).await
     }
@@ -721,7 +743,9 @@ impl Session {
         }
     }
 
-    /// [`Session::multi_get`] on this node, without routing.
+    /// Reads many keys from this node, in the order of `keys`, down the
+    /// path [`ReadPath`] says (a batch follows the path single GETs
+    /// prefer now).
     pub async fn multi_get<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Option<Bytes>>, ClientError> {
         match self.inner.cfg.read_path {
             ReadPath::Rpc => {}
@@ -892,7 +916,6 @@ fn attach_reason(e: BackendError) -> String {
     }
 }
 
-// A cluster node session's reads.
 // A cluster node session's reads: one-sided on the region of the key's
 // shard replica on that node while the replica leads and holds its lease,
 // over RPC (a linearizable read on the leader) otherwise.

@@ -5,7 +5,7 @@
 //! are plain copies from the mapping.
 //!
 //! This is the hot path of a same-host reader: every GET of the async
-//! client over shm runs here, and [`crate::BlockingClient::get_into`] runs
+//! client over shm runs here, and [`crate::blocking::Client::get_into`] runs
 //! it without a runtime at all.
 
 use std::sync::atomic::Ordering;
