@@ -2,12 +2,14 @@
 //! `dmkv_common::layout`, the store that writes it, and the RPC service.
 //!
 //! Where a request goes: [`framed`] reads it off its connection, [`service`]
-//! decodes it, [`store`] runs it against the [`region`], whose space
-//! [`alloc`] hands out. One-sided GETs never reach the service or the
-//! store: same-host clients map the region after a [`shm`] handoff, others
-//! read it through the [`engine`] (served by the same [`framed`] loop);
-//! both check the [`registration`]. All three listeners accept through
-//! [`listen`], which bounds how many connections each serves.
+//! decodes it, the [`node`] runs it (a single node's [`store`], or a
+//! cluster node's shard replicas), and the store runs it against the
+//! [`region`], whose space [`alloc`] hands out. One-sided GETs never reach
+//! the service or the store: same-host clients map the region after a
+//! [`shm`] handoff, others read it through the [`engine`] (served by the
+//! same [`framed`] loop); both check the [`registration`]. All three
+//! listeners accept through [`listen`], which bounds how many connections
+//! each serves.
 
 pub mod access;
 pub mod alloc;
@@ -23,6 +25,7 @@ pub mod listen;
 pub mod lock;
 pub mod memcache;
 pub mod metrics;
+pub mod node;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 pub mod region;
@@ -42,9 +45,10 @@ use tracing::{info, warn};
 
 pub use config::Config;
 use config::validate::plain;
+use node::Node;
+#[cfg(feature = "rdma")]
 use region::Region;
 use service::Shared;
-use store::Store;
 
 /// A bound, formatted server, ready to serve.
 pub struct Server {
@@ -69,11 +73,13 @@ pub struct Server {
 }
 
 impl Server {
-    /// Creates the region, formats it, and binds the RPC listener.
+    /// Creates the region, formats it, and binds the RPC listener (a
+    /// cluster node: starts its shard replicas, whose regions hold the
+    /// data, and binds the peer listener too).
     pub async fn bind(cfg: &Config) -> std::io::Result<Server> {
         let stop = watch::channel(false);
         let invalid = |e: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, e);
-        let (cluster, peer) = match &cfg.cluster {
+        let (node, peer) = match &cfg.cluster {
             Some(setup) => {
                 let me = setup.config.node(setup.node_id).map_err(invalid)?;
                 let peer = TcpListener::bind(me.peer).await.map_err(|e| bind_error("peer", me.peer, e))?;
@@ -81,6 +87,20 @@ impl Server {
                     warn!(
                         "cluster node in memory only (no --data-dir): after a restart its replicas rejoin as new \
                          members and copy their shards from the leaders (docs/replication.md)"
+                    );
+                }
+                // Config refuses these on a cluster node; a Config built
+                // in code is held to the same.
+                if cfg.memcached_listen.is_some() {
+                    return Err(invalid("--memcached-listen: not served in cluster mode".into()));
+                }
+                if cfg.evict == config::Evict::Lru {
+                    return Err(invalid("--evict lru: not served in cluster mode".into()));
+                }
+                if cfg.rkey_rotate.is_some() {
+                    warn!(
+                        "--rkey-rotate-secs: not served in cluster mode (each shard's leader registers its \
+                         region anew when it takes over)"
                     );
                 }
                 if cfg.tls.is_some() {
@@ -95,34 +115,23 @@ impl Server {
                 };
                 let node = cluster::node::ClusterNode::start(setup, params, stop.1.clone())
                     .map_err(|e| invalid(format!("cluster node {}: {e}", setup.node_id)))?;
-                (Some(Arc::new(node)), Some(peer))
+                (Node::Cluster(Arc::new(node)), Some(peer))
             }
-            None => (None, None),
+            None => {
+                let single = node::SingleNode::format(&node::SingleParams {
+                    memory: cfg.memory,
+                    buckets: cfg.buckets,
+                    grace: cfg.grace,
+                    evict: cfg.evict == config::Evict::Lru,
+                    compactor: cfg.compactor,
+                })?;
+                #[cfg(feature = "rdma")]
+                let rdma = open_rdma(cfg, single.store().region())?;
+                #[cfg(feature = "rdma")]
+                let single = single.with_rdma(rdma);
+                (Node::Single(Arc::new(single)), None)
+            }
         };
-        // In a cluster the shards' regions hold the data (and are what
-        // one-sided readers read); the node's own region is the smallest
-        // there is.
-        let (own_memory, own_buckets) = match cluster {
-            Some(_) => (dmkv_common::limits::MIN_REGION_LEN as u64, 1),
-            None => (cfg.memory, cfg.buckets),
-        };
-        let region = Arc::new(Region::create("dmkv-region", own_memory as usize).map_err(|e| {
-            let size = config::human(own_memory);
-            std::io::Error::new(e.kind(), format!("--memory: cannot create a {size} region: {}", plain(&e)))
-        })?);
-        let seed: u64 = rand::random();
-        // Epochs start at a random value so a restarted server never reuses one.
-        let epoch: u64 = rand::random::<u32>() as u64 + 1;
-        let store = Arc::new(
-            Store::format(region, own_buckets, seed, epoch, cfg.grace)
-                .map_err(|e| invalid(format!("--memory, --buckets: cannot lay out the region: {e}")))?,
-        );
-        if cfg.evict == config::Evict::Lru {
-            store::evict::start(&store)
-                .map_err(|e| std::io::Error::new(e.kind(), format!("cannot start eviction: {e}")))?;
-        }
-        let compactor = compact::Compactor::spawn(Arc::clone(&store), cfg.compactor)
-            .map_err(|e| std::io::Error::new(e.kind(), format!("cannot start the compactor: {e}")))?;
         let listener = TcpListener::bind(cfg.listen).await.map_err(|e| bind_error("rpc", cfg.listen, e))?;
         let engine = match cfg.engine_listen {
             Some(addr) => Some(TcpListener::bind(addr).await.map_err(|e| bind_error("engine", addr, e))?),
@@ -144,15 +153,8 @@ impl Server {
             Some(files) => Some(tls::acceptor(files).map_err(invalid)?),
             None => None,
         };
-        let registration = Arc::new(registration::Registration::new(*store.header()));
-        #[cfg(feature = "rdma")]
-        let rdma = open_rdma(cfg, store.region())?;
         let shared = Arc::new(Shared {
-            store,
-            compactor,
             max_frame: cfg.max_frame,
-            registration,
-            region_id: 0,
             engine_addr: engine.as_ref().map(|l| l.local_addr()).transpose()?,
             shm_socket: shm.as_ref().map(|s| s.path().to_path_buf()),
             host_id: dmkv_common::host::host_id(),
@@ -161,12 +163,10 @@ impl Server {
             engine_tls: tls.is_some() && engine.is_some(),
             tls,
             limits: framed::Limits { idle_timeout: cfg.idle_timeout, frame_timeout: cfg.frame_timeout },
-            #[cfg(feature = "rdma")]
-            rdma,
-            raft: cluster.as_ref().map(|c| c.sink() as Arc<dyn cluster::wire::RaftSink>),
+            raft: node.cluster().map(|c| c.sink() as Arc<dyn cluster::wire::RaftSink>),
             time_namespace: dmkv_common::host::time_namespace(),
             peer_ips: cfg.cluster.as_ref().map(|c| cluster::identity::PeerIps::of(&c.config)).unwrap_or_default(),
-            cluster,
+            node,
             metrics: Arc::default(),
         });
         Ok(Server {
@@ -178,7 +178,8 @@ impl Server {
             max_engine_connections: cfg.max_engine_connections,
             max_shm_connections: cfg.max_shm_connections,
             max_memcached_connections: cfg.max_memcached_connections,
-            rkey_rotate: cfg.rkey_rotate,
+            // Nothing of a cluster node's is the service's to rotate.
+            rkey_rotate: cfg.rkey_rotate.filter(|_| cfg.cluster.is_none()),
             peer,
             metrics,
             memcached,
@@ -198,7 +199,7 @@ impl Server {
     }
 
     /// Test hook: the state the service shares, to reach the store while
-    /// the server runs (e.g. [`Store::scribble_for_tests`]).
+    /// the server runs (e.g. [`store::Store::scribble_for_tests`]).
     #[doc(hidden)]
     pub fn shared_for_tests(&self) -> Arc<Shared> {
         Arc::clone(&self.shared)
@@ -223,7 +224,7 @@ impl Server {
             line += &format!(" memcached={a}");
         }
         #[cfg(feature = "rdma")]
-        if let Some(r) = &self.shared.rdma {
+        if let Some(r) = self.shared.node.single().and_then(|s| s.rdma()) {
             line += &format!(" rdma={}", r.device_name());
         }
         line
@@ -264,18 +265,7 @@ impl Server {
         }
         // What one-sided readers may read: the node's region, or in a
         // cluster each of its shard replicas' (read only under a lease).
-        let served: Arc<[registration::Served]> = match &self.shared.cluster {
-            Some(node) => node
-                .regions()
-                .into_iter()
-                .map(|(_, store, reg)| registration::Served { region: Arc::clone(store.region()), reg })
-                .collect(),
-            None => vec![registration::Served {
-                region: Arc::clone(self.shared.store.region()),
-                reg: Arc::clone(&self.shared.registration),
-            }]
-            .into(),
-        };
+        let served = self.shared.node.served();
         if let Some(l) = self.engine.filter(|_| !served.is_empty()) {
             let engine = engine::Engine {
                 regions: Arc::clone(&served),
@@ -317,7 +307,7 @@ impl Server {
                 loop {
                     tokio::select! {
                         _ = tick.tick() => {
-                            match service::reregister(&shared) {
+                            match shared.node.reregister() {
                                 Ok(_) => {
                                     shared.metrics.rkey_rotations.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                                 }
@@ -329,10 +319,12 @@ impl Server {
                 }
             });
         }
-        if let Some(l) = self.memcached {
+        // `bind` refuses the memcached port on a cluster node.
+        if let (Some(l), Some(single)) = (self.memcached, self.shared.node.single()) {
             let (rx, srx) = (stop_rx.clone(), stop_rx.clone());
             let svc = Arc::new(memcache::Service::new(
                 Arc::clone(&self.shared),
+                Arc::clone(single),
                 self.threads,
                 self.max_memcached_connections,
             ));
@@ -385,7 +377,7 @@ impl Server {
             warn!("connections still open after the drain deadline; closing them");
         }
         while side.join_next().await.is_some() {}
-        if let Some(node) = self.shared.cluster.clone() {
+        if let Some(node) = self.shared.node.cluster().cloned() {
             // Joins threads and syncs the log: off the async workers.
             let _ = tokio::task::spawn_blocking(move || node.shut_down()).await;
         }

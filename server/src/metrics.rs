@@ -51,7 +51,7 @@ pub fn readiness(shared: &Shared) -> Result<(), String> {
     if let Some(why) = shared.metrics.failed.get() {
         return Err(why.clone());
     }
-    if let Some(node) = &shared.cluster {
+    if let Some(node) = shared.node.cluster() {
         for (shard, st) in node.statuses() {
             if st.role() == "stopped" {
                 return Err(format!("shard {shard}: replica stopped (see the log)"));
@@ -192,10 +192,7 @@ impl Collector for Scrape {
         )?;
         // Read from the registrations themselves: a cluster leader's fence
         // re-registers its shard's region without going through the service.
-        let registrations = match &shared.cluster {
-            Some(node) => node.regions().iter().map(|(_, _, reg)| reg.registrations()).sum(),
-            None => shared.registration.registrations(),
-        };
+        let registrations = shared.node.registrations();
         counter(
             &mut enc,
             "dmkv_region_registrations",
@@ -233,7 +230,7 @@ impl Collector for Scrape {
             "Bytes the compactor moved to defragment free space.",
             g(space.moved),
         )?;
-        if let Some(node) = &shared.cluster {
+        if let Some(node) = shared.node.cluster() {
             shard_families(&mut enc, node)?;
         }
         Ok(())
@@ -254,10 +251,7 @@ struct Space {
 }
 
 fn space(shared: &Shared) -> Space {
-    let stores: Vec<&Arc<crate::store::Store>> = match &shared.cluster {
-        Some(node) => node.stores().collect(),
-        None => vec![&shared.store],
-    };
+    let stores = shared.node.stores();
     let unit = dmkv_common::limits::UNIT as u64;
     let mut s = Space::default();
     for st in stores {

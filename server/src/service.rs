@@ -1,16 +1,16 @@
 //! The RPC service: one task per TCP connection runs each request against
-//! the store; [`framed`] reads the requests and coalesces the replies.
+//! the [`Node`] (a single node's store or a cluster node's shards, through
+//! one dispatch); [`framed`] reads the requests and coalesces the replies.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use bytes::BytesMut;
+use dmkv_common::PROTOCOL_VERSION;
 use dmkv_common::error::Error as StoreError;
 use dmkv_common::frame::{self, Decoder, FrameError};
-use dmkv_common::limits::MAX_MULTI_GET_KEYS;
 use dmkv_common::proto::{self, ErrorCode, Request, Response, request::Op, response::Result as R};
-use dmkv_common::{PROTOCOL_VERSION, layout::LAYOUT_VERSION};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
@@ -18,22 +18,17 @@ use dmkv_common::auth::{Purpose, Role};
 
 use crate::access::Gate;
 use crate::cluster::identity::{self, PeerIps, Sender};
-use crate::cluster::node::{ClusterError, ClusterNode};
-use crate::compact::Compactor;
+use crate::cluster::node::ClusterError;
+use crate::cluster::shard::JoinStep;
 use crate::counters::EngineCounters;
 use crate::framed;
-use crate::kv;
-use crate::registration::Registration;
-use crate::store::Store;
+use crate::node::{Found, Node, NodeError};
 
 /// What the service shares between connections.
 pub struct Shared {
-    pub store: Arc<Store>,
-    /// Defragments the store's memory, and frees room for a PUT that needs it.
-    pub compactor: Compactor,
+    /// What the node serves: a store of its own, or shard replicas.
+    pub node: Node,
     pub max_frame: usize,
-    pub registration: Arc<Registration>,
-    pub region_id: u32,
     pub engine_addr: Option<std::net::SocketAddr>,
     pub shm_socket: Option<std::path::PathBuf>,
     pub host_id: String,
@@ -46,8 +41,6 @@ pub struct Shared {
     pub tls: Option<tokio_rustls::TlsAcceptor>,
     /// How long a connection may keep the server waiting.
     pub limits: framed::Limits,
-    #[cfg(feature = "rdma")]
-    pub rdma: Option<crate::rdma::RdmaRegion>,
     /// This process's time namespace (see `dmkv_common::host`), for
     /// region info.
     pub time_namespace: u64,
@@ -56,19 +49,8 @@ pub struct Shared {
     /// Without secrets, which node a peer-port connection is, by its
     /// source IP (see `cluster::identity`).
     pub peer_ips: PeerIps,
-    /// This node's shard replicas; `None` outside a cluster (then `store`
-    /// holds the data; in a cluster the shards' stores do).
-    pub cluster: Option<Arc<ClusterNode>>,
     /// Request counts and latencies, per-listener bytes and connections.
     pub metrics: Arc<crate::counters::Metrics>,
-}
-
-impl Shared {
-    /// The store's semantics (expiry, conditional writes, waiting for
-    /// room) over this server's store and compactor.
-    pub fn kv(&self) -> crate::kv::Kv<'_> {
-        crate::kv::Kv::new(&self.store, &self.compactor)
-    }
 }
 
 /// What a connection owns besides its socket.
@@ -184,7 +166,7 @@ impl Requests {
     /// a connection's writes reach the shard in order; replies may come
     /// back out of order (they carry the request's id).
     fn deferrable(&self, req: &Request) -> bool {
-        self.shared.cluster.is_some()
+        self.shared.node.cluster().is_some()
             && !self.state.peer_port
             && self.state.role.is_none_or(|r| r.allows(Role::Data))
             && matches!(req.op, Some(Op::Put(_) | Op::Delete(_) | Op::Get(_) | Op::MultiGet(_)))
@@ -201,12 +183,10 @@ impl Requests {
         self.deferred.push(Box::pin(async move {
             let (id, max_frame) = (req.id, shared.max_frame);
             let op_index = crate::counters::op_index(req.op.as_ref());
-            let node = shared.cluster.as_ref().expect("deferrable: a cluster node");
-            let op = req.op.expect("deferrable: a data op");
-            let resp = match cluster_request(node, max_frame, &op).await {
-                Some(Ok(result)) => Response { id, result: Some(result) },
-                Some(Err(e)) => Response { id, result: Some(R::Error(e)) },
-                None => error(id, ErrorCode::UnknownOp, "not a data request".into()),
+            let resp = match req.op {
+                Some(op) => reply(id, node_op(&shared, op).await),
+                // `deferrable` takes data ops only.
+                None => error(id, ErrorCode::UnknownOp, "request has no operation this server knows".into()),
             };
             shared.metrics.record(op_index, &resp, started.elapsed());
             let mut b = BytesMut::new();
@@ -389,7 +369,7 @@ fn error(id: u64, code: ErrorCode, message: String) -> Response {
     Response { id, result: Some(R::Error(proto::Error { code: code as i32, message, ..Default::default() })) }
 }
 
-fn store_error(id: u64, e: StoreError) -> Response {
+fn store_refusal(e: StoreError) -> proto::Error {
     let code = match e {
         StoreError::EmptyKey => ErrorCode::BadRequest,
         StoreError::KeyTooLarge(_) => ErrorCode::KeyTooLarge,
@@ -401,11 +381,11 @@ fn store_error(id: u64, e: StoreError) -> Response {
         StoreError::NotFound => ErrorCode::NotFound,
         StoreError::NotNumeric => ErrorCode::NotNumeric,
     };
-    error(id, code, e.to_string())
+    plain(code, e.to_string())
 }
 
 /// A GET's reply with the item and where its slot is (see `GetReply`).
-fn found(item: crate::kv::Item, at: crate::store::Location) -> proto::GetReply {
+fn found(Found { item, at }: Found) -> proto::GetReply {
     proto::GetReply {
         found: true,
         value: item.value,
@@ -420,7 +400,6 @@ fn found(item: crate::kv::Item, at: crate::store::Location) -> proto::GetReply {
 
 async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response {
     let id = req.id;
-    let store = &shared.store;
     if let Some(why) = req.op.as_ref().and_then(|op| misplaced(shared, conn, op)) {
         if conn.peer_port && !std::mem::replace(&mut conn.refusal_logged, true) {
             let peer = conn.peer.map_or_else(|| "unknown".to_string(), |ip| ip.to_string());
@@ -439,14 +418,6 @@ async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response
             ErrorCode::PermissionDenied,
             format!("the {} role may not do this; it needs {}", role.name(), needed_role(op).name()),
         );
-    }
-    if let (Some(node), Some(op)) = (&shared.cluster, &req.op)
-        && let Some(r) = cluster_request(node, shared.max_frame, op).await
-    {
-        return match r {
-            Ok(result) => Response { id, result: Some(result) },
-            Err(e) => Response { id, result: Some(R::Error(e)) },
-        };
     }
     let result = match req.op {
         None => return error(id, ErrorCode::UnknownOp, "request has no operation this server knows".into()),
@@ -472,7 +443,7 @@ async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response
                 protocol_version: PROTOCOL_VERSION,
                 server_version: env!("CARGO_PKG_VERSION").into(),
                 auth_nonce,
-                cluster: shared.cluster.is_some(),
+                cluster: shared.node.cluster().is_some(),
                 max_frame: u32::try_from(shared.max_frame).unwrap_or(u32::MAX),
             })
         }
@@ -486,221 +457,91 @@ async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response
             }
             _ => return error(id, ErrorCode::BadRequest, "this server has no authentication configured".into()),
         },
-        Some(Op::Put(p)) => {
-            let w = write_of(&p, crate::clock::now_ms());
-            match kv::write(&shared.kv(), &p.key, &w).await {
-                Ok(meta) => R::Put(proto::PutReply { version: meta.version }),
-                Err(e) => return store_error(id, e),
-            }
-        }
-        Some(Op::Get(g)) => match store.get_item(&g.key, crate::clock::now_ms()) {
-            Ok(Some((item, at))) => R::Get(found(item, at)),
-            Ok(None) => R::Get(proto::GetReply::default()),
-            Err(e) => return store_error(id, e),
-        },
-        Some(Op::Delete(d)) => match kv::delete(&shared.kv(), &d.key, d.cas) {
-            Ok(existed) => R::Delete(proto::DeleteReply { existed }),
-            Err(e) => return store_error(id, e),
-        },
-        Some(Op::Arith(a)) => {
-            let arith = arith_of(&a, crate::clock::now_ms());
-            match kv::arith(&shared.kv(), &a.key, &arith).await {
-                Ok((value, meta)) => R::Arith(proto::ArithReply { value, version: meta.version }),
-                Err(e) => return store_error(id, e),
-            }
-        }
-        Some(Op::Touch(t)) => {
-            let at = expiry_of(t.ttl_secs, t.expires_at, crate::clock::now_ms());
-            match kv::touch(&shared.kv(), &t.key, at).await {
-                Ok(Some(item)) => {
-                    let mut r = found(item, crate::store::Location { which: 0, index: 0, slot: 0 });
-                    if !t.get {
-                        r.value = Default::default();
-                    }
-                    R::Touch(r)
-                }
-                Ok(None) => R::Touch(proto::GetReply::default()),
-                Err(e) => return store_error(id, e),
-            }
-        }
-        Some(Op::AccessReport(r)) => {
-            store.note_remote_accesses(&r.units);
-            R::AccessReport(proto::AccessReportReply {})
-        }
-        Some(Op::MultiGet(m)) => {
-            if m.keys.len() > MAX_MULTI_GET_KEYS {
-                return error(
-                    id,
-                    ErrorCode::BadRequest,
-                    format!("multi-get of {} keys exceeds the limit of {MAX_MULTI_GET_KEYS}", m.keys.len()),
-                );
-            }
-            let mut values = Vec::with_capacity(m.keys.len());
-            let mut value_bytes = 0usize;
-            for k in &m.keys {
-                match store.get_item(k, crate::clock::now_ms()) {
-                    Ok(Some((item, at))) => {
-                        // Values past the frame limit cannot be sent: refuse as
-                        // soon as they are, rather than first gathering up to
-                        // MAX_MULTI_GET_KEYS maximum values (a gigabyte) that
-                        // one small request can ask for.
-                        value_bytes += item.value.len();
-                        if value_bytes > shared.max_frame {
-                            return too_large(id, shared.max_frame);
-                        }
-                        values.push(found(item, at))
-                    }
-                    Ok(None) => values.push(proto::GetReply::default()),
-                    Err(e) => return store_error(id, e),
-                }
-            }
-            R::MultiGet(proto::MultiGetReply { values })
-        }
-        Some(Op::Stats(_)) => R::Stats(proto::StatsReply { counters: stats(shared) }),
-        Some(Op::RegionInfo(_)) => R::RegionInfo(region_info(shared)),
         Some(Op::RdmaConnect(c)) => match rdma_connect(shared, conn, &c.endpoint) {
             Ok(r) => R::RdmaConnect(r),
             Err(e) => return e.with_id(id),
         },
-        Some(Op::Raft(batch)) => match &shared.raft {
-            None => return error(id, ErrorCode::BadRequest, "this node is not part of a cluster".into()),
-            Some(sink) => match crate::cluster::wire::decode(&batch) {
-                Ok(msgs) => R::Raft(proto::RaftReply { accepted: sink.deliver(batch.from_node, msgs) as u32 }),
-                Err(e) => return error(id, ErrorCode::BadRequest, e.to_string()),
-            },
-        },
-        Some(Op::GetMap(_) | Op::JoinShard(_) | Op::ReplaceReplica(_) | Op::SnapshotChunk(_)) => {
-            return error(id, ErrorCode::BadRequest, "this node is not part of a cluster".into());
-        }
-        Some(Op::Reregister(_)) => match reregister(shared) {
-            Ok(_) => R::Reregister(region_info(shared)),
-            Err(e) => return error(id, ErrorCode::Internal, e),
-        },
+        Some(op) => return reply(id, node_op(shared, op).await),
     };
     Response { id, result: Some(result) }
 }
 
-/// The expiry a request asks for: `expires_at` if given, else `ttl_secs`
-/// from the server's `now_ms` (both 0: never).
-pub fn expiry_of(ttl_secs: u64, expires_at: u32, now_ms: u64) -> u32 {
-    if expires_at != 0 { expires_at } else { dmkv_common::expiry::from_ttl(ttl_secs, now_ms) }
+fn reply(id: u64, r: Result<R, proto::Error>) -> Response {
+    Response { id, result: Some(r.unwrap_or_else(R::Error)) }
 }
 
-/// The store write a PUT asks for.
-fn write_of(p: &proto::Put, now_ms: u64) -> kv::Write<'_> {
-    let mode = match proto::PutMode::try_from(p.mode).unwrap_or(proto::PutMode::Set) {
-        proto::PutMode::Set => kv::Mode::Set,
-        proto::PutMode::Add => kv::Mode::Add,
-        proto::PutMode::Replace => kv::Mode::Replace,
-        proto::PutMode::Append => kv::Mode::Append,
-        proto::PutMode::Prepend => kv::Mode::Prepend,
-    };
-    kv::Write {
-        value: &p.value,
-        mode,
-        flags: p.flags,
-        expiry: kv::Expiry::At(expiry_of(p.ttl_secs, p.expires_at, now_ms)),
-        cas: p.cas,
-        vivify: p.vivify,
-    }
-}
-
-/// The store counter operation an ARITH asks for: the item keeps its
-/// expiry unless the request gives one.
-fn arith_of(a: &proto::Arith, now_ms: u64) -> kv::Arith {
-    let at = expiry_of(a.ttl_secs, a.expires_at, now_ms);
-    kv::Arith {
-        delta: a.delta,
-        incr: !a.decrement,
-        cas: a.cas,
-        vivify: a.vivify.then_some((a.initial, at)),
-        expiry: if at == 0 { kv::Expiry::Keep } else { kv::Expiry::At(at) },
-    }
-}
-
-/// What a cluster node answers to a write it cannot replicate.
-const NOT_REPLICATED: &str =
-    "flags, expiry, CAS, write modes, counters and touch are not replicated yet: use a single node for them";
-
-/// Whether a PUT asks for nothing but key, value (and write id).
-fn plain_put(p: &proto::Put) -> bool {
-    p.flags == 0 && p.ttl_secs == 0 && p.expires_at == 0 && p.cas == 0 && p.mode == 0 && !p.vivify
-}
-
-/// A GET reply of a cluster shard's item (no flags or expiry there yet).
-fn found_plain(value: bytes::Bytes, version: u64, at: crate::store::Location) -> proto::GetReply {
-    found(kv::Item { value, meta: kv::ItemMeta { version, ..Default::default() } }, at)
-}
-
-/// Runs a data request on a cluster node (`None`: not a data request).
-async fn cluster_request(node: &ClusterNode, max_frame: usize, op: &Op) -> Option<Result<R, proto::Error>> {
-    Some(
-        match op {
-            Op::Put(p) if !plain_put(p) => return Some(Err(plain(ErrorCode::BadRequest, NOT_REPLICATED.into()))),
-            Op::Delete(d) if d.cas != 0 => return Some(Err(plain(ErrorCode::BadRequest, NOT_REPLICATED.into()))),
-            Op::Arith(_) | Op::Touch(_) => return Some(Err(plain(ErrorCode::BadRequest, NOT_REPLICATED.into()))),
-            // Cluster shards do not evict (an eviction would have to go
-            // through raft): nothing to report to.
-            Op::AccessReport(_) => return Some(Ok(R::AccessReport(proto::AccessReportReply {}))),
-            Op::Put(p) => {
-                node.put(&p.key, &p.value, p.write_id).await.map(|version| R::Put(proto::PutReply { version }))
-            }
-            Op::Delete(d) => {
-                node.delete(&d.key, d.write_id).await.map(|existed| R::Delete(proto::DeleteReply { existed }))
-            }
-            Op::Get(g) => node.get(&g.key).await.map(|v| {
-                R::Get(v.map_or_else(proto::GetReply::default, |(value, version, at)| found_plain(value, version, at)))
-            }),
-            Op::MultiGet(m) => {
-                if m.keys.len() > MAX_MULTI_GET_KEYS {
-                    return Some(Err(plain(
-                        ErrorCode::BadRequest,
-                        format!("multi-get of {} keys exceeds the limit of {MAX_MULTI_GET_KEYS}", m.keys.len()),
-                    )));
-                }
-                let got = match node.multi_get(&m.keys).await {
-                    Ok(got) => got,
-                    Err(e) => return Some(Err(cluster_refusal(e))),
-                };
-                let mut values = Vec::with_capacity(got.len());
-                let mut bytes = 0usize;
-                for v in got {
-                    match v {
-                        Some((value, version, at)) => {
-                            bytes += value.len();
-                            if bytes > max_frame {
-                                return Some(Err(plain(
-                                    ErrorCode::ResponseTooLarge,
-                                    format!("reply exceeds the maximum frame of {max_frame} bytes"),
-                                )));
-                            }
-                            values.push(found_plain(value, version, at));
-                        }
-                        None => values.push(proto::GetReply::default()),
-                    }
-                }
-                return Some(Ok(R::MultiGet(proto::MultiGetReply { values })));
-            }
-            Op::GetMap(_) => return Some(Ok(R::Map(node.map_reply()))),
-            Op::JoinShard(j) => node.join_shard(j.shard, j.replica_id).await.map(|step| {
-                R::JoinShard(proto::JoinShardReply {
-                    done: step == crate::cluster::shard::JoinStep::Done,
-                    step: format!("{step:?}"),
-                })
-            }),
-            Op::ReplaceReplica(r) => node
-                .replace_replica(r.shard)
-                .await
-                .map(|replica_id| R::ReplaceReplica(proto::ReplaceReplicaReply { replica_id })),
-            Op::SnapshotChunk(c) => node.receive_snapshot(c.clone()).await.map(R::SnapshotChunk),
-            _ => return None,
+/// Runs an op of what the node serves (every op but the connection's own:
+/// HELLO, AUTHENTICATE, RDMA setup), single or cluster alike.
+async fn node_op(shared: &Shared, op: Op) -> Result<R, proto::Error> {
+    let node = &shared.node;
+    let r = match op {
+        Op::Put(p) => node.put(&p).await.map(|version| R::Put(proto::PutReply { version })),
+        Op::Get(g) => node.get(&g.key).await.map(|f| R::Get(f.map_or_else(proto::GetReply::default, found))),
+        Op::Delete(d) => node.delete(&d).await.map(|existed| R::Delete(proto::DeleteReply { existed })),
+        Op::Arith(a) => {
+            node.arith(&a).await.map(|(value, meta)| R::Arith(proto::ArithReply { value, version: meta.version }))
         }
-        .map_err(cluster_refusal),
-    )
+        Op::Touch(t) => node.touch(&t).await.map(|item| {
+            R::Touch(item.map_or_else(proto::GetReply::default, |item| {
+                let at = crate::store::Location { which: 0, index: 0, slot: 0 };
+                let mut r = found(Found { item, at });
+                if !t.get {
+                    r.value = Default::default();
+                }
+                r
+            }))
+        }),
+        Op::AccessReport(r) => {
+            node.note_accesses(&r.units);
+            Ok(R::AccessReport(proto::AccessReportReply {}))
+        }
+        Op::MultiGet(m) => node.multi_get(&m.keys, shared.max_frame).await.map(|values| {
+            let values = values.into_iter().map(|f| f.map_or_else(proto::GetReply::default, found)).collect();
+            R::MultiGet(proto::MultiGetReply { values })
+        }),
+        Op::Stats(_) => Ok(R::Stats(proto::StatsReply { counters: stats(shared) })),
+        Op::RegionInfo(_) => Ok(R::RegionInfo(region_info(shared))),
+        Op::Reregister(_) => node.reregister().map(|_| R::Reregister(region_info(shared))),
+        Op::GetMap(_) => node.map_reply().map(R::Map),
+        Op::JoinShard(j) => node.join_shard(j.shard, j.replica_id).await.map(|step| {
+            R::JoinShard(proto::JoinShardReply { done: step == JoinStep::Done, step: format!("{step:?}") })
+        }),
+        Op::ReplaceReplica(r) => node
+            .replace_replica(r.shard)
+            .await
+            .map(|replica_id| R::ReplaceReplica(proto::ReplaceReplicaReply { replica_id })),
+        Op::SnapshotChunk(c) => node.receive_snapshot(c).await.map(R::SnapshotChunk),
+        Op::Raft(batch) => {
+            return match &shared.raft {
+                None => Err(plain(ErrorCode::BadRequest, "this node is not part of a cluster".into())),
+                Some(sink) => match crate::cluster::wire::decode(&batch) {
+                    Ok(msgs) => Ok(R::Raft(proto::RaftReply { accepted: sink.deliver(batch.from_node, msgs) as u32 })),
+                    Err(e) => Err(plain(ErrorCode::BadRequest, e.to_string())),
+                },
+            };
+        }
+        // The connection's own ops: `handle` answers them.
+        Op::Hello(_) | Op::Authenticate(_) | Op::RdmaConnect(_) => {
+            return Err(plain(ErrorCode::BadRequest, "not an operation of the node".into()));
+        }
+    };
+    r.map_err(node_refusal)
 }
 
 fn plain(code: ErrorCode, message: String) -> proto::Error {
     proto::Error { code: code as i32, message, ..Default::default() }
+}
+
+fn node_refusal(e: NodeError) -> proto::Error {
+    match e {
+        NodeError::Store(e) => store_refusal(e),
+        NodeError::Cluster(e) => cluster_refusal(e),
+        NodeError::BadRequest(m) => plain(ErrorCode::BadRequest, m),
+        NodeError::TooLarge(max_frame) => {
+            plain(ErrorCode::ResponseTooLarge, format!("reply exceeds the maximum frame of {max_frame} bytes"))
+        }
+        NodeError::Internal(m) => plain(ErrorCode::Internal, m),
+    }
 }
 
 fn cluster_refusal(e: ClusterError) -> proto::Error {
@@ -719,24 +560,9 @@ fn cluster_refusal(e: ClusterError) -> proto::Error {
             ErrorCode::Uncertain,
             "leadership changed before the write committed: it may or may not have taken effect".into(),
         ),
-        ClusterError::Store(e) => match store_error(0, e).result {
-            Some(R::Error(e)) => e,
-            _ => plain(ErrorCode::Internal, "store error".into()),
-        },
+        ClusterError::Store(e) => store_refusal(e),
         ClusterError::Failed(m) => plain(ErrorCode::Internal, m),
     }
-}
-
-/// Registers the region anew (new rkey, next epoch) on every transport;
-/// returns the new epoch.
-pub fn reregister(shared: &Shared) -> Result<u64, String> {
-    #[cfg(feature = "rdma")]
-    if let Some(r) = &shared.rdma {
-        r.reregister().map_err(|e| format!("RDMA re-registration failed: {e}"))?;
-    }
-    let epoch = shared.registration.reregister(shared.store.region());
-    tracing::info!(epoch, "region registered anew");
-    Ok(epoch)
 }
 
 /// An error reply waiting for its request id.
@@ -750,7 +576,9 @@ impl Refusal {
 
 #[cfg(feature = "rdma")]
 fn rdma_connect(shared: &Shared, conn: &mut ConnState, endpoint: &[u8]) -> Result<proto::RdmaConnectReply, Refusal> {
-    let rdma = shared.rdma.as_ref().ok_or(Refusal(ErrorCode::BadRequest, "this server offers no RDMA".into()))?;
+    let Some((single, rdma)) = shared.node.single().and_then(|s| s.rdma().map(|r| (s, r))) else {
+        return Err(Refusal(ErrorCode::BadRequest, "this server offers no RDMA".into()));
+    };
     if conn.qps.len() >= crate::rdma::MAX_QPS_PER_CONNECTION {
         return Err(Refusal(ErrorCode::BadRequest, "too many RDMA queue pairs on this connection".into()));
     }
@@ -761,7 +589,7 @@ fn rdma_connect(shared: &Shared, conn: &mut ConnState, endpoint: &[u8]) -> Resul
         addr: a.addr,
         length: a.len,
         rkey: a.rkey,
-        epoch: shared.registration.epoch(),
+        epoch: single.registration().epoch(),
     })
 }
 
@@ -770,50 +598,19 @@ fn rdma_connect(_: &Shared, _: &mut ConnState, _: &[u8]) -> Result<proto::RdmaCo
     Err(Refusal(ErrorCode::BadRequest, "this server was built without RDMA support".into()))
 }
 
-fn descriptor(reg: &crate::registration::Registration, store: &Store, region_id: u32) -> proto::RegionDescriptor {
-    let h = reg.header();
-    proto::RegionDescriptor {
-        region_id,
-        epoch: h.epoch,
-        length: h.region_len,
-        rkey: reg.rkey(),
-        directory_depth: h.dir_depth,
-        hash_seed: h.hash_seed,
-        index_offset: h.index_offset,
-        data_offset: h.data_offset,
-        data_length: h.data_len,
-        layout_version: LAYOUT_VERSION,
-        grace_nanos: h.grace_nanos,
-        base_addr: store.region().base_ptr() as u64,
-        shard: 0,
-        leased: false,
-        evicts: store.evicts(),
-    }
-}
-
 fn region_info(shared: &Shared) -> proto::RegionInfoReply {
-    let regions = match &shared.cluster {
-        // Every local replica's region: readers tell the leader's by its
-        // lease (a follower's has none), so leadership changes need no
-        // new descriptors.
-        Some(node) => node
-            .regions()
-            .into_iter()
-            .map(|(shard, store, reg)| proto::RegionDescriptor {
-                shard,
-                leased: true,
-                ..descriptor(&reg, &store, shard + 1)
-            })
-            .collect(),
-        None => vec![descriptor(&shared.registration, &shared.store, shared.region_id)],
-    };
     proto::RegionInfoReply {
-        regions,
+        regions: shared.node.descriptors(),
         shm_socket: shared.shm_socket.as_ref().map(|p| p.display().to_string()).unwrap_or_default(),
         engine_addr: shared.engine_addr.map(|a| a.to_string()).unwrap_or_default(),
         host_id: shared.host_id.clone(),
         #[cfg(feature = "rdma")]
-        rdma_device: shared.rdma.as_ref().map(|r| r.device_name().to_string()).unwrap_or_default(),
+        rdma_device: shared
+            .node
+            .single()
+            .and_then(|s| s.rdma())
+            .map(|r| r.device_name().to_string())
+            .unwrap_or_default(),
         #[cfg(not(feature = "rdma"))]
         rdma_device: String::new(),
         engine_tls: shared.engine_tls,
@@ -824,77 +621,14 @@ fn region_info(shared: &Shared) -> proto::RegionInfoReply {
 
 fn stats(shared: &Shared) -> HashMap<String, u64> {
     let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
-    let cs = shared.compactor.stats();
-    let mut out: HashMap<String, u64> = HashMap::new();
-    match &shared.cluster {
-        // A cluster node's data is in its shard replicas' stores: sums
-        // (largest for depths and ratios, which do not add up).
-        Some(node) => {
-            let mut replicas = 0;
-            for store in node.stores() {
-                replicas += 1;
-                for (k, v) in store_stats(store) {
-                    let e = out.entry(k.to_string()).or_default();
-                    *e = if k.ends_with("_permille") || k.ends_with("_depth") { (*e).max(v) } else { *e + v };
-                }
-            }
-            out.insert("shard_replicas".into(), replicas);
-            out.extend(node.replica_counters().into_iter().map(|(k, v)| (k.to_string(), v)));
-        }
-        None => out.extend(store_stats(&shared.store).into_iter().map(|(k, v)| (k.to_string(), v))),
-    }
-    let node = [
-        ("compactor_active", load(&cs.active)),
-        ("compactor_demands", load(&cs.demands)),
-        ("compactor_cpu_micros", load(&cs.cpu_nanos) / 1000),
-        ("region_epoch", shared.registration.epoch()),
+    let mut out: HashMap<String, u64> = shared.node.stats().into_iter().collect();
+    let engine = [
         ("engine_batches", load(&shared.engine_counters.batches)),
         ("engine_reads", load(&shared.engine_counters.reads)),
         ("engine_bytes", load(&shared.engine_counters.bytes)),
         ("engine_rejected_reads", load(&shared.engine_counters.rejected)),
     ];
-    out.extend(node.into_iter().map(|(k, v)| (k.to_string(), v)));
+    out.extend(engine.into_iter().map(|(k, v)| (k.to_string(), v)));
     shared.metrics.stats_into(&mut out);
     out
-}
-
-/// One store's counters.
-fn store_stats(s: &Store) -> Vec<(&'static str, u64)> {
-    let c = &s.counters;
-    let space = s.space();
-    let unit = dmkv_common::limits::UNIT as u64;
-    let index = s.index_stats();
-    let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
-    vec![
-        ("gets", load(&c.gets)),
-        ("get_hits", load(&c.get_hits)),
-        ("get_expired", load(&c.get_expired)),
-        ("evictions", load(&c.evictions)),
-        ("puts", load(&c.puts)),
-        ("deletes", load(&c.deletes)),
-        ("items", load(&c.items)),
-        ("out_of_memory_errors", load(&c.out_of_memory)),
-        ("index_full_errors", load(&c.index_full)),
-        ("corrupt_reads", load(&c.corrupt_reads)),
-        ("foreign_slots", load(&c.foreign_slots)),
-        ("live_bytes", load(&c.used_bytes)),
-        ("allocated_bytes", space.used * unit),
-        ("data_bytes", s.header().data_len),
-        ("free_bytes", (space.free + space.parked) * unit),
-        ("largest_free_bytes", space.largest_free * unit),
-        ("fragmentation_permille", space.fragmentation_permille()),
-        ("compactor_moves", load(&c.compactor_moves)),
-        ("compactor_moved_bytes", load(&c.compactor_moved_bytes)),
-        ("compactor_windows", load(&c.compactor_ranges)),
-        ("compactor_windows_done", load(&c.compactor_ranges_done)),
-        ("compactor_windows_abandoned", load(&c.compactor_ranges_abandoned)),
-        ("region_bytes", s.header().region_len),
-        ("index_slots", index.slots),
-        ("index_segments", index.segments),
-        ("index_splits", index.splits),
-        ("index_bytes", load(&c.index_bytes)),
-        ("index_load_permille", (load(&c.items) * 1000).checked_div(index.slots).unwrap_or(0)),
-        ("index_depth", index.max_depth),
-        ("directory_depth", index.dir_depth),
-    ]
 }

@@ -103,7 +103,7 @@ async fn a_scribbled_region_does_not_crash_the_server_or_stop_its_writes() {
     }
     // k0..k29: slot words scribbled (and every empty slot of their
     // buckets); k20..k29: their items' bytes too, so those values are gone.
-    let store = &srv.shared.store;
+    let store = srv.shared.node.single().expect("a single node").store();
     for i in 0..30u32 {
         assert!(store.scribble_for_tests(format!("k{i}").as_bytes(), i >= 20));
     }

@@ -101,7 +101,7 @@ struct LocalReplica {
     thread: ShardThread,
     store: Arc<Store>,
     /// Its own compactor: each replica's free space is its own.
-    _compactor: Arc<Compactor>,
+    compactor: Arc<Compactor>,
     /// Bytes of writes proposed here and not answered yet: admitted
     /// against the guarantee before they are applied.
     in_flight: AtomicU64,
@@ -319,16 +319,7 @@ impl ClusterNode {
             peers.snapshots.register(sh.id, Link { desk: Arc::clone(&desk), failed: thread.snapshot_failer() });
             replicas.insert(
                 sh.id,
-                LocalReplica {
-                    thread,
-                    store,
-                    _compactor: compactor,
-                    in_flight: AtomicU64::new(0),
-                    reg,
-                    status,
-                    remembered,
-                    desk,
-                },
+                LocalReplica { thread, store, compactor, in_flight: AtomicU64::new(0), reg, status, remembered, desk },
             );
         }
         if let (Some(why), Some(dir)) = (&distrust, &setup.data_dir) {
@@ -701,6 +692,11 @@ impl ClusterNode {
     /// The stores of this node's replicas (for STATS).
     pub fn stores(&self) -> impl Iterator<Item = &Arc<Store>> {
         self.replicas.values().map(|r| &r.store)
+    }
+
+    /// The compactors of this node's replicas (for STATS).
+    pub fn compactors(&self) -> impl Iterator<Item = &Compactor> {
+        self.replicas.values().map(|r| &*r.compactor)
     }
 }
 

@@ -5,6 +5,7 @@ use std::time::Instant;
 
 use super::counters::Counters;
 use crate::kv::Kv;
+use crate::node::SingleNode;
 use crate::service::Shared;
 
 /// The version the port reports: memcached's protocol level, then dmkv's.
@@ -13,9 +14,12 @@ pub const VERSION: &str = concat!("1.6.0-dmkv-", env!("CARGO_PKG_VERSION"));
 
 /// What the memcached port's connections share.
 pub struct Service {
-    /// The server's state: the store and compactor ([`Service::kv`]), the
-    /// auth gate, the listener's counters, the connection limits.
+    /// The server's state: the auth gate, the listener's counters, the
+    /// connection limits.
     pub shared: Arc<Shared>,
+    /// The store and compactor ([`Service::kv`]): the port is a single
+    /// node's only (a cluster does not replicate what its commands need).
+    pub node: Arc<SingleNode>,
     pub counters: Counters,
     pub started: Instant,
     /// Worker threads, for `stats`.
@@ -24,13 +28,13 @@ pub struct Service {
 }
 
 impl Service {
-    /// The port's state over `shared`'s store.
-    pub fn new(shared: Arc<Shared>, threads: usize, max_connections: usize) -> Service {
-        Service { shared, counters: Default::default(), started: Instant::now(), threads, max_connections }
+    /// The port's state over `node`'s store.
+    pub fn new(shared: Arc<Shared>, node: Arc<SingleNode>, threads: usize, max_connections: usize) -> Service {
+        Service { shared, node, counters: Default::default(), started: Instant::now(), threads, max_connections }
     }
 
     /// The store's semantics, as the commands use them.
     pub fn kv(&self) -> Kv<'_> {
-        Kv::new(&self.shared.store, &self.shared.compactor)
+        self.node.kv()
     }
 }

@@ -11,9 +11,8 @@ use super::service::{Service, VERSION};
 /// The general `stats` reply: `STAT name value` lines and END.
 pub fn general(svc: &Service, out: &mut BytesMut) {
     let c = &svc.counters;
-    let shared = &svc.shared;
-    let store = &shared.store;
-    let listener = &shared.metrics.memcached;
+    let store = svc.node.store();
+    let listener = &svc.shared.metrics.memcached;
     let now_ms = svc.kv().now_ms();
     let n = |a: &AtomicU64| a.load(Relaxed).to_string();
     let fields: Vec<(&str, String)> = vec![
