@@ -47,7 +47,7 @@ impl Client {
             .worker_threads(1)
             .enable_all()
             .build()
-            .map_err(|e| ClientError::Connect { addr: "runtime".into(), reason: e.to_string() })?;
+            .map_err(|e| ClientError::Config(format!("cannot start the blocking client's runtime: {e}")))?;
         let addr = addr.into();
         let inner = rt.block_on(AsyncClient::connect_with(addr, cfg))?;
         Ok(Client { rt: Some(rt), inner })

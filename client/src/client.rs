@@ -90,9 +90,10 @@ impl Client {
     /// Connects to the first of `seeds` that answers, in order, as
     /// [`Client::connect_with`] does to one: give a cluster's nodes, and
     /// the client connects while any of them is up (it then learns the
-    /// map, and with it every node). Fails with the last seed's error
-    /// (each seed's in its message) if none answers; at most
-    /// [`MAX_SEEDS`] seeds.
+    /// map, and with it every node). If none connects: the last answer a
+    /// seed gave that was not a network failure (a refused token...), else
+    /// one seed's error as it is, else [`ClientError::NoSeedAnswered`] with
+    /// each seed's failure; at most [`MAX_SEEDS`] seeds.
     pub async fn connect_seeds<A: AsRef<str>>(seeds: &[A], cfg: ClientConfig) -> Result<Client, ClientError> {
         if seeds.is_empty() || seeds.len() > MAX_SEEDS {
             return Err(ClientError::Config(format!("{} seed addresses: give 1 to {MAX_SEEDS}", seeds.len())));
@@ -104,18 +105,7 @@ impl Client {
                 Err(e) => failed.push(e),
             }
         }
-        let last = failed.pop().expect("one failure per seed, and there is a seed");
-        if failed.is_empty() {
-            return Err(last);
-        }
-        let all: Vec<String> = failed.iter().map(ToString::to_string).collect();
-        Err(match last {
-            ClientError::Connect { addr, reason } => ClientError::Connect {
-                addr,
-                reason: format!("{reason} (and every other seed failed: {})", all.join("; ")),
-            },
-            other => other,
-        })
+        Err(seeds_failed(failed))
     }
 
     /// The session with the node this client connected to.
@@ -305,5 +295,43 @@ impl Client {
     /// rkey). Every client's one-sided path then fails over and re-attaches.
     pub async fn reregister(&self) -> Result<proto::RegionInfoReply, ClientError> {
         self.inner.node.reregister().await
+    }
+}
+
+/// What `connect_seeds` reports when no seed connected (`failed`: one
+/// error per seed, in order). A seed that answered (a refused token, a
+/// forced transport it does not offer) gave an answer that is no network
+/// failure: the last such, so `code()` and `is_transport()` say what
+/// happened.
+fn seeds_failed(mut failed: Vec<ClientError>) -> ClientError {
+    debug_assert!(!failed.is_empty(), "one failure per seed, and there is a seed");
+    if let Some(i) = failed.iter().rposition(|e| !e.is_transport()) {
+        return failed.swap_remove(i);
+    }
+    if failed.len() == 1 {
+        return failed.remove(0);
+    }
+    ClientError::NoSeedAnswered { failures: failed }
+}
+
+#[cfg(test)]
+mod seed_tests {
+    use super::*;
+    use crate::error::ConnectReason;
+    use dmkv_common::proto::ErrorCode;
+
+    fn down(addr: &str) -> ClientError {
+        ClientError::Connect { addr: addr.into(), reason: ConnectReason::TimedOut(std::time::Duration::from_secs(1)) }
+    }
+
+    #[test]
+    fn a_seed_that_answered_is_reported_over_those_that_did_not() {
+        let refused = ClientError::Server { code: ErrorCode::Unauthenticated, message: "bad token".into() };
+        let e = seeds_failed(vec![down("a"), refused, down("c")]);
+        assert_eq!(e.code(), Some(ErrorCode::Unauthenticated), "{e}");
+        assert!(!e.is_transport());
+        assert!(matches!(seeds_failed(vec![down("a")]), ClientError::Connect { .. }));
+        let all = seeds_failed(vec![down("a"), down("b")]);
+        assert!(matches!(&all, ClientError::NoSeedAnswered { failures } if failures.len() == 2), "{all}");
     }
 }

@@ -1,6 +1,7 @@
 //! One pipelined connection: any number of requests in flight, matched to
-//! replies by id, replies in any order. A writer task coalesces queued
-//! requests into one write; a reader task dispatches replies.
+//! replies by id, replies in any order. Senders encode into the
+//! connection's [`Outbox`], which a writer task writes whole; a reader task
+//! dispatches replies.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -11,17 +12,14 @@ use bytes::BytesMut;
 use dmkv_common::frame::{self, Decoder};
 use dmkv_common::limits::DEFAULT_MAX_FRAME_LEN;
 use dmkv_common::proto::{Request, Response, request::Op};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
-use crate::error::ClientError;
+use crate::error::{ClientError, ConnectReason};
+use crate::outbox::{Outbox, Push, write_loop};
 use crate::tls::Connector;
 
-/// Requests queued for the writer task before senders wait.
-pub(crate) const SEND_QUEUE: usize = 1024;
-/// Most bytes the writer gathers into one write.
-const MAX_COALESCE: usize = 256 * 1024;
 const READ_BUF: usize = 64 * 1024;
 
 /// Waiters for replies, by request id.
@@ -73,7 +71,7 @@ type Pending = PendingMap<Response>;
 
 /// A connection to a server's RPC port.
 pub struct Conn {
-    tx: mpsc::Sender<BytesMut>,
+    outbox: Arc<Outbox>,
     pending: Pending,
     next_id: AtomicU64,
     closed: Arc<AtomicBool>,
@@ -159,10 +157,9 @@ impl Conn {
         max_frame: usize,
         tls: Option<&Connector>,
     ) -> Result<Arc<Conn>, ClientError> {
-        let err = |reason: String| ClientError::Connect { addr: addr.to_string(), reason };
-        let Some(stream) = dial(addr, connect_timeout, tls).await.map_err(err)? else {
-            return Err(err(format!("timed out after {connect_timeout:?}")));
-        };
+        let stream = dial(addr, connect_timeout, tls)
+            .await
+            .map_err(|reason| ClientError::Connect { addr: addr.to_string(), reason })?;
         Ok(match stream {
             Dialed::Plain(s) => {
                 let (rd, wr) = s.into_split();
@@ -180,10 +177,10 @@ impl Conn {
         wr: impl AsyncWrite + Unpin + Send + 'static,
         max_frame: usize,
     ) -> Arc<Conn> {
-        let (tx, rx) = mpsc::channel(SEND_QUEUE);
+        let outbox = Arc::new(Outbox::default());
         let pending: Pending = Arc::default();
         let closed = Arc::new(AtomicBool::new(false));
-        tokio::spawn(write_loop(wr, rx, Arc::clone(&closed)));
+        tokio::spawn(write_loop(wr, Arc::clone(&outbox), Arc::clone(&closed)));
         let watched = Arc::new(tokio::sync::Notify::new());
         tokio::spawn(watchdog(Arc::downgrade(&pending), Arc::clone(&closed), Arc::clone(&watched)));
         let max_frame = Arc::new(AtomicUsize::new(max_frame));
@@ -204,7 +201,7 @@ impl Conn {
                 debug_assert!(set, "a reader ends once");
             },
         ));
-        Arc::new(Conn { tx, pending, next_id: AtomicU64::new(1), closed, max_frame, end, watched })
+        Arc::new(Conn { outbox, pending, next_id: AtomicU64::new(1), closed, max_frame, end, watched })
     }
 
     /// Takes the server's frame limit from its HELLO reply (`server`; 0
@@ -278,25 +275,13 @@ impl Conn {
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let req = Request { id, op: Some(op) };
-        let mut buf = BytesMut::new();
         let max = self.max_frame();
-        frame::encode(&req, max, &mut buf)
-            .map_err(|_| ClientError::RequestTooLarge { len: prost::Message::encoded_len(&req), max })?;
         let (otx, orx) = oneshot::channel();
         let deadline = due.map(|(d, _)| d).filter(|_| watched);
+        // The waiter is in place before the request can be written, so
+        // the reader always finds it.
         self.pending.lock().expect("pending poisoned").insert(id, Waiter { tx: otx, deadline });
-        // Room in the queue is the common case, and takes no wait at all.
-        let queued = match self.tx.try_send(buf) {
-            Ok(()) => Ok(()),
-            Err(mpsc::error::TrySendError::Closed(_)) => Err(ClientError::ConnectionClosed),
-            Err(mpsc::error::TrySendError::Full(buf)) => match due {
-                None => self.tx.send(buf).await.map_err(|_| ClientError::ConnectionClosed),
-                Some((deadline, timeout)) => match tokio::time::timeout_at(deadline, self.tx.send(buf)).await {
-                    Ok(sent) => sent.map_err(|_| ClientError::ConnectionClosed),
-                    Err(_) => Err(ClientError::Timeout(timeout)),
-                },
-            },
-        };
+        let queued = self.queue(&req, max, due).await;
         if let Err(e) = queued {
             self.pending.lock().expect("pending poisoned").remove(&id);
             return Err(e);
@@ -308,6 +293,51 @@ impl Conn {
         }
         Ok(InFlight { id, rx: orx, pending: Arc::clone(&self.pending) })
     }
+
+    /// Encodes `req` into the outbox; a full one is waited on (until
+    /// `due`'s deadline, if given).
+    async fn queue(
+        &self,
+        req: &Request,
+        max: usize,
+        due: Option<(tokio::time::Instant, Duration)>,
+    ) -> Result<(), ClientError> {
+        let encode = |b: &mut BytesMut| frame::encode(req, max, b);
+        let too_large = |_| ClientError::RequestTooLarge { len: prost::Message::encoded_len(req), max };
+        // Room is the common case, and takes no wait at all.
+        match self.outbox.try_push(encode).map_err(too_large)? {
+            Push::Queued => return Ok(()),
+            Push::Closed => return Err(ClientError::ConnectionClosed),
+            Push::Full => {}
+        }
+        let wait = async {
+            loop {
+                let room = self.outbox.room();
+                tokio::pin!(room);
+                // Registered before trying again: a drain in between wakes it.
+                room.as_mut().enable();
+                match self.outbox.try_push(encode).map_err(too_large)? {
+                    Push::Queued => return Ok(()),
+                    Push::Closed => return Err(ClientError::ConnectionClosed),
+                    Push::Full => room.await,
+                }
+            }
+        };
+        match due {
+            None => wait.await,
+            Some((deadline, timeout)) => {
+                tokio::time::timeout_at(deadline, wait).await.unwrap_or(Err(ClientError::Timeout(timeout)))
+            }
+        }
+    }
+}
+
+impl Drop for Conn {
+    /// The writer writes what is queued and stops (replies still awaited
+    /// end at the watchdog or their own timeout).
+    fn drop(&mut self) {
+        self.outbox.close();
+    }
 }
 
 /// A connected stream, plain or TLS.
@@ -317,45 +347,19 @@ pub(crate) enum Dialed {
 }
 
 /// Connects to `addr` and runs the TLS handshake if `tls` is given, all
-/// within `timeout` (`Ok(None)`: it ran out).
-pub(crate) async fn dial(addr: &str, timeout: Duration, tls: Option<&Connector>) -> Result<Option<Dialed>, String> {
+/// within `timeout`.
+pub(crate) async fn dial(addr: &str, timeout: Duration, tls: Option<&Connector>) -> Result<Dialed, ConnectReason> {
     let work = async {
-        let stream = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+        let stream = TcpStream::connect(addr).await.map_err(|e| ConnectReason::io(&e))?;
         let _ = stream.set_nodelay(true);
         match tls {
             None => Ok(Dialed::Plain(stream)),
             Some(c) => {
-                c.connect(stream).await.map(|s| Dialed::Tls(Box::new(s))).map_err(|e| format!("TLS handshake: {e}"))
+                c.connect(stream).await.map(|s| Dialed::Tls(Box::new(s))).map_err(|e| ConnectReason::Tls(e.to_string()))
             }
         }
     };
-    match tokio::time::timeout(timeout, work).await {
-        Ok(r) => r.map(Some),
-        Err(_) => Ok(None),
-    }
-}
-
-/// Writes queued frames until the queue closes or a write fails, gathering
-/// whatever is queued (up to [`MAX_COALESCE`] bytes) into one write; then
-/// marks the connection closed. Shared by every pipelined connection.
-pub(crate) async fn write_loop(
-    mut wr: impl AsyncWrite + Unpin,
-    mut rx: mpsc::Receiver<BytesMut>,
-    closed: Arc<AtomicBool>,
-) {
-    while let Some(mut batch) = rx.recv().await {
-        while batch.len() < MAX_COALESCE {
-            match rx.try_recv() {
-                Ok(more) => batch.extend_from_slice(&more),
-                Err(_) => break,
-            }
-        }
-        // Flushing matters for TLS, which holds bytes until flushed.
-        if wr.write_all(&batch).await.is_err() || wr.flush().await.is_err() {
-            break;
-        }
-    }
-    closed.store(true, Ordering::Release);
+    tokio::time::timeout(timeout, work).await.unwrap_or(Err(ConnectReason::TimedOut(timeout)))
 }
 
 /// Ends the waits of requests past their deadline (dropping their
@@ -444,6 +448,7 @@ pub(crate) async fn read_loop<T>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::outbox::SEND_QUEUE;
     use dmkv_common::proto;
 
     /// A peer that takes requests and never answers.

@@ -15,10 +15,15 @@ pub enum ClientError {
     /// The request was refused before sending (bad key or value).
     #[error("invalid request: {0}")]
     Invalid(#[from] dmkv_common::Error),
-    /// No connection could be made: refused, unreachable, timed out, or
-    /// the TLS handshake failed (also: a plaintext client met a TLS server).
+    /// No connection could be made to `addr`; `reason` says why (refused,
+    /// unreachable, timed out, a failed TLS handshake, a TLS server met
+    /// without TLS...).
     #[error("cannot connect to {addr}: {reason}")]
-    Connect { addr: String, reason: String },
+    Connect { addr: String, reason: ConnectReason },
+    /// A client given several seed addresses reached none of them; each
+    /// seed's failure, in the order tried.
+    #[error("cannot connect to any seed: {}", list(failures))]
+    NoSeedAnswered { failures: Vec<ClientError> },
     /// The connection was lost before the reply came; a write may or may
     /// not have taken effect.
     #[error("connection closed")]
@@ -70,7 +75,75 @@ pub enum ClientError {
     RequestTooLarge { len: usize, max: usize },
 }
 
+/// Why a connection could not be made. New reasons may be added.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum ConnectReason {
+    /// The operating system refused: connection refused or reset, host or
+    /// network unreachable, no such address... `kind` tells them apart.
+    #[error("{message}")]
+    Io { kind: std::io::ErrorKind, message: String },
+    /// Neither a connection nor its handshake completed within the time.
+    #[error("timed out after {0:?}")]
+    TimedOut(Duration),
+    /// The TCP connection was made but the TLS handshake failed.
+    #[error("TLS handshake: {0}")]
+    Tls(String),
+    /// This client speaks plaintext and the server TLS.
+    #[error("the server speaks TLS: give the CA that signed its certificate (ClientConfig::tls, --tls-ca)")]
+    ServerSpeaksTls,
+    /// The cluster map names no address for this node.
+    #[error("not in the cluster map")]
+    UnknownNode,
+}
+
+impl ConnectReason {
+    /// The reason of a failed socket call.
+    pub fn io(e: &std::io::Error) -> ConnectReason {
+        ConnectReason::Io { kind: e.kind(), message: e.to_string() }
+    }
+}
+
+/// Where a failure arose (see [`ClientError::origin`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Origin {
+    /// This client refused the request before sending it: bad input, bad
+    /// settings, or (at connect) a transport it was told to use that it
+    /// cannot attach.
+    Client,
+    /// The way to the server failed: no connection, a lost one, no reply
+    /// in time, a peer that is no dmkv server, or no working one-sided
+    /// path for a GET that must read one-sided.
+    Network,
+    /// The server answered: an error it chose, or (`Protocol`) a reply
+    /// this client does not understand.
+    Server,
+}
+
+fn list(failures: &[ClientError]) -> String {
+    failures.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
+}
+
 impl ClientError {
+    /// Whether this client refused the request, the network failed, or
+    /// the server answered.
+    pub fn origin(&self) -> Origin {
+        match self {
+            ClientError::Invalid(_)
+            | ClientError::InsideRuntime
+            | ClientError::TransportUnavailable { .. }
+            | ClientError::Config(_)
+            | ClientError::RequestTooLarge { .. } => Origin::Client,
+            ClientError::Connect { .. }
+            | ClientError::NoSeedAnswered { .. }
+            | ClientError::ConnectionClosed
+            | ClientError::Timeout(_)
+            | ClientError::NotDmkv { .. }
+            | ClientError::OneSidedUnavailable(_) => Origin::Network,
+            ClientError::Server { .. } | ClientError::NotLeader { .. } | ClientError::Protocol(_) => Origin::Server,
+        }
+    }
+
     /// The server's error code, if the server answered with an error.
     pub fn code(&self) -> Option<ErrorCode> {
         match self {
@@ -88,6 +161,7 @@ impl ClientError {
             self,
             ClientError::Invalid(_)
                 | ClientError::Connect { .. }
+                | ClientError::NoSeedAnswered { .. }
                 | ClientError::NotDmkv { .. }
                 | ClientError::TransportUnavailable { .. }
                 | ClientError::Config(_)
@@ -103,6 +177,7 @@ impl ClientError {
         matches!(
             self,
             ClientError::Connect { .. }
+                | ClientError::NoSeedAnswered { .. }
                 | ClientError::ConnectionClosed
                 | ClientError::Timeout(_)
                 | ClientError::NotDmkv { .. }
@@ -141,5 +216,23 @@ mod tests {
         assert!(!forced.is_transport() && !forced.may_have_been_sent());
         assert_eq!(forced.to_string(), "transport rdma unavailable: r");
         assert!(ClientError::Timeout(Duration::from_secs(1)).may_have_been_sent());
+    }
+
+    #[test]
+    fn refusals_network_failures_and_answers_are_told_apart() {
+        let refused = ClientError::RequestTooLarge { len: 2, max: 1 };
+        assert_eq!(refused.origin(), Origin::Client);
+        let connect =
+            ClientError::Connect { addr: "a:1".into(), reason: ConnectReason::TimedOut(Duration::from_secs(1)) };
+        assert_eq!(connect.origin(), Origin::Network);
+        assert_eq!(connect.to_string(), "cannot connect to a:1: timed out after 1s");
+        let answered = ClientError::Server { code: ErrorCode::NotFound, message: "m".into() };
+        assert_eq!(answered.origin(), Origin::Server);
+        let seeds = ClientError::NoSeedAnswered { failures: vec![connect.clone(), connect] };
+        assert!(seeds.is_transport() && !seeds.may_have_been_sent());
+        assert_eq!(
+            seeds.to_string(),
+            "cannot connect to any seed: cannot connect to a:1: timed out after 1s; cannot connect to a:1: timed out after 1s"
+        );
     }
 }

@@ -18,6 +18,7 @@
 //! request goes on a connection of the node's [`pool::RpcPool`] and is
 //! matched to its reply by id. PUTs and DELETEs always go over RPC.
 
+pub mod attach_state;
 pub mod blocking;
 pub mod client;
 pub mod config;
@@ -27,6 +28,7 @@ pub mod error;
 pub mod metrics;
 pub mod onesided;
 pub mod ops;
+mod outbox;
 pub mod path;
 pub mod pipeline;
 pub mod pool;
@@ -41,9 +43,11 @@ pub mod value;
 pub use client::Client;
 pub use config::ClientConfig;
 pub use dmkv_common::auth::Token;
-pub use dmkv_common::path::{Path, PathConfig};
+// `Path` stays in `path` (as `dmkv_client::path::Path`): at the root a
+// glob import would shadow std's.
+pub use dmkv_common::path::PathConfig;
 pub use dmkv_common::proto::ErrorCode;
-pub use error::ClientError;
+pub use error::{ClientError, ConnectReason, Origin};
 pub use onesided::{ItemMeta, ReadStats};
 pub use ops::{PutMode, PutOptions};
 pub use read_path::{ReadPath, Transport};

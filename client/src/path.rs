@@ -10,7 +10,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use dmkv_common::path::{Choice, Completion, Controller, ControllerStats, DelayEstimator, Path, PathConfig, Repath};
+pub use dmkv_common::path::Path;
+use dmkv_common::path::{Choice, Completion, Controller, ControllerStats, DelayEstimator, PathConfig, Repath};
 use tokio::sync::Notify;
 
 /// Most times one GET goes back to waiting for a window slot before it is

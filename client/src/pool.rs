@@ -15,7 +15,7 @@ use tokio::sync::Mutex;
 
 use crate::config::{ClientConfig, TOKEN_ENV};
 use crate::conn::{Conn, InFlight};
-use crate::error::{ClientError, unexpected, unwrap};
+use crate::error::{ClientError, ConnectReason, unexpected, unwrap};
 use crate::tls::Connector;
 
 /// First wait after a failed connect before a pool slot tries again; it
@@ -287,11 +287,7 @@ fn hello_refused(addr: &str, end: Option<&crate::conn::ReadEnd>, tls: bool) -> C
     let head = end.head.as_slice();
     // A TLS record header: content type 20..=23, then version 3.x.
     if !tls && head.len() >= 2 && (20..=23).contains(&head[0]) && head[1] == 3 {
-        return ClientError::Connect {
-            addr: addr.to_string(),
-            reason: "the server speaks TLS: give the CA that signed its certificate (ClientConfig::tls, --tls-ca)"
-                .into(),
-        };
+        return ClientError::Connect { addr: addr.to_string(), reason: ConnectReason::ServerSpeaksTls };
     }
     if head.starts_with(&dmkv_common::onesided::ENGINE_MAGIC) {
         return not_dmkv(

@@ -28,7 +28,7 @@ use std::sync::atomic::Ordering;
 use tokio::time::Instant;
 
 use crate::config::ClientConfig;
-use crate::error::ClientError;
+use crate::error::{ClientError, ConnectReason};
 use crate::onesided::ReadCounters;
 use crate::read_path::ReadPath;
 use crate::session::Session;
@@ -338,14 +338,15 @@ impl Router {
         if let Some(s) = self.sessions.lock().await.get(&node) {
             return Ok(s.clone());
         }
-        let addr = self.routes().addr(node).map(str::to_string).ok_or_else(|| ClientError::Connect {
-            addr: format!("node {node}"),
-            reason: "not in the cluster map".into(),
-        })?;
+        let addr = self
+            .routes()
+            .addr(node)
+            .map(str::to_string)
+            .ok_or_else(|| ClientError::Connect { addr: format!("node {node}"), reason: ConnectReason::UnknownNode })?;
         let open = Session::open(addr.clone(), self.cfg.clone(), std::sync::Arc::clone(&self.counters));
         let s = match tokio::time::timeout(connect, open).await {
             Ok(s) => s?,
-            Err(_) => return Err(ClientError::Connect { addr, reason: format!("timed out after {connect:?}") }),
+            Err(_) => return Err(ClientError::Connect { addr, reason: ConnectReason::TimedOut(connect) }),
         };
         Ok(self.sessions.lock().await.entry(node).or_insert(s).clone())
     }
@@ -616,7 +617,10 @@ mod tests {
         // Refusals change nothing: the next try is as good as a first.
         let busy = ClientError::Server { code: ErrorCode::Busy, message: "busy".into() };
         r.failed(t0, &ClientError::NotLeader { leader: None, map_version: 0 });
-        r.failed(t0, &ClientError::Connect { addr: "a".into(), reason: "refused".into() });
+        r.failed(
+            t0,
+            &ClientError::Connect { addr: "a".into(), reason: ConnectReason::TimedOut(Duration::from_secs(1)) },
+        );
         r.failed(t0, &busy);
         assert!(r.check(t0 + 100 * w).is_ok());
         assert_eq!(r.report(busy.clone()).code(), Some(ErrorCode::Busy));

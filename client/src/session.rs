@@ -6,6 +6,7 @@
 //! that answers instead is sent by the caller, outside the measurement.
 
 use std::collections::HashMap;
+use std::ops::Deref;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -16,6 +17,7 @@ use dmkv_common::limits::MAX_MULTI_GET_KEYS;
 use dmkv_common::path::{ControllerStats, Path};
 use dmkv_common::proto::{self, ErrorCode, request::Op, response::Result as R};
 
+use crate::attach_state::{AttachPolicy, AttachState, AttachTicket, Generation};
 use crate::config::ClientConfig;
 use crate::conn::InFlight;
 use crate::error::{ClientError, unexpected, unwrap};
@@ -36,7 +38,12 @@ pub struct Session {
 struct Inner {
     cfg: ClientConfig,
     pool: Arc<RpcPool>,
-    path: Mutex<PathState>,
+    /// The node's own region (a single node).
+    path: Mutex<AttachState<Arc<OneSided>>>,
+    /// Held by a forced attach (`ReadPath::OneSided`, and `open`), so the
+    /// GETs that need the path at once wait for the one attaching it and
+    /// then read that one, instead of each attaching its own.
+    attach_gate: tokio::sync::Mutex<()>,
     read_counters: Arc<ReadCounters>,
     selector: Arc<PathSelector>,
     rpc_health: ConnHealth,
@@ -124,13 +131,73 @@ impl std::fmt::Display for PathStats {
     }
 }
 
-/// The one-sided path, if attached, and when attaching was last tried.
-#[derive(Default)]
-struct PathState {
-    attached: Option<Arc<OneSided>>,
-    last_try: Option<Instant>,
-    /// A background attach is under way.
-    attaching: bool,
+/// A path as a GET got it from its region's state: its failure is
+/// reported by the generation, so a GET that read a path since replaced
+/// does not detach the new one.
+#[derive(Clone)]
+struct Held {
+    generation: Generation,
+    path: Arc<OneSided>,
+}
+
+impl Held {
+    fn of(st: &AttachState<Arc<OneSided>>) -> Option<Held> {
+        st.attached().map(|(generation, path)| Held { generation, path: Arc::clone(path) })
+    }
+}
+
+impl Deref for Held {
+    type Target = OneSided;
+
+    fn deref(&self) -> &OneSided {
+        &self.path
+    }
+}
+
+/// A try at attaching a region, handed back to the region's state
+/// whatever becomes of it. Dropped unfinished (the GET that was attaching
+/// was cancelled, or the runtime shut down) it counts as a failed try:
+/// a region left attaching would never be tried again.
+struct Pending {
+    session: Session,
+    region: Region,
+    ticket: Option<AttachTicket>,
+}
+
+impl Pending {
+    fn new(session: &Session, region: Region, ticket: AttachTicket) -> Self {
+        Pending { session: session.clone(), region, ticket: Some(ticket) }
+    }
+
+    /// The try attached `path`: GETs read it from now on. `None` only if
+    /// the ticket was not its region's try in flight (a bug).
+    fn attached(mut self, path: OneSided) -> Option<Held> {
+        let ticket = self.ticket.take()?;
+        let path = Arc::new(path);
+        let selector = &self.session.inner.selector;
+        let generation = self.session.with_state(self.region, |st| {
+            let generation = st.handle_attached(ticket, Arc::clone(&path), Instant::now())?;
+            selector.set_usable(Path::OneSided, true);
+            Some(generation)
+        })?;
+        Some(Held { generation, path })
+    }
+
+    fn failed(mut self) {
+        self.hand_back_failed();
+    }
+
+    fn hand_back_failed(&mut self) {
+        if let Some(ticket) = self.ticket.take() {
+            self.session.with_state(self.region, |st| st.handle_failed(ticket, Instant::now()));
+        }
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        self.hand_back_failed();
+    }
 }
 
 /// Paths a `ReadPath::OneSided` GET or multi-get tries (the one attached,
@@ -170,9 +237,6 @@ impl GaveUp {
     }
 }
 
-/// How often a client in `ReadPath::Auto` retries attaching one-sided reads
-/// after a failure; GETs go over RPC meanwhile.
-const REATTACH_INTERVAL: Duration = Duration::from_millis(500);
 impl Session {
     /// Opens a session with the node at `addr`: one connection now (so a
     /// wrong address fails here), with the protocol version checked. On a
@@ -180,22 +244,7 @@ impl Session {
     /// `cfg.transport` say; a cluster node's shard regions are attached on
     /// first read. Its one-sided reads are counted in `counters`.
     pub async fn open(addr: String, cfg: ClientConfig, counters: Arc<ReadCounters>) -> Result<Session, ClientError> {
-        let pool = Arc::new(RpcPool::new(addr, cfg.clone())?);
-        let selector = PathSelector::new(cfg.path);
-        selector.set_usable(Path::Rpc, true);
-        let rpc_repaths = Arc::new(AtomicU64::new(0));
-        let inner = Inner {
-            rpc_health: ConnHealth::new(pool.len(), cfg.path, Arc::clone(&rpc_repaths)),
-            cfg,
-            pool,
-            path: Default::default(),
-            read_counters: counters,
-            selector,
-            rpc_repaths,
-            engine_repaths: Arc::default(),
-            shard_paths: Default::default(),
-        };
-        let session = Session { inner: Arc::new(inner) };
+        let session = Session::unconnected(addr, cfg, counters)?;
         let pool = &session.inner.pool;
         pool.conn_at(0, pool.deadline()).await?;
         if pool.is_cluster_node() {
@@ -223,45 +272,101 @@ impl Session {
         Ok(session)
     }
 
+    /// A session with no connection yet (the first request opens one).
+    fn unconnected(addr: String, cfg: ClientConfig, counters: Arc<ReadCounters>) -> Result<Session, ClientError> {
+        let pool = Arc::new(RpcPool::new(addr, cfg.clone())?);
+        let selector = PathSelector::new(cfg.path);
+        selector.set_usable(Path::Rpc, true);
+        let rpc_repaths = Arc::new(AtomicU64::new(0));
+        let inner = Inner {
+            rpc_health: ConnHealth::new(pool.len(), cfg.path, Arc::clone(&rpc_repaths)),
+            cfg,
+            pool,
+            path: Mutex::new(AttachState::new(AttachPolicy::NODE)),
+            attach_gate: tokio::sync::Mutex::new(()),
+            read_counters: counters,
+            selector,
+            rpc_repaths,
+            engine_repaths: Arc::default(),
+            shard_paths: Default::default(),
+        };
+        Ok(Session { inner: Arc::new(inner) })
+    }
+
     /// The one-sided path, attaching it if needed (rate-limited in `Auto`).
-    async fn one_sided(&self) -> Result<Option<Arc<OneSided>>, ClientError> {
+    async fn one_sided(&self) -> Result<Option<Held>, ClientError> {
         match self.inner.cfg.read_path {
             ReadPath::Rpc => Ok(None),
             ReadPath::OneSided => self.attach().await.map(Some),
             ReadPath::Auto => {
-                {
-                    let mut st = self.inner.path.lock().expect("path lock poisoned");
-                    if let Some(p) = &st.attached {
-                        return Ok(Some(Arc::clone(p)));
+                let ticket = {
+                    let mut st = self.node_state();
+                    if let Some(held) = Held::of(&st) {
+                        return Ok(Some(held));
                     }
-                    if st.attaching || st.last_try.is_some_and(|t| t.elapsed() < REATTACH_INTERVAL) {
-                        return Ok(None);
-                    }
-                    st.last_try = Some(Instant::now());
-                    st.attaching = true;
-                }
+                    st.poll_attach(Instant::now())
+                };
+                let Some(ticket) = ticket else { return Ok(None) };
+                let pending = Pending::new(self, Region::Node, ticket);
                 // Attach in the background: a GET must not wait for a
                 // connect that may time out; it goes over RPC meanwhile.
                 let session = self.clone();
                 tokio::spawn(async move {
-                    if let Err(e) = session.attach().await {
-                        tracing::debug!("one-sided reads unavailable, using RPC: {e}");
+                    match session.attach_node().await {
+                        Ok(path) => drop(pending.attached(path)),
+                        Err(e) => {
+                            tracing::debug!("one-sided reads unavailable, using RPC: {e}");
+                            pending.failed();
+                        }
                     }
-                    session.inner.path.lock().expect("path lock poisoned").attaching = false;
                 });
                 Ok(None)
             }
         }
     }
 
-    async fn attach(&self) -> Result<Arc<OneSided>, ClientError> {
-        {
-            let mut st = self.inner.path.lock().expect("path lock poisoned");
-            if let Some(p) = &st.attached {
-                return Ok(Arc::clone(p));
-            }
-            st.last_try = Some(Instant::now());
+    /// The node's region, attached now if it is not (a caller that needs
+    /// it: no interval after a failure).
+    async fn attach(&self) -> Result<Held, ClientError> {
+        // Attached is the common case: no gate, no wait.
+        if let Some(held) = Held::of(&self.node_state()) {
+            return Ok(held);
         }
+        let waited_from = Instant::now();
+        let _gate = self.inner.attach_gate.lock().await;
+        let ticket = {
+            let mut st = self.node_state();
+            if let Some(held) = Held::of(&st) {
+                return Ok(held);
+            }
+            // A try that failed while this caller waited for the gate is
+            // its answer too: trying again, one waiter after another, would
+            // queue each behind the last one's timeout.
+            if let crate::attach_state::Phase::Failed { at } = st.phase()
+                && at >= waited_from
+            {
+                return Err(ClientError::OneSidedUnavailable(
+                    "attaching the region failed just now (see the log for why)".into(),
+                ));
+            }
+            st.poll_forced_attach(Instant::now())
+        };
+        // Forced attaches hold the gate, and background ones run only in
+        // `Auto`, where this is called by `open` alone, before any GET.
+        let busy = || ClientError::OneSidedUnavailable("another attach of the region is under way".into());
+        let pending = Pending::new(self, Region::Node, ticket.ok_or_else(busy)?);
+        match self.attach_node().await {
+            Ok(path) => pending.attached(path).ok_or_else(busy),
+            Err(e) => {
+                pending.failed();
+                Err(e)
+            }
+        }
+    }
+
+    /// Attaches the node's region: the IO of an attach, the state left to
+    /// the caller.
+    async fn attach_node(&self) -> Result<OneSided, ClientError> {
         let cfg = &self.inner.cfg;
         let mut tries = 0;
         let attached = loop {
@@ -293,31 +398,45 @@ impl Session {
             ClientError::OneSidedUnavailable(if cfg.transport.is_some() { attach_reason(e) } else { e.to_string() })
         })?;
         debug_assert!(cfg.transport.is_none_or(|t| t == path.transport()), "a forced transport is the only one");
-        let path = Arc::new(path);
-        let mut st = self.inner.path.lock().expect("path lock poisoned");
-        let path = Arc::clone(st.attached.get_or_insert(path));
-        self.inner.selector.set_usable(Path::OneSided, true);
         Ok(path)
     }
 
     /// Forgets a path that failed, so the next GET attaches anew.
-    fn detach(&self, failed: &Arc<OneSided>, why: &BackendError) {
+    fn detach(&self, failed: &Held, why: &BackendError) {
         tracing::debug!("one-sided path failed: {why}");
-        let mut st = self.inner.path.lock().expect("path lock poisoned");
-        if st.attached.as_ref().is_some_and(|p| Arc::ptr_eq(p, failed)) {
-            st.attached = None;
-            st.last_try = None;
+        let mut st = self.node_state();
+        if st.handle_detach(failed.generation, Instant::now()) {
             self.inner.selector.set_usable(Path::OneSided, false);
+        }
+    }
+
+    /// The node region's state. Its transitions are whole assignments, so a
+    /// panic elsewhere cannot leave it half changed; and the metrics
+    /// collectors that read it inside an application's scrape handler must
+    /// not panic there.
+    fn node_state(&self) -> std::sync::MutexGuard<'_, AttachState<Arc<OneSided>>> {
+        self.inner.path.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Runs `f` on `region`'s state.
+    fn with_state<R>(&self, region: Region, f: impl FnOnce(&mut AttachState<Arc<OneSided>>) -> R) -> R {
+        match region {
+            Region::Node => f(&mut self.node_state()),
+            Region::Shard(s) => f(self.shard_paths().lock().entry(s).or_insert_with(ShardPaths::new_state)),
+        }
+    }
+
+    /// `region`'s path attached now, if any.
+    fn attached_path(&self, region: Region) -> Option<Held> {
+        match region {
+            Region::Node => Held::of(&self.node_state()),
+            Region::Shard(s) => self.attached_shard_path(s),
         }
     }
 
     /// The one-sided backend GETs use now, if any.
     pub fn one_sided_transport(&self) -> Option<Transport> {
-        // Read-only, and called from metrics collectors inside the
-        // application's scrape handler: a poisoned lock still says which
-        // path is attached, and must not panic there.
-        let st = self.inner.path.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        st.attached.as_ref().map(|p| p.transport())
+        self.node_state().attached().map(|(_, p)| p.transport())
     }
 
     /// Counters of this client's reads: one-sided ones, their retries and
@@ -405,7 +524,7 @@ impl Session {
         if self.inner.cfg.read_path == ReadPath::Rpc || self.is_cluster_node() {
             return None;
         }
-        let path = self.inner.path.lock().expect("path lock poisoned").attached.clone()?;
+        let path = Held::of(&self.node_state())?;
         if !path.is_local() || path.accesses.is_on() {
             return None;
         }
@@ -438,19 +557,12 @@ impl Session {
         }
         let h = selector_hash(key);
         let timeout = self.inner.cfg.request_timeout;
-        // A cluster session's wait for a window is this client's own
-        // queue, not the node failing to answer: it is bounded by half a
-        // try, and the GET then goes over RPC unmeasured. A timeout here
-        // would make the router drop a node that was never asked.
-        let wait = match region {
-            Region::Node => timeout,
-            Region::Shard(_) => timeout / 2,
-        };
+        let (wait, no_window) = window_wait(region, timeout);
         let rounds = attached.as_ref().map(|p| if p.has_hint(key) { 1.0 } else { 2.0 });
         let Some((adm, probes)) = self.inner.selector.admit(h, rounds, tokio::time::Instant::now() + wait).await else {
-            return match region {
-                Region::Node => Err(ClientError::Timeout(timeout)),
-                Region::Shard(_) => self.rpc_get_hinting(key, attached.as_deref()).await,
+            return match no_window {
+                NoWindow::TimedOut => Err(ClientError::Timeout(timeout)),
+                NoWindow::AskRpc => self.rpc_get_hinting(key, attached.as_deref()).await,
             };
         };
         for p in probes {
@@ -488,26 +600,14 @@ impl Session {
     /// failure that detached a healthy path).
     async fn measured_one_sided_get(
         &self,
-        path: &Arc<OneSided>,
+        path: &OneSided,
         key: &[u8],
         adm: Option<Admission>,
     ) -> Result<Measured, BackendError> {
         self.report_accesses(path);
         let (got, t) = match path.get_traced(key).await {
             Ok(r) => r,
-            // Outside its lease a shard's region is not broken: the read
-            // cost a round trip and the leader answers over RPC, priced
-            // as a GET that gave up. Failing the admission would mark
-            // one-sided reads down for every shard of the node.
-            Err(BackendError::Unleased) => {
-                return Ok(Measured::AskServer(GaveUp { adm, round_trips: 1, retries: 0 }));
-            }
-            Err(e) => {
-                if let Some(adm) = adm {
-                    adm.fail();
-                }
-                return Err(e);
-            }
+            Err(e) => return priced_read_error(e, adm),
         };
         let value = match got {
             OneSidedGet::Found(v) => Some(v),
@@ -538,7 +638,7 @@ impl Session {
     /// Forgets `region`'s path that failed, so a later GET attaches anew.
     /// A shard region read outside its lease has not failed: it is read
     /// again once the lease covers it.
-    fn path_failed(&self, region: Region, path: &Arc<OneSided>, why: &BackendError) {
+    fn path_failed(&self, region: Region, path: &Held, why: &BackendError) {
         match (region, why) {
             (Region::Shard(_), BackendError::Unleased) => {}
             (Region::Node, _) => self.detach(path, why),
@@ -551,7 +651,7 @@ impl Session {
     async fn one_sided_or_rpc(
         &self,
         region: Region,
-        path: &Arc<OneSided>,
+        path: &Held,
         key: &[u8],
         adm: Option<Admission>,
     ) -> Result<Option<Versioned>, ClientError> {
@@ -637,7 +737,7 @@ impl Session {
         }
         // A client that reads only over RPC never attaches a one-sided path.
         if g.hint_slot != 0 && self.inner.cfg.read_path != ReadPath::Rpc {
-            let attached = self.inner.path.lock().expect("path lock poisoned").attached.clone();
+            let attached = self.node_state().attached().map(|(_, p)| Arc::clone(p));
             if let Some(p) = attached {
                 p.learn_hint(key, g.hint_bucket, g.hint_index, g.hint_slot);
             }
@@ -654,10 +754,7 @@ impl Session {
         let key = Bytes::copy_from_slice(key);
         tokio::spawn(async move {
             let timeout = session.inner.cfg.request_timeout;
-            let attached = match region {
-                Region::Node => session.inner.path.lock().expect("path lock poisoned").attached.clone(),
-                Region::Shard(s) => session.attached_shard_path(s),
-            };
+            let attached = session.attached_path(region);
             match probe.path {
                 Path::Rpc => {
                     let hinted = attached.as_deref().and_then(|p| region.hinted(p));
@@ -666,15 +763,9 @@ impl Session {
                 Path::OneSided => {
                     // Not attached: dropping the probe cancels it.
                     let Some(path) = attached else { return };
-                    match tokio::time::timeout(timeout, path.get_traced(&key)).await {
-                        Ok(Ok((_, t))) => probe.complete(t.round_trips, t.retries),
-                        // Unleased for now: dropping the probe cancels it.
-                        Ok(Err(BackendError::Unleased)) => drop(probe),
-                        Ok(Err(e)) => {
-                            probe.fail();
-                            session.path_failed(region, &path, &e);
-                        }
-                        Err(_) => probe.fail(),
+                    let read = tokio::time::timeout(timeout, path.get_traced(&key)).await;
+                    if let Some(e) = settle_probe(probe, read.ok().map(|r| r.map(|(_, t)| t))) {
+                        session.path_failed(region, &path, &e);
                     }
                 }
             }
@@ -907,6 +998,56 @@ impl Session {
     }
 }
 
+/// What a GET does when no window slot freed up in time.
+#[derive(Debug, PartialEq, Eq)]
+enum NoWindow {
+    TimedOut,
+    AskRpc,
+}
+
+/// How long a GET of `region` waits for a window slot, and what then.
+/// A cluster session's wait is this client's own queue, not the node
+/// failing to answer: it is bounded by half a try, and the GET then goes
+/// over RPC unmeasured. A timeout there made the router drop a node that
+/// was never asked.
+fn window_wait(region: Region, timeout: Duration) -> (Duration, NoWindow) {
+    match region {
+        Region::Node => (timeout, NoWindow::TimedOut),
+        Region::Shard(_) => (timeout / 2, NoWindow::AskRpc),
+    }
+}
+
+/// What a measured one-sided read that failed with `e` comes to.
+/// Outside its lease a shard's region is not broken: the read cost a round
+/// trip and the leader answers over RPC, priced as a GET that gave up.
+/// Failing the admission marked one-sided reads down for every shard of
+/// the node.
+fn priced_read_error(e: BackendError, adm: Option<Admission>) -> Result<Measured, BackendError> {
+    if matches!(e, BackendError::Unleased) {
+        return Ok(Measured::AskServer(GaveUp { adm, round_trips: 1, retries: 0 }));
+    }
+    if let Some(adm) = adm {
+        adm.fail();
+    }
+    Err(e)
+}
+
+/// Prices a one-sided probe by its read (`None`: it timed out); returns
+/// the path's failure, for the caller to detach it. A region unleased for
+/// now is not a failure: dropping the probe cancels it.
+fn settle_probe(probe: Admission, read: Option<Result<onesided::Trace, BackendError>>) -> Option<BackendError> {
+    match read {
+        Some(Ok(t)) => probe.complete(t.round_trips, t.retries),
+        Some(Err(BackendError::Unleased)) => drop(probe),
+        Some(Err(e)) => {
+            probe.fail();
+            return Some(e);
+        }
+        None => probe.fail(),
+    }
+    None
+}
+
 /// Why a forced transport could not be attached, without the wrapping
 /// that [`ClientError::TransportUnavailable`] adds itself.
 fn attach_reason(e: BackendError) -> String {
@@ -925,55 +1066,42 @@ fn attach_reason(e: BackendError) -> String {
 // it ends in [`BackendError::Unleased`] and the read goes over RPC, where
 // NOT_LEADER sends the router on: never to a follower's stale memory.
 
-/// How long after a failed attach a shard's region is tried again; reads
-/// go over RPC meanwhile.
-pub const SHARD_REATTACH_INTERVAL: Duration = Duration::from_millis(200);
+pub use crate::attach_state::SHARD_REATTACH_INTERVAL;
 
-/// One shard region's path on a node.
-enum ShardPath {
-    Attached(Arc<OneSided>),
-    /// Someone is attaching it now.
-    Attaching,
-    Failed(Instant),
-}
-
-/// A session's one-sided paths, by shard.
+/// A session's one-sided paths, by shard: each region's attach state.
 #[derive(Default)]
-pub struct ShardPaths(Mutex<HashMap<u32, ShardPath>>);
+pub struct ShardPaths(Mutex<HashMap<u32, AttachState<Arc<OneSided>>>>);
 
 impl ShardPaths {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u32, ShardPath>> {
-        // The map holds no invariant a panic could break midway.
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u32, AttachState<Arc<OneSided>>>> {
+        // The states' transitions are whole assignments: a panic cannot
+        // leave one half changed.
         self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn new_state() -> AttachState<Arc<OneSided>> {
+        AttachState::new(AttachPolicy::SHARD)
     }
 }
 
 impl Session {
     /// The path to `shard`'s region on this node: attached now by this
     /// caller if no one is attaching it and it did not just fail.
-    async fn shard_path(&self, shard: u32) -> Option<Arc<OneSided>> {
-        {
+    async fn shard_path(&self, shard: u32) -> Option<Held> {
+        let ticket = {
             let mut paths = self.shard_paths().lock();
-            match paths.get(&shard) {
-                Some(ShardPath::Attached(p)) => return Some(Arc::clone(p)),
-                Some(ShardPath::Attaching) => return None,
-                Some(ShardPath::Failed(t)) if t.elapsed() < SHARD_REATTACH_INTERVAL => return None,
-                _ => {}
+            let st = paths.entry(shard).or_insert_with(ShardPaths::new_state);
+            if let Some(held) = Held::of(st) {
+                return Some(held);
             }
-            paths.insert(shard, ShardPath::Attaching);
-        }
-        let attached = self.attach_shard(shard).await;
-        let mut paths = self.shard_paths().lock();
-        match attached {
-            Ok(p) => {
-                let p = Arc::new(p);
-                paths.insert(shard, ShardPath::Attached(Arc::clone(&p)));
-                self.inner.selector.set_usable(Path::OneSided, true);
-                Some(p)
-            }
+            st.poll_attach(Instant::now())?
+        };
+        let pending = Pending::new(self, Region::Shard(shard), ticket);
+        match self.attach_shard(shard).await {
+            Ok(p) => pending.attached(p),
             Err(e) => {
                 tracing::debug!(shard, "one-sided reads of the shard's region unavailable: {e}");
-                paths.insert(shard, ShardPath::Failed(Instant::now()));
+                pending.failed();
                 None
             }
         }
@@ -1001,11 +1129,10 @@ impl Session {
     }
 
     /// A path that failed (not for want of a lease) is attached anew later.
-    fn shard_path_failed(&self, shard: u32, failed: &Arc<OneSided>, why: &BackendError) {
+    fn shard_path_failed(&self, shard: u32, failed: &Held, why: &BackendError) {
         tracing::debug!(shard, "one-sided path to the shard's region failed: {why}");
-        let mut paths = self.shard_paths().lock();
-        if matches!(paths.get(&shard), Some(ShardPath::Attached(p)) if Arc::ptr_eq(p, failed)) {
-            paths.insert(shard, ShardPath::Failed(Instant::now()));
+        if let Some(st) = self.shard_paths().lock().get_mut(&shard) {
+            st.handle_detach(failed.generation, Instant::now());
         }
     }
 
@@ -1039,11 +1166,8 @@ impl Session {
     }
 
     /// The path to `shard`'s region on this node, if it is attached now.
-    fn attached_shard_path(&self, shard: u32) -> Option<Arc<OneSided>> {
-        match self.shard_paths().lock().get(&shard) {
-            Some(ShardPath::Attached(p)) => Some(Arc::clone(p)),
-            _ => None,
-        }
+    fn attached_shard_path(&self, shard: u32) -> Option<Held> {
+        self.shard_paths().lock().get(&shard).and_then(Held::of)
     }
 
     /// Reads `keys` (all of `shard`) from this node, as [`Session::shard_get`].
@@ -1064,5 +1188,94 @@ impl Session {
             }
         }
         self.rpc_multi_get(keys).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dmkv_common::path::PathConfig;
+
+    fn selector() -> Arc<PathSelector> {
+        let sel = PathSelector::new(PathConfig::default());
+        sel.set_usable(Path::OneSided, true);
+        sel.set_usable(Path::Rpc, true);
+        sel
+    }
+
+    /// An unleased shard region is priced as a GET that gave up, one round
+    /// trip before its RPC, and is no failure of the one-sided path.
+    #[test]
+    fn an_unleased_read_is_priced_as_a_get_that_gave_up() {
+        let sel = selector();
+        let adm = sel.admit_fixed(Path::OneSided, 1);
+        let Ok(Measured::AskServer(gave_up)) = priced_read_error(BackendError::Unleased, Some(adm)) else {
+            panic!("an unleased read was not priced as a GET that gave up");
+        };
+        assert_eq!((gave_up.round_trips, gave_up.retries), (1, 0));
+        gave_up.asked();
+        let st = sel.stats().one_sided;
+        assert_eq!(st.failures, 0, "an unleased read failed the path: {st:?}");
+        assert!(st.usable, "an unleased read marked one-sided reads down: {st:?}");
+        // A broken path still is a failure.
+        let adm = sel.admit_fixed(Path::OneSided, 2);
+        assert!(matches!(priced_read_error(BackendError::Closed, Some(adm)), Err(BackendError::Closed)));
+        assert_eq!(sel.stats().one_sided.failures, 1);
+    }
+
+    /// A one-sided probe of a region unleased for now is dropped: neither a
+    /// failure of the path nor a reason to detach it.
+    #[test]
+    fn an_unleased_probe_is_dropped() {
+        let sel = selector();
+        let probe = sel.admit_fixed(Path::OneSided, 1);
+        assert!(settle_probe(probe, Some(Err(BackendError::Unleased))).is_none(), "an unleased probe detached");
+        let st = sel.stats().one_sided;
+        assert_eq!(st.failures, 0, "an unleased probe failed the path: {st:?}");
+        assert!(st.usable && st.in_flight == 0, "{st:?}");
+        let probe = sel.admit_fixed(Path::OneSided, 2);
+        assert!(matches!(settle_probe(probe, Some(Err(BackendError::Closed))), Some(BackendError::Closed)));
+        assert_eq!(sel.stats().one_sided.failures, 1);
+    }
+
+    #[test]
+    fn only_a_cluster_sessions_wait_for_a_window_is_bounded_by_half_a_try() {
+        let t = Duration::from_millis(800);
+        assert_eq!(window_wait(Region::Node, t), (t, NoWindow::TimedOut));
+        assert_eq!(window_wait(Region::Shard(3), t), (t / 2, NoWindow::AskRpc));
+    }
+
+    /// A cluster GET that finds every RPC window slot taken waits half a
+    /// try and then asks the node over RPC; it used to fail with a Timeout,
+    /// and the router dropped a node that was never asked.
+    #[tokio::test]
+    async fn a_cluster_get_without_a_window_asks_the_node_over_rpc() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let accepted = Arc::new(AtomicU64::new(0));
+        let counted = Arc::clone(&accepted);
+        // A node that hangs up: whether the GET reached it is what counts.
+        tokio::spawn(async move {
+            while let Ok((conn, _)) = listener.accept().await {
+                counted.fetch_add(1, Ordering::SeqCst);
+                drop(conn);
+            }
+        });
+        let cfg = ClientConfig::default().request_timeout(Duration::from_millis(100));
+        let slots = cfg.path.window.max as u64 + 1;
+        let session = Session::unconnected(addr, cfg, Arc::default()).unwrap();
+        // The shard's region just failed to attach: the GET does not try it.
+        {
+            let mut paths = session.shard_paths().lock();
+            let st = paths.entry(0).or_insert_with(ShardPaths::new_state);
+            let ticket = st.poll_attach(Instant::now()).unwrap();
+            st.handle_failed(ticket, Instant::now());
+        }
+        let sel = &session.inner.selector;
+        let taken: Vec<Admission> = (0..slots).map(|k| sel.admit_fixed(Path::Rpc, k)).collect();
+        let r = session.auto_get(Region::Shard(0), b"k").await;
+        assert!(!matches!(r, Err(ClientError::Timeout(_))), "the GET timed out in its own queue: {r:?}");
+        assert!(accepted.load(Ordering::SeqCst) > 0, "the GET never asked the node: {r:?}");
+        drop(taken);
     }
 }

@@ -14,10 +14,11 @@ use dmkv_common::onesided::{
 };
 use dmkv_common::read::ReadSpec;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
 use super::{BackendError, Reads};
-use crate::conn::{Dialed, PendingMap, SEND_QUEUE, dial, read_loop, write_loop};
+use crate::conn::{Dialed, PendingMap, dial, read_loop};
+use crate::outbox::{Outbox, Push, write_loop};
 use crate::path::ConnHealth;
 use crate::tls::Connector;
 
@@ -52,12 +53,19 @@ type Pending = PendingMap<BytesMut>;
 
 /// A connection to a server's one-sided engine.
 pub struct EngineConn {
-    tx: mpsc::Sender<BytesMut>,
+    outbox: Arc<Outbox>,
     pending: Pending,
     next: AtomicU64,
     closed: Arc<AtomicBool>,
     rkey: u64,
     timeout: Duration,
+}
+
+impl Drop for EngineConn {
+    /// The writer writes what is queued and stops.
+    fn drop(&mut self) {
+        self.outbox.close();
+    }
 }
 
 impl EngineConn {
@@ -71,7 +79,7 @@ impl EngineConn {
     ) -> Result<EngineConn, BackendError> {
         let attach_err = |e: String| BackendError::Attach(format!("engine {addr}: {e}"));
         let work = async {
-            let stream = dial(addr, timeout, dialer.tls.as_ref()).await?.ok_or("connect timed out")?;
+            let stream = dial(addr, timeout, dialer.tls.as_ref()).await.map_err(|e| e.to_string())?;
             let token = dialer.token.as_deref();
             match stream {
                 Dialed::Plain(mut s) => {
@@ -98,10 +106,10 @@ impl EngineConn {
         rkey: u64,
         timeout: Duration,
     ) -> EngineConn {
-        let (tx, rx) = mpsc::channel::<BytesMut>(SEND_QUEUE);
+        let outbox = Arc::new(Outbox::default());
         let pending: Pending = Arc::default();
         let closed = Arc::new(AtomicBool::new(false));
-        tokio::spawn(write_loop(wr, rx, Arc::clone(&closed)));
+        tokio::spawn(write_loop(wr, Arc::clone(&outbox), Arc::clone(&closed)));
         tokio::spawn(read_loop(
             rd,
             Arc::clone(&pending),
@@ -115,7 +123,26 @@ impl EngineConn {
             },
             |_, _| {},
         ));
-        EngineConn { tx, pending, next: AtomicU64::new(1), closed, rkey, timeout }
+        EngineConn { outbox, pending, next: AtomicU64::new(1), closed, rkey, timeout }
+    }
+
+    /// Encodes a batch into the outbox, waiting for room if it is full
+    /// (the caller's timeout bounds the whole read); false once closed.
+    async fn queue(&self, id: u64, wrs: &[ReadWr]) -> bool {
+        let encode = |b: &mut BytesMut| {
+            encode_request(id, wrs, b);
+            Ok::<_, std::convert::Infallible>(())
+        };
+        loop {
+            let room = self.outbox.room();
+            tokio::pin!(room);
+            room.as_mut().enable();
+            match self.outbox.try_push(encode) {
+                Ok(Push::Queued) => return true,
+                Ok(Push::Full) => room.await,
+                Ok(Push::Closed) | Err(_) => return false,
+            }
+        }
     }
 
     /// Posts `specs` as one batch (one frame) and waits for its completions.
@@ -125,11 +152,9 @@ impl EngineConn {
         }
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         let wrs: Vec<ReadWr> = specs.iter().map(|s| ReadWr { rkey: self.rkey, offset: s.offset, len: s.len }).collect();
-        let mut frame = BytesMut::new();
-        encode_request(id, &wrs, &mut frame);
         let (otx, orx) = oneshot::channel();
         self.pending.lock().expect("pending poisoned").insert(id, crate::conn::Waiter { tx: otx, deadline: None });
-        if self.tx.send(frame).await.is_err() || self.closed.load(Ordering::Acquire) {
+        if !self.queue(id, &wrs).await || self.closed.load(Ordering::Acquire) {
             self.pending.lock().expect("pending poisoned").remove(&id);
             return Err(BackendError::Closed);
         }
