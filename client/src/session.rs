@@ -346,7 +346,7 @@ impl Session {
                 && at >= waited_from
             {
                 return Err(ClientError::OneSidedUnavailable(
-                    "attaching the region failed just now (see the log for why)".into(),
+                    "the try to attach the region that this GET waited for failed".into(),
                 ));
             }
             st.poll_forced_attach(Instant::now())
