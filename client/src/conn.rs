@@ -9,9 +9,10 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use bytes::BytesMut;
-use dmkv_common::frame::{self, Decoder};
+use dmkv_common::frame::Decoder;
 use dmkv_common::limits::DEFAULT_MAX_FRAME_LEN;
-use dmkv_common::proto::{Request, Response, request::Op};
+use dmkv_common::proto::{Response, request::Op};
+use dmkv_common::request::Body;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 use tokio::net::TcpStream;
 use tokio::sync::oneshot;
@@ -234,7 +235,7 @@ impl Conn {
     /// Queues a request; its reply is awaited with [`InFlight::wait`]. A
     /// full send queue is waited on for as long as it takes.
     pub async fn send(&self, op: Op) -> Result<InFlight, ClientError> {
-        self.send_with(op, None, false).await
+        self.send_with(Body::Op(&op), None, false).await
     }
 
     /// [`Conn::send`] for a request due by `deadline`: a full send queue is
@@ -245,7 +246,7 @@ impl Conn {
         deadline: tokio::time::Instant,
         timeout: Duration,
     ) -> Result<InFlight, ClientError> {
-        self.send_with(op, Some((deadline, timeout)), false).await
+        self.send_with(Body::Op(&op), Some((deadline, timeout)), false).await
     }
 
     /// Queues a request whose wait the connection's watchdog ends at
@@ -253,20 +254,20 @@ impl Conn {
     /// is awaited with [`InFlight::wait_watched`]. A timeout reports `timeout`.
     pub(crate) async fn send_until(
         &self,
-        op: Op,
+        body: Body<'_>,
         deadline: tokio::time::Instant,
         timeout: Duration,
     ) -> Result<InFlight, ClientError> {
-        let sent = self.send_with(op, Some((deadline, timeout)), true).await;
+        let sent = self.send_with(body, Some((deadline, timeout)), true).await;
         self.watched.notify_one();
         sent
     }
 
-    /// Queues `op`; `due` bounds the wait for room in the send queue, and
+    /// Queues `body`; `due` bounds the wait for room in the send queue, and
     /// `watched` hands the reply's wait to the watchdog, ended at its deadline.
     async fn send_with(
         &self,
-        op: Op,
+        body: Body<'_>,
         due: Option<(tokio::time::Instant, Duration)>,
         watched: bool,
     ) -> Result<InFlight, ClientError> {
@@ -274,14 +275,13 @@ impl Conn {
             return Err(ClientError::ConnectionClosed);
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let req = Request { id, op: Some(op) };
         let max = self.max_frame();
         let (otx, orx) = oneshot::channel();
         let deadline = due.map(|(d, _)| d).filter(|_| watched);
         // The waiter is in place before the request can be written, so
         // the reader always finds it.
         self.pending.lock().expect("pending poisoned").insert(id, Waiter { tx: otx, deadline });
-        let queued = self.queue(&req, max, due).await;
+        let queued = self.queue(body, id, max, due).await;
         if let Err(e) = queued {
             self.pending.lock().expect("pending poisoned").remove(&id);
             return Err(e);
@@ -294,16 +294,17 @@ impl Conn {
         Ok(InFlight { id, rx: orx, pending: Arc::clone(&self.pending) })
     }
 
-    /// Encodes `req` into the outbox; a full one is waited on (until
-    /// `due`'s deadline, if given).
+    /// Encodes `body` as request `id` into the outbox; a full one is
+    /// waited on (until `due`'s deadline, if given).
     async fn queue(
         &self,
-        req: &Request,
+        body: Body<'_>,
+        id: u64,
         max: usize,
         due: Option<(tokio::time::Instant, Duration)>,
     ) -> Result<(), ClientError> {
-        let encode = |b: &mut BytesMut| frame::encode(req, max, b);
-        let too_large = |_| ClientError::RequestTooLarge { len: prost::Message::encoded_len(req), max };
+        let encode = |b: &mut BytesMut| body.encode_frame(id, max, b);
+        let too_large = |_| ClientError::RequestTooLarge { len: body.encoded_len(id), max };
         // Room is the common case, and takes no wait at all.
         match self.outbox.try_push(encode).map_err(too_large)? {
             Push::Queued => return Ok(()),
@@ -487,7 +488,7 @@ mod tests {
         let mut sent = Vec::new();
         for _ in 0..3 {
             let get = Op::Get(proto::Get { key: bytes::Bytes::from_static(b"k") });
-            sent.push(conn.send_until(get, deadline, timeout).await.unwrap());
+            sent.push(conn.send_until(Body::Op(&get), deadline, timeout).await.unwrap());
         }
         // As a pool slot replaced for congestion drops its connection: the
         // writer stops and marks it closed while the replies are awaited.
@@ -523,7 +524,7 @@ mod tests {
             for n in 0..4 * SEND_QUEUE {
                 let deadline = tokio::time::Instant::now() + timeout;
                 let get = Op::Get(proto::Get { key: bytes::Bytes::from_static(b"k") });
-                if let Err(e) = conn.send_until(get, deadline, timeout).await {
+                if let Err(e) = conn.send_until(Body::Op(&get), deadline, timeout).await {
                     return (n, e);
                 }
             }
@@ -543,7 +544,7 @@ mod tests {
         let deadline = start + timeout;
         let get = || Op::Get(proto::Get { key: bytes::Bytes::from_static(b"k") });
         let all = futures_util::future::join_all((0..3).map(|_| async {
-            conn.send_until(get(), deadline, timeout).await.unwrap().wait_watched(deadline, timeout).await
+            conn.send_until(Body::Op(&get()), deadline, timeout).await.unwrap().wait_watched(deadline, timeout).await
         }));
         // Without the watchdog these waits never end.
         let waits = tokio::time::timeout(Duration::from_secs(10), all).await.expect("the watchdog ended the waits");

@@ -11,6 +11,7 @@ use dmkv_common::PROTOCOL_VERSION;
 use dmkv_common::auth::{Purpose, Token};
 use dmkv_common::limits::DEFAULT_MAX_FRAME_LEN;
 use dmkv_common::proto::{self, ErrorCode, request::Op, response::Result as R};
+use dmkv_common::request::Body;
 use tokio::sync::Mutex;
 
 use crate::config::{ClientConfig, TOKEN_ENV};
@@ -48,6 +49,11 @@ pub struct RpcPool {
     token: Option<Arc<Token>>,
     tls: Option<Connector>,
     slots: Vec<Mutex<PoolSlot>>,
+    /// Each slot's open connection, as its connect left it: what nearly
+    /// every request takes, read without the slot's async lock (whose
+    /// release costs a second lock on its waiter list). Written only while
+    /// that slot's lock is held.
+    open: Vec<std::sync::RwLock<Option<Arc<Conn>>>>,
     next: AtomicUsize,
     /// The server said (in HELLO) that it is a cluster node.
     cluster_node: AtomicBool,
@@ -59,6 +65,7 @@ impl RpcPool {
         let tls = cfg.tls.as_ref().map(|o| Connector::new(o, &addr)).transpose().map_err(ClientError::Config)?;
         Ok(RpcPool {
             slots: (0..cfg.pool_size.max(1)).map(|_| Mutex::default()).collect(),
+            open: (0..cfg.pool_size.max(1)).map(|_| std::sync::RwLock::default()).collect(),
             token: cfg.token.clone(),
             tls,
             addr,
@@ -111,13 +118,10 @@ impl RpcPool {
     /// The open connection of pool slot `i`, connecting it if needed (see
     /// `PoolSlot`); gives up at `deadline`.
     pub async fn conn_at(&self, i: usize, deadline: tokio::time::Instant) -> Result<Arc<Conn>, ClientError> {
-        // The common case, an open connection and nobody connecting, takes
-        // no timer and no wait.
-        if let Ok(slot) = self.slots[i].try_lock()
-            && let Some(c) = &slot.conn
-            && !c.is_closed()
-        {
-            return Ok(Arc::clone(c));
+        // The common case, an open connection, takes no timer, no wait
+        // and no async lock.
+        if let Some(c) = self.open_at(i) {
+            return Ok(c);
         }
         let timeout = ClientError::Timeout(self.cfg.request_timeout);
         let mut slot = tokio::time::timeout_at(deadline, self.slots[i].lock()).await.map_err(|_| timeout)?;
@@ -133,15 +137,33 @@ impl RpcPool {
         }
         let result = self.open_conn(deadline).await;
         match &result {
-            Ok(conn) => *slot = PoolSlot { conn: Some(Arc::clone(conn)), failure: None },
+            Ok(conn) => {
+                *slot = PoolSlot { conn: Some(Arc::clone(conn)), failure: None };
+                self.publish(i, Some(Arc::clone(conn)));
+            }
             Err(e) => {
                 let backoff =
                     slot.failure.as_ref().map_or(CONNECT_BACKOFF, |f| (f.backoff * 2).min(MAX_CONNECT_BACKOFF));
                 slot.conn = None;
+                self.publish(i, None);
                 slot.failure = Some(ConnectFailure { at: Instant::now(), backoff, error: e.clone() });
             }
         }
         result
+    }
+
+    /// Slot `i`'s open connection, if it has one that has not closed.
+    fn open_at(&self, i: usize) -> Option<Arc<Conn>> {
+        // A panic while the lock was held left an `Option` either set or
+        // not, never torn: the value is usable.
+        let open = self.open[i].read().unwrap_or_else(std::sync::PoisonError::into_inner);
+        open.as_ref().filter(|c| !c.is_closed()).map(Arc::clone)
+    }
+
+    /// Makes `conn` slot `i`'s open connection; called with the slot's
+    /// lock held, so it agrees with `PoolSlot::conn`.
+    fn publish(&self, i: usize, conn: Option<Arc<Conn>>) {
+        *self.open[i].write().unwrap_or_else(std::sync::PoisonError::into_inner) = conn;
     }
 
     /// Connects, says HELLO, and authenticates if the server asks, all by
@@ -227,15 +249,19 @@ impl RpcPool {
     /// congested one; later requests open fresh ones. For tests.
     #[doc(hidden)]
     pub async fn replace_rpc_connections(&self) {
-        for slot in &self.slots {
-            slot.lock().await.conn = None;
+        for (i, slot) in self.slots.iter().enumerate() {
+            let mut slot = slot.lock().await;
+            slot.conn = None;
+            self.publish(i, None);
         }
     }
 
     /// Drops connection `slot` (congested): its next request opens a fresh
     /// one, and requests on the old one drain.
     pub async fn replace(&self, slot: usize) {
-        self.slots[slot].lock().await.conn = None;
+        let mut s = self.slots[slot].lock().await;
+        s.conn = None;
+        self.publish(slot, None);
     }
 
     /// Sends a request on the next pooled connection without waiting for
@@ -257,14 +283,26 @@ impl RpcPool {
     /// counts against the request's timeout, which the connection's
     /// watchdog enforces (no timer per request).
     pub async fn call_on(&self, slot: usize, op: Op) -> Result<R, ClientError> {
-        let deadline = self.deadline();
-        let timeout = self.cfg.request_timeout;
-        let sent = self.conn_at(slot, deadline).await?.send_until(op, deadline, timeout).await?;
-        unwrap(sent.wait_watched(deadline, timeout).await?)
+        self.call_body(slot, Body::Op(&op), self.deadline()).await
     }
 
     pub async fn call(&self, op: Op) -> Result<R, ClientError> {
         self.call_on(self.next_slot(), op).await
+    }
+
+    /// [`RpcPool::call_on`] of a request that may borrow its key and value
+    /// (encoded once, into the connection's send buffer), due by
+    /// `deadline`: the caller's clock read, so a GET reads the clock once
+    /// for its start, its send and its deadline.
+    pub(crate) async fn call_body(
+        &self,
+        slot: usize,
+        body: Body<'_>,
+        deadline: tokio::time::Instant,
+    ) -> Result<R, ClientError> {
+        let timeout = self.cfg.request_timeout;
+        let sent = self.conn_at(slot, deadline).await?.send_until(body, deadline, timeout).await?;
+        unwrap(sent.wait_watched(deadline, timeout).await?)
     }
 
     /// The server's regions and the one-sided endpoints it offers.

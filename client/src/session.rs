@@ -16,6 +16,7 @@ use dmkv_common::error::check_key;
 use dmkv_common::limits::MAX_MULTI_GET_KEYS;
 use dmkv_common::path::{ControllerStats, Path};
 use dmkv_common::proto::{self, ErrorCode, request::Op, response::Result as R};
+use dmkv_common::request::Body;
 
 use crate::attach_state::{AttachPolicy, AttachState, AttachTicket, Generation};
 use crate::config::ClientConfig;
@@ -689,12 +690,17 @@ impl Session {
         hinted: Option<&OneSided>,
     ) -> Result<Option<Versioned>, ClientError> {
         let i = self.inner.pool.next_slot();
-        let start = adm.as_ref().map_or_else(Instant::now, Admission::started);
+        // One clock read is the GET's start (unless admitted earlier), its
+        // send and its deadline's base: each read costs more than a cached
+        // value, and a forced-RPC GET is little else.
+        let now = Instant::now();
+        let start = adm.as_ref().map_or(now, Admission::started);
         // A probe's admission was taken before it was spawned (and before
         // its GET waited for a window): the connection's detector times the
         // request alone, or it would see congestion that is not there.
-        let sent = if adm.as_ref().is_some_and(Admission::is_probe) { Instant::now() } else { start };
-        let result = self.inner.pool.call_on(i, Op::Get(proto::Get { key: Bytes::copy_from_slice(key) })).await;
+        let sent = if adm.as_ref().is_some_and(Admission::is_probe) { now } else { start };
+        let deadline = tokio::time::Instant::from_std(now) + self.inner.cfg.request_timeout;
+        let result = self.inner.pool.call_body(i, Body::Get { key }, deadline).await;
         match &result {
             Err(e) if e.is_transport() => {
                 if let Some(adm) = adm {
@@ -780,7 +786,8 @@ impl Session {
     /// `path` (the region the reply's hint is about: a cluster shard's)
     /// caches it for its next one-sided GET of the key.
     pub async fn rpc_get_hinting(&self, key: &[u8], path: Option<&OneSided>) -> Result<Option<Versioned>, ClientError> {
-        match self.inner.pool.call(Op::Get(proto::Get { key: Bytes::copy_from_slice(key) })).await? {
+        let pool = &self.inner.pool;
+        match pool.call_body(pool.next_slot(), Body::Get { key }, pool.deadline()).await? {
             R::Get(g) => {
                 if let Some(p) = path.filter(|_| g.found && g.hint_slot != 0) {
                     p.learn_hint(key, g.hint_bucket, g.hint_index, g.hint_slot);
@@ -804,13 +811,9 @@ impl Session {
         value: &[u8],
         write_id: Option<proto::WriteId>,
     ) -> Result<u64, ClientError> {
-        let op = Op::Put(proto::Put {
-            key: Bytes::copy_from_slice(key),
-            value: Bytes::copy_from_slice(value),
-            write_id,
-            ..Default::default()
-        });
-        match self.inner.pool.call(op).await? {
+        let pool = &self.inner.pool;
+        let body = Body::Put { key, value, write_id: write_id.as_ref() };
+        match pool.call_body(pool.next_slot(), body, pool.deadline()).await? {
             R::Put(p) => Ok(p.version),
             other => Err(unexpected(&other)),
         }

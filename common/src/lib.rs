@@ -21,6 +21,7 @@ pub mod path;
 pub mod pem;
 pub mod racy;
 pub mod read;
+pub mod request;
 pub mod shm_handoff;
 
 /// Messages generated from `proto/dmkv.proto`.

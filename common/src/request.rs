@@ -1,0 +1,174 @@
+//! Requests as a client frames them: an owned [`Op`], or the two requests
+//! of every workload (GET and PUT) encoded straight from the caller's
+//! borrowed key and value. An owned `proto::Get`/`proto::Put` needs its key
+//! and value copied into fresh `Bytes` first, and then copied again into
+//! the send buffer; encoding from the borrowed slices copies once. The
+//! bytes are exactly what prost writes for the owned request (the tests
+//! compare them), so the server cannot tell the two apart.
+
+use bytes::{BufMut, BytesMut};
+use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint, key_len};
+
+use crate::frame::FrameError;
+use crate::limits::FRAME_HEADER_LEN;
+use crate::proto::{WriteId, request::Op};
+
+/// `Request.id`'s field number.
+const REQUEST_ID: u32 = 1;
+/// `Request.op`'s `put` and `get` field numbers.
+const REQUEST_PUT: u32 = 3;
+const REQUEST_GET: u32 = 4;
+/// `Get.key`; `Put.key`, `Put.value` and `Put.write_id`.
+const GET_KEY: u32 = 1;
+const PUT_KEY: u32 = 1;
+const PUT_VALUE: u32 = 2;
+const PUT_WRITE_ID: u32 = 3;
+
+/// What a client sends: a request body without its id, which the
+/// connection assigns when it frames it.
+#[derive(Debug, Clone, Copy)]
+pub enum Body<'a> {
+    /// Any request, as prost encodes it.
+    Op(&'a Op),
+    /// `Op::Get` of `key`, without copying `key` first.
+    Get { key: &'a [u8] },
+    /// `Op::Put` of `key` and `value` with only `write_id` set (a plain
+    /// SET), without copying them first.
+    Put { key: &'a [u8], value: &'a [u8], write_id: Option<&'a WriteId> },
+}
+
+/// A length-delimited bytes field's length on the wire, omitted when
+/// empty (proto3 leaves default values out, as prost does).
+fn bytes_field_len(tag: u32, b: &[u8]) -> usize {
+    if b.is_empty() { 0 } else { key_len(tag) + encoded_len_varint(b.len() as u64) + b.len() }
+}
+
+fn put_bytes_field(tag: u32, b: &[u8], out: &mut BytesMut) {
+    if !b.is_empty() {
+        encode_key(tag, WireType::LengthDelimited, out);
+        encode_varint(b.len() as u64, out);
+        out.put_slice(b);
+    }
+}
+
+impl Body<'_> {
+    /// The encoded length of the op's message (without the `Request` field
+    /// around it, for the borrowed ones).
+    fn inner_len(&self) -> usize {
+        match self {
+            Body::Op(op) => op.encoded_len(),
+            Body::Get { key } => bytes_field_len(GET_KEY, key),
+            Body::Put { key, value, write_id } => {
+                bytes_field_len(PUT_KEY, key)
+                    + bytes_field_len(PUT_VALUE, value)
+                    + write_id.map_or(0, |w| prost::encoding::message::encoded_len(PUT_WRITE_ID, w))
+            }
+        }
+    }
+
+    /// The `Request` with `id` this body makes, as encoded bytes' length.
+    pub fn encoded_len(&self, id: u64) -> usize {
+        let id_len = if id == 0 { 0 } else { key_len(REQUEST_ID) + encoded_len_varint(id) };
+        let op_len = match self {
+            Body::Op(_) => self.inner_len(),
+            Body::Get { .. } => key_len(REQUEST_GET) + encoded_len_varint(self.inner_len() as u64) + self.inner_len(),
+            Body::Put { .. } => key_len(REQUEST_PUT) + encoded_len_varint(self.inner_len() as u64) + self.inner_len(),
+        };
+        id_len + op_len
+    }
+
+    /// Appends the `Request { id, op }` this body makes as one frame to
+    /// `out`. Fails only if it is larger than `max_frame`, leaving `out`
+    /// as it was.
+    pub fn encode_frame(&self, id: u64, max_frame: usize, out: &mut BytesMut) -> Result<(), FrameError> {
+        let len = self.encoded_len(id);
+        if len > max_frame || len > u32::MAX as usize {
+            return Err(FrameError::TooLarge { len, max: max_frame });
+        }
+        out.reserve(FRAME_HEADER_LEN + len);
+        let start = out.len();
+        out.put_u32_le(len as u32);
+        if id != 0 {
+            prost::encoding::uint64::encode(REQUEST_ID, &id, out);
+        }
+        match self {
+            Body::Op(op) => op.encode(out),
+            Body::Get { key } => {
+                encode_key(REQUEST_GET, WireType::LengthDelimited, out);
+                encode_varint(self.inner_len() as u64, out);
+                put_bytes_field(GET_KEY, key, out);
+            }
+            Body::Put { key, value, write_id } => {
+                encode_key(REQUEST_PUT, WireType::LengthDelimited, out);
+                encode_varint(self.inner_len() as u64, out);
+                put_bytes_field(PUT_KEY, key, out);
+                put_bytes_field(PUT_VALUE, value, out);
+                if let Some(w) = write_id {
+                    prost::encoding::message::encode(PUT_WRITE_ID, *w, out);
+                }
+            }
+        }
+        debug_assert_eq!(out.len() - start, FRAME_HEADER_LEN + len, "the length said is the length written");
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::frame::{self, Decoder};
+    use crate::proto::{self, Request};
+    use bytes::Bytes;
+    use proptest::prelude::*;
+
+    fn framed(req: &Request) -> BytesMut {
+        let mut out = BytesMut::new();
+        frame::encode(req, usize::MAX, &mut out).unwrap();
+        out
+    }
+
+    fn borrowed(body: Body<'_>, id: u64) -> BytesMut {
+        let mut out = BytesMut::new();
+        body.encode_frame(id, usize::MAX, &mut out).unwrap();
+        out
+    }
+
+    proptest! {
+        #[test]
+        fn a_borrowed_get_or_put_is_the_bytes_prost_writes_for_the_owned_one(
+            id in prop_oneof![Just(0u64), any::<u64>()],
+            key in prop::collection::vec(any::<u8>(), 0..300),
+            value in prop::collection::vec(any::<u8>(), 0..3000),
+            write_id in prop::option::of((any::<u64>(), any::<u64>(), any::<u32>())),
+        ) {
+            let w = write_id.map(|(client, seq, retry_window_ms)| WriteId { client, seq, retry_window_ms });
+            let get = Request { id, op: Some(Op::Get(proto::Get { key: Bytes::from(key.clone()) })) };
+            prop_assert_eq!(borrowed(Body::Get { key: &key }, id), framed(&get));
+            let put = Request {
+                id,
+                op: Some(Op::Put(proto::Put {
+                    key: Bytes::from(key.clone()),
+                    value: Bytes::from(value.clone()),
+                    write_id: w,
+                    ..Default::default()
+                })),
+            };
+            let mut got = borrowed(Body::Put { key: &key, value: &value, write_id: w.as_ref() }, id);
+            prop_assert_eq!(&got, &framed(&put));
+            // And it reads back as the request it stands for.
+            let back: Option<Request> = Decoder::new(usize::MAX).next_message(&mut got).unwrap();
+            prop_assert_eq!(back, Some(put.clone()));
+            let op = put.op.clone().unwrap();
+            prop_assert_eq!(borrowed(Body::Op(&op), id), framed(&put));
+        }
+    }
+
+    #[test]
+    fn a_frame_over_the_limit_writes_nothing() {
+        let mut out = BytesMut::from(&b"before"[..]);
+        let value = vec![7u8; 100];
+        let e = Body::Put { key: b"k", value: &value, write_id: None }.encode_frame(1, 50, &mut out).unwrap_err();
+        assert!(matches!(e, FrameError::TooLarge { max: 50, .. }), "{e:?}");
+        assert_eq!(&out[..], b"before");
+    }
+}
