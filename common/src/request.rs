@@ -69,10 +69,11 @@ impl Body<'_> {
     /// The `Request` with `id` this body makes, as encoded bytes' length.
     pub fn encoded_len(&self, id: u64) -> usize {
         let id_len = if id == 0 { 0 } else { key_len(REQUEST_ID) + encoded_len_varint(id) };
+        let inner = self.inner_len();
         let op_len = match self {
-            Body::Op(_) => self.inner_len(),
-            Body::Get { .. } => key_len(REQUEST_GET) + encoded_len_varint(self.inner_len() as u64) + self.inner_len(),
-            Body::Put { .. } => key_len(REQUEST_PUT) + encoded_len_varint(self.inner_len() as u64) + self.inner_len(),
+            Body::Op(_) => inner,
+            Body::Get { .. } => key_len(REQUEST_GET) + encoded_len_varint(inner as u64) + inner,
+            Body::Put { .. } => key_len(REQUEST_PUT) + encoded_len_varint(inner as u64) + inner,
         };
         id_len + op_len
     }
