@@ -308,7 +308,7 @@ impl RpcPool {
     /// The server's regions and the one-sided endpoints it offers.
     pub async fn region_info(&self) -> Result<proto::RegionInfoReply, ClientError> {
         match self.call(Op::RegionInfo(proto::RegionInfo {})).await? {
-            R::RegionInfo(r) => Ok(r),
+            R::RegionInfo(r) => Ok(*r),
             other => Err(unexpected(&other)),
         }
     }

@@ -938,7 +938,7 @@ impl Session {
     /// (`BAD_REQUEST` from a server outside a cluster).
     pub async fn cluster_status(&self) -> Result<proto::ClusterMapReply, ClientError> {
         match self.inner.pool.call(Op::GetMap(proto::GetMap {})).await? {
-            R::Map(m) => Ok(m),
+            R::Map(m) => Ok(*m),
             other => Err(unexpected(&other)),
         }
     }
@@ -995,7 +995,7 @@ impl Session {
     /// rkey). Every client's one-sided path then fails over and re-attaches.
     pub async fn reregister(&self) -> Result<proto::RegionInfoReply, ClientError> {
         match self.inner.pool.call(Op::Reregister(proto::Reregister {})).await? {
-            R::Reregister(r) => Ok(r),
+            R::Reregister(r) => Ok(*r),
             other => Err(unexpected(&other)),
         }
     }

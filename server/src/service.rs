@@ -500,9 +500,9 @@ async fn node_op(shared: &Shared, op: Op) -> Result<R, proto::Error> {
             R::MultiGet(proto::MultiGetReply { values })
         }),
         Op::Stats(_) => Ok(R::Stats(proto::StatsReply { counters: stats(shared) })),
-        Op::RegionInfo(_) => Ok(R::RegionInfo(region_info(shared))),
-        Op::Reregister(_) => node.reregister().map(|_| R::Reregister(region_info(shared))),
-        Op::GetMap(_) => node.map_reply().map(R::Map),
+        Op::RegionInfo(_) => Ok(R::RegionInfo(Box::new(region_info(shared)))),
+        Op::Reregister(_) => node.reregister().map(|_| R::Reregister(Box::new(region_info(shared)))),
+        Op::GetMap(_) => node.map_reply().map(|m| R::Map(Box::new(m))),
         Op::JoinShard(j) => node.join_shard(j.shard, j.replica_id).await.map(|step| {
             R::JoinShard(proto::JoinShardReply { done: step == JoinStep::Done, step: format!("{step:?}") })
         }),

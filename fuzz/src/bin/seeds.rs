@@ -59,8 +59,8 @@ fn responses() -> Vec<Response> {
         R::Delete(proto::DeleteReply { existed: true }),
         R::MultiGet(proto::MultiGetReply { values: vec![get, proto::GetReply::default()] }),
         R::Stats(proto::StatsReply { counters: [("gets".to_string(), 3u64)].into_iter().collect() }),
-        R::RegionInfo(region.clone()),
-        R::Reregister(region),
+        R::RegionInfo(Box::new(region.clone())),
+        R::Reregister(Box::new(region)),
         R::RdmaConnect(proto::RdmaConnectReply {
             endpoint: bytes::Bytes::from_static(b"ep"),
             addr: 1,
