@@ -34,6 +34,7 @@ pub mod service;
 pub mod shm;
 pub mod store;
 pub mod tls;
+pub mod workers;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -69,6 +70,8 @@ pub struct Server {
     memcached: Option<TcpListener>,
     /// Worker threads (memcached's `stats` shows them).
     threads: usize,
+    /// The threads client connections (RPC, memcached) are served on.
+    workers: Arc<workers::Workers>,
     stop: (watch::Sender<bool>, watch::Receiver<bool>),
 }
 
@@ -184,6 +187,7 @@ impl Server {
             metrics,
             memcached,
             threads: cfg.threads,
+            workers: Arc::new(workers::Workers::start(cfg.threads, "dmkvd-conn")?),
             stop,
         })
     }
@@ -330,9 +334,17 @@ impl Server {
             ));
             let stats = Arc::clone(&self.shared.metrics.memcached);
             let cap = self.max_memcached_connections;
+            let workers = Arc::clone(&self.workers);
             side.spawn(async move {
-                let mut conns = listen::serve(l, stats, cap, rx, move |(stream, _)| {
-                    memcache::serve_connection(stream, Arc::clone(&svc), srx.clone())
+                let l = listen::Rehomed(l);
+                let mut conns = listen::serve_on(l, stats, cap, rx, &workers, move |(stream, _)| {
+                    let (svc, srx) = (Arc::clone(&svc), srx.clone());
+                    async move {
+                        match tokio::net::TcpStream::from_std(stream) {
+                            Ok(s) => memcache::serve_connection(s, svc, srx).await,
+                            Err(e) => warn!("memcached: cannot serve an accepted connection: {e}"),
+                        }
+                    }
                 })
                 .await;
                 // Connections answer what they have read, as RPC ones do.
@@ -362,8 +374,16 @@ impl Server {
         let shared = Arc::clone(&self.shared);
         let rx = stop_rx.clone();
         let stats = Arc::clone(&self.shared.metrics.rpc);
-        let accept = listen::serve(self.listener, stats, self.max_connections, stop_rx, move |(stream, _)| {
-            service::serve_connection(stream, Arc::clone(&shared), rx.clone())
+        let workers = Arc::clone(&self.workers);
+        let l = listen::Rehomed(self.listener);
+        let accept = listen::serve_on(l, stats, self.max_connections, stop_rx, &workers, move |(stream, _)| {
+            let (shared, rx) = (Arc::clone(&shared), rx.clone());
+            async move {
+                match tokio::net::TcpStream::from_std(stream) {
+                    Ok(s) => service::serve_connection(s, shared, rx).await,
+                    Err(e) => warn!("rpc: cannot serve an accepted connection: {e}"),
+                }
+            }
         });
         let stop = async {
             shutdown.await;
@@ -377,6 +397,9 @@ impl Server {
             warn!("connections still open after the drain deadline; closing them");
         }
         while side.join_next().await.is_some() {}
+        // Connections past the drain deadline end with their threads.
+        drop(conns);
+        let _ = tokio::task::spawn_blocking(move || workers.stop()).await;
         if let Some(node) = self.shared.node.cluster().cloned() {
             // Joins threads and syncs the log: off the async workers.
             let _ = tokio::task::spawn_blocking(move || node.shut_down()).await;

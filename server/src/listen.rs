@@ -51,6 +51,20 @@ impl Listener for TcpListener {
     }
 }
 
+/// A TCP listener whose connections leave its runtime's reactor as they
+/// are accepted, to be registered (`TcpStream::from_std`) on the runtime
+/// that serves them: a [`crate::workers::Workers`] thread.
+pub struct Rehomed(pub TcpListener);
+
+impl Listener for Rehomed {
+    type Conn = (std::net::TcpStream, SocketAddr);
+
+    async fn accept(&self) -> io::Result<Self::Conn> {
+        let (stream, peer) = self.0.accept().await?;
+        Ok((stream.into_std()?, peer))
+    }
+}
+
 impl Listener for UnixListener {
     type Conn = UnixStream;
 
@@ -70,7 +84,40 @@ pub async fn serve<L, F, Fut>(
     listener: L,
     stats: Arc<crate::counters::ListenerStats>,
     max_connections: usize,
+    shutdown: watch::Receiver<bool>,
+    handle: F,
+) -> JoinSet<()>
+where
+    L: Listener,
+    F: FnMut(L::Conn) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    serve_placed(listener, stats, max_connections, shutdown, None, handle).await
+}
+
+/// [`serve`], with each connection's task on the next of `workers`'
+/// threads (its socket registered there: see [`Rehomed`]).
+pub async fn serve_on<F, Fut>(
+    listener: Rehomed,
+    stats: Arc<crate::counters::ListenerStats>,
+    max_connections: usize,
+    shutdown: watch::Receiver<bool>,
+    workers: &crate::workers::Workers,
+    handle: F,
+) -> JoinSet<()>
+where
+    F: FnMut((std::net::TcpStream, SocketAddr)) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    serve_placed(listener, stats, max_connections, shutdown, Some(workers), handle).await
+}
+
+async fn serve_placed<L, F, Fut>(
+    listener: L,
+    stats: Arc<crate::counters::ListenerStats>,
+    max_connections: usize,
     mut shutdown: watch::Receiver<bool>,
+    workers: Option<&crate::workers::Workers>,
     mut handle: F,
 ) -> JoinSet<()>
 where
@@ -125,11 +172,15 @@ where
         let closed = OnDrop(move || {
             open.open.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
         });
-        conns.spawn(async move {
+        let task = async move {
             let _closed = closed;
             conn.await;
             drop(permit);
-        });
+        };
+        match workers {
+            Some(w) => conns.spawn_on(task, w.pick()),
+            None => conns.spawn(task),
+        };
         while conns.try_join_next().is_some() {}
     }
     drop(listener);
