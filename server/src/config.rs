@@ -14,6 +14,7 @@ use dmkv_common::limits::{DEFAULT_MAX_FRAME_LEN, MIN_MAX_FRAME_LEN};
 use serde::Deserialize;
 
 use crate::listen::MAX_CONNECTION_CAP;
+use crate::workers::MAX_WORKERS;
 
 pub mod validate;
 pub use validate::{MAX_SOCKET_PATH, human, physical_memory};
@@ -95,7 +96,8 @@ pub struct Flags {
     /// Largest accepted frame, e.g. 2MiB.
     #[arg(long, value_name = "SIZE")]
     pub max_frame: Option<String>,
-    /// Worker threads, at least 1 (default: one per core).
+    /// Threads for client connections, and as many async workers for the
+    /// rest: 1 to 1024 (default: one per core).
     #[arg(long)]
     pub threads: Option<usize>,
     /// Address of the software one-sided engine (default: the RPC host, any port).
@@ -408,8 +410,11 @@ impl Config {
         let threads = match flags.threads.or(file.threads) {
             // A runtime with no worker cannot run anything.
             Some(0) => return Err(format!("{}: must be at least 1, got 0", name!(threads))),
+            Some(n) if n > MAX_WORKERS => {
+                return Err(format!("{}: at most {MAX_WORKERS}, got {n}", name!(threads)));
+            }
             Some(n) => n,
-            None => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            None => std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_WORKERS),
         };
         let log = flags.log.or(file.log);
         if let Some(filter) = &log {
@@ -999,6 +1004,17 @@ mod tests {
         assert!(Config::resolve(FileConfig::default(), bad).is_err());
         let odd = Flags { memory: Some("33554433".into()), ..Flags::default() };
         assert!(Config::resolve(FileConfig::default(), odd).is_err());
+    }
+
+    /// Each thread is a connection runtime too: a count it cannot start is
+    /// refused here, naming the flag, not after the listeners are bound.
+    #[test]
+    fn too_many_threads_are_refused_by_name() {
+        let n = MAX_WORKERS + 1;
+        let err = Config::resolve(FileConfig::default(), Flags { threads: Some(n), ..Flags::default() }).unwrap_err();
+        assert_eq!(err, format!("--threads: at most {MAX_WORKERS}, got {n}"));
+        let ok = Config::resolve(FileConfig::default(), Flags { threads: Some(MAX_WORKERS), ..Flags::default() });
+        assert_eq!(ok.map(|c| c.threads), Ok(MAX_WORKERS));
     }
 
     #[test]

@@ -110,17 +110,21 @@ impl<'a> Kv<'a> {
     }
 
     /// Removes every item stored up to now, after `delay` (memcached's
-    /// flush_all; 0: at once). A delayed flush runs on the runtime.
-    pub fn flush_all(&self, delay: Duration) {
+    /// flush_all; 0: at once, done when this returns). A delayed flush
+    /// runs on the runtime. Either walks the whole index, off the async
+    /// threads: a connection thread serves other connections too.
+    pub async fn flush_all(&self, delay: Duration) {
+        let store = Arc::clone(self.store);
+        let clear = move || async move {
+            let _ = tokio::task::spawn_blocking(move || store.clear_all()).await;
+        };
         if delay.is_zero() {
-            self.store.clear_all();
+            clear().await;
             return;
         }
-        let store = Arc::clone(self.store);
         tokio::spawn(async move {
             tokio::time::sleep(delay).await;
-            // Off the async workers: it walks the whole index.
-            let _ = tokio::task::spawn_blocking(move || store.clear_all()).await;
+            clear().await;
         });
     }
 }

@@ -339,12 +339,7 @@ impl Server {
                 let l = listen::Rehomed(l);
                 let mut conns = listen::serve_on(l, stats, cap, rx, &workers, move |(stream, _)| {
                     let (svc, srx) = (Arc::clone(&svc), srx.clone());
-                    async move {
-                        match tokio::net::TcpStream::from_std(stream) {
-                            Ok(s) => memcache::serve_connection(s, svc, srx).await,
-                            Err(e) => warn!("memcached: cannot serve an accepted connection: {e}"),
-                        }
-                    }
+                    listen::serve_rehomed("memcached", stream, |s| memcache::serve_connection(s, svc, srx))
                 })
                 .await;
                 // Connections answer what they have read, as RPC ones do.
@@ -378,12 +373,7 @@ impl Server {
         let l = listen::Rehomed(self.listener);
         let accept = listen::serve_on(l, stats, self.max_connections, stop_rx, &workers, move |(stream, _)| {
             let (shared, rx) = (Arc::clone(&shared), rx.clone());
-            async move {
-                match tokio::net::TcpStream::from_std(stream) {
-                    Ok(s) => service::serve_connection(s, shared, rx).await,
-                    Err(e) => warn!("rpc: cannot serve an accepted connection: {e}"),
-                }
-            }
+            listen::serve_rehomed("rpc", stream, |s| service::serve_connection(s, shared, rx))
         });
         let stop = async {
             shutdown.await;

@@ -65,6 +65,20 @@ impl Listener for Rehomed {
     }
 }
 
+/// Serves a [`Rehomed`] connection: registers `stream` with the runtime
+/// polling this future (its worker's) and hands it to `serve`. A socket
+/// that cannot be registered is closed, with a warning naming `kind`.
+pub async fn serve_rehomed<Fut: Future<Output = ()>>(
+    kind: &str,
+    stream: std::net::TcpStream,
+    serve: impl FnOnce(TcpStream) -> Fut,
+) {
+    match TcpStream::from_std(stream) {
+        Ok(s) => serve(s).await,
+        Err(e) => warn!("{kind}: cannot serve an accepted connection: {e}"),
+    }
+}
+
 impl Listener for UnixListener {
     type Conn = UnixStream;
 

@@ -19,7 +19,7 @@ use tokio::runtime::{Builder, Handle};
 use tokio::sync::oneshot;
 
 /// Most worker threads one set starts.
-pub const MAX_WORKERS: usize = 256;
+pub const MAX_WORKERS: usize = 1024;
 
 /// A fixed set of connection threads, picked round-robin.
 pub struct Workers {

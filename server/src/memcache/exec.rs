@@ -138,7 +138,7 @@ pub async fn execute(req: &Request<'_>, svc: &Service, out: &mut BytesMut, from:
         }
         Request::FlushAll { delay, noreply } => {
             c.cmd_flush.fetch_add(1, Relaxed);
-            kv.flush_all(Duration::from_secs(flush_delay(*delay, kv.now_ms())));
+            kv.flush_all(Duration::from_secs(flush_delay(*delay, kv.now_ms()))).await;
             reply(out, *noreply, "OK");
         }
         Request::Version => line(out, &format!("VERSION {}", VERSION)),
