@@ -234,7 +234,16 @@ pub struct ConnHealth {
     cfg: PathConfig,
     clock: Instant,
     repaths: Arc<AtomicU64>,
+    /// Round trips offered to [`ConnHealth::sample_next`].
+    offered: AtomicU64,
 }
+
+/// One round trip in this many is timed for [`ConnHealth`] by a caller that
+/// asks [`ConnHealth::sample_next`]: the sample's lock, estimator and clock
+/// read were a tenth of a forced-RPC GET's client CPU, and a round (at
+/// least [`dmkv_common::path::repath::MIN_ROUND_NS`]) still holds several
+/// samples at one GET in flight.
+pub const HEALTH_SAMPLE: u64 = 4;
 
 impl ConnHealth {
     /// Health of a pool of `conns` connections; repaths are counted in
@@ -245,7 +254,14 @@ impl ConnHealth {
             cfg,
             clock: Instant::now(),
             repaths,
+            offered: AtomicU64::new(0),
         }
+    }
+
+    /// Whether the caller's next round trip is one to time and record (one
+    /// in [`HEALTH_SAMPLE`]).
+    pub fn sample_next(&self) -> bool {
+        self.offered.fetch_add(1, Ordering::Relaxed).is_multiple_of(HEALTH_SAMPLE)
     }
 
     /// Records a round trip of `delay_ns` on connection `conn`; true when
@@ -272,5 +288,20 @@ impl ConnHealth {
             self.repaths.fetch_add(1, Ordering::Relaxed);
         }
         repath
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A sampling caller times one round trip in [`HEALTH_SAMPLE`], starting
+    /// with the first (so a connection's first GET already feeds it).
+    #[test]
+    fn one_round_trip_in_health_sample_is_timed() {
+        let h = ConnHealth::new(1, PathConfig::default(), Arc::default());
+        let timed: Vec<bool> = (0..HEALTH_SAMPLE * 10).map(|_| h.sample_next()).collect();
+        assert!(timed[0], "the first round trip is not timed");
+        assert_eq!(timed.iter().filter(|&&t| t).count(), 10);
     }
 }

@@ -700,6 +700,7 @@ impl Session {
         // request alone, or it would see congestion that is not there.
         let sent = if adm.as_ref().is_some_and(Admission::is_probe) { now } else { start };
         let deadline = tokio::time::Instant::from_std(now) + self.inner.cfg.request_timeout;
+        let sample = self.inner.rpc_health.sample_next();
         let result = self.inner.pool.call_body(i, Body::Get { key }, deadline).await;
         match &result {
             Err(e) if e.is_transport() => {
@@ -707,6 +708,9 @@ impl Session {
                     adm.fail();
                 }
             }
+            // Only a GET the controller admitted, or one of the
+            // connection's samples, reads the clock again.
+            _ if adm.is_none() && !sample => {}
             _ => {
                 let end = Instant::now();
                 let took = end.saturating_duration_since(start).as_nanos() as u64;
@@ -714,7 +718,7 @@ impl Session {
                     adm.complete_after(took, 1, 0);
                 }
                 let on_conn = end.saturating_duration_since(sent).as_nanos() as u64;
-                if self.inner.rpc_health.record_ended(end, i, on_conn) {
+                if sample && self.inner.rpc_health.record_ended(end, i, on_conn) {
                     // Congested for several rounds: later requests of this
                     // slot open a fresh connection; this one drains.
                     tracing::debug!(conn = i, "RPC connection congested: moving to a new one");
