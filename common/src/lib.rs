@@ -8,6 +8,7 @@
 
 pub mod auth;
 pub mod cluster;
+pub mod credit;
 pub mod error;
 pub mod expiry;
 pub mod frame;
