@@ -234,8 +234,10 @@ pub struct ConnHealth {
     cfg: PathConfig,
     clock: Instant,
     repaths: Arc<AtomicU64>,
-    /// Round trips offered to [`ConnHealth::sample_next`].
-    offered: AtomicU64,
+    /// Round trips offered to [`ConnHealth::sample_next`], per connection
+    /// (one count for the pool would sample the same slot every time when
+    /// the pool's size divides [`HEALTH_SAMPLE`]).
+    offered: Vec<AtomicU64>,
 }
 
 /// One round trip in this many is timed for [`ConnHealth`] by a caller that
@@ -254,14 +256,14 @@ impl ConnHealth {
             cfg,
             clock: Instant::now(),
             repaths,
-            offered: AtomicU64::new(0),
+            offered: (0..conns).map(|_| AtomicU64::new(0)).collect(),
         }
     }
 
-    /// Whether the caller's next round trip is one to time and record (one
-    /// in [`HEALTH_SAMPLE`]).
-    pub fn sample_next(&self) -> bool {
-        self.offered.fetch_add(1, Ordering::Relaxed).is_multiple_of(HEALTH_SAMPLE)
+    /// Whether the caller's next round trip on connection `conn` is one to
+    /// time and record (one in [`HEALTH_SAMPLE`] of each connection's).
+    pub fn sample_next(&self, conn: usize) -> bool {
+        self.offered.get(conn).is_some_and(|n| n.fetch_add(1, Ordering::Relaxed).is_multiple_of(HEALTH_SAMPLE))
     }
 
     /// Records a round trip of `delay_ns` on connection `conn`; true when
@@ -295,13 +297,22 @@ impl ConnHealth {
 mod tests {
     use super::*;
 
-    /// A sampling caller times one round trip in [`HEALTH_SAMPLE`], starting
-    /// with the first (so a connection's first GET already feeds it).
+    /// A sampling caller times one round trip in [`HEALTH_SAMPLE`] of each
+    /// connection, starting with its first, whatever the pool's size: round
+    /// robin over two or four connections would otherwise sample only one.
     #[test]
-    fn one_round_trip_in_health_sample_is_timed() {
-        let h = ConnHealth::new(1, PathConfig::default(), Arc::default());
-        let timed: Vec<bool> = (0..HEALTH_SAMPLE * 10).map(|_| h.sample_next()).collect();
-        assert!(timed[0], "the first round trip is not timed");
-        assert_eq!(timed.iter().filter(|&&t| t).count(), 10);
+    fn every_connection_has_one_round_trip_in_health_sample_timed() {
+        for conns in [1, 2, 3, 4, 8] {
+            let h = ConnHealth::new(conns, PathConfig::default(), Arc::default());
+            let mut timed = vec![0u64; conns];
+            for k in 0..HEALTH_SAMPLE as usize * 10 * conns {
+                if h.sample_next(k % conns) {
+                    timed[k % conns] += 1;
+                }
+            }
+            assert_eq!(timed, vec![10; conns], "{conns} connections");
+        }
+        let h = ConnHealth::new(2, PathConfig::default(), Arc::default());
+        assert!(!h.sample_next(2), "a connection the pool does not have is sampled");
     }
 }

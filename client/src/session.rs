@@ -700,7 +700,7 @@ impl Session {
         // request alone, or it would see congestion that is not there.
         let sent = if adm.as_ref().is_some_and(Admission::is_probe) { now } else { start };
         let deadline = tokio::time::Instant::from_std(now) + self.inner.cfg.request_timeout;
-        let sample = self.inner.rpc_health.sample_next();
+        let sample = self.inner.rpc_health.sample_next(i);
         let result = self.inner.pool.call_body(i, Body::Get { key }, deadline).await;
         match &result {
             Err(e) if e.is_transport() => {
