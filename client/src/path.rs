@@ -242,9 +242,9 @@ pub struct ConnHealth {
 
 /// One round trip in this many is timed for [`ConnHealth`] by a caller that
 /// asks [`ConnHealth::sample_next`]: the sample's lock, estimator and clock
-/// read were a tenth of a forced-RPC GET's client CPU, and a round (at
-/// least [`dmkv_common::path::repath::MIN_ROUND_NS`]) still holds several
-/// samples at one GET in flight.
+/// read were about 3 % of a forced-RPC GET's client CPU. A round (at least
+/// [`dmkv_common::path::repath::MIN_ROUND_NS`]) closes only on a sample,
+/// so at low rates rounds are longer, not missed.
 pub const HEALTH_SAMPLE: u64 = 4;
 
 impl ConnHealth {

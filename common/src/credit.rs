@@ -12,10 +12,13 @@
 //! Pure logic with time passed in (nanoseconds on the caller's clock) and
 //! no IO, so the verbs RPC and the TCP RPC drive the same code and one
 //! seeded simulation (`common/tests/credit_sim.rs`) tests it without a NIC.
-//! Everything a peer says is checked: a request past its credits is an
-//! [`CreditError::Overrun`] (the server closes that connection before
-//! serving it), a return of credits that are not out is a
-//! [`CreditError::BadReturn`]; neither panics nor changes any count.
+//! Everything a peer says is checked: a request that would hold more
+//! slots than the connection's grant is an [`CreditError::Overrun`] (the
+//! server closes that connection before serving it), a return of credits
+//! that are not out is a [`CreditError::BadReturn`]; neither panics nor
+//! changes any count. (A client that spends credits still on their way
+//! back to it cannot be told from an honest one, and stays within its
+//! grant.)
 
 use crate::path::MICROS;
 
@@ -44,6 +47,11 @@ pub enum CreditError {
     /// The server returned more credits than the client had out.
     #[error("{returned} credits returned with only {out} out")]
     BadReturn { returned: u32, out: u32 },
+    /// The caller freed more slots than the connection holds (a slot of a
+    /// request refused as an overrun is no slot the connection holds: it
+    /// is handed to [`ServerCredits::close`]).
+    #[error("{freed} slots freed with only {held} held")]
+    NotHeld { freed: u32, held: u32 },
 }
 
 /// The server's receive slots shared by its connections, and how many of
@@ -99,7 +107,7 @@ impl SlotPool {
             return Err(CreditError::Config("a connection needs at least one credit"));
         }
         let want = want.min(MAX_CREDITS_PER_CONN);
-        if self.granted + want > self.capacity() {
+        if want > self.capacity() - self.granted {
             return Err(CreditError::PoolFull { granted: self.granted, capacity: self.capacity(), want });
         }
         self.granted += want;
@@ -107,7 +115,8 @@ impl SlotPool {
         Ok(Grant { credits: want })
     }
 
-    /// Takes back the grant of a connection that ended.
+    /// Takes back the grant of a connection that ended and whose slots
+    /// are all posted again ([`Draining::finish`]).
     pub fn release(&mut self, grant: Grant) {
         assert!(grant.credits <= self.granted, "a grant released twice or from another pool");
         self.granted -= grant.credits;
@@ -160,14 +169,18 @@ impl ServerCredits {
 
     /// `n` requests' slots are free again (re-posted; over TCP, the
     /// request is answered) at `now`: their credits are owed to the client.
-    pub fn handle_freed(&mut self, n: u32, now: u64) {
-        assert!(n <= self.in_slots, "freed {n} slots with {} held", self.in_slots);
+    /// Freeing more than are held is refused and changes nothing.
+    pub fn handle_freed(&mut self, n: u32, now: u64) -> Result<(), CreditError> {
+        if n > self.in_slots {
+            return Err(CreditError::NotHeld { freed: n, held: self.in_slots });
+        }
         self.in_slots -= n;
         self.owed += n;
         if n > 0 {
             self.owed_since.get_or_insert(now);
         }
         self.check();
+        Ok(())
     }
 
     /// The credits a reply sent now carries back (all that are owed).
@@ -188,19 +201,52 @@ impl ServerCredits {
     /// When [`ServerCredits::poll_return`] has something to send, if
     /// nothing else happens first.
     pub fn poll_timeout(&self) -> Option<u64> {
-        self.owed_since.map(|t| t + IDLE_RETURN_NS)
+        self.owed_since.map(|t| t.saturating_add(IDLE_RETURN_NS))
     }
 
-    /// The connection ended: its slots are reclaimed by the caller (RDMA:
-    /// re-posted once the queue pair is flushed) and its grant goes back to
-    /// the pool.
-    pub fn close(self) -> Grant {
-        self.grant
+    /// The connection ended. Its grant goes back to the pool only once the
+    /// slots its requests hold are posted again (RDMA: after the queue
+    /// pair is flushed): granted earlier to a new connection, those credits
+    /// would be spent on slots that are not there yet. `unadmitted`: slots
+    /// taken by its messages that were refused as overruns.
+    pub fn close(self, unadmitted: u32) -> Draining {
+        Draining { held: self.in_slots.saturating_add(unadmitted), grant: self.grant }
     }
 
     fn check(&self) {
         assert!(self.in_slots + self.owed <= self.grant.credits, "more slots held and owed than granted");
         assert_eq!(self.owed_since.is_some(), self.owed > 0, "owed credits and their age disagree");
+    }
+}
+
+/// A closed connection whose slots are not all posted again yet.
+#[derive(Debug)]
+#[must_use = "a draining grant not finished keeps its slots from every later connection"]
+pub struct Draining {
+    grant: Grant,
+    held: u32,
+}
+
+impl Draining {
+    /// Slots still to be posted again.
+    pub fn held(&self) -> u32 {
+        self.held
+    }
+
+    /// `n` of its slots are posted again; freeing more than are held is
+    /// refused and changes nothing.
+    pub fn handle_freed(&mut self, n: u32) -> Result<(), CreditError> {
+        if n > self.held {
+            return Err(CreditError::NotHeld { freed: n, held: self.held });
+        }
+        self.held -= n;
+        Ok(())
+    }
+
+    /// The grant, for [`SlotPool::release`], once every slot is posted
+    /// again; otherwise the connection is still draining.
+    pub fn finish(self) -> Result<Grant, Draining> {
+        if self.held == 0 { Ok(self.grant) } else { Err(self) }
     }
 }
 
@@ -243,6 +289,13 @@ impl ClientCredits {
         let left = self.available.checked_sub(1)?;
         self.available = left;
         Some(Credit(()))
+    }
+
+    /// A credit taken for a request that was not sent after all.
+    pub fn give_back(&mut self, credit: Credit) {
+        let Credit(()) = credit;
+        debug_assert!(self.available < self.granted, "a credit given back that was not out");
+        self.available = (self.available + 1).min(self.granted);
     }
 
     /// The server returned `n` credits (on a reply or in a return message).
@@ -288,8 +341,9 @@ mod tests {
         assert_eq!(s.in_slots(), 2);
         // A freed slot whose credit is not back yet still is the client's
         // to wait for: another request is an overrun too.
-        s.handle_freed(1, 0);
+        s.handle_freed(1, 0).unwrap();
         assert_eq!(s.handle_request(), Err(CreditError::Overrun { granted: 2 }));
+        assert_eq!((s.in_slots(), s.owed()), (1, 1), "an overrun changed the counts");
         assert_eq!(s.take_for_reply(), 1);
         s.handle_request().unwrap();
     }
@@ -300,18 +354,19 @@ mod tests {
         for _ in 0..3 {
             s.handle_request().unwrap();
         }
-        s.handle_freed(1, 1_000);
+        s.handle_freed(1, 1_000).unwrap();
+        assert_eq!(s.handle_freed(3, 1_000), Err(CreditError::NotHeld { freed: 3, held: 2 }));
         assert_eq!(s.poll_return(1_000), None);
         assert_eq!(s.poll_timeout(), Some(1_000 + IDLE_RETURN_NS));
         assert_eq!(s.poll_return(1_000 + IDLE_RETURN_NS), Some(1));
         assert_eq!(s.poll_timeout(), None);
-        s.handle_freed(2, 5_000);
+        s.handle_freed(2, 5_000).unwrap();
         assert_eq!(s.take_for_reply(), 2);
         assert_eq!(s.poll_return(u64::MAX), None);
         for _ in 0..4 {
             s.handle_request().unwrap();
         }
-        s.handle_freed(4, 9_000);
+        s.handle_freed(4, 9_000).unwrap();
         assert_eq!(s.poll_return(9_000), Some(4), "half the grant owed waits for no timer");
     }
 
@@ -319,13 +374,35 @@ mod tests {
     fn a_client_spends_only_credits_it_holds_and_refuses_a_bad_return() {
         let mut c = ClientCredits::new(2).unwrap();
         let _a = c.try_take().unwrap();
-        let _b = c.try_take().unwrap();
+        let b = c.try_take().unwrap();
         assert!(c.try_take().is_none());
+        c.give_back(b);
+        let _b = c.try_take().unwrap();
         assert_eq!(c.handle_returned(3), Err(CreditError::BadReturn { returned: 3, out: 2 }));
         assert_eq!(c.available(), 0);
         c.handle_returned(2).unwrap();
         assert_eq!(c.available(), 2);
         assert!(ClientCredits::new(0).is_err());
         assert!(ClientCredits::new(MAX_CREDITS_PER_CONN + 1).is_err());
+    }
+
+    /// A closed connection's grant comes back only with its last slot, the
+    /// ones refused as overruns included.
+    #[test]
+    fn a_closed_connections_grant_waits_for_its_slots() {
+        let mut pool = SlotPool::new(8, 1).unwrap();
+        let mut s = ServerCredits::new(pool.grant(7).unwrap());
+        s.handle_request().unwrap();
+        s.handle_request().unwrap();
+        let mut d = s.close(1);
+        assert_eq!(d.held(), 3);
+        assert!(pool.grant(1).is_err(), "the draining grant was given away");
+        d.handle_freed(2).unwrap();
+        assert_eq!(d.handle_freed(2), Err(CreditError::NotHeld { freed: 2, held: 1 }));
+        let d = d.finish().unwrap_err();
+        let mut d = d;
+        d.handle_freed(1).unwrap();
+        pool.release(d.finish().unwrap());
+        assert_eq!(pool.granted(), 0);
     }
 }

@@ -14,7 +14,7 @@
 
 use std::collections::VecDeque;
 
-use dmkv_common::credit::{ClientCredits, CreditError, IDLE_RETURN_NS, ServerCredits, SlotPool};
+use dmkv_common::credit::{ClientCredits, CreditError, Draining, IDLE_RETURN_NS, ServerCredits, SlotPool};
 use dmkv_common::path::MICROS;
 
 /// splitmix64, as in path_sim.rs.
@@ -77,6 +77,15 @@ struct Sim {
     batch: Vec<Option<usize>>,
     batch_since: Option<u64>,
     conns: Vec<Option<Conn>>,
+    /// Closed connections whose slots are not all posted again, by index.
+    draining: Vec<Option<Draining>>,
+    /// Grants of the draining connections, for the pool's check.
+    draining_granted: Vec<u32>,
+    /// Fewest slots posted at any delivery.
+    min_posted: u32,
+    /// A phase that fills the queue: clients spend their whole grants,
+    /// slots are re-posted late, connections close often.
+    pressure: bool,
     refusals: u64,
     overruns: u64,
     served: u64,
@@ -102,6 +111,10 @@ impl Sim {
             batch: Vec::new(),
             batch_since: None,
             conns: Vec::new(),
+            draining: Vec::new(),
+            draining_granted: Vec::new(),
+            min_posted: DEPTH,
+            pressure: false,
             refusals: 0,
             overruns: 0,
             served: 0,
@@ -123,6 +136,8 @@ impl Sim {
             Ok(grant) => {
                 let granted = grant.credits();
                 let client = ClientCredits::new(granted).unwrap();
+                self.draining.push(None);
+                self.draining_granted.push(0);
                 self.conns.push(Some(Conn {
                     client,
                     server: ServerCredits::new(grant),
@@ -142,18 +157,23 @@ impl Sim {
         }
     }
 
-    /// Ends connection `i`: its grant goes back; the slots its requests
-    /// hold are freed (re-posted with the next batch); what was in flight
-    /// is flushed and never reaches a slot.
-    fn close(&mut self, i: usize) {
+    /// Ends connection `i`: the slots its requests hold (and `unadmitted`
+    /// ones of overruns) are freed with the next re-post, and its grant
+    /// goes back once they are; what was in flight is flushed and never
+    /// reaches a slot.
+    fn close(&mut self, i: usize, unadmitted: u32) {
         let c = self.conns[i].take().expect("closing a live connection");
-        for _ in 0..c.serving {
-            self.push_freed(None);
+        for _ in 0..c.serving + unadmitted {
+            self.push_freed(Some(i));
         }
-        for s in self.batch.iter_mut().filter(|s| **s == Some(i)) {
-            *s = None;
+        self.draining_granted[i] = c.granted;
+        match c.server.close(unadmitted).finish() {
+            Ok(grant) => {
+                self.pool.release(grant);
+                self.draining_granted[i] = 0;
+            }
+            Err(d) => self.draining[i] = Some(d),
         }
-        self.pool.release(c.server.close());
     }
 
     fn push_freed(&mut self, conn: Option<usize>) {
@@ -178,6 +198,7 @@ impl Sim {
         let Some(req) = c.to_server.pop_front() else { return };
         assert!(self.posted > 0, "receiver not ready: a message found no posted slot");
         self.posted -= 1;
+        self.min_posted = self.min_posted.min(self.posted);
         match c.server.handle_request() {
             Ok(()) => c.serving += 1,
             Err(CreditError::Overrun { .. }) => {
@@ -187,8 +208,7 @@ impl Sim {
                 assert!(c.rogue && (!req.legit || c.cheated), "a request sent with a credit was refused");
                 self.overruns += 1;
                 // The message's own slot is freed with the connection's.
-                c.serving += 1;
-                self.close(i);
+                self.close(i, 1);
             }
             Err(e) => panic!("unexpected {e}"),
         }
@@ -210,7 +230,9 @@ impl Sim {
 
     fn repost(&mut self, force: bool) {
         let Some(since) = self.batch_since else { return };
-        if !force && self.batch.len() < REPOST_BATCH && self.now - since < REPOST_WAIT_NS {
+        let (size, wait) =
+            if self.pressure { (DEPTH as usize, 100 * REPOST_WAIT_NS) } else { (REPOST_BATCH, REPOST_WAIT_NS) };
+        if !force && self.batch.len() < size && self.now - since < wait {
             return;
         }
         let now = self.now;
@@ -222,7 +244,18 @@ impl Sim {
         self.batch_since = None;
         for (i, n) in freed.into_iter().enumerate() {
             if let Some(c) = self.conns[i].as_mut() {
-                c.server.handle_freed(n, now);
+                c.server.handle_freed(n, now).unwrap();
+            } else if let Some(mut d) = self.draining[i].take() {
+                d.handle_freed(n).unwrap();
+                match d.finish() {
+                    Ok(grant) => {
+                        self.pool.release(grant);
+                        self.draining_granted[i] = 0;
+                    }
+                    Err(d) => self.draining[i] = Some(d),
+                }
+            } else {
+                assert_eq!(n, 0, "conn {i}: slots freed for a connection neither live nor draining");
             }
         }
     }
@@ -245,8 +278,16 @@ impl Sim {
     }
 
     fn check(&self) {
-        let grants: u32 = self.live().map(|(_, c)| c.granted).sum();
+        let grants: u32 = self.live().map(|(_, c)| c.granted).sum::<u32>() + self.draining_granted.iter().sum::<u32>();
         assert_eq!(grants, self.pool.granted(), "the pool's grants and the connections' differ");
+        for (i, d) in self.draining.iter().enumerate() {
+            let in_batch = self.batch.iter().filter(|s| **s == Some(i)).count() as u32;
+            match d {
+                Some(d) => assert_eq!(d.held(), in_batch, "draining conn {i}: slots held disagree"),
+                None if self.conns[i].is_none() => assert_eq!(in_batch, 0, "closed conn {i} holds slots"),
+                None => {}
+            }
+        }
         assert!(self.pool.granted() <= self.pool.capacity());
         let held: u32 = self.live().map(|(_, c)| c.serving).sum::<u32>() + self.batch.len() as u32;
         assert_eq!(self.posted + held, self.depth, "a slot was lost or made up");
@@ -271,14 +312,38 @@ impl Sim {
         let i = self.rng.below(n) as usize;
         let live = self.conns.get(i).is_some_and(Option::is_some);
         match self.rng.below(100) {
-            0..=2 if traffic => self.connect(),
-            3 if traffic && live && self.rng.chance(100) => self.close(i),
-            4..=34 if traffic && live => self.send(i),
-            35..=59 if live => self.deliver_request(i),
+            0..=2 if traffic => {
+                // Under pressure the pool is kept full.
+                for _ in 0..if self.pressure { 8 } else { 1 } {
+                    self.connect();
+                }
+            }
+            3 if traffic && live && self.rng.chance(if self.pressure { 600 } else { 100 }) => self.close(i, 0),
+            4..=34 if traffic && live => {
+                // Under pressure a client spends its whole grant at once.
+                let burst = if self.pressure { 64 } else { 1 };
+                for _ in 0..burst {
+                    self.send(i);
+                }
+            }
+            35..=59 if live => {
+                let burst = if self.pressure { 64 } else { 1 };
+                for _ in 0..burst {
+                    if self.conns[i].is_none() {
+                        break;
+                    }
+                    self.deliver_request(i);
+                }
+            }
             60..=79 if live => self.finish_one(i),
             80..=84 => self.repost(false),
             85..=89 => self.idle_returns(),
-            90..=99 if live => self.deliver_return(i),
+            90..=99 if live => {
+                let burst = if self.pressure { 64 } else { 1 };
+                for _ in 0..burst {
+                    self.deliver_return(i);
+                }
+            }
             _ => {}
         }
         self.check();
@@ -319,9 +384,12 @@ fn credits_keep_the_shared_receive_queue_from_running_dry() {
     for seed in seeds() {
         let run = std::panic::catch_unwind(|| {
             let mut sim = Sim::new(seed);
-            for _ in 0..20_000 {
+            for round in 0..20_000 {
+                // Phases of 2,000 steps, every other one under pressure.
+                sim.pressure = (round / 2_000) % 2 == 1;
                 sim.step(true);
             }
+            sim.pressure = false;
             sim.drain();
             for (i, c) in sim.live().filter(|(_, c)| !c.rogue) {
                 assert_eq!(c.client.available(), c.granted, "conn {i}: credits not all back once idle");
@@ -340,18 +408,22 @@ fn credits_keep_the_shared_receive_queue_from_running_dry() {
 }
 
 /// The runs must reach the cases they exist for: pools that fill and
-/// refuse, and rogues caught past their credits.
+/// refuse, rogues caught past their grants, and a receive queue that comes
+/// within the slack of running dry (or its check proves nothing).
 #[test]
-fn the_simulation_meets_refusals_and_overruns() {
-    let (mut refusals, mut overruns) = (0, 0);
+fn the_simulation_meets_refusals_overruns_and_a_full_queue() {
+    let (mut refusals, mut overruns, mut min_posted) = (0, 0, DEPTH);
     for seed in 1..=10 {
         let mut sim = Sim::new(seed);
-        for _ in 0..20_000 {
+        for round in 0..20_000 {
+            sim.pressure = (round / 2_000) % 2 == 1;
             sim.step(true);
         }
         refusals += sim.refusals;
         overruns += sim.overruns;
+        min_posted = min_posted.min(sim.min_posted);
     }
     assert!(refusals > 0, "no connection was ever refused");
     assert!(overruns > 0, "no rogue was ever caught");
+    assert!(min_posted <= 2 * SLACK, "the queue never came near running dry: {min_posted} posted at least");
 }
