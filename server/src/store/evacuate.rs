@@ -187,11 +187,15 @@ impl Store {
         }
     }
 
-    /// Frees what has finished its grace period (so a range waiting for
-    /// its last retired blocks can come back).
+    /// Hands the store's batch of retired blocks to the epoch collector,
+    /// flushes (a collection: the compactor's waits drive the epoch on in
+    /// a store nobody writes to) and frees what has finished its grace
+    /// period, so a range waiting for its last retired blocks can come back.
     pub fn reclaim_now(&self) {
         let guard = epoch::pin();
         let mut w = lock(&self.writer);
+        self.hand_over(&guard);
+        guard.flush();
         self.reclaim(&mut w, &guard);
     }
 }

@@ -167,6 +167,10 @@ impl Store {
         let seq = self.retire_seq.fetch_add(1, Ordering::AcqRel);
         let at = Instant::now();
         guard.defer(move || lock(&done).push((id, at, seq)));
+        // Into the collector's global queue now (splits are rare): left in
+        // this thread's bag, the segment would wait for the thread's next
+        // batch of retired blocks, which an insert-only load never makes.
+        guard.flush();
         debug!(segment = id, depth, suffix, "index segment split");
         Ok(())
     }
