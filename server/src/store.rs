@@ -136,8 +136,8 @@ const EPOCH_FLUSHES: usize = 64;
 /// evictions and the compactor's moves hand over only a full batch; the
 /// compactor's waits and an out-of-memory retry hand over any). A flush
 /// per write (as before) walks every thread registered with the collector:
-/// with it dmkvd spent 4.57-5.05 us per operation at YCSB A 2x16, with the
-/// batches 3.83-4.06 us. The batch is the store's, not a thread's: no
+/// with it dmkvd spent 4.57 us per operation at YCSB A 2x16, with the
+/// batches 3.83 us (docs/performance.md). The batch is the store's, not a thread's: no
 /// thread that stops writing keeps retired blocks in its own bag
 /// (segments retired by a split are flushed at once), and `reclaim_wait`
 /// hands the batch over from whichever thread runs out of room.
