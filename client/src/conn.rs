@@ -263,6 +263,37 @@ impl Conn {
         sent
     }
 
+    /// [`Conn::send_until`] without an await: `Ok(None)` when the send
+    /// queue is full (nothing was queued; wait with `send_until`). The
+    /// common case, room in the queue, then costs no future of its own.
+    pub(crate) fn try_send_until(
+        &self,
+        body: Body<'_>,
+        deadline: tokio::time::Instant,
+    ) -> Result<Option<InFlight>, ClientError> {
+        if self.is_closed() {
+            return Err(ClientError::ConnectionClosed);
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let max = self.max_frame();
+        let (otx, orx) = oneshot::channel();
+        // As in `send_with`: the waiter is in place before the frame is.
+        self.pending.lock().expect("pending poisoned").insert(id, Waiter { tx: otx, deadline: Some(deadline) });
+        let pushed = self.outbox.try_push(|b: &mut BytesMut| body.encode_frame(id, max, b));
+        let failed = match pushed {
+            Ok(Push::Queued) if !self.is_closed() => None,
+            Ok(Push::Queued | Push::Closed) => Some(Some(ClientError::ConnectionClosed)),
+            Ok(Push::Full) => Some(None),
+            Err(_) => Some(Some(ClientError::RequestTooLarge { len: body.encoded_len(id), max })),
+        };
+        if let Some(error) = failed {
+            self.pending.lock().expect("pending poisoned").remove(&id);
+            return error.map_or(Ok(None), Err);
+        }
+        self.watched.notify_one();
+        Ok(Some(InFlight { id, rx: orx, pending: Arc::clone(&self.pending) }))
+    }
+
     /// Queues `body`; `due` bounds the wait for room in the send queue, and
     /// `watched` hands the reply's wait to the watchdog, ended at its deadline.
     async fn send_with(
@@ -533,6 +564,44 @@ mod tests {
         let (n, e) =
             tokio::time::timeout(Duration::from_secs(20), fill).await.expect("a send waited past its deadline");
         assert!(matches!(e, ClientError::Timeout(t) if t == timeout), "after {n} sends: {e:?}");
+    }
+
+    #[tokio::test]
+    async fn a_send_without_an_await_leaves_no_trace_when_it_cannot_queue() {
+        // A peer that never reads: the send queue fills.
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let peer = tokio::spawn(async move {
+            let (s, _) = l.accept().await.unwrap();
+            std::future::pending::<()>().await;
+            drop(s);
+        });
+        let conn = Conn::connect(&addr, Duration::from_secs(5), 1 << 20, None).await.unwrap();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        let big = vec![b'v'; 2 << 20];
+        let Err(e) = conn.try_send_until(Body::Put { key: b"k", value: &big, write_id: None }, deadline) else {
+            panic!("a request past the frame limit was queued")
+        };
+        assert!(matches!(e, ClientError::RequestTooLarge { max, .. } if max == 1 << 20), "{e:?}");
+        assert!(conn.pending.lock().unwrap().is_empty(), "a refused request left its waiter");
+        let value = vec![b'v'; 512 * 1024];
+        let mut sent = Vec::new();
+        let full = loop {
+            assert!(sent.len() < 64 + 4 * SEND_QUEUE, "the send queue never filled");
+            match conn.try_send_until(Body::Put { key: b"k", value: &value, write_id: None }, deadline) {
+                Ok(Some(s)) => sent.push(s),
+                Ok(None) => break sent.len(),
+                Err(e) => panic!("{e:?}"),
+            }
+        };
+        assert_eq!(conn.pending.lock().unwrap().len(), full, "a full queue left a waiter behind");
+        peer.abort();
+        conn.outbox.close();
+        let Err(e) = conn.try_send_until(Body::Get { key: b"k" }, deadline) else {
+            panic!("a closed connection queued a request")
+        };
+        assert!(matches!(e, ClientError::ConnectionClosed), "{e:?}");
+        assert_eq!(conn.pending.lock().unwrap().len(), full, "a closed queue left a waiter behind");
     }
 
     #[tokio::test]
