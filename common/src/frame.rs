@@ -53,6 +53,16 @@ impl Decoder {
     /// bytes are needed. A too-large length is rejected as soon as its
     /// prefix arrives, before any of the body is buffered.
     pub fn next_frame(&self, buf: &mut BytesMut) -> Result<Option<Bytes>, FrameError> {
+        let Some(len) = self.frame_len(buf)? else { return Ok(None) };
+        buf.advance(FRAME_HEADER_LEN);
+        Ok(Some(buf.split_to(len).freeze()))
+    }
+
+    /// The body length of the complete frame at the front of `buf`,
+    /// taking nothing (the body is `buf[FRAME_HEADER_LEN..][..len]`), or
+    /// `None` if more bytes are needed; checked as [`Decoder::next_frame`]
+    /// checks it.
+    pub fn frame_len(&self, buf: &mut BytesMut) -> Result<Option<usize>, FrameError> {
         if buf.len() < FRAME_HEADER_LEN {
             return Ok(None);
         }
@@ -60,12 +70,14 @@ impl Decoder {
         if len > self.max_frame {
             return Err(FrameError::TooLarge { len, max: self.max_frame });
         }
-        if buf.len() < FRAME_HEADER_LEN + len {
-            buf.reserve(FRAME_HEADER_LEN + len - buf.len());
+        // Cannot overflow on 64 bits; a 32-bit usize with a frame limit
+        // near u32::MAX could.
+        let whole = FRAME_HEADER_LEN.checked_add(len).ok_or(FrameError::TooLarge { len, max: self.max_frame })?;
+        if buf.len() < whole {
+            buf.reserve(whole - buf.len());
             return Ok(None);
         }
-        buf.advance(FRAME_HEADER_LEN);
-        Ok(Some(buf.split_to(len).freeze()))
+        Ok(Some(len))
     }
 
     /// Like [`Decoder::next_frame`], and decodes the body as `M`.

@@ -97,6 +97,15 @@ fn proto_round_trip<M: Message + Default + PartialEq + std::fmt::Debug>(data: &[
 /// Every request message (a frame body the server decodes).
 pub fn proto_request(data: &[u8]) {
     proto_round_trip::<Request>(data);
+    // The server's plain-GET parser only ever agrees with prost.
+    if let Some((id, key)) = crate::request::parse_get(data) {
+        let req = Request::decode(data).expect("parse_get took bytes prost refuses");
+        assert_eq!(req.id, id, "parse_get's id");
+        match req.op {
+            Some(crate::proto::request::Op::Get(g)) => assert_eq!(&g.key[..], key, "parse_get's key"),
+            other => panic!("parse_get saw a GET where prost sees {other:?}"),
+        }
+    }
 }
 
 /// Every response message (a frame body the client decodes).

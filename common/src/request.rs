@@ -114,6 +114,58 @@ impl Body<'_> {
     }
 }
 
+/// The id and key of a request body that is a GET and nothing else,
+/// borrowed from the body, so a server answers the common request without
+/// decoding it into owned `Bytes` first. `None` for anything else, and
+/// for a GET prost would read differently from a plain one (a field twice,
+/// an unknown field, a malformed field): the caller then decodes the body
+/// with prost, so this only ever agrees with it (the tests check that).
+pub fn parse_get(body: &[u8]) -> Option<(u64, &[u8])> {
+    let (mut id, mut get) = (None, None);
+    let mut rest = body;
+    while !rest.is_empty() {
+        match field(&mut rest)? {
+            (REQUEST_ID, Field::Varint(v)) if id.is_none() => id = Some(v),
+            (REQUEST_GET, Field::Bytes(b)) if get.is_none() => get = Some(b),
+            _ => return None,
+        }
+    }
+    let mut rest = get?;
+    let mut key = None;
+    while !rest.is_empty() {
+        match field(&mut rest)? {
+            (GET_KEY, Field::Bytes(b)) if key.is_none() => key = Some(b),
+            _ => return None,
+        }
+    }
+    Some((id.unwrap_or(0), key.unwrap_or(&[])))
+}
+
+/// A field's value: the two wire types a plain GET has.
+enum Field<'a> {
+    Varint(u64),
+    Bytes(&'a [u8]),
+}
+
+/// Takes one field off `buf`: its number and value, or `None` for a
+/// malformed field or another wire type.
+fn field<'a>(buf: &mut &'a [u8]) -> Option<(u32, Field<'a>)> {
+    let (tag, wire) = prost::encoding::decode_key(buf).ok()?;
+    match wire {
+        WireType::Varint => Some((tag, Field::Varint(prost::encoding::decode_varint(buf).ok()?))),
+        WireType::LengthDelimited => {
+            let len = usize::try_from(prost::encoding::decode_varint(buf).ok()?).ok()?;
+            if len > buf.len() {
+                return None;
+            }
+            let (value, rest) = buf.split_at(len);
+            *buf = rest;
+            Some((tag, Field::Bytes(value)))
+        }
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -171,5 +223,85 @@ mod tests {
         let e = Body::Put { key: b"k", value: &value, write_id: None }.encode_frame(1, 50, &mut out).unwrap_err();
         assert!(matches!(e, FrameError::TooLarge { max: 50, .. }), "{e:?}");
         assert_eq!(&out[..], b"before");
+    }
+
+    fn body(framed: &BytesMut) -> &[u8] {
+        &framed[FRAME_HEADER_LEN..]
+    }
+
+    proptest! {
+        #[test]
+        fn a_plain_get_parses_borrowed_as_prost_reads_it(
+            id in prop_oneof![Just(0u64), any::<u64>()],
+            key in prop::collection::vec(any::<u8>(), 0..300),
+        ) {
+            let wire = borrowed(Body::Get { key: &key }, id);
+            prop_assert_eq!(parse_get(body(&wire)), Some((id, &key[..])));
+        }
+
+        /// Whatever bytes it is given, `parse_get` says what prost says or
+        /// nothing: mutated GETs, other requests, noise.
+        #[test]
+        fn parse_get_never_disagrees_with_prost(
+            id in any::<u64>(),
+            key in prop::collection::vec(any::<u8>(), 0..40),
+            edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..4),
+            extra in prop::collection::vec(any::<u8>(), 0..6),
+            other in any::<bool>(),
+        ) {
+            let req = if other {
+                Request { id, op: Some(Op::Delete(proto::Delete { key: Bytes::from(key.clone()), ..Default::default() })) }
+            } else {
+                Request { id, op: Some(Op::Get(proto::Get { key: Bytes::from(key.clone()) })) }
+            };
+            let mut b = body(&framed(&req)).to_vec();
+            for (at, byte) in &edits {
+                if !b.is_empty() {
+                    let i = at.index(b.len());
+                    b[i] = *byte;
+                }
+            }
+            b.extend_from_slice(&extra);
+            if let Some((pid, pkey)) = parse_get(&b) {
+                let decoded = <Request as prost::Message>::decode(&b[..]);
+                prop_assert!(decoded.is_ok(), "parse_get took bytes prost refuses: {:?}", b);
+                let decoded = decoded.unwrap();
+                prop_assert_eq!(decoded.id, pid);
+                match decoded.op {
+                    Some(Op::Get(g)) => prop_assert_eq!(&g.key[..], pkey),
+                    other => prop_assert!(false, "parse_get saw a GET where prost sees {:?}", other),
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_get_prost_would_merge_or_extend_is_left_to_prost() {
+        let mut twice = borrowed(Body::Get { key: b"a" }, 7);
+        let second = borrowed(Body::Get { key: b"b" }, 0);
+        twice.extend_from_slice(body(&second));
+        assert_eq!(parse_get(body(&twice)), None, "two op fields");
+        let mut unknown = body(&borrowed(Body::Get { key: b"a" }, 7)).to_vec();
+        unknown.extend_from_slice(&[0x78, 0x01]); // field 15, varint 1
+        assert_eq!(parse_get(&unknown), None, "an unknown field");
+        assert_eq!(parse_get(&[]), None, "no op at all");
+        let empty_get = Request { id: 3, op: Some(Op::Get(proto::Get::default())) };
+        assert_eq!(parse_get(body(&framed(&empty_get))), Some((3, &b""[..])), "an empty key is the store's to refuse");
+        // Request { id: 7, get: Get { key: "a" } } is 08 07 22 03 0a 01 61.
+        assert_eq!(parse_get(&[0x08, 0x07, 0x22, 0x03, 0x0a, 0x01, 0x61]), Some((7, &b"a"[..])));
+        let refused: [&[u8]; 9] = [
+            &[0x08, 0x07, 0x08, 0x07, 0x22, 0x03, 0x0a, 0x01, 0x61], // id twice
+            &[0x08, 0x07, 0x22, 0x06, 0x0a, 0x01, 0x61, 0x0a, 0x01, 0x62], // key twice
+            &[0x0a, 0x01, 0x07, 0x22, 0x03, 0x0a, 0x01, 0x61],       // id length-delimited
+            &[0x08, 0x07, 0x20, 0x03],                               // get as a varint
+            &[0x00, 0x07, 0x22, 0x03, 0x0a, 0x01, 0x61],             // field number 0
+            &[0x08, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x7f, 0x22, 0x00], // 11-byte varint
+            &[0x08, 0x07, 0x22, 0x04, 0x0a, 0x01, 0x61],             // get's length past the end
+            &[0x08, 0x07, 0x22, 0x03, 0x0a, 0x02, 0x61],             // key's length past the end
+            &[0x08, 0x07, 0x22, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01], // length u64::MAX
+        ];
+        for (i, b) in refused.iter().enumerate() {
+            assert_eq!(parse_get(b), None, "case {i}: {b:02x?}");
+        }
     }
 }

@@ -33,6 +33,10 @@ pub const FIRST_BOUND_US: u64 = 10;
 pub(crate) const ERROR_CODES: usize = 32;
 /// Result slots per op: ok, not_found, then one per error code.
 pub(crate) const RESULTS: usize = 2 + ERROR_CODES;
+/// The index of GET in [`OPS`].
+pub(crate) const GET: usize = 0;
+// A connection notes (op, result) indexes as bytes until it counts them.
+const _: () = assert!(OPS.len() <= 256 && RESULTS <= 256);
 pub(crate) const OK: usize = 0;
 pub(crate) const NOT_FOUND: usize = 1;
 
@@ -146,7 +150,7 @@ impl Default for Metrics {
 /// The `op` index of a request.
 pub fn op_index(op: Option<&Op>) -> usize {
     match op {
-        Some(Op::Get(_)) => 0,
+        Some(Op::Get(_)) => GET,
         Some(Op::Put(_)) => 1,
         Some(Op::Delete(_)) => 2,
         Some(Op::MultiGet(_)) => 3,
@@ -205,6 +209,24 @@ impl Metrics {
     /// Counts one request of kind `op` answered with `resp` after `took`.
     pub fn record(&self, op: usize, resp: &Response, took: Duration) {
         self.record_result(op, result_index(resp), took);
+    }
+
+    /// Counts requests of kind `op` with result index `result` (see
+    /// `result_index`), all answered after `took`: a connection's batch,
+    /// timed by one clock read.
+    /// Runs of equal entries (a batch is mostly one kind) are added at once.
+    pub(crate) fn record_batch(&self, done: &[(u8, u8)], took: Duration) {
+        let shard = &self.ops[stat_shard()].0;
+        let nanos = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
+        let bucket = bucket_of(nanos);
+        for run in done.chunk_by(|a, b| a == b) {
+            let (op, result) = run[0];
+            let Some(s) = shard.get(usize::from(op)) else { continue };
+            let n = run.len() as u64;
+            s.results[usize::from(result).min(RESULTS - 1)].fetch_add(n, Relaxed);
+            s.buckets[bucket].fetch_add(n, Relaxed);
+            s.sum_nanos.fetch_add(nanos.saturating_mul(n), Relaxed);
+        }
     }
 
     /// Counts one request refused with `code` before it ran.
@@ -322,5 +344,24 @@ mod tests {
         assert_eq!(out["requests_get_not_found"], 0);
         assert!(!out.contains_key("requests_put_not_found"));
         assert!(!out.contains_key("requests_get_busy"));
+    }
+
+    #[test]
+    fn a_batch_counts_as_its_requests_one_by_one() {
+        let (one, batch) = (Metrics::default(), Metrics::default());
+        let took = Duration::from_micros(30);
+        // Runs of one kind, a lone other kind, and a refusal.
+        let done = [(0, 0), (0, 0), (0, 1), (1, 0), (0, 0), (0, 2 + ErrorCode::Busy as u8)];
+        for &(op, result) in &done {
+            one.record_result(usize::from(op), usize::from(result), took);
+        }
+        batch.record_batch(&done, took);
+        let (mut a, mut b) = (HashMap::new(), HashMap::new());
+        one.stats_into(&mut a);
+        batch.stats_into(&mut b);
+        assert_eq!(a, b);
+        assert_eq!(b["latency_us_get_count"], 5);
+        assert_eq!(b["latency_us_get_sum"], 150);
+        assert_eq!(b["requests_get_ok"], 3);
     }
 }

@@ -64,6 +64,12 @@ pub trait Handler: Send {
     /// request).
     fn on_read(&mut self, _at: std::time::Instant) {}
 
+    /// The requests completed by the last read were handled by `at`, and
+    /// their replies are about to be written: for latency accounting, one
+    /// clock read per batch. Not called when the loop ends early (a close,
+    /// a failed write): a handler that keeps counts flushes them on drop.
+    fn on_handled(&mut self, _at: std::time::Instant) {}
+
     /// Whether closing for `e` was logged already (authentication failures
     /// are, rate-limited), so the loop need not warn again.
     fn logged(_e: &Self::Error) -> bool {
@@ -207,6 +213,7 @@ pub async fn serve_connection<H: Handler>(
                 return;
             }
         }
+        handler.on_handled(Instant::now().into_std());
         if !out.is_empty()
             && let Err(e) = write_out(&mut stream, &mut out, limits, &stats).await
         {

@@ -287,6 +287,15 @@ impl Node {
         }
     }
 
+    /// The live item of `key` on a single node, which answers without a
+    /// wait; `None` on a cluster node, whose GETs wait for their shard.
+    pub fn get_now(&self, key: &[u8]) -> Option<Result<Option<Found>, NodeError>> {
+        match self {
+            Node::Single(s) => Some(s.get(key)),
+            Node::Cluster(_) => None,
+        }
+    }
+
     /// The live item of `key`.
     pub async fn get(&self, key: &[u8]) -> Result<Option<Found>, NodeError> {
         match self {

@@ -180,3 +180,62 @@ fn sd_notify_says_ready_once_serving_and_stopping_at_shutdown() {
     assert_eq!(ready.unwrap().trim(), "READY=1");
     assert_eq!(stopping.unwrap().trim(), "STOPPING=1");
 }
+
+/// Requests answered in line are counted per batch (one clock read for the
+/// batch): every one of them, before a STATS later in the same batch, and
+/// when the connection ends on a bad frame right after them.
+#[test]
+fn requests_of_one_batch_are_all_counted_before_a_stats_and_at_a_close() {
+    use bytes::BytesMut;
+    use dmkv_common::frame::{self, Decoder};
+    use dmkv_common::proto::{self, Request, Response, request::Op, response::Result as R};
+    use std::io::{Read, Write};
+
+    let srv = ServerProcess::start(&["--memory", "16MiB"]);
+    const GETS: u64 = 1000;
+    let get =
+        |id: u64| Request { id, op: Some(Op::Get(proto::Get { key: format!("absent{id}").into_bytes().into() })) };
+    let stats = |id: u64| Request { id, op: Some(Op::Stats(proto::Stats {})) };
+    // Sends `reqs` in one write, then `tail` raw; reads replies until the
+    // one with id `until` (or the end); returns its STATS counters.
+    let exchange = |reqs: &[Request], tail: &[u8], until: Option<u64>| -> Option<HashMap<String, u64>> {
+        let mut s = std::net::TcpStream::connect(&srv.rpc).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let mut out = BytesMut::new();
+        for r in reqs {
+            frame::encode(r, 1 << 20, &mut out).unwrap();
+        }
+        out.extend_from_slice(tail);
+        s.write_all(&out).unwrap();
+        let until = until?;
+        let (dec, mut buf, mut chunk) = (Decoder::new(16 << 20), BytesMut::new(), vec![0u8; 64 << 10]);
+        loop {
+            while let Some(resp) = dec.next_message::<Response>(&mut buf).unwrap() {
+                if let (true, Some(R::Stats(st))) = (resp.id == until, resp.result) {
+                    return Some(st.counters);
+                }
+            }
+            let n = s.read(&mut chunk).unwrap();
+            assert!(n > 0, "closed before the STATS reply");
+            buf.extend_from_slice(&chunk[..n]);
+        }
+    };
+    let not_found = |m: &HashMap<String, u64>| m["requests_get_not_found"];
+    let base = not_found(&exchange(&[stats(1)], &[], Some(1)).unwrap());
+    let mut batch: Vec<Request> = (1..=GETS).map(get).collect();
+    batch.push(stats(GETS + 1));
+    let seen = not_found(&exchange(&batch, &[], Some(GETS + 1)).unwrap());
+    assert_eq!(seen - base, GETS, "a STATS counts every GET sent before it");
+
+    // GETs, then a frame no request decodes from: the server closes, and
+    // counts what it answered first.
+    let garbage = [3u8, 0, 0, 0, 0xff, 0xff, 0xff];
+    exchange(&batch[..GETS as usize], &garbage, None);
+    let mut counted = 0;
+    let done = wait_until(Duration::from_secs(20), || {
+        counted = not_found(&exchange(&[stats(1)], &[], Some(1)).unwrap()) - seen;
+        counted >= GETS
+    });
+    assert!(done, "the closed connection's GETs were not all counted: {counted}");
+    assert_eq!(counted, GETS);
+}

@@ -120,6 +120,13 @@ async fn only_authenticated_clients_with_the_right_role_get_in() {
     assert_eq!(data.get("k").await.unwrap(), None, "a refused PUT changed nothing");
     data.put("k", "v").await.unwrap();
     assert_eq!(data.get("k").await.unwrap().unwrap(), "v".as_bytes());
+    // A GET before authenticating reads nothing, on the server's plain-GET
+    // path as on any other.
+    let get = Request { id: 1, op: Some(Op::Get(proto::Get { key: "k".as_bytes().to_vec().into() })) };
+    let (replies, closed) = raw_rpc(&srv.rpc, &[get], 1);
+    assert_eq!(replies.len(), 1);
+    assert_eq!(code_of(&replies[0]), Some(ErrorCode::Unauthenticated), "{:?}", replies[0]);
+    assert!(closed, "connection left open after an unauthenticated GET");
     let epoch = data.stats().await.unwrap()["region_epoch"];
     let err = data.reregister().await.unwrap_err();
     assert_eq!(err.code(), Some(ErrorCode::PermissionDenied), "{err}");
