@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use bytes::BytesMut;
-use dmkv_common::frame::Decoder;
+use dmkv_common::frame::{Decoder, FrameError};
 use dmkv_common::limits::DEFAULT_MAX_FRAME_LEN;
 use dmkv_common::proto::{Response, request::Op};
 use dmkv_common::request::Body;
@@ -194,7 +194,11 @@ impl Conn {
             Arc::clone(&closed),
             move |buf: &mut BytesMut| {
                 let decoder = Decoder::new(limit.load(Ordering::Relaxed));
-                Ok(decoder.next_message::<Response>(buf).map_err(|e| e.to_string())?.map(|r| (r.id, r)))
+                let Some(body) = decoder.next_frame(buf).map_err(|e| e.to_string())? else { return Ok(None) };
+                // A GET's reply, the common one, skips prost's generic decode.
+                let r = dmkv_common::request::decode_response(body)
+                    .map_err(|e| FrameError::Malformed(e.to_string()).to_string())?;
+                Ok(Some((r.id, r)))
             },
             move |rest: &[u8], error: Option<String>| {
                 let head = rest[..rest.len().min(END_HEAD)].to_vec();

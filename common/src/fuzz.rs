@@ -111,6 +111,9 @@ pub fn proto_request(data: &[u8]) {
 /// Every response message (a frame body the client decodes).
 pub fn proto_response(data: &[u8]) {
     proto_round_trip::<Response>(data);
+    // The client's direct read of GET replies only ever agrees with prost.
+    let direct = crate::request::decode_response(bytes::Bytes::copy_from_slice(data)).ok();
+    assert_eq!(direct, Response::decode(data).ok(), "decode_response and prost disagree");
 }
 
 /// The engine's read-batch decoder, then its checks of every read against

@@ -5,13 +5,19 @@
 //! the send buffer; encoding from the borrowed slices copies once. The
 //! bytes are exactly what prost writes for the owned request (the tests
 //! compare them), so the server cannot tell the two apart.
+//!
+//! Read back the other way, the same two hot messages skip prost's
+//! generic decode: a plain GET as the server takes it ([`parse_get`]) and
+//! a GET's reply as the client takes it ([`decode_response`]). Each only
+//! ever agrees with prost, and leaves anything unusual to it.
 
-use bytes::{BufMut, BytesMut};
+use bytes::{BufMut, Bytes, BytesMut};
+use prost::Message;
 use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint, key_len};
 
 use crate::frame::FrameError;
 use crate::limits::FRAME_HEADER_LEN;
-use crate::proto::{WriteId, request::Op};
+use crate::proto::{GetReply, Response, WriteId, request::Op, response::Result as R};
 
 /// `Request.id`'s field number.
 const REQUEST_ID: u32 = 1;
@@ -23,6 +29,9 @@ const GET_KEY: u32 = 1;
 const PUT_KEY: u32 = 1;
 const PUT_VALUE: u32 = 2;
 const PUT_WRITE_ID: u32 = 3;
+/// `Response.id` and `Response.result`'s `get`.
+const RESPONSE_ID: u32 = 1;
+const RESPONSE_GET: u32 = 5;
 
 /// What a client sends: a request body without its id, which the
 /// connection assigns when it frames it.
@@ -141,9 +150,59 @@ pub fn parse_get(body: &[u8]) -> Option<(u64, &[u8])> {
     Some((id.unwrap_or(0), key.unwrap_or(&[])))
 }
 
-/// A field's value: the two wire types a plain GET has.
+/// A `Response` frame body as prost decodes it, read directly when it is
+/// a GET's reply (the value a slice of `body`, as prost makes it).
+pub fn decode_response(body: Bytes) -> Result<Response, prost::DecodeError> {
+    match parse_get_reply(&body) {
+        Some((id, reply, value)) => {
+            let value = body.slice_ref(value);
+            Ok(Response { id, result: Some(R::Get(GetReply { value, ..reply })) })
+        }
+        None => Response::decode(body),
+    }
+}
+
+/// A GET reply's id, fields and value (borrowed), when `body` is one with
+/// each field at most once and nothing else; `None` otherwise.
+fn parse_get_reply(body: &[u8]) -> Option<(u64, GetReply, &[u8])> {
+    let (mut id, mut get) = (None, None);
+    let mut rest = body;
+    while !rest.is_empty() {
+        match field(&mut rest)? {
+            (RESPONSE_ID, Field::Varint(v)) if id.is_none() => id = Some(v),
+            (RESPONSE_GET, Field::Bytes(b)) if get.is_none() => get = Some(b),
+            _ => return None,
+        }
+    }
+    let mut rest = get?;
+    let mut r = GetReply::default();
+    let mut value: &[u8] = &[];
+    let mut seen = 0u16;
+    while !rest.is_empty() {
+        let (tag, f) = field(&mut rest)?;
+        let bit = 1u16.checked_shl(tag).filter(|b| seen & b == 0)?;
+        seen |= bit;
+        // Scalars as prost reads them: `bool` is any non-zero varint,
+        // `uint32` the varint's low 32 bits.
+        match (tag, f) {
+            (1, Field::Varint(v)) => r.found = v != 0,
+            (2, Field::Bytes(b)) => value = b,
+            (3, Field::Varint(v)) => r.version = v,
+            (4, Field::Fixed64(v)) => r.hint_slot = v,
+            (5, Field::Varint(v)) => r.hint_bucket = v as u32,
+            (6, Field::Varint(v)) => r.hint_index = v as u32,
+            (7, Field::Varint(v)) => r.flags = v as u32,
+            (8, Field::Varint(v)) => r.expires_at = v as u32,
+            _ => return None,
+        }
+    }
+    Some((id.unwrap_or(0), r, value))
+}
+
+/// A field's value: the wire types of a plain GET and its reply.
 enum Field<'a> {
     Varint(u64),
+    Fixed64(u64),
     Bytes(&'a [u8]),
 }
 
@@ -153,6 +212,11 @@ fn field<'a>(buf: &mut &'a [u8]) -> Option<(u32, Field<'a>)> {
     let (tag, wire) = prost::encoding::decode_key(buf).ok()?;
     match wire {
         WireType::Varint => Some((tag, Field::Varint(prost::encoding::decode_varint(buf).ok()?))),
+        WireType::SixtyFourBit => {
+            let (word, rest) = buf.split_first_chunk::<8>()?;
+            *buf = rest;
+            Some((tag, Field::Fixed64(u64::from_le_bytes(*word))))
+        }
         WireType::LengthDelimited => {
             let len = usize::try_from(prost::encoding::decode_varint(buf).ok()?).ok()?;
             if len > buf.len() {
@@ -302,6 +366,92 @@ mod tests {
         ];
         for (i, b) in refused.iter().enumerate() {
             assert_eq!(parse_get(b), None, "case {i}: {b:02x?}");
+        }
+    }
+
+    fn get_reply_strategy() -> impl Strategy<Value = Response> {
+        let reply = (
+            any::<bool>(),
+            prop::collection::vec(any::<u8>(), 0..200),
+            any::<u64>(),
+            any::<u64>(),
+            (any::<u32>(), any::<u32>(), any::<u32>(), any::<u32>()),
+        );
+        (any::<u64>(), reply).prop_map(|(id, (found, value, version, hint_slot, (b, i, flags, exp)))| Response {
+            id,
+            result: Some(R::Get(GetReply {
+                found,
+                value: value.into(),
+                version,
+                hint_slot,
+                hint_bucket: b,
+                hint_index: i,
+                flags,
+                expires_at: exp,
+            })),
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn a_get_reply_decodes_directly_as_prost_decodes_it(resp in get_reply_strategy()) {
+            let body = resp.encode_to_vec();
+            prop_assert!(parse_get_reply(&body).is_some(), "a plain reply took prost's way");
+            prop_assert_eq!(decode_response(Bytes::from(body)).unwrap(), resp);
+        }
+
+        /// Mutated replies, other replies, noise: read directly only
+        /// where prost reads the same.
+        #[test]
+        fn decode_response_never_disagrees_with_prost(
+            resp in get_reply_strategy(),
+            other in any::<bool>(),
+            edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..4),
+            extra in prop::collection::vec(any::<u8>(), 0..10),
+        ) {
+            let resp = if other {
+                Response { id: resp.id, result: Some(R::Put(proto::PutReply { version: 9 })) }
+            } else {
+                resp
+            };
+            let mut b = resp.encode_to_vec();
+            for (at, byte) in &edits {
+                if !b.is_empty() {
+                    let i = at.index(b.len());
+                    b[i] = *byte;
+                }
+            }
+            b.extend_from_slice(&extra);
+            let prost = Response::decode(&b[..]);
+            if parse_get_reply(&b).is_some() {
+                prop_assert!(prost.is_ok(), "read directly bytes prost refuses: {:02x?}", b);
+            }
+            match (decode_response(Bytes::from(b.clone())), prost) {
+                (Ok(a), Ok(p)) => prop_assert_eq!(a, p),
+                (Err(_), Err(_)) => {}
+                (a, p) => prop_assert!(false, "direct {:?} vs prost {:?} for {:02x?}", a, p, b),
+            }
+        }
+    }
+
+    #[test]
+    fn a_get_reply_with_a_field_twice_or_unknown_is_left_to_prost() {
+        // Response { id: 2, get: GetReply { found: true, version: 5 } }.
+        let plain = [0x08, 0x02, 0x2a, 0x04, 0x08, 0x01, 0x18, 0x05];
+        assert!(parse_get_reply(&plain).is_some());
+        let refused: [&[u8]; 5] = [
+            &[0x08, 0x02, 0x2a, 0x06, 0x08, 0x01, 0x18, 0x05, 0x18, 0x06], // version twice
+            &[0x08, 0x02, 0x2a, 0x06, 0x08, 0x01, 0x18, 0x05, 0x48, 0x01], // field 9
+            &[0x08, 0x02, 0x2a, 0x04, 0x08, 0x01, 0x19, 0x05],             // version as fixed64, truncated
+            &[0x08, 0x02, 0x2a, 0x03, 0x21, 0x01, 0x02],                   // hint_slot short of 8 bytes
+            &[0x08, 0x02, 0x2a, 0x02, 0x08, 0x01, 0x2a, 0x00],             // get twice
+        ];
+        for (i, b) in refused.iter().enumerate() {
+            assert!(parse_get_reply(b).is_none(), "case {i}: {b:02x?}");
+        }
+        // Whatever prost makes of them, decode_response makes the same.
+        for b in refused {
+            assert_eq!(decode_response(Bytes::copy_from_slice(b)).ok(), Response::decode(b).ok());
         }
     }
 }
