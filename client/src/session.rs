@@ -52,6 +52,8 @@ struct Inner {
     engine_repaths: Arc<AtomicU64>,
     /// A cluster session's one-sided paths, per shard region of its node.
     shard_paths: ShardPaths,
+    /// The RDMA queue pairs those shard paths share.
+    node_rdma: Arc<onesided::NodeRdma>,
 }
 
 /// Which of a session's regions a GET reads: the node's own (a single
@@ -290,6 +292,7 @@ impl Session {
             rpc_repaths,
             engine_repaths: Arc::default(),
             shard_paths: Default::default(),
+            node_rdma: Arc::default(),
         };
         Ok(Session { inner: Arc::new(inner) })
     }
@@ -385,6 +388,7 @@ impl Session {
                 shard: None,
                 clock: None,
                 check_leases: cfg.check_leases,
+                node_rdma: Arc::default(),
             };
             tries += 1;
             match onesided::attach(&self.inner.pool, &info, opts).await {
@@ -1131,6 +1135,7 @@ impl Session {
             shard: Some(shard),
             clock: Some(sample),
             check_leases: cfg.check_leases,
+            node_rdma: Arc::clone(&self.inner.node_rdma),
         };
         onesided::attach(self.pool(), &info, opts).await
     }

@@ -636,7 +636,7 @@ impl Config {
             ));
         }
         Ok(Config {
-            rdma: !flags.no_rdma && file.rdma.unwrap_or(true) && cluster.is_none(),
+            rdma: !flags.no_rdma && file.rdma.unwrap_or(true),
             rdma_device,
             listen,
             engine_listen,

@@ -47,8 +47,6 @@ use tracing::{info, warn};
 pub use config::Config;
 use config::validate::plain;
 use node::Node;
-#[cfg(feature = "rdma")]
-use region::Region;
 use service::Shared;
 
 /// A bound, formatted server, ready to serve.
@@ -115,6 +113,8 @@ impl Server {
                     grace: cfg.grace,
                     max_frame: cfg.max_frame,
                     token: cfg.auth.node_token(setup.node_id).cloned(),
+                    #[cfg(feature = "rdma")]
+                    rdma: open_rdma(cfg)?,
                 };
                 let node = cluster::node::ClusterNode::start(setup, params, stop.1.clone())
                     .map_err(|e| invalid(format!("cluster node {}: {e}", setup.node_id)))?;
@@ -129,9 +129,13 @@ impl Server {
                     compactor: cfg.compactor,
                 })?;
                 #[cfg(feature = "rdma")]
-                let rdma = open_rdma(cfg, single.store().region())?;
-                #[cfg(feature = "rdma")]
-                let single = single.with_rdma(rdma);
+                let single = {
+                    let mut single = single;
+                    if let Some(rdma) = open_rdma(cfg)? {
+                        single.register_rdma(&rdma).map_err(std::io::Error::other)?;
+                    }
+                    single
+                };
                 (Node::Single(Arc::new(single)), None)
             }
         };
@@ -228,8 +232,8 @@ impl Server {
             line += &format!(" memcached={a}");
         }
         #[cfg(feature = "rdma")]
-        if let Some(r) = self.shared.node.single().and_then(|s| s.rdma()) {
-            line += &format!(" rdma={}", r.device_name());
+        if let Some(d) = self.shared.node.rdma_device() {
+            line += &format!(" rdma={}", d.device_name());
         }
         line
     }
@@ -405,15 +409,12 @@ fn bind_error(kind: &str, addr: impl std::fmt::Display, e: std::io::Error) -> st
 }
 
 #[cfg(feature = "rdma")]
-fn open_rdma(cfg: &Config, region: &Arc<Region>) -> std::io::Result<Option<rdma::RdmaRegion>> {
+fn open_rdma(cfg: &Config) -> std::io::Result<Option<rdma::RdmaUse>> {
     if !cfg.rdma {
         return Ok(None);
     }
-    match rdma::RdmaRegion::open(cfg.rdma_device.as_deref(), Arc::clone(region)) {
-        Ok(r) => {
-            info!(device = r.device_name(), "region registered for RDMA reads");
-            Ok(Some(r))
-        }
+    match rdma::RdmaDevice::open(cfg.rdma_device.as_deref()) {
+        Ok(device) => Ok(Some(rdma::RdmaUse { device, required: cfg.rdma_device.is_some() })),
         Err(e) if cfg.rdma_device.is_some() => {
             let dev = cfg.rdma_device.as_deref().unwrap_or_default();
             Err(std::io::Error::other(format!("--rdma-device {dev}: {e}")))

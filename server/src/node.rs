@@ -146,15 +146,29 @@ impl SingleNode {
         })
     }
 
-    /// The node with its region registered for RDMA reads too.
+    /// Registers the region for RDMA reads too (`Ok` without when it
+    /// cannot be and the device was found, not named: see [`crate::rdma::RdmaUse`]).
     #[cfg(feature = "rdma")]
-    pub fn with_rdma(self, rdma: Option<crate::rdma::RdmaRegion>) -> SingleNode {
-        SingleNode { rdma, ..self }
+    pub fn register_rdma(&mut self, rdma: &crate::rdma::RdmaUse) -> Result<(), String> {
+        self.rdma = rdma.register(Arc::clone(self.store.region()), "the region")?;
+        if self.rdma.is_some() {
+            tracing::info!(device = rdma.device.device_name(), "region registered for RDMA reads");
+        }
+        Ok(())
     }
 
     #[cfg(feature = "rdma")]
     pub fn rdma(&self) -> Option<&crate::rdma::RdmaRegion> {
         self.rdma.as_ref()
+    }
+
+    /// The rkey RDMA readers of the region name now (0: not registered).
+    fn rdma_rkey(&self) -> u32 {
+        #[cfg(feature = "rdma")]
+        if let Some(Ok(r)) = self.rdma.as_ref().map(|r| r.remote()) {
+            return r.rkey;
+        }
+        0
     }
 
     pub fn store(&self) -> &Arc<Store> {
@@ -407,16 +421,32 @@ impl Node {
     /// follower's has none, so leadership changes need no new ones).
     pub fn descriptors(&self) -> Vec<proto::RegionDescriptor> {
         match self {
-            Node::Single(s) => vec![descriptor(&s.registration, &s.store, s.region_id)],
+            Node::Single(s) => {
+                vec![proto::RegionDescriptor {
+                    rdma_rkey: s.rdma_rkey(),
+                    ..descriptor(&s.registration, &s.store, s.region_id)
+                }]
+            }
             Node::Cluster(c) => c
                 .regions()
                 .into_iter()
-                .map(|(shard, store, reg)| proto::RegionDescriptor {
-                    shard,
+                .map(|r| proto::RegionDescriptor {
+                    shard: r.shard,
                     leased: true,
-                    ..descriptor(&reg, &store, shard + 1)
+                    rdma_rkey: r.rdma_rkey,
+                    ..descriptor(&r.reg, &r.store, r.shard + 1)
                 })
                 .collect(),
+        }
+    }
+
+    /// The RDMA device this node's regions are registered with, if any:
+    /// client queue pairs are accepted on it.
+    #[cfg(feature = "rdma")]
+    pub fn rdma_device(&self) -> Option<&Arc<crate::rdma::RdmaDevice>> {
+        match self {
+            Node::Single(s) => s.rdma.as_ref().map(|r| r.device()),
+            Node::Cluster(c) => c.rdma_device(),
         }
     }
 
@@ -426,11 +456,9 @@ impl Node {
             Node::Single(s) => {
                 vec![Served { region: Arc::clone(s.store.region()), reg: Arc::clone(&s.registration) }].into()
             }
-            Node::Cluster(c) => c
-                .regions()
-                .into_iter()
-                .map(|(_, store, reg)| Served { region: Arc::clone(store.region()), reg })
-                .collect(),
+            Node::Cluster(c) => {
+                c.regions().into_iter().map(|r| Served { region: Arc::clone(r.store.region()), reg: r.reg }).collect()
+            }
         }
     }
 
@@ -440,7 +468,7 @@ impl Node {
     pub fn registrations(&self) -> u64 {
         match self {
             Node::Single(s) => s.registration.registrations(),
-            Node::Cluster(c) => c.regions().iter().map(|(_, _, reg)| reg.registrations()).sum(),
+            Node::Cluster(c) => c.regions().iter().map(|r| r.reg.registrations()).sum(),
         }
     }
 
@@ -493,5 +521,6 @@ fn descriptor(reg: &Registration, store: &Store, region_id: u32) -> proto::Regio
         shard: 0,
         leased: false,
         evicts: store.evicts(),
+        rdma_rkey: 0,
     }
 }

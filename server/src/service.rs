@@ -665,20 +665,27 @@ impl Refusal {
 
 #[cfg(feature = "rdma")]
 fn rdma_connect(shared: &Shared, conn: &mut ConnState, endpoint: &[u8]) -> Result<proto::RdmaConnectReply, Refusal> {
-    let Some((single, rdma)) = shared.node.single().and_then(|s| s.rdma().map(|r| (s, r))) else {
+    let Some(device) = shared.node.rdma_device() else {
         return Err(Refusal(ErrorCode::BadRequest, "this server offers no RDMA".into()));
     };
     if conn.qps.len() >= crate::rdma::MAX_QPS_PER_CONNECTION {
         return Err(Refusal(ErrorCode::BadRequest, "too many RDMA queue pairs on this connection".into()));
     }
-    let a = rdma.accept(endpoint).map_err(|e| Refusal(ErrorCode::BadRequest, format!("RDMA connect: {e}")))?;
-    conn.qps.push(a.qp);
+    let refused = |e: dmkv_verbs::VerbsError| Refusal(ErrorCode::BadRequest, format!("RDMA connect: {e}"));
+    let (qp, endpoint) = device.accept(endpoint).map_err(refused)?;
+    // A single node's one region comes with the queue pair; a cluster
+    // node's regions are in REGION_INFO (each descriptor's rdma_rkey).
+    let (remote, epoch) = match shared.node.single().and_then(|s| s.rdma().map(|r| (s, r))) {
+        Some((single, r)) => (Some(r.remote().map_err(refused)?), single.registration().epoch()),
+        None => (None, 0),
+    };
+    conn.qps.push(qp);
     Ok(proto::RdmaConnectReply {
-        endpoint: a.endpoint.to_bytes().to_vec().into(),
-        addr: a.addr,
-        length: a.len,
-        rkey: a.rkey,
-        epoch: single.registration().epoch(),
+        endpoint: endpoint.to_bytes().to_vec().into(),
+        addr: remote.map_or(0, |r| r.addr),
+        length: remote.map_or(0, |r| r.len),
+        rkey: remote.map_or(0, |r| r.rkey),
+        epoch,
     })
 }
 
@@ -694,12 +701,7 @@ fn region_info(shared: &Shared) -> proto::RegionInfoReply {
         engine_addr: shared.engine_addr.map(|a| a.to_string()).unwrap_or_default(),
         host_id: shared.host_id.clone(),
         #[cfg(feature = "rdma")]
-        rdma_device: shared
-            .node
-            .single()
-            .and_then(|s| s.rdma())
-            .map(|r| r.device_name().to_string())
-            .unwrap_or_default(),
+        rdma_device: shared.node.rdma_device().map(|d| d.device_name().to_string()).unwrap_or_default(),
         #[cfg(not(feature = "rdma"))]
         rdma_device: String::new(),
         engine_tls: shared.engine_tls,

@@ -41,14 +41,16 @@ mapfile -t BINS < <(cargo test -p dmkv-verbs --no-run --message-format=json 2>/d
   | grep '"reason":"compiler-artifact"' | grep '"test":true' \
   | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p')
 [ ${#BINS[@]} -gt 0 ] || { log "no test executables (run 'cargo test -p dmkv-verbs --no-run' to see why)"; exit 1; }
-# dmkvd with RDMA, and the end-to-end tests that drive it: GETs over RDMA READ
-# and the racing-writers stress test with RDMA readers.
+# dmkvd with RDMA, and the end-to-end tests that drive it: GETs over RDMA READ,
+# the racing-writers stress test with RDMA readers, and a 3-node cluster read
+# over RDMA through a leader kill and a frozen leader.
 cargo build -q -p dmkv-server --features rdma --bin dmkvd
-# Only the two test targets: the package's bins are built for its tests too.
-mapfile -t E2E < <(cargo test -p dmkv-tests --features rdma --test rdma --test stress --no-run --message-format=json 2>/dev/null \
+# Only these test targets: the package's bins are built for its tests too.
+# rdma_cluster starts three dmkvd nodes on the one rxe device.
+mapfile -t E2E < <(cargo test -p dmkv-tests --features rdma --test rdma --test stress --test rdma_cluster --no-run --message-format=json 2>/dev/null \
   | grep '"reason":"compiler-artifact"' | grep '"test":true' | grep '"kind":\["test"\]' \
   | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p')
-[ ${#E2E[@]} -eq 2 ] || { log "expected the rdma and stress test executables (run 'cargo test -p dmkv-tests --features rdma --no-run')"; exit 1; }
+[ ${#E2E[@]} -eq 3 ] || { log "expected the rdma, stress and rdma_cluster test executables (run 'cargo test -p dmkv-tests --features rdma --no-run')"; exit 1; }
 BINS+=("${E2E[@]}")
 BENCH_BIN=$TARGET/debug/examples/readbench
 if [ "$BENCH" = 1 ]; then

@@ -178,9 +178,11 @@ impl TestCluster {
                 return Ok(());
             }
             if std::time::Instant::now() >= deadline {
+                let lines: Vec<String> =
+                    (0..self.rpc.len()).map(|i| format!("node {}: {}", i + 1, self.last_log_line(i))).collect();
                 return Err(format!(
-                    "the cluster's members did not settle within 20 s; node 1's last log line: {}",
-                    self.last_log_line(0)
+                    "the cluster's members did not settle within 20 s; each node's last log line:\n{}",
+                    lines.join("\n")
                 ));
             }
             std::thread::sleep(std::time::Duration::from_millis(20));

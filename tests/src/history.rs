@@ -156,6 +156,8 @@ pub struct Run {
     /// want of a lease.
     pub one_sided_gets: u64,
     pub unleased: u64,
+    /// One-sided GETs from the fault's start on.
+    pub one_sided_since_fault: u64,
     /// Acknowledged PUTs, in all and from the fault's start on.
     pub writes: u64,
     pub writes_since_fault: u64,
@@ -168,6 +170,18 @@ pub struct Run {
 /// checks the history on a thread with a deep stack (the tester searches
 /// recursively).
 pub fn record(rt: &tokio::runtime::Runtime, clients: Clients, fault: impl FnOnce()) -> Run {
+    record_windowed(rt, clients, (BEFORE_FAULT, AFTER_FAULT), fault)
+}
+
+/// [`record`] with the times before and after the fault given: a slower
+/// machine (the emulated VM) needs longer for the same number of
+/// operations, and a failover to be over before the run ends.
+pub fn record_windowed(
+    rt: &tokio::runtime::Runtime,
+    clients: Clients,
+    (before, after): (Duration, Duration),
+    fault: impl FnOnce(),
+) -> Run {
     let Clients { keys, writer, readers } = clients;
     let log: Arc<Mutex<Vec<Event>>> = Arc::default();
     let stop = Arc::new(AtomicBool::new(false));
@@ -215,10 +229,11 @@ pub fn record(rt: &tokio::runtime::Runtime, clients: Clients, fault: impl FnOnce
     for r in &readers {
         tasks.push(spawn_client(&r.runtime, r.client.clone(), false));
     }
-    std::thread::sleep(BEFORE_FAULT);
+    std::thread::sleep(before);
     let fault_at = log.lock().unwrap().len();
+    let one_sided_at: u64 = readers.iter().map(|r| r.client.read_stats().gets).sum();
     fault();
-    std::thread::sleep(AFTER_FAULT);
+    std::thread::sleep(after);
     stop.store(true, Ordering::Relaxed);
     let (mut writes, mut reads) = (0, 0);
     for t in tasks {
@@ -240,11 +255,51 @@ pub fn record(rt: &tokio::runtime::Runtime, clients: Clients, fault: impl FnOnce
         linearizable,
         counterexample,
         one_sided_gets: stats.iter().map(|s| s.gets).sum(),
+        one_sided_since_fault: stats.iter().map(|s| s.gets).sum::<u64>() - one_sided_at,
         unleased: stats.iter().map(|s| s.unleased).sum(),
         writes,
         writes_since_fault,
         reads,
     }
+}
+
+/// Freezes the leader of a shard of a fresh 3-node cluster for longer than
+/// an election (SIGSTOP, 1.5 s) while a writer overwrites that shard's
+/// keys through the new leader, two readers read them one-sided over
+/// `one_sided` (routed to the frozen leader's region, whose memory stays
+/// readable: mapped on this host, or served by the NIC) and one over RPC;
+/// returns the recorded run, its histories checked.
+pub fn stalled_leader_run(check_leases: bool, one_sided: Transport) -> Run {
+    let shape = Shape { shards: 3, shard: 1, windows: (BEFORE_FAULT, AFTER_FAULT) };
+    stalled_leader_run_shaped(check_leases, one_sided, shape)
+}
+
+/// A recorded run's cluster and times: how many shards it has, which one
+/// the keys are of, and the recording's windows ([`record_windowed`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Shape {
+    pub shards: u32,
+    pub shard: ShardId,
+    pub windows: (Duration, Duration),
+}
+
+/// [`stalled_leader_run`] in a cluster of the given shape.
+pub fn stalled_leader_run_shaped(check_leases: bool, one_sided: Transport, shape: Shape) -> Run {
+    let Shape { shards, shard, windows } = shape;
+    let c = TestCluster::start(3, shards, 3, false, &[]);
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    let map = rt.block_on(c.leaders_known(0));
+    let stalled = map.shards()[shard as usize].leader.expect("a leader") as usize - 1;
+    let via = (stalled + 1) % 3;
+    let reader = (ReadPath::OneSided, Some(one_sided));
+    let paths = [reader, reader, (ReadPath::Rpc, None)];
+    let clients = rt.block_on(Clients::connect(&c, via, shard, 6, check_leases, &paths));
+    record_windowed(&rt, clients, windows, || {
+        c.pause(stalled);
+        // Well past an election (150-300 ms) and the leader's lease.
+        std::thread::sleep(Duration::from_millis(1500));
+        c.resume(stalled);
+    })
 }
 
 /// A read that returned a value overwritten before it began: write W of

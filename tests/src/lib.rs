@@ -20,6 +20,8 @@ pub mod nemesis;
 pub mod netns;
 pub mod partition;
 pub mod prom;
+#[cfg(feature = "rdma")]
+pub mod rdma;
 pub mod schedule;
 pub mod skewed;
 pub mod skip;

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use dmkv_client::{Client, ClientConfig, ReadPath, Transport};
 use dmkv_tests::cluster::TestCluster;
-use dmkv_tests::history::{self, Clients, Run, put_surely};
+use dmkv_tests::history::{self, Run, put_surely};
 
 fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime")
@@ -72,26 +72,10 @@ fn one_sided_gets_read_shard_leaders_and_follow_a_failover() {
     });
 }
 
-/// Freezes the leader of a shard for longer than an election while a
-/// writer overwrites that shard's keys (through the new leader) and
-/// readers read them one-sided (shared memory, routed to the frozen
-/// leader) and over RPC; checks each key's history.
+/// A stalled shard leader's region, read over shared memory by readers on
+/// its host (`history::stalled_leader_run`).
 fn stalled_leader_run(check_leases: bool) -> Run {
-    let c = TestCluster::start(3, 3, 3, false, &[]);
-    let rt = rt();
-    let map = rt.block_on(c.leaders_known(0));
-    let shard = 1;
-    let stalled = map.shards()[shard as usize].leader.expect("a leader") as usize - 1;
-    let via = (stalled + 1) % 3;
-    let shm = (ReadPath::OneSided, Some(Transport::Shm));
-    let paths = [shm, shm, (ReadPath::Rpc, None)];
-    let clients = rt.block_on(Clients::connect(&c, via, shard, 6, check_leases, &paths));
-    history::record(&rt, clients, || {
-        c.pause(stalled);
-        // Well past an election (150-300 ms) and the leader's lease.
-        std::thread::sleep(Duration::from_millis(1500));
-        c.resume(stalled);
-    })
+    history::stalled_leader_run(check_leases, Transport::Shm)
 }
 
 #[test]

@@ -9,18 +9,8 @@ use std::time::{Duration, Instant};
 use dmkv_client::{Client, ClientConfig, ReadPath, Transport};
 use dmkv_common::proto::{RdmaConnect, RdmaConnectReply, request::Op, response::Result as R};
 use dmkv_tests::ServerProcess;
+use dmkv_tests::rdma::device_or_skip;
 use dmkv_verbs::{Context, Endpoint, MemoryRegion, QueuePair, ReadRequest, VerbsError};
-
-fn device_or_skip(test: &str) -> bool {
-    match Context::open(None) {
-        Ok(_) => true,
-        Err(e) if std::env::var("DMKV_RDMA_TESTS").as_deref() != Ok("1") => {
-            eprintln!("{test}: skipped, no RDMA device ({e}); set DMKV_RDMA_TESTS=1 to make this fail");
-            false
-        }
-        Err(e) => panic!("{test}: DMKV_RDMA_TESTS=1 but no RDMA device: {e}"),
-    }
-}
 
 fn rdma_cfg() -> ClientConfig {
     ClientConfig::default().read_path(ReadPath::OneSided).transport(Some(Transport::Rdma)).pool_size(1)

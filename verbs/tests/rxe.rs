@@ -167,6 +167,34 @@ fn read_batches_match_region() {
     assert_eq!(client.outstanding(), 0);
 }
 
+/// A batch whose last read is fenced reads what an unfenced one reads, for batches of one
+/// (nothing to fence) up to the largest; the fence's ordering itself is the NIC's promise
+/// (IBV_SEND_FENCE), which Soft-RoCE keeps by executing reads in order anyway.
+#[test]
+fn a_batch_with_its_last_read_fenced_reads_the_same_bytes() {
+    let Some(ctx) = device() else { return };
+    let region = Region::new(&ctx, 3);
+    let mut local = MemoryRegion::register_local(&ctx, LOCAL_LEN).unwrap();
+    let (mut client, _server) = connected_pair(&ctx);
+    let mut rng = Rng(99);
+    for n in [1, 2, 17, MAX_READS_PER_BATCH] {
+        let reads = random_reads(&mut rng, &region.mr, n, 2048);
+        local.as_mut_slice().unwrap().fill(0);
+        let seq = client.post_reads_last_fenced(&reads, &mut local).unwrap();
+        let end = deadline();
+        loop {
+            if let Some(done) = client.try_finish(seq).unwrap() {
+                done.unwrap_or_else(|e| panic!("fenced batch of {n}: {e}"));
+                break;
+            }
+            assert!(Instant::now() < end, "fenced batch of {n} did not complete");
+            std::thread::yield_now();
+        }
+        check_reads(&reads, &region, &local);
+    }
+    assert_eq!(client.outstanding(), 0);
+}
+
 #[test]
 fn pipelined_batches_via_poll() {
     let Some(ctx) = device() else { return };

@@ -56,6 +56,18 @@ pub struct AttachOptions {
     /// Check leases of cluster regions. Only tests that show the check
     /// matters turn it off.
     pub check_leases: bool,
+    /// The session's RDMA lanes to the node, which its shard regions
+    /// share (a single node's path has lanes of its own).
+    pub node_rdma: std::sync::Arc<NodeRdma>,
+}
+
+/// A session's RDMA queue pairs to its node, for all the shard regions it
+/// reads there; empty until the first RDMA attach (and in builds without
+/// the `rdma` feature).
+#[derive(Default)]
+pub struct NodeRdma {
+    #[cfg(feature = "rdma")]
+    lanes: rdma::NodeLanes,
 }
 
 /// Picks and attaches a backend for the server described by `info`.
@@ -81,6 +93,7 @@ pub async fn attach(
         shard,
         clock,
         check_leases,
+        node_rdma,
     } = opts;
     let desc = match shard {
         None => info.regions.first().ok_or_else(|| BackendError::Attach("server has no region".into()))?,
@@ -127,7 +140,7 @@ pub async fn attach(
                         Err(e) => Err(e),
                     }
                 }
-                Transport::Rdma => attach_rdma(pool, desc.epoch, timeout).await,
+                Transport::Rdma => attach_rdma(pool, desc, shard.is_some(), &node_rdma, timeout).await,
             },
         };
         match attempt {
@@ -215,12 +228,28 @@ fn engine_dialer(pool: &RpcPool, info: &RegionInfoReply) -> Result<engine::Diale
 }
 
 #[cfg(feature = "rdma")]
-async fn attach_rdma(pool: &RpcPool, epoch: u64, timeout: Duration) -> Result<Backend, BackendError> {
-    rdma::RdmaPath::attach(pool, epoch, timeout).await.map(|p| Backend::Rdma(Box::new(p)))
+async fn attach_rdma(
+    pool: &RpcPool,
+    desc: &RegionDescriptor,
+    shard: bool,
+    node: &NodeRdma,
+    timeout: Duration,
+) -> Result<Backend, BackendError> {
+    let path = match shard {
+        false => rdma::RdmaPath::attach(pool, desc.epoch, timeout).await?,
+        true => rdma::RdmaPath::attach_region(pool, &node.lanes, desc, timeout).await?,
+    };
+    Ok(Backend::Rdma(Box::new(path)))
 }
 
 #[cfg(not(feature = "rdma"))]
-async fn attach_rdma(_: &RpcPool, _: u64, _: Duration) -> Result<Backend, BackendError> {
+async fn attach_rdma(
+    _: &RpcPool,
+    _: &RegionDescriptor,
+    _: bool,
+    _: &NodeRdma,
+    _: Duration,
+) -> Result<Backend, BackendError> {
     // `offered` refuses RDMA in builds without it.
     Err(BackendError::Attach(NO_CLIENT_RDMA.into()))
 }

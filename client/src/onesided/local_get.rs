@@ -11,13 +11,11 @@
 use std::sync::atomic::Ordering;
 
 use dmkv_common::layout::{KeyHash, key_hash};
-use dmkv_common::read::{
-    AfterBuckets, MAX_ATTEMPTS, MAX_CANDIDATES, Outcome, Retry, dir_read, judge_clock, judge_dir_entry,
-};
+use dmkv_common::read::{AfterBuckets, MAX_ATTEMPTS, MAX_CANDIDATES, Outcome, Retry, dir_read, judge_dir_entry};
 
 use super::backend::BackendError;
 use super::hints::HintId;
-use super::region::{Backend, OneSided, OneSidedGet, Trace, push_clock_read};
+use super::region::{Backend, OneSided, OneSidedGet, Trace};
 use super::shm::ShmRegion;
 use dmkv_common::cluster::lease_check::AttemptStart;
 
@@ -212,11 +210,10 @@ impl OneSided {
         s: &mut Scratch,
         start: &mut AttemptStart,
     ) -> Result<u64, BackendError> {
-        let lease_at = self.push_lease_read(&mut s.specs);
-        let clock_at = push_clock_read(&mut s.specs);
+        let tail = self.push_tail(&mut s.specs);
         shm.read(&s.specs, &mut s.reads)?;
-        self.check_lease(&s.reads, lease_at, start)?;
-        Ok(judge_clock(s.reads.get(clock_at).unwrap_or(&[])))
+        self.check_lease(&s.reads, tail, start)?;
+        Ok(tail.clock(&s.reads))
     }
 }
 

@@ -2,8 +2,9 @@
 //! code, verify every byte, and fall back to RPC when that fails.
 //!
 //! [`OneSided`] drives the pure protocol of [`dmkv_common::read`] over a
-//! backend: [`shm`] (the region mapped in this process) or [`engine`] (the
-//! server's software one-sided engine over TCP).
+//! backend: [`shm`] (the region mapped in this process), [`engine`] (the
+//! server's software one-sided engine over TCP) or `rdma` (the NIC's
+//! READs, feature `rdma`).
 
 pub mod access_log;
 mod attach;
@@ -22,7 +23,7 @@ pub mod shm;
 
 pub use crate::config::DEFAULT_HINT_ENTRIES;
 pub(crate) use attach::clock_sample;
-pub use attach::{AttachOptions, attach, offered};
+pub use attach::{AttachOptions, NodeRdma, attach, offered};
 pub use attempt_clock::mono_ns;
 pub use backend::{BackendError, Reads};
 pub use counters::{ReadCounters, ReadStats};

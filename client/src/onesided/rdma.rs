@@ -10,9 +10,16 @@
 //!   microseconds), then sleeps on the completion channel through
 //!   [`AsyncFd`]: no worker thread is ever held for longer than the spin.
 //! - The server's queue pairs live as long as the connection that set them
-//!   up, so that connection is the path's own control connection, not one
+//!   up, so that connection is the lanes' own control connection, not one
 //!   of the client's pooled RPC connections (which the path controller
-//!   replaces when they are congested). When it closes, the path is stale.
+//!   replaces when they are congested). When it closes, the lanes are stale.
+//!
+//! The lanes are the node's ([`RdmaLanes`]), the region is the path's
+//! ([`RdmaPath`]): a server registers every region it serves with one
+//! device, so the same queue pairs read a single node's region or any
+//! shard replica's region of a cluster node, each with its own rkey. A
+//! cluster session keeps one set of lanes per node ([`NodeLanes`]) for all
+//! the shard regions it reads there.
 
 use std::os::fd::{BorrowedFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -35,7 +42,7 @@ use super::{BackendError, Reads};
 use crate::conn::Conn;
 use crate::pool::RpcPool;
 
-/// Queue pairs per path: as many batches in flight at once. At most the
+/// Queue pairs per node: as many batches in flight at once. At most the
 /// server's per-connection limit (`MAX_QPS_PER_CONNECTION`, 4).
 pub const LANES: usize = 4;
 /// Bytes of the registered buffer of each lane; bigger batches are split.
@@ -43,6 +50,9 @@ const LANE_BUF: usize = 2 * 1024 * 1024;
 const _: () = assert!(LANE_BUF >= MAX_VALUE_LEN + MAX_KEY_LEN + 64, "one item fits a lane's buffer");
 /// Send-queue depth of a lane's queue pair: one batch at a time.
 const LANE_DEPTH: u32 = MAX_READS_PER_BATCH as u32;
+/// Timeouts a connect of the lanes may take in all (the control
+/// connection, a reply per lane, the probe read).
+const CONNECT_STEPS: u32 = LANES as u32 + 2;
 /// Polls of the completion queue before a read sleeps on the channel.
 const SPIN_POLLS: u32 = 64;
 
@@ -65,20 +75,57 @@ fn watch(fd: RawFd) -> std::io::Result<AsyncFd<OwnedFd>> {
     unsafe { AsyncFd::register_with_interest(dup, Interest::READABLE) }.map_err(|e| e.into_parts().1)
 }
 
-/// Connected queue pairs to one server's region.
-pub struct RdmaPath {
+/// Connected queue pairs to one server node.
+pub struct RdmaLanes {
     free: Mutex<Vec<Lane>>,
     permits: Semaphore,
-    /// A read was abandoned mid-batch (its lane could not be reused):
-    /// later reads fail so the client attaches anew.
+    /// A read was abandoned mid-batch (its lane could not be reused), or
+    /// failed in a way that leaves its queue pair in error: later reads
+    /// fail so the client attaches anew.
     broken: AtomicBool,
     /// Holds the server's queue pairs.
     control: Arc<Conn>,
+    timeout: Duration,
+    _ctx: Arc<Context>,
+}
+
+/// One region read over a node's lanes.
+pub struct RdmaPath {
+    lanes: Arc<RdmaLanes>,
     addr: u64,
     len: u64,
     rkey: u32,
-    timeout: Duration,
-    _ctx: Arc<Context>,
+    /// A leased region (a cluster shard's): the last read of every batch
+    /// (its lease block) is fenced, so it reads the memory after every
+    /// other read of the batch did, as the lease argument needs
+    /// (docs/replication.md). A single node's region has no lease.
+    last_after_rest: bool,
+}
+
+/// A cluster session's lanes to its node, shared by its shard regions:
+/// connected by the first attach that needs them, connected anew by the
+/// first attach after they broke.
+#[derive(Default)]
+pub struct NodeLanes(tokio::sync::Mutex<Option<Arc<RdmaLanes>>>);
+
+impl NodeLanes {
+    /// The node's lanes, connected now if there are none or they broke.
+    async fn get(&self, pool: &RpcPool, timeout: Duration) -> Result<Arc<RdmaLanes>, BackendError> {
+        let mut slot = self.0.lock().await;
+        if let Some(l) = slot.as_ref().filter(|l| l.usable()) {
+            return Ok(Arc::clone(l));
+        }
+        // Each step has its own timeout; the whole is bounded too, since
+        // other shards' attaches wait behind this lock.
+        let connecting = RdmaLanes::connect(pool, timeout);
+        let (lanes, _) = match tokio::time::timeout(CONNECT_STEPS * timeout, connecting).await {
+            Ok(r) => r?,
+            Err(_) => return Err(BackendError::Attach("RDMA: connecting the queue pairs timed out".into())),
+        };
+        let lanes = Arc::new(lanes);
+        *slot = Some(Arc::clone(&lanes));
+        Ok(lanes)
+    }
 }
 
 fn verbs(e: VerbsError) -> BackendError {
@@ -90,11 +137,26 @@ fn verbs(e: VerbsError) -> BackendError {
     }
 }
 
-impl RdmaPath {
-    /// Opens a local device, connects [`LANES`] queue pairs to the server
-    /// over a control connection of their own, and proves the path with one
-    /// read of the region header (which must carry `epoch`).
-    pub async fn attach(pool: &RpcPool, epoch: u64, timeout: Duration) -> Result<RdmaPath, BackendError> {
+/// A region the server names at `addr` for `len` bytes, refused if it
+/// wraps the address space: every read's address is then `addr` plus an
+/// offset checked against `len`, which cannot overflow.
+fn region_bounds(addr: u64, len: u64) -> Result<(), BackendError> {
+    match addr.checked_add(len) {
+        Some(_) => Ok(()),
+        None => Err(BackendError::Attach(format!("RDMA: the server named a region of {len} bytes at {addr:#x}"))),
+    }
+}
+
+/// The region a single node's RDMA_CONNECT reply names: (address,
+/// length, rkey, epoch).
+type ConnectRegion = (u64, u64, u32, u64);
+
+impl RdmaLanes {
+    /// Opens a local device and connects [`LANES`] queue pairs to the
+    /// server over a control connection of their own; also returns the
+    /// region the server's replies name (a single node's; zeros from a
+    /// cluster node, whose regions are in its region info).
+    async fn connect(pool: &RpcPool, timeout: Duration) -> Result<(RdmaLanes, ConnectRegion), BackendError> {
         let ctx = Context::open(None).map_err(|e| BackendError::Attach(format!("no usable RDMA device here: {e}")))?;
         let attach = |e: VerbsError| BackendError::Attach(format!("RDMA: {e}"));
         let control =
@@ -126,22 +188,66 @@ impl RdmaPath {
             region = Some(this);
             lanes.push(Lane { events, qp, buf });
         }
-        let (addr, len, rkey, reply_epoch) = region.expect("LANES > 0");
-        let path = RdmaPath {
+        let region = region.expect("LANES > 0");
+        let lanes = RdmaLanes {
             free: Mutex::new(lanes),
             permits: Semaphore::new(LANES),
             broken: AtomicBool::new(false),
             control,
-            addr,
-            len,
-            rkey,
             timeout,
             _ctx: ctx,
         };
+        Ok((lanes, region))
+    }
+
+    /// Whether reads may still go over these lanes.
+    fn usable(&self) -> bool {
+        !self.control.is_closed() && !self.broken.load(Ordering::Acquire)
+    }
+}
+
+impl RdmaPath {
+    /// Connects lanes to a single node and proves the path with one read
+    /// of the region header (which must carry `epoch`).
+    pub async fn attach(pool: &RpcPool, epoch: u64, timeout: Duration) -> Result<RdmaPath, BackendError> {
+        let (lanes, (addr, len, rkey, reply_epoch)) = RdmaLanes::connect(pool, timeout).await?;
+        if reply_epoch != epoch {
+            return Err(BackendError::Stale);
+        }
+        region_bounds(addr, len)?;
+        RdmaPath { lanes: Arc::new(lanes), addr, len, rkey, last_after_rest: false }.proved(epoch).await
+    }
+
+    /// A path to a cluster node's region described by `desc` (a shard
+    /// replica's), over the node's lanes in `node` (connected now if
+    /// needed), proved with one read of the region header.
+    pub async fn attach_region(
+        pool: &RpcPool,
+        node: &NodeLanes,
+        desc: &proto::RegionDescriptor,
+        timeout: Duration,
+    ) -> Result<RdmaPath, BackendError> {
+        if desc.rdma_rkey == 0 {
+            return Err(BackendError::Attach("the server did not register this region for RDMA".into()));
+        }
+        region_bounds(desc.base_addr, desc.length)?;
+        let lanes = node.get(pool, timeout).await?;
+        let path = RdmaPath {
+            lanes,
+            addr: desc.base_addr,
+            len: desc.length,
+            rkey: desc.rdma_rkey,
+            last_after_rest: desc.leased,
+        };
+        path.proved(desc.epoch).await
+    }
+
+    /// `self`, once a read of the region's header shows `epoch`.
+    async fn proved(self, epoch: u64) -> Result<RdmaPath, BackendError> {
         let mut probe = Reads::default();
-        path.read(&[ReadSpec { offset: 0, len: HEADER_ENCODED_LEN as u32 }], &mut probe).await?;
+        self.read(&[ReadSpec { offset: 0, len: HEADER_ENCODED_LEN as u32 }], &mut probe).await?;
         match probe.get(0).map(RegionHeader::decode) {
-            Some(Ok(h)) if h.epoch == epoch && reply_epoch == epoch => Ok(path),
+            Some(Ok(h)) if h.epoch == epoch => Ok(self),
             Some(Ok(_)) => Err(BackendError::Stale),
             _ => Err(BackendError::Attach("RDMA probe read did not return the region header".into())),
         }
@@ -149,23 +255,24 @@ impl RdmaPath {
 
     /// Reads every spec in order; a spec outside the region yields `None`.
     pub async fn read(&self, specs: &[ReadSpec], out: &mut Reads) -> Result<(), BackendError> {
-        if self.control.is_closed() {
+        let lanes = &*self.lanes;
+        if lanes.control.is_closed() {
             return Err(BackendError::Closed);
         }
-        if self.broken.load(Ordering::Acquire) {
+        if lanes.broken.load(Ordering::Acquire) {
             return Err(BackendError::Stale);
         }
-        let deadline = Instant::now() + self.timeout;
-        let permit = match timeout_at(deadline, self.permits.acquire()).await {
+        let deadline = Instant::now() + lanes.timeout;
+        let permit = match timeout_at(deadline, lanes.permits.acquire()).await {
             Ok(Ok(p)) => p,
             Ok(Err(_)) => return Err(BackendError::Closed),
             Err(_) => return Err(BackendError::Timeout),
         };
         // A permit stands for a free lane: destroyed lanes take theirs along.
-        let Some(lane) = self.free.lock().expect("rdma lanes poisoned").pop() else {
+        let Some(lane) = lanes.free.lock().expect("rdma lanes poisoned").pop() else {
             return Err(BackendError::Stale);
         };
-        let mut held = Held { path: self, lane: Some(lane), permit: Some(permit) };
+        let mut held = Held { lanes, lane: Some(lane), permit: Some(permit) };
         let Some(lane) = held.lane.as_mut() else { return Err(BackendError::Stale) };
         out.clear();
         let mut chunk: Vec<ReadRequest> = Vec::new();
@@ -173,14 +280,16 @@ impl RdmaPath {
         for s in specs {
             let len = s.len as usize;
             let inside = s.offset.checked_add(s.len as u64).is_some_and(|end| end <= self.len);
+            // Chunks go one after the other (each waits for its
+            // completion), so only the last needs its last read fenced.
             if !inside || len > LANE_BUF {
-                lane.flush(&mut chunk, deadline, out).await?;
+                lane.flush(&mut chunk, false, deadline, out).await?;
                 used = 0;
                 out.push_failed();
                 continue;
             }
             if chunk.len() == MAX_READS_PER_BATCH || used + len > LANE_BUF {
-                lane.flush(&mut chunk, deadline, out).await?;
+                lane.flush(&mut chunk, false, deadline, out).await?;
                 used = 0;
             }
             chunk.push(ReadRequest {
@@ -192,7 +301,7 @@ impl RdmaPath {
             });
             used += len;
         }
-        lane.flush(&mut chunk, deadline, out).await?;
+        lane.flush(&mut chunk, self.last_after_rest, deadline, out).await?;
         held.give_back();
         Ok(())
     }
@@ -204,7 +313,7 @@ impl RdmaPath {
 /// is destroyed instead, its permit forgotten (permits stay equal to free
 /// lanes) and the path marked broken.
 struct Held<'p> {
-    path: &'p RdmaPath,
+    lanes: &'p RdmaLanes,
     lane: Option<Lane>,
     permit: Option<tokio::sync::SemaphorePermit<'p>>,
 }
@@ -212,7 +321,7 @@ struct Held<'p> {
 impl Held<'_> {
     fn give_back(mut self) {
         if let Some(lane) = self.lane.take() {
-            self.path.free.lock().expect("rdma lanes poisoned").push(lane);
+            self.lanes.free.lock().expect("rdma lanes poisoned").push(lane);
         }
         // The permit is released when `self` drops, after the lane is back.
     }
@@ -221,7 +330,7 @@ impl Held<'_> {
 impl Drop for Held<'_> {
     fn drop(&mut self) {
         if self.lane.take().is_some() {
-            self.path.broken.store(true, Ordering::Release);
+            self.lanes.broken.store(true, Ordering::Release);
             if let Some(p) = self.permit.take() {
                 p.forget();
             }
@@ -230,18 +339,24 @@ impl Drop for Held<'_> {
 }
 
 impl Lane {
-    /// Posts `chunk` as one batch (one doorbell), waits for it without
-    /// blocking the thread, and copies the results out in order.
+    /// Posts `chunk` as one batch (one doorbell; its last read after the
+    /// others with `fence_last`), waits for it without blocking the
+    /// thread, and copies the results out in order.
     async fn flush(
         &mut self,
         chunk: &mut Vec<ReadRequest>,
+        fence_last: bool,
         deadline: Instant,
         out: &mut Reads,
     ) -> Result<(), BackendError> {
         if chunk.is_empty() {
             return Ok(());
         }
-        let seq = self.qp.post_reads(chunk, &mut self.buf).map_err(verbs)?;
+        let seq = match fence_last {
+            true => self.qp.post_reads_last_fenced(chunk, &mut self.buf),
+            false => self.qp.post_reads(chunk, &mut self.buf),
+        }
+        .map_err(verbs)?;
         self.wait(seq, deadline).await?;
         for r in chunk.iter() {
             let data = self.buf.slice(r.local_offset, r.len as usize).map_err(verbs)?;

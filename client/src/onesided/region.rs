@@ -86,11 +86,39 @@ pub struct OneSided {
     pub(crate) region_id: u32,
 }
 
-/// Adds the server clock's read to a batch, last (after every item read
-/// in it, so the clock was read no earlier than they were); where it is.
-pub(super) fn push_clock_read(specs: &mut Vec<ReadSpec>) -> usize {
-    specs.push(clock_read());
-    specs.len() - 1
+/// Where a batch's closing read is: after every data read of the batch,
+/// the server's clock (so it was read no earlier than the items), and in
+/// a leased region (a cluster shard's) the lease block before it, in the
+/// same read: the two share a cache line, and the read can then be the
+/// batch's last, as the lease argument needs the block to be (an RDMA
+/// batch fences its last read for that: see `rdma::RdmaPath`).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Tail {
+    at: usize,
+    leased: bool,
+}
+
+const _: () = assert!(
+    dmkv_common::layout::CLOCK_OFFSET == LEASE_OFFSET + LEASE_LEN as u64,
+    "the clock word follows the lease block"
+);
+
+impl Tail {
+    /// The lease block as read; `None` for an unleased region or a
+    /// failed read.
+    pub(super) fn lease<'r>(&self, reads: &'r Reads) -> Option<&'r [u8]> {
+        if !self.leased {
+            return None;
+        }
+        reads.get(self.at)?.get(..LEASE_LEN)
+    }
+
+    /// The server's clock as read (0: none).
+    pub(super) fn clock(&self, reads: &Reads) -> u64 {
+        let bytes = reads.get(self.at).unwrap_or(&[]);
+        let word = if self.leased { bytes.get(LEASE_LEN..).unwrap_or(&[]) } else { bytes };
+        judge_clock(word)
+    }
 }
 
 /// One key's progress through a (multi-)GET.
@@ -300,12 +328,11 @@ impl OneSided {
         if pend.is_empty() {
             return Ok((retry, dir_round));
         }
-        let lease_at = self.push_lease_read(&mut specs);
-        let clock_at = push_clock_read(&mut specs);
+        let tail = self.push_tail(&mut specs);
         let mut reads = Reads::default();
         self.backend.read(&specs, &mut reads).await?;
-        self.check_lease(&reads, lease_at, &mut lease_start)?;
-        let clock = judge_clock(reads.get(clock_at).unwrap_or(&[]));
+        self.check_lease(&reads, tail, &mut lease_start)?;
+        let clock = tail.clock(&reads);
         let mut item_specs = Vec::new();
         let mut second = Vec::new();
         for (i, mut p) in pend {
@@ -349,12 +376,11 @@ impl OneSided {
         if second.is_empty() {
             return Ok((retry, 1 + dir_round));
         }
-        let lease_at = self.push_lease_read(&mut item_specs);
-        let clock_at = push_clock_read(&mut item_specs);
+        let tail = self.push_tail(&mut item_specs);
         let mut items = Reads::default();
         self.backend.read(&item_specs, &mut items).await?;
-        self.check_lease(&items, lease_at, &mut lease_start)?;
-        let clock = judge_clock(items.get(clock_at).unwrap_or(&[]));
+        self.check_lease(&items, tail, &mut lease_start)?;
+        let clock = tail.clock(&items);
         for (i, p) in second {
             let bufs: Vec<&[u8]> = p.items.clone().map(|j| items.get(j).unwrap_or(&[])).collect();
             match p.look.after_items(p.key, &bufs, self.judge_time(), clock) {
@@ -374,13 +400,15 @@ impl OneSided {
         self.accesses.take_ready()
     }
 
-    /// Adds the lease block's read to a batch of a cluster region's reads,
-    /// after every data read (a reader must see the block as it was after
-    /// them); where it is (before the clock's: see `push_clock_read`).
-    pub(super) fn push_lease_read(&self, specs: &mut Vec<ReadSpec>) -> Option<usize> {
-        self.lease.as_ref()?;
-        specs.push(ReadSpec { offset: LEASE_OFFSET, len: LEASE_LEN as u32 });
-        Some(specs.len() - 1)
+    /// Adds a batch's closing read ([`Tail`]), after every data read (a
+    /// reader must see the lease block as it was after them).
+    pub(super) fn push_tail(&self, specs: &mut Vec<ReadSpec>) -> Tail {
+        let leased = self.lease.is_some();
+        specs.push(match leased {
+            true => ReadSpec { offset: LEASE_OFFSET, len: (LEASE_LEN + 8) as u32 },
+            false => clock_read(),
+        });
+        Tail { at: specs.len() - 1, leased }
     }
 
     /// Whether a batch's reads may be believed: in a cluster region, only
@@ -389,15 +417,10 @@ impl OneSided {
     /// (`lease::check`). Bucket and item reads of one GET each pass this,
     /// so the GET took effect while the region's replica was the only
     /// leader and held every acknowledged write (docs/replication.md).
-    pub(super) fn check_lease(
-        &self,
-        reads: &Reads,
-        at: Option<usize>,
-        start: &mut AttemptStart,
-    ) -> Result<(), BackendError> {
-        let (Some(clock), Some(at)) = (&self.lease, at) else { return Ok(()) };
+    pub(super) fn check_lease(&self, reads: &Reads, tail: Tail, start: &mut AttemptStart) -> Result<(), BackendError> {
+        let Some(clock) = &self.lease else { return Ok(()) };
         let ended = self.judge_time();
-        match lease::check(clock, self.header.hash_seed, reads.get(at), reads.stamps, start, ended) {
+        match lease::check(clock, self.header.hash_seed, tail.lease(reads), reads.stamps, start, ended) {
             Ok(()) => Ok(()),
             Err(_) => {
                 self.counters.unleased.fetch_add(1, Ordering::Relaxed);

@@ -84,8 +84,9 @@ pub enum LeaseAction {
     /// Nothing: the lease holds, or there is none to lose.
     None,
     /// The lease has lapsed (or leadership was lost): stop one-sided
-    /// reads of the region (new epoch, engine refusing, RDMA memory
-    /// re-registered, shm handoffs closed) before doing anything else.
+    /// reads of the region (lease block cleared, which every reader reads
+    /// last in each batch; new epoch, engine refusing, shm handoffs
+    /// closed) before doing anything else.
     Fence,
 }
 

@@ -110,6 +110,30 @@ struct LocalReplica {
     remembered: Arc<RememberedStats>,
     /// Its snapshots (the receiver hands them chunks).
     desk: Arc<Desk>,
+    /// Its region's registration for RDMA reads, for the node's life: a
+    /// fence does not rotate it (readers of a fenced region find its lease
+    /// block cleared, in the same batch as their data: docs/replication.md).
+    #[cfg(feature = "rdma")]
+    rdma: Option<crate::rdma::RdmaRegion>,
+}
+
+impl LocalReplica {
+    fn rdma_rkey(&self) -> u32 {
+        #[cfg(feature = "rdma")]
+        if let Some(Ok(r)) = self.rdma.as_ref().map(|r| r.remote()) {
+            return r.rkey;
+        }
+        0
+    }
+}
+
+/// A local replica's region as one-sided readers find it.
+pub struct ReplicaRegion {
+    pub shard: ShardId,
+    pub store: Arc<Store>,
+    pub reg: Arc<Registration>,
+    /// The rkey of its RDMA registration (0: none).
+    pub rdma_rkey: u32,
 }
 
 /// This node's part of the cluster.
@@ -122,6 +146,9 @@ pub struct ClusterNode {
     log: Option<Arc<raft_engine::Engine>>,
     data_dir: Option<PathBuf>,
     sync: SyncPolicy,
+    /// The device every replica's region is registered with.
+    #[cfg(feature = "rdma")]
+    rdma: Option<Arc<crate::rdma::RdmaDevice>>,
 }
 
 /// What a node needs from the server's configuration.
@@ -132,6 +159,9 @@ pub struct NodeParams {
     pub grace: Duration,
     pub max_frame: usize,
     pub token: Option<dmkv_common::auth::Token>,
+    /// Registers each replica's region for RDMA reads on this device.
+    #[cfg(feature = "rdma")]
+    pub rdma: Option<crate::rdma::RdmaUse>,
 }
 
 impl ClusterNode {
@@ -317,9 +347,25 @@ impl ClusterNode {
             }));
             sink.insert(sh.id, Box::new(thread.inbox()));
             peers.snapshots.register(sh.id, Link { desk: Arc::clone(&desk), failed: thread.snapshot_failer() });
+            #[cfg(feature = "rdma")]
+            let rdma = match &p.rdma {
+                Some(rdma) => rdma.register(Arc::clone(store.region()), &format!("shard {}'s region", sh.id))?,
+                None => None,
+            };
             replicas.insert(
                 sh.id,
-                LocalReplica { thread, store, compactor, in_flight: AtomicU64::new(0), reg, status, remembered, desk },
+                LocalReplica {
+                    thread,
+                    store,
+                    compactor,
+                    in_flight: AtomicU64::new(0),
+                    reg,
+                    status,
+                    remembered,
+                    desk,
+                    #[cfg(feature = "rdma")]
+                    rdma,
+                },
             );
         }
         if let (Some(why), Some(dir)) = (&distrust, &setup.data_dir) {
@@ -335,6 +381,8 @@ impl ClusterNode {
             log: engine,
             data_dir: setup.data_dir.clone(),
             sync: setup.sync,
+            #[cfg(feature = "rdma")]
+            rdma: p.rdma.map(|r| r.device),
         })
     }
 
@@ -642,12 +690,26 @@ impl ClusterNode {
         }
     }
 
-    /// This node's shard replicas' regions, for one-sided readers: (shard,
-    /// store, registration), by shard.
-    pub fn regions(&self) -> Vec<(ShardId, Arc<Store>, Arc<Registration>)> {
-        let mut v: Vec<_> = self.replicas.iter().map(|(&s, r)| (s, Arc::clone(&r.store), Arc::clone(&r.reg))).collect();
-        v.sort_by_key(|r| r.0);
+    /// This node's shard replicas' regions, for one-sided readers, by shard.
+    pub fn regions(&self) -> Vec<ReplicaRegion> {
+        let mut v: Vec<_> = self
+            .replicas
+            .iter()
+            .map(|(&shard, r)| ReplicaRegion {
+                shard,
+                store: Arc::clone(&r.store),
+                reg: Arc::clone(&r.reg),
+                rdma_rkey: r.rdma_rkey(),
+            })
+            .collect();
+        v.sort_by_key(|r| r.shard);
         v
+    }
+
+    /// The RDMA device the replicas' regions are registered with.
+    #[cfg(feature = "rdma")]
+    pub fn rdma_device(&self) -> Option<&Arc<crate::rdma::RdmaDevice>> {
+        self.rdma.as_ref()
     }
 
     /// Counters of this node's replicas, summed (for STATS).
