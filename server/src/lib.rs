@@ -100,8 +100,8 @@ impl Server {
                 }
                 if cfg.rkey_rotate.is_some() {
                     warn!(
-                        "--rkey-rotate-secs: not served in cluster mode (each shard's leader registers its \
-                         region anew when it takes over)"
+                        "--rkey-rotate-secs: not served in cluster mode (each shard's leader gives its region \
+                         a new engine rkey and epoch when it fences; RDMA registrations last the node's life)"
                     );
                 }
                 if cfg.tls.is_some() {

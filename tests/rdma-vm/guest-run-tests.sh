@@ -55,5 +55,38 @@ if [ "${bench:-0}" = 1 ] && [ -x ./release/dmkv-getbench ]; then
     --secs "${bench_secs:-5}" || echo "=== getbench rdma callers FAILED"
   kill "$DPID"
 fi
+if [ "${bench:-0}" = 1 ] && [ -x ./release/dmkv-cluster-bench ]; then
+  # A 3-node cluster (2 shards: see tests/tests/rdma_cluster.rs for why so
+  # few in this VM), 10k keys of 1000 B, then GETs/s of one client core over
+  # rdma and the engine, single and multi-get of 16, rounds interleaved.
+  printf 'shards = 2\nreplicas = 3\n' > /tmp/cluster.toml
+  for i in 1 2 3; do
+    printf '[[node]]\nid = %s\nrpc = "127.0.0.1:%s"\npeer = "127.0.1.%s:7300"\n' "$i" "$((7310 + i))" "$i" >> /tmp/cluster.toml
+  done
+  CPIDS=()
+  for i in 1 2 3; do
+    ./release/dmkvd --cluster /tmp/cluster.toml --node-id "$i" --memory 256MiB --log warn > "/tmp/node$i.out" 2>&1 &
+    CPIDS+=($!)
+  done
+  for i in 1 2 3; do for _ in $(seq 200); do grep -q 'rpc=' "/tmp/node$i.out" && break; sleep 0.1; done; done
+  sleep 3
+  echo "=== cluster getbench against $(cat /tmp/node1.out)"
+  $T ./release/dmkv-getbench --server 127.0.0.1:7311 --load --keys 10000 --transport rpc --secs 1 > /dev/null
+  for round in 1 2 3; do
+    for path in rdma tcp; do
+      for batch in 1 16; do
+        echo "=== cluster round $round: $path batch $batch"
+        $T ./release/dmkv-getbench --server 127.0.0.1:7311 --keys 10000 --transport $path --batch $batch \
+          --secs "${bench_secs:-5}" || echo "=== cluster getbench $path FAILED"
+      done
+    done
+  done
+  kill "${CPIDS[@]}"; wait "${CPIDS[@]}" 2>/dev/null
+  # Kill shard leaders: time to the first acknowledged PUT, and to the first
+  # GET answered by an RDMA READ of the new leader's region.
+  echo "=== cluster failover"
+  DMKV_BIN_DIR=$PWD/release $T ./release/dmkv-cluster-bench failover --kills "${bench_kills:-10}" --shards 2 \
+    --reader-transport rdma || echo "=== cluster failover FAILED"
+fi
 [ "$failed" -gt 100 ] && failed=100
 exit "$failed"

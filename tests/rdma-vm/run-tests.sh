@@ -2,7 +2,8 @@
 # Build dmkv-verbs' test binaries on the host and run them against Soft-RoCE in one VM boot.
 #
 # Usage: tests/rdma-vm/run-tests.sh [--bench]
-#   --bench   also run the readbench example and perftest's ib_read_lat (same VM boot)
+#   --bench   also run the readbench example, perftest's ib_read_lat, and dmkv-getbench and
+#             dmkv-cluster-bench over rdma and tcp on one node and on a 3-node cluster (same VM boot)
 # Env: CARGO_TARGET_DIR (default: <repo>/target), DMKV_RDMA_VM_CACHE (image cache, see
 #      build-image.sh), BENCH_ITERS (readbench iterations, default 5000),
 #      BENCH_RELEASE=1 (build readbench with --release: the debug build's own overhead is
@@ -62,7 +63,7 @@ if [ "$BENCH" = 1 ]; then
   fi
   # GETs/s over rdma beside tcp and rpc in the same VM: release dmkvd and getbench.
   cargo build -q --release -p dmkv-server --features rdma --bin dmkvd
-  cargo build -q --release -p dmkv-benches --features dmkv-client/rdma --bin dmkv-getbench
+  cargo build -q --release -p dmkv-benches --features dmkv-client/rdma --bin dmkv-getbench --bin dmkv-cluster-bench
 fi
 
 # Share only a staging copy: the guest sees the binaries and nothing else of the host.
@@ -79,7 +80,7 @@ cp "$HERE/guest-run-tests.sh" "$STAGE/"
 if [ "$BENCH" = 1 ]; then
   cp "$BENCH_BIN" "$STAGE/readbench"
   mkdir -p "$STAGE/release"
-  cp "$TARGET/release/dmkvd" "$TARGET/release/dmkv-getbench" "$STAGE/release/"
+  cp "$TARGET/release/dmkvd" "$TARGET/release/dmkv-getbench" "$TARGET/release/dmkv-cluster-bench" "$STAGE/release/"
 fi
 
 t1=$(date +%s)

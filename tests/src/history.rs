@@ -156,8 +156,11 @@ pub struct Run {
     /// want of a lease.
     pub one_sided_gets: u64,
     pub unleased: u64,
-    /// One-sided GETs from the fault's start on.
-    pub one_sided_since_fault: u64,
+    /// One-sided GETs answered after the fault (its function) returned:
+    /// after a kill, the new leader's region's.
+    pub one_sided_after_fault: u64,
+    /// Batches refused for want of a lease from the fault's start on.
+    pub unleased_since_fault: u64,
     /// Acknowledged PUTs, in all and from the fault's start on.
     pub writes: u64,
     pub writes_since_fault: u64,
@@ -231,8 +234,9 @@ pub fn record_windowed(
     }
     std::thread::sleep(before);
     let fault_at = log.lock().unwrap().len();
-    let one_sided_at: u64 = readers.iter().map(|r| r.client.read_stats().gets).sum();
+    let at_fault: Vec<_> = readers.iter().map(|r| r.client.read_stats()).collect();
     fault();
+    let after_fault: u64 = readers.iter().map(|r| r.client.read_stats().gets).sum();
     std::thread::sleep(after);
     stop.store(true, Ordering::Relaxed);
     let (mut writes, mut reads) = (0, 0);
@@ -255,7 +259,10 @@ pub fn record_windowed(
         linearizable,
         counterexample,
         one_sided_gets: stats.iter().map(|s| s.gets).sum(),
-        one_sided_since_fault: stats.iter().map(|s| s.gets).sum::<u64>() - one_sided_at,
+        // The counters only grow (one set per client, shared by its sessions).
+        one_sided_after_fault: stats.iter().map(|s| s.gets).sum::<u64>() - after_fault,
+        unleased_since_fault: stats.iter().map(|s| s.unleased).sum::<u64>()
+            - at_fault.iter().map(|s| s.unleased).sum::<u64>(),
         unleased: stats.iter().map(|s| s.unleased).sum(),
         writes,
         writes_since_fault,

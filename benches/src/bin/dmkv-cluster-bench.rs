@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
-use dmkv_client::Client;
+use dmkv_client::{Client, ClientConfig, ReadPath, Transport};
 use dmkv_common::limits::MAX_VALUE_LEN;
 use dmkv_tests::cluster::TestCluster;
 use hdrhistogram::Histogram;
@@ -46,6 +46,12 @@ enum Cmd {
         kills: usize,
         #[arg(long, default_value_t = 3)]
         shards: u32,
+        /// The reader's GETs one-sided over this transport (shm, engine,
+        /// rdma), and its time the first GET after the kill answered
+        /// one-sided (a leased read of the new leader's region); without
+        /// it, the client's default path and any answer.
+        #[arg(long, value_name = "TRANSPORT")]
+        reader_transport: Option<Transport>,
     },
     /// PUT latency with a `--sync` policy.
     PutLatency {
@@ -102,7 +108,7 @@ fn run(cli: Cli) -> Result<(), String> {
         .build()
         .map_err(|e| format!("cannot start the runtime: {e}"))?;
     match cli.cmd {
-        Cmd::Failover { kills, shards } => rt.block_on(failover(kills, shards)),
+        Cmd::Failover { kills, shards, reader_transport } => rt.block_on(failover(kills, shards, reader_transport)),
         Cmd::PutLatency { sync, puts, concurrency, value_size, nodes } => {
             rt.block_on(put_latency(&sync, puts, concurrency, value_size, nodes))
         }
@@ -119,7 +125,7 @@ fn check(cmd: &Cmd) -> Result<(), String> {
         _ => Err(format!("--value-size {n}: expected 1 to {MAX_VALUE_LEN} bytes")),
     };
     match cmd {
-        Cmd::Failover { kills, shards } => {
+        Cmd::Failover { kills, shards, .. } => {
             at_least_one("--kills", *kills as u64)?;
             at_least_one("--shards", u64::from(*shards))
         }
@@ -175,7 +181,7 @@ fn report(name: &str, mut v: Vec<Duration>) {
     );
 }
 
-async fn failover(kills: usize, shards: u32) -> Result<(), String> {
+async fn failover(kills: usize, shards: u32, reader_transport: Option<Transport>) -> Result<(), String> {
     let mut c = start_cluster(3, shards, 3, &[])?;
     let (mut put_times, mut get_times) = (Vec::new(), Vec::new());
     for k in 0..kills {
@@ -189,7 +195,11 @@ async fn failover(kills: usize, shards: u32) -> Result<(), String> {
             .find(|k| map.shard_of(k.as_bytes()).id == shard)
             .ok_or_else(|| format!("no key falls in shard {shard}"))?;
         let writer = Client::connect(c.rpc(via)).await.map_err(connect_err)?;
-        let reader = Client::connect(c.rpc(via)).await.map_err(connect_err)?;
+        let reader_cfg = match reader_transport {
+            Some(t) => ClientConfig::default().read_path(ReadPath::OneSided).transport(Some(t)),
+            None => ClientConfig::default(),
+        };
+        let reader = Client::connect_with(c.rpc(via), reader_cfg).await.map_err(connect_err)?;
         writer.put(&key, "0").await.map_err(|e| format!("first PUT: {e}"))?;
         reader.get(&key).await.map_err(|e| format!("first GET: {e}"))?;
         let stop = Arc::new(AtomicBool::new(false));
@@ -210,11 +220,16 @@ async fn failover(kills: usize, shards: u32) -> Result<(), String> {
             })
         };
         let r = {
-            let (stop, gets, key) = (Arc::clone(&stop), Arc::clone(&gets), key.clone());
+            let (stop, gets, key, one_sided_only) =
+                (Arc::clone(&stop), Arc::clone(&gets), key.clone(), reader_transport);
             tokio::spawn(async move {
                 while !stop.load(Ordering::Relaxed) {
                     let sent = Instant::now();
-                    if reader.get(&key).await.is_ok() {
+                    let before = reader.read_stats().gets;
+                    // With a reader transport, only a GET answered
+                    // one-sided counts (this task is the client's only one).
+                    if reader.get(&key).await.is_ok() && (one_sided_only.is_none() || reader.read_stats().gets > before)
+                    {
                         gets.lock().await.push((sent, Instant::now()));
                     }
                 }
@@ -247,7 +262,10 @@ async fn failover(kills: usize, shards: u32) -> Result<(), String> {
         tokio::task::block_in_place(|| c.try_restart(victim))?;
     }
     report("kill to first acknowledged PUT of the shard", put_times);
-    report("kill to first GET (sent after the kill) answered", get_times);
+    match reader_transport {
+        Some(t) => report(&format!("kill to first GET (sent after the kill) answered one-sided over {t}"), get_times),
+        None => report("kill to first GET (sent after the kill) answered", get_times),
+    }
     Ok(())
 }
 

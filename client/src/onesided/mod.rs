@@ -15,6 +15,9 @@ mod directory;
 pub mod engine;
 mod hints;
 mod local_get;
+// The rdma backend's planner, pure: built and tested without the feature too.
+#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+mod post_plan;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 mod region;

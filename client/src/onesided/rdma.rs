@@ -38,6 +38,7 @@ use tokio::io::unix::AsyncFd;
 use tokio::sync::Semaphore;
 use tokio::time::{Instant, timeout_at};
 
+use super::post_plan::{Limits, Plan, Step};
 use super::{BackendError, Reads};
 use crate::conn::Conn;
 use crate::pool::RpcPool;
@@ -118,7 +119,7 @@ impl NodeLanes {
         // Each step has its own timeout; the whole is bounded too, since
         // other shards' attaches wait behind this lock.
         let connecting = RdmaLanes::connect(pool, timeout);
-        let (lanes, _) = match tokio::time::timeout(CONNECT_STEPS * timeout, connecting).await {
+        let (lanes, _) = match tokio::time::timeout(timeout.saturating_mul(CONNECT_STEPS), connecting).await {
             Ok(r) => r?,
             Err(_) => return Err(BackendError::Attach("RDMA: connecting the queue pairs timed out".into())),
         };
@@ -275,33 +276,27 @@ impl RdmaPath {
         let mut held = Held { lanes, lane: Some(lane), permit: Some(permit) };
         let Some(lane) = held.lane.as_mut() else { return Err(BackendError::Stale) };
         out.clear();
-        let mut chunk: Vec<ReadRequest> = Vec::new();
-        let mut used = 0usize;
-        for s in specs {
-            let len = s.len as usize;
-            let inside = s.offset.checked_add(s.len as u64).is_some_and(|end| end <= self.len);
-            // Chunks go one after the other (each waits for its
-            // completion), so only the last needs its last read fenced.
-            if !inside || len > LANE_BUF {
-                lane.flush(&mut chunk, false, deadline, out).await?;
-                used = 0;
-                out.push_failed();
-                continue;
+        let mut chunk: Vec<ReadRequest> = Vec::with_capacity(specs.len().min(MAX_READS_PER_BATCH));
+        let limits = Limits { reads: MAX_READS_PER_BATCH, bytes: LANE_BUF };
+        for step in Plan::new(specs, self.len, limits, self.last_after_rest) {
+            match step {
+                Step::Refuse(_) => out.push_failed(),
+                Step::Post { reads, fence_last } => {
+                    let mut used = 0usize;
+                    for (n, s) in specs[reads].iter().enumerate() {
+                        chunk.push(ReadRequest {
+                            wr_id: n as u64,
+                            remote_addr: self.addr + s.offset,
+                            rkey: self.rkey,
+                            len: s.len,
+                            local_offset: used,
+                        });
+                        used += s.len as usize;
+                    }
+                    lane.flush(&mut chunk, fence_last, deadline, out).await?;
+                }
             }
-            if chunk.len() == MAX_READS_PER_BATCH || used + len > LANE_BUF {
-                lane.flush(&mut chunk, false, deadline, out).await?;
-                used = 0;
-            }
-            chunk.push(ReadRequest {
-                wr_id: chunk.len() as u64,
-                remote_addr: self.addr + s.offset,
-                rkey: self.rkey,
-                len: s.len,
-                local_offset: used,
-            });
-            used += len;
         }
-        lane.flush(&mut chunk, self.last_after_rest, deadline, out).await?;
         held.give_back();
         Ok(())
     }

@@ -241,6 +241,13 @@ impl ClusterNode {
                 Compactor::spawn(Arc::clone(&store), p.compactor)
                     .map_err(|e| format!("shard {}: cannot start its compactor: {e}", sh.id))?,
             );
+            // Before the shard's thread starts: a registration that must
+            // work (a named device) fails the start with nothing running.
+            #[cfg(feature = "rdma")]
+            let rdma = match &p.rdma {
+                Some(rdma) => rdma.register(Arc::clone(store.region()), &format!("shard {}'s region", sh.id))?,
+                None => None,
+            };
             let reg = Arc::new(Registration::new(*store.header()));
             let publisher = LeasePublisher::new(Arc::clone(store.region()), Arc::clone(&reg), store.header().hash_seed);
             // The first members: every replica node's first incarnation.
@@ -347,11 +354,6 @@ impl ClusterNode {
             }));
             sink.insert(sh.id, Box::new(thread.inbox()));
             peers.snapshots.register(sh.id, Link { desk: Arc::clone(&desk), failed: thread.snapshot_failer() });
-            #[cfg(feature = "rdma")]
-            let rdma = match &p.rdma {
-                Some(rdma) => rdma.register(Arc::clone(store.region()), &format!("shard {}'s region", sh.id))?,
-                None => None,
-            };
             replicas.insert(
                 sh.id,
                 LocalReplica {
@@ -706,10 +708,13 @@ impl ClusterNode {
         v
     }
 
-    /// The RDMA device the replicas' regions are registered with.
+    /// The RDMA device the replicas' regions are registered with: none if
+    /// no replica's registration worked (a device found, not named, and
+    /// a memlock limit too low), so clients are not offered RDMA for
+    /// nothing.
     #[cfg(feature = "rdma")]
     pub fn rdma_device(&self) -> Option<&Arc<crate::rdma::RdmaDevice>> {
-        self.rdma.as_ref()
+        self.rdma.as_ref().filter(|_| self.replicas.values().any(|r| r.rdma.is_some()))
     }
 
     /// Counters of this node's replicas, summed (for STATS).
