@@ -8,7 +8,6 @@
 //! dmkv-getbench --server 127.0.0.1:7070 --keys 1000000 --transport shm --distribution zipfian --server-pid PID
 //! ```
 
-use std::collections::VecDeque;
 use std::io::Write as _;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -18,7 +17,6 @@ use clap::Parser;
 use dmkv_benches::generator::{Rng, ScrambledZipfian};
 use dmkv_client::{Client, ClientConfig, ReadPath, Transport};
 use dmkv_common::limits::MAX_VALUE_LEN;
-use dmkv_common::proto::{self, request::Op};
 
 /// Puts in flight while loading.
 const LOAD_DEPTH: usize = 64;
@@ -201,21 +199,24 @@ async fn run(a: Args, run_for: Duration) -> Result<(), String> {
     if a.load {
         let start = Instant::now();
         let value = Bytes::from(vec![b'v'; a.value_size]);
-        let mut window = VecDeque::new();
+        // LOAD_DEPTH PUTs in flight through the client's routing, so a
+        // cluster's keys reach their shards' leaders.
+        let mut window = tokio::task::JoinSet::new();
         for i in 0..a.keys {
             if window.len() == LOAD_DEPTH {
-                let f: dmkv_client::conn::InFlight = window.pop_front().ok_or("load window empty")?;
-                let r = f.wait(LOAD_TIMEOUT).await.map_err(|e| format!("PUT: {e}"))?;
-                if !matches!(r.result, Some(proto::response::Result::Put(_))) {
-                    return Err(format!("PUT failed: {:?}", r.result));
-                }
+                window.join_next().await.ok_or("load window empty")?.map_err(|e| format!("PUT task: {e}"))??;
             }
-            let k = key(a.first_key + i);
-            let put = Op::Put(proto::Put { key: k, value: value.clone(), ..Default::default() });
-            window.push_back(c.send(put).await.map_err(|e| format!("PUT: {e}"))?);
+            let (c, k, value) = (c.clone(), key(a.first_key + i), value.clone());
+            window.spawn(async move {
+                match tokio::time::timeout(LOAD_TIMEOUT, c.put(k, value)).await {
+                    Ok(Ok(_)) => Ok(()),
+                    Ok(Err(e)) => Err(format!("PUT: {e}")),
+                    Err(_) => Err(format!("PUT: no answer within {LOAD_TIMEOUT:?}")),
+                }
+            });
         }
-        for f in window {
-            f.wait(LOAD_TIMEOUT).await.map_err(|e| format!("PUT: {e}"))?;
+        while let Some(r) = window.join_next().await {
+            r.map_err(|e| format!("PUT task: {e}"))??;
         }
         println!("loaded {} keys of {} B in {:.1}s", a.keys, a.value_size, start.elapsed().as_secs_f64());
     }
