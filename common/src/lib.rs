@@ -17,6 +17,7 @@ pub mod fuzz;
 pub mod host;
 pub mod layout;
 pub mod limits;
+pub mod msglink;
 pub mod onesided;
 pub mod path;
 pub mod pem;

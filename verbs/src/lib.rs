@@ -17,6 +17,8 @@
 //! functions in `<infiniband/verbs.h>` that bindgen does not bind; like them, this crate calls
 //! the provider's function pointers in `ibv_context.ops`.
 //!
+//! - [`MsgQp`], [`Srq`], [`MsgCq`] and [`Slots`]: RC SEND/RECV messages for the verbs RPC.
+//!
 //! On a machine without RDMA support [`Context::open`] returns [`VerbsError::NoDevice`]; callers
 //! fall back to another transport.
 
@@ -29,8 +31,10 @@ mod error;
 mod limits;
 mod local_buffer;
 mod memory_region;
+mod msg;
 mod post;
 mod queue_pair;
+mod slots;
 
 pub use batch::{Completion, ReadRequest};
 pub use context::Context;
@@ -42,4 +46,6 @@ pub use limits::{
 };
 pub use local_buffer::LocalBuffer;
 pub use memory_region::MemoryRegion;
+pub use msg::{MSG_RNR_RETRY, MsgCompletion, MsgCq, MsgOp, MsgQp, RecvInto, Srq};
 pub use queue_pair::QueuePair;
+pub use slots::{MAX_SLOT_BYTES, MAX_SLOTS, Slot, Slots};

@@ -63,7 +63,7 @@ pub struct QueuePair {
 // methods that touch them take &mut self (QueuePair is deliberately not Sync).
 unsafe impl Send for QueuePair {}
 
-fn random_psn() -> u32 {
+pub(crate) fn random_psn() -> u32 {
     // RandomState is seeded from OS randomness; a fresh PSN per QP keeps stale packets of an
     // earlier QP with the same number from being accepted.
     (RandomState::new().build_hasher().finish() as u32) & PSN_MASK
@@ -212,61 +212,77 @@ impl QueuePair {
         if self.state != QpState::Init {
             return Err(VerbsError::InvalidState("connect needs a fresh QP in INIT"));
         }
-        if mtu_bytes(remote.mtu).is_none() || remote.psn & !PSN_MASK != 0 {
-            return Err(VerbsError::BadEndpoint(format!("{remote:?}")));
-        }
-        let roce = self.ctx.is_roce();
-        let mut ah = sys::ibv_ah_attr {
-            dlid: if roce { 0 } else { remote.lid },
-            sl: 0,
-            src_path_bits: 0,
-            is_global: u8::from(roce),
-            port_num: self.ctx.port,
-            ..Default::default()
-        };
-        if roce {
-            ah.grh.dgid.raw = remote.gid;
-            ah.grh.sgid_index = self.ctx.gid_index;
-            ah.grh.hop_limit = HOP_LIMIT;
-        }
-        let mut attr = sys::ibv_qp_attr {
-            qp_state: sys::ibv_qp_state::IBV_QPS_RTR,
-            path_mtu: self.ctx.active_mtu.min(remote.mtu),
-            dest_qp_num: remote.qpn,
-            rq_psn: remote.psn,
-            max_dest_rd_atomic: self.ctx.rd_atomic,
-            min_rnr_timer: MIN_RNR_TIMER,
-            ah_attr: ah,
-            ..Default::default()
-        };
-        use sys::ibv_qp_attr_mask as M;
-        let rtr = M::IBV_QP_STATE.0
-            | M::IBV_QP_AV.0
-            | M::IBV_QP_PATH_MTU.0
-            | M::IBV_QP_DEST_QPN.0
-            | M::IBV_QP_RQ_PSN.0
-            | M::IBV_QP_MAX_DEST_RD_ATOMIC.0
-            | M::IBV_QP_MIN_RNR_TIMER.0;
-        self.modify("ibv_modify_qp(RTR)", &mut attr, rtr)?;
-        let mut attr = sys::ibv_qp_attr {
-            qp_state: sys::ibv_qp_state::IBV_QPS_RTS,
-            timeout: ACK_TIMEOUT,
-            retry_cnt: RETRY_COUNT,
-            rnr_retry: RNR_RETRY,
-            sq_psn: self.psn,
-            max_rd_atomic: self.ctx.rd_atomic,
-            ..Default::default()
-        };
-        let rts = M::IBV_QP_STATE.0
-            | M::IBV_QP_TIMEOUT.0
-            | M::IBV_QP_RETRY_CNT.0
-            | M::IBV_QP_RNR_RETRY.0
-            | M::IBV_QP_SQ_PSN.0
-            | M::IBV_QP_MAX_QP_RD_ATOMIC.0;
-        self.modify("ibv_modify_qp(RTS)", &mut attr, rts)?;
+        connect_rc(self.qp, &self.ctx, self.psn, remote, RNR_RETRY)?;
         self.state = QpState::Ready;
         Ok(())
     }
+}
+
+/// Moves a fresh RC queue pair `qp` of `ctx` (in INIT, with send PSN `psn`)
+/// through RTR to RTS, connected to `remote`. Shared by the READ queue
+/// pairs and the message queue pairs, which differ in `rnr_retry` only.
+pub(crate) fn connect_rc(
+    qp: *mut sys::ibv_qp,
+    ctx: &Context,
+    psn: u32,
+    remote: &Endpoint,
+    rnr_retry: u8,
+) -> Result<(), VerbsError> {
+    if mtu_bytes(remote.mtu).is_none() || remote.psn & !PSN_MASK != 0 {
+        return Err(VerbsError::BadEndpoint(format!("{remote:?}")));
+    }
+    let roce = ctx.is_roce();
+    let mut ah = sys::ibv_ah_attr {
+        dlid: if roce { 0 } else { remote.lid },
+        sl: 0,
+        src_path_bits: 0,
+        is_global: u8::from(roce),
+        port_num: ctx.port,
+        ..Default::default()
+    };
+    if roce {
+        ah.grh.dgid.raw = remote.gid;
+        ah.grh.sgid_index = ctx.gid_index;
+        ah.grh.hop_limit = HOP_LIMIT;
+    }
+    let mut attr = sys::ibv_qp_attr {
+        qp_state: sys::ibv_qp_state::IBV_QPS_RTR,
+        path_mtu: ctx.active_mtu.min(remote.mtu),
+        dest_qp_num: remote.qpn,
+        rq_psn: remote.psn,
+        max_dest_rd_atomic: ctx.rd_atomic,
+        min_rnr_timer: MIN_RNR_TIMER,
+        ah_attr: ah,
+        ..Default::default()
+    };
+    use sys::ibv_qp_attr_mask as M;
+    let rtr = M::IBV_QP_STATE.0
+        | M::IBV_QP_AV.0
+        | M::IBV_QP_PATH_MTU.0
+        | M::IBV_QP_DEST_QPN.0
+        | M::IBV_QP_RQ_PSN.0
+        | M::IBV_QP_MAX_DEST_RD_ATOMIC.0
+        | M::IBV_QP_MIN_RNR_TIMER.0;
+    // SAFETY: `qp` is a live queue pair of `ctx` (the caller's); `attr` is
+    // a valid attribute block for the mask.
+    check("ibv_modify_qp(RTR)", unsafe { sys::ibv_modify_qp(qp, &mut attr, rtr as c_int) })?;
+    let mut attr = sys::ibv_qp_attr {
+        qp_state: sys::ibv_qp_state::IBV_QPS_RTS,
+        timeout: ACK_TIMEOUT,
+        retry_cnt: RETRY_COUNT,
+        rnr_retry,
+        sq_psn: psn,
+        max_rd_atomic: ctx.rd_atomic,
+        ..Default::default()
+    };
+    let rts = M::IBV_QP_STATE.0
+        | M::IBV_QP_TIMEOUT.0
+        | M::IBV_QP_RETRY_CNT.0
+        | M::IBV_QP_RNR_RETRY.0
+        | M::IBV_QP_SQ_PSN.0
+        | M::IBV_QP_MAX_QP_RD_ATOMIC.0;
+    // SAFETY: as above.
+    check("ibv_modify_qp(RTS)", unsafe { sys::ibv_modify_qp(qp, &mut attr, rts as c_int) })
 }
 
 impl Drop for QueuePair {

@@ -20,6 +20,7 @@
 pub mod delay;
 pub mod keys;
 pub mod repath;
+pub mod rpc_price;
 pub mod select;
 pub mod units;
 pub mod window;
