@@ -251,6 +251,13 @@ impl Client {
         self.inner.node.path_stats()
     }
 
+    /// How this client's RPCs to the node it connected to were split
+    /// between TCP and verbs messages, and each way's smoothed round trip
+    /// (`ClientConfig::rpc_transport`). In a cluster, that node's only.
+    pub fn rpc_price(&self) -> dmkv_common::path::rpc_price::RpcPrice {
+        self.inner.node.pool().rpc_price()
+    }
+
     /// Closes every pooled RPC connection; later requests open fresh ones.
     /// For tests.
     #[doc(hidden)]

@@ -85,6 +85,22 @@ pub struct ClientConfig {
     /// Check cluster leases (always, but for tests that show the check
     /// is needed: [`ClientConfig::testing_leases`]).
     pub(crate) check_leases: bool,
+    /// How RPCs (PUTs, DELETEs, RPC GETs) travel to a node.
+    pub rpc_transport: RpcTransport,
+}
+
+/// How a client's RPCs travel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RpcTransport {
+    /// Verbs messages where both ends have an RDMA device and the node has
+    /// room for the link, TCP otherwise (and always with TLS: verbs
+    /// messages are not encrypted).
+    #[default]
+    Auto,
+    /// TCP only.
+    Tcp,
+    /// Verbs messages only: connecting fails where they cannot be used.
+    Verbs,
 }
 
 /// One setter per setting, each taking the config and returning it; an
@@ -123,6 +139,8 @@ setters! { plain;
     max_frame: usize;
     /// Keys whose item address is cached for one-round-trip GETs.
     hint_cache_entries: usize;
+    /// How RPCs travel.
+    rpc_transport: RpcTransport;
 }
 
 setters! { optional;
@@ -186,6 +204,7 @@ impl Default for ClientConfig {
             token: None,
             tls: None,
             check_leases: true,
+            rpc_transport: RpcTransport::Auto,
         }
     }
 }

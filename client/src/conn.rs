@@ -173,7 +173,7 @@ impl Conn {
         })
     }
 
-    fn start(
+    pub(crate) fn start(
         rd: impl AsyncRead + Unpin + Send + 'static,
         wr: impl AsyncWrite + Unpin + Send + 'static,
         max_frame: usize,

@@ -39,9 +39,11 @@ pub mod tls;
 #[cfg(feature = "cli")]
 pub mod top;
 pub mod value;
+#[cfg(feature = "rdma")]
+pub mod verbs_rpc;
 
 pub use client::Client;
-pub use config::ClientConfig;
+pub use config::{ClientConfig, RpcTransport};
 pub use dmkv_common::auth::Token;
 // `Path` stays in `path` (as `dmkv_client::path::Path`): at the root a
 // glob import would shadow std's.

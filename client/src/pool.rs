@@ -14,6 +14,8 @@ use dmkv_common::proto::{self, ErrorCode, request::Op, response::Result as R};
 use dmkv_common::request::Body;
 use tokio::sync::Mutex;
 
+use dmkv_common::path::rpc_price::{RpcPrice, RpcWay};
+
 use crate::config::{ClientConfig, TOKEN_ENV};
 use crate::conn::{Conn, InFlight};
 use crate::error::{ClientError, ConnectReason, unexpected, unwrap};
@@ -23,6 +25,10 @@ use crate::tls::Connector;
 /// doubles per failure up to [`MAX_CONNECT_BACKOFF`]. Meanwhile requests on
 /// that slot fail at once with the connect's error.
 const CONNECT_BACKOFF: Duration = Duration::from_millis(50);
+/// How long a pool on `RpcTransport::Auto` stays on TCP after a verbs RPC
+/// link could not be opened (no device, or the node had no room).
+#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+const VERBS_RETRY: Duration = Duration::from_secs(10);
 /// Longest wait between connects of one pool slot.
 const MAX_CONNECT_BACKOFF: Duration = Duration::from_secs(2);
 
@@ -32,8 +38,24 @@ const MAX_CONNECT_BACKOFF: Duration = Duration::from_secs(2);
 /// caller waits for more than one connect (and never past its deadline).
 #[derive(Default)]
 struct PoolSlot {
-    conn: Option<Arc<Conn>>,
+    conn: Option<Pair>,
     failure: Option<ConnectFailure>,
+}
+
+/// A pool slot's connections: TCP, and the verbs RPC link opened over it
+/// (which lives as long as the TCP connection; both carry requests).
+#[derive(Clone)]
+struct Pair {
+    tcp: Arc<Conn>,
+    verbs: Option<Arc<Conn>>,
+}
+
+impl Pair {
+    /// Either closed closes the pair: the link dies with its TCP
+    /// connection, and a broken link is opened again with a fresh one.
+    fn is_closed(&self) -> bool {
+        self.tcp.is_closed() || self.verbs.as_ref().is_some_and(|v| v.is_closed())
+    }
 }
 
 struct ConnectFailure {
@@ -53,10 +75,16 @@ pub struct RpcPool {
     /// every request takes, read without the slot's async lock (whose
     /// release costs a second lock on its waiter list). Written only while
     /// that slot's lock is held.
-    open: Vec<std::sync::RwLock<Option<Arc<Conn>>>>,
+    open: Vec<std::sync::RwLock<Option<Pair>>>,
     next: AtomicUsize,
     /// The server said (in HELLO) that it is a cluster node.
     cluster_node: AtomicBool,
+    /// A verbs RPC link could not be opened (`RpcTransport::Auto`): this
+    /// pool's new connections stay on TCP until then.
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    verbs_off_until: std::sync::Mutex<Option<Instant>>,
+    /// Which of a slot's connections a request takes, where it has both.
+    price: std::sync::Mutex<RpcPrice>,
 }
 
 impl RpcPool {
@@ -72,6 +100,8 @@ impl RpcPool {
             cfg,
             next: AtomicUsize::new(0),
             cluster_node: AtomicBool::new(false),
+            verbs_off_until: std::sync::Mutex::new(None),
+            price: std::sync::Mutex::default(),
         })
     }
 
@@ -118,6 +148,10 @@ impl RpcPool {
     /// The open connection of pool slot `i`, connecting it if needed (see
     /// `PoolSlot`); gives up at `deadline`.
     pub async fn conn_at(&self, i: usize, deadline: tokio::time::Instant) -> Result<Arc<Conn>, ClientError> {
+        self.pair_at(i, deadline).await.map(|p| self.pick(&p).0)
+    }
+
+    async fn pair_at(&self, i: usize, deadline: tokio::time::Instant) -> Result<Pair, ClientError> {
         // The common case, an open connection, takes no timer, no wait
         // and no async lock.
         if let Some(c) = self.open_at(i) {
@@ -128,18 +162,21 @@ impl RpcPool {
         if let Some(c) = &slot.conn
             && !c.is_closed()
         {
-            return Ok(Arc::clone(c));
+            return Ok(c.clone());
         }
         if let Some(f) = &slot.failure
             && f.at.elapsed() < f.backoff
         {
             return Err(f.error.clone());
         }
-        let result = self.open_conn(deadline).await;
+        let result = match self.open_conn(deadline).await {
+            Ok(tcp) => self.over_verbs(tcp).await,
+            Err(e) => Err(e),
+        };
         match &result {
             Ok(conn) => {
-                *slot = PoolSlot { conn: Some(Arc::clone(conn)), failure: None };
-                self.publish(i, Some(Arc::clone(conn)));
+                *slot = PoolSlot { conn: Some(conn.clone()), failure: None };
+                self.publish(i, Some(conn.clone()));
             }
             Err(e) => {
                 let backoff =
@@ -152,17 +189,39 @@ impl RpcPool {
         result
     }
 
-    /// Slot `i`'s open connection, if it has one that has not closed.
-    fn open_at(&self, i: usize) -> Option<Arc<Conn>> {
+    /// Slot `i`'s open connections, if it has them and they have not closed.
+    fn open_at(&self, i: usize) -> Option<Pair> {
         // A panic while the lock was held left an `Option` either set or
         // not, never torn: the value is usable.
         let open = self.open[i].read().unwrap_or_else(std::sync::PoisonError::into_inner);
-        open.as_ref().filter(|c| !c.is_closed()).map(Arc::clone)
+        open.as_ref().filter(|c| !c.is_closed()).cloned()
+    }
+
+    /// The connection of `pair` a request takes, and the way to credit
+    /// its round trip to when it is measured (`ClientConfig::rpc_transport`:
+    /// `Auto` prices the two, `Verbs` takes the link, `Tcp` has none).
+    fn pick(&self, pair: &Pair) -> (Arc<Conn>, Option<RpcWay>) {
+        let Some(verbs) = &pair.verbs else { return (Arc::clone(&pair.tcp), None) };
+        if self.cfg.rpc_transport == crate::config::RpcTransport::Verbs {
+            return (Arc::clone(verbs), None);
+        }
+        let pick = self.price.lock().unwrap_or_else(std::sync::PoisonError::into_inner).pick();
+        let conn = match pick.way {
+            RpcWay::Verbs => Arc::clone(verbs),
+            RpcWay::Tcp => Arc::clone(&pair.tcp),
+        };
+        (conn, pick.sample.then_some(pick.way))
+    }
+
+    /// How this pool's requests were split between TCP and verbs messages,
+    /// and what each way costs (all on TCP where it never had both).
+    pub fn rpc_price(&self) -> RpcPrice {
+        self.price.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
     }
 
     /// Makes `conn` slot `i`'s open connection; called with the slot's
     /// lock held, so it agrees with `PoolSlot::conn`.
-    fn publish(&self, i: usize, conn: Option<Arc<Conn>>) {
+    fn publish(&self, i: usize, conn: Option<Pair>) {
         *self.open[i].write().unwrap_or_else(std::sync::PoisonError::into_inner) = conn;
     }
 
@@ -238,6 +297,47 @@ impl RpcPool {
         }
     }
 
+    /// A pooled connection's transport: `tcp` itself, or a verbs RPC link
+    /// opened over it (`ClientConfig::rpc_transport`).
+    #[cfg(feature = "rdma")]
+    async fn over_verbs(&self, tcp: Arc<Conn>) -> Result<Pair, ClientError> {
+        use crate::config::RpcTransport as T;
+        match self.cfg.rpc_transport {
+            T::Tcp => return Ok(Pair { tcp, verbs: None }),
+            T::Auto
+                if self.tls.is_some()
+                    || self
+                        .verbs_off_until
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .is_some_and(|t| Instant::now() < t) =>
+            {
+                return Ok(Pair { tcp, verbs: None });
+            }
+            T::Auto | T::Verbs => {}
+        }
+        match crate::verbs_rpc::open(Arc::clone(&tcp), self.cfg.request_timeout).await {
+            Ok(link) => Ok(Pair { tcp, verbs: Some(link) }),
+            Err(why) if self.cfg.rpc_transport == T::Auto => {
+                tracing::debug!(addr = %self.addr, "RPCs stay on TCP: {why}");
+                *self.verbs_off_until.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now() + VERBS_RETRY);
+                Ok(Pair { tcp, verbs: None })
+            }
+            Err(reason) => Err(ClientError::TransportUnavailable { transport: crate::Transport::Rdma, reason }),
+        }
+    }
+
+    #[cfg(not(feature = "rdma"))]
+    async fn over_verbs(&self, tcp: Arc<Conn>) -> Result<Pair, ClientError> {
+        match self.cfg.rpc_transport {
+            crate::config::RpcTransport::Verbs => Err(ClientError::TransportUnavailable {
+                transport: crate::Transport::Rdma,
+                reason: "this client was built without RDMA support".into(),
+            }),
+            _ => Ok(Pair { tcp, verbs: None }),
+        }
+    }
+
     /// A connection outside the pool, for state that must live as long as
     /// a one-sided path (the server's RDMA queue pairs live as long as the
     /// connection that set them up, and pooled connections get replaced).
@@ -304,16 +404,24 @@ impl RpcPool {
         // An open connection with room in its queue (nearly every call)
         // sends without an await: each nested future polled costs more
         // than the rest of the send.
-        let conn = match self.open_at(slot) {
+        let pair = match self.open_at(slot) {
             Some(c) => c,
-            None => self.conn_at(slot, deadline).await?,
+            None => self.pair_at(slot, deadline).await?,
         };
+        let (conn, measured) = self.pick(&pair);
+        drop(pair);
+        let started = measured.map(|way| (way, Instant::now()));
         let sent = match conn.try_send_until(body, deadline)? {
             Some(sent) => sent,
             None => conn.send_until(body, deadline, timeout).await?,
         };
         drop(conn);
-        unwrap(sent.wait_watched(deadline, timeout).await?)
+        let reply = sent.wait_watched(deadline, timeout).await?;
+        if let Some((way, t)) = started {
+            let rtt = t.elapsed().as_nanos().min(u128::from(u64::MAX)) as u64;
+            self.price.lock().unwrap_or_else(std::sync::PoisonError::into_inner).handle_rtt(way, rtt);
+        }
+        unwrap(reply)
     }
 
     /// The server's regions and the one-sided endpoints it offers.

@@ -121,6 +121,9 @@ pub struct Metrics {
     pub metrics: Arc<ListenerStats>,
     /// The memcached port (`--memcached-listen`).
     pub memcached: Arc<ListenerStats>,
+    /// The verbs RPC's queue pairs (bytes of requests and replies in its
+    /// messages; `open`: queue pairs now).
+    pub verbs: Arc<ListenerStats>,
     /// Re-registrations done by `--rkey-rotate-secs`.
     pub rkey_rotations: AtomicU64,
     /// Set once every listener is up.
@@ -140,6 +143,7 @@ impl Default for Metrics {
             peer: ListenerStats::new("peer"),
             metrics: ListenerStats::new("metrics"),
             memcached: ListenerStats::new("memcached"),
+            verbs: ListenerStats::new("verbs"),
             rkey_rotations: AtomicU64::new(0),
             serving: AtomicBool::new(false),
             failed: std::sync::OnceLock::new(),
@@ -267,6 +271,9 @@ impl Metrics {
                 }
             }
         }
+        // What crossed the verbs RPC, so a client can tell it was used.
+        out.insert("verbs_rpc_bytes_received".into(), self.verbs.received.load(Relaxed));
+        out.insert("verbs_rpc_connections_accepted".into(), self.verbs.accepted.load(Relaxed));
     }
 
     /// Every op's counters, summed over the shards.
@@ -280,8 +287,8 @@ impl Metrics {
         totals
     }
 
-    pub(crate) fn listeners(&self) -> [&ListenerStats; 6] {
-        [&self.rpc, &self.engine, &self.shm, &self.peer, &self.metrics, &self.memcached]
+    pub(crate) fn listeners(&self) -> [&ListenerStats; 7] {
+        [&self.rpc, &self.engine, &self.shm, &self.peer, &self.metrics, &self.memcached, &self.verbs]
     }
 }
 

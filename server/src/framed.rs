@@ -76,6 +76,13 @@ pub trait Handler: Send {
         false
     }
 
+    /// Whether the connection is in use elsewhere though quiet here (it
+    /// opened a verbs RPC link that carries its requests): its idle
+    /// timeout then waits another round instead of closing it.
+    fn busy_elsewhere(&self) -> bool {
+        false
+    }
+
     /// Requests still being worked on (their replies come later, from
     /// [`Handler::next_deferred`]).
     fn deferred_len(&self) -> usize {
@@ -151,6 +158,10 @@ pub async fn serve_connection<H: Handler>(
                 if deadline > Instant::now() {
                     armed = deadline;
                     timer.as_mut().reset(armed);
+                    continue;
+                }
+                if matches!(waiting_for, Waiting::Idle) && handler.busy_elsewhere() {
+                    clock.on_read(Instant::now(), false, false);
                     continue;
                 }
                 debug!(peer, listener = kind, bytes = inbuf.len(), "closing {kind} connection: {waiting_for:?} timed out");

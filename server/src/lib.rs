@@ -34,6 +34,8 @@ pub mod service;
 pub mod shm;
 pub mod store;
 pub mod tls;
+#[cfg(feature = "rdma")]
+pub mod verbs_rpc;
 pub mod workers;
 
 use std::net::SocketAddr;
@@ -173,6 +175,14 @@ impl Server {
             raft: node.cluster().map(|c| c.sink() as Arc<dyn cluster::wire::RaftSink>),
             time_namespace: dmkv_common::host::time_namespace(),
             peer_ips: cfg.cluster.as_ref().map(|c| cluster::identity::PeerIps::of(&c.config)).unwrap_or_default(),
+            #[cfg(feature = "rdma")]
+            verbs_rpc: node.rdma_device().and_then(|d| match verbs_rpc::VerbsRpc::start(d) {
+                Ok(v) => Some(v),
+                Err(e) => {
+                    tracing::warn!("no verbs RPC on {}: {e}; RPCs take TCP only", d.device_name());
+                    None
+                }
+            }),
             node,
             metrics: Arc::default(),
         });

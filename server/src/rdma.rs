@@ -51,6 +51,11 @@ impl RdmaDevice {
         Ok(Arc::new(RdmaDevice { ctx: Context::open(device)? }))
     }
 
+    /// The opened device.
+    pub fn context(&self) -> &Arc<Context> {
+        &self.ctx
+    }
+
     /// The device's name.
     pub fn device_name(&self) -> &str {
         self.ctx.device_name()
@@ -99,6 +104,16 @@ impl RdmaUse {
             }
         }
     }
+}
+
+/// Registers a duplicate of `cq`'s completion-channel descriptor with the
+/// runtime's reactor, for reading.
+pub fn watch(cq: &dmkv_verbs::MsgCq) -> std::io::Result<tokio::io::unix::AsyncFd<std::os::fd::OwnedFd>> {
+    let dup = cq.dup_event_fd()?;
+    // SAFETY: `dup` is an open descriptor owned by the AsyncFd for its whole
+    // life, and OwnedFd::as_raw_fd always returns that same descriptor.
+    unsafe { tokio::io::unix::AsyncFd::register_with_interest(dup, tokio::io::Interest::READABLE) }
+        .map_err(|e| e.into_parts().1)
 }
 
 fn register(ctx: &Arc<Context>, region: &Region) -> Result<MemoryRegion, VerbsError> {

@@ -52,6 +52,9 @@ pub struct Shared {
     pub peer_ips: PeerIps,
     /// Request counts and latencies, per-listener bytes and connections.
     pub metrics: Arc<crate::counters::Metrics>,
+    /// The verbs RPC, where the node has an RDMA device.
+    #[cfg(feature = "rdma")]
+    pub verbs_rpc: Option<Arc<crate::verbs_rpc::VerbsRpc>>,
 }
 
 /// What a connection owns besides its socket.
@@ -75,6 +78,26 @@ struct ConnState {
     /// RDMA queue pairs set up over this connection; destroyed with it.
     #[cfg(feature = "rdma")]
     qps: Vec<dmkv_verbs::QueuePair>,
+    /// The verbs RPC link opened over this connection; closed with it.
+    #[cfg(feature = "rdma")]
+    verbs: Option<VerbsLink>,
+    /// This connection is a verbs RPC link itself (opens no other).
+    #[cfg(feature = "rdma")]
+    over_verbs: bool,
+    /// The server's shutdown signal, for a verbs RPC link's own loop.
+    #[cfg(feature = "rdma")]
+    shutdown: watch::Receiver<bool>,
+}
+
+/// Closes a verbs RPC link when the connection that opened it ends.
+#[cfg(feature = "rdma")]
+struct VerbsLink(Arc<crate::verbs_rpc::VerbsConn>);
+
+#[cfg(feature = "rdma")]
+impl Drop for VerbsLink {
+    fn drop(&mut self) {
+        self.0.fail("the connection that opened it ended".into());
+    }
 }
 
 /// Why an RPC connection is closed.
@@ -122,6 +145,12 @@ async fn serve(stream: TcpStream, shared: Arc<Shared>, shutdown: watch::Receiver
         peer_port,
         #[cfg(feature = "rdma")]
         qps: Vec::new(),
+        #[cfg(feature = "rdma")]
+        verbs: None,
+        #[cfg(feature = "rdma")]
+        over_verbs: false,
+        #[cfg(feature = "rdma")]
+        shutdown: shutdown.clone(),
     };
     // The peer port speaks plain TCP: peers prove their node secret on
     // every connection, but what they replicate is not encrypted (peer TLS
@@ -316,6 +345,11 @@ impl framed::Handler for Requests {
         matches!(e, Close::Unauthenticated)
     }
 
+    #[cfg(feature = "rdma")]
+    fn busy_elsewhere(&self) -> bool {
+        self.state.verbs.as_ref().is_some_and(|v| v.0.is_open())
+    }
+
     fn on_read(&mut self, at: std::time::Instant) {
         // A safety net: every batch of the loop ends in `on_handled`.
         self.count_done(at);
@@ -482,7 +516,7 @@ fn found(Found { item, at }: Found) -> proto::GetReply {
     }
 }
 
-async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response {
+async fn handle(shared: &Arc<Shared>, conn: &mut ConnState, req: Request) -> Response {
     let id = req.id;
     if let Some(why) = req.op.as_ref().and_then(|op| misplaced(shared, conn, op)) {
         if conn.peer_port && !std::mem::replace(&mut conn.refusal_logged, true) {
@@ -545,6 +579,10 @@ async fn handle(shared: &Shared, conn: &mut ConnState, req: Request) -> Response
             Ok(r) => R::RdmaConnect(r),
             Err(e) => return e.with_id(id),
         },
+        Some(Op::VerbsRpc(v)) => match verbs_connect(shared, conn, &v) {
+            Ok(r) => R::VerbsRpc(r),
+            Err(e) => return e.with_id(id),
+        },
         Some(op) => return reply(id, node_op(shared, op).await),
     };
     Response { id, result: Some(result) }
@@ -605,7 +643,7 @@ async fn node_op(shared: &Shared, op: Op) -> Result<R, proto::Error> {
             };
         }
         // The connection's own ops: `handle` answers them.
-        Op::Hello(_) | Op::Authenticate(_) | Op::RdmaConnect(_) => {
+        Op::Hello(_) | Op::Authenticate(_) | Op::RdmaConnect(_) | Op::VerbsRpc(_) => {
             return Err(plain(ErrorCode::BadRequest, "not an operation of the node".into()));
         }
     };
@@ -687,6 +725,66 @@ fn rdma_connect(shared: &Shared, conn: &mut ConnState, endpoint: &[u8]) -> Resul
         rkey: remote.map_or(0, |r| r.rkey),
         epoch,
     })
+}
+
+/// Opens the verbs RPC link of this connection and starts serving it.
+#[cfg(feature = "rdma")]
+fn verbs_connect(
+    shared: &Arc<Shared>,
+    conn: &mut ConnState,
+    v: &proto::VerbsRpc,
+) -> Result<proto::VerbsRpcReply, Refusal> {
+    use crate::verbs_rpc::Refused;
+    let Some(rpc) = &shared.verbs_rpc else {
+        return Err(Refusal(ErrorCode::BadRequest, "this server offers no verbs RPC (no RDMA device)".into()));
+    };
+    if conn.over_verbs || conn.peer_port || conn.verbs.is_some() {
+        return Err(Refusal(ErrorCode::BadRequest, "one verbs RPC link per client RPC connection".into()));
+    }
+    let (link, endpoint, credits) = rpc.accept(&v.endpoint, v.credits).map_err(|e| match e {
+        Refused::Busy(m) => Refusal(ErrorCode::Busy, format!("no room for another verbs RPC link: {m}")),
+        Refused::Bad(m) => Refusal(ErrorCode::BadRequest, m),
+    })?;
+    conn.verbs = Some(VerbsLink(Arc::clone(&link)));
+    let state = ConnState {
+        peer: conn.peer,
+        role: conn.role,
+        node: None,
+        refusal_logged: false,
+        nonce: None,
+        peer_port: false,
+        qps: Vec::new(),
+        verbs: None,
+        over_verbs: true,
+        shutdown: conn.shutdown.clone(),
+    };
+    let requests = Requests {
+        decoder: Decoder::new(shared.max_frame),
+        shared: Arc::clone(shared),
+        state,
+        deferred: Deferred::new(),
+        read_at: None,
+        done: Vec::new(),
+    };
+    let stats = Arc::clone(&shared.metrics.verbs);
+    stats.accepted.fetch_add(1, Ordering::Relaxed);
+    let (limits, shutdown) = (shared.limits, conn.shutdown.clone());
+    tokio::spawn(async move {
+        stats.open.fetch_add(1, Ordering::Relaxed);
+        let stream = crate::verbs_rpc::VerbsStream::new(link);
+        framed::serve_connection(stream, None, Arc::clone(&stats), requests, limits, shutdown).await;
+        stats.open.fetch_sub(1, Ordering::Relaxed);
+    });
+    Ok(proto::VerbsRpcReply {
+        endpoint: endpoint.to_bytes().to_vec().into(),
+        credits,
+        slot_bytes: crate::verbs_rpc::SLOT_BYTES,
+    })
+}
+
+#[cfg(not(feature = "rdma"))]
+fn verbs_connect(_: &Arc<Shared>, _: &mut ConnState, _: &proto::VerbsRpc) -> Result<proto::VerbsRpcReply, Refusal> {
+    Err(Refusal(ErrorCode::BadRequest, "this server was built without RDMA support".into()))
 }
 
 #[cfg(not(feature = "rdma"))]

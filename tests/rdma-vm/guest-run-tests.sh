@@ -14,6 +14,22 @@ export DMKV_BIN_DIR=$PWD DMKV_STRESS_TRANSPORTS=rdma,rdma DMKV_STRESS_SECS=${str
 T="timeout 600"
 ibv_devinfo -d rxe0 | grep -E 'hca_id|state|active_mtu|link_layer' || true
 failed=0
+if [ "${bench_only:-}" = puts ]; then
+  # PUTs over verbs RPC and TCP RPC side by side, rounds alternated: one
+  # node and three, one PUT in flight and 16, and the servers' CPU per PUT.
+  for round in 1 2; do
+    for nodes in 1 3; do
+      for conc in 1 16; do
+        for rpc in verbs tcp; do
+          echo "=== puts round $round: $nodes node(s), $conc in flight, $rpc"
+          DMKV_BIN_DIR=$PWD/release $T ./release/dmkv-cluster-bench put-latency --sync none --puts "${bench_puts:-5000}" \
+            --nodes "$nodes" --concurrency "$conc" --rpc-transport "$rpc" || echo "=== put-latency $rpc FAILED"
+        done
+      done
+    done
+  done
+  exit 0
+fi
 while read -r bin; do
   [ -n "$bin" ] || continue
   echo "=== $bin"

@@ -7,7 +7,8 @@
 # Env: CARGO_TARGET_DIR (default: <repo>/target), DMKV_RDMA_VM_CACHE (image cache, see
 #      build-image.sh), BENCH_ITERS (readbench iterations, default 5000),
 #      BENCH_RELEASE=1 (build readbench with --release: the debug build's own overhead is
-#      visible in its latency).
+#      visible in its latency), BENCH_ONLY=puts (with --bench: only the verbs / TCP RPC PUT
+#      rounds, no test binaries).
 # Exits non-zero if any test binary fails (or the VM does). Needs root (apt-get, image build).
 set -euo pipefail
 t0=$(date +%s)
@@ -86,7 +87,8 @@ fi
 t1=$(date +%s)
 log "booting the VM ($((t1 - t0)) s of preparation)"
 set +e
-"$HERE/run.sh" -C "$STAGE" -t 1500 -e "bench=$BENCH" -e "bench_iters=${BENCH_ITERS:-5000}" -- ./guest-run-tests.sh
+"$HERE/run.sh" -C "$STAGE" -t 1500 -e "bench=$BENCH" -e "bench_iters=${BENCH_ITERS:-5000}" \
+  -e "bench_only=${BENCH_ONLY:-}" -- ./guest-run-tests.sh
 rc=$?
 set -e
 t2=$(date +%s)

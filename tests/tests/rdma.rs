@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use dmkv_client::{Client, ClientConfig, ReadPath, Transport};
+use dmkv_client::{Client, ClientConfig, ReadPath, RpcTransport, Transport};
 use dmkv_common::proto::{RdmaConnect, RdmaConnectReply, request::Op, response::Result as R};
 use dmkv_tests::ServerProcess;
 use dmkv_tests::rdma::device_or_skip;
@@ -228,4 +228,245 @@ async fn rdma_needs_authentication_and_follows_rotated_rkeys() {
     assert!(stats["region_epoch"] >= epoch + 2, "rkeys were not rotated");
     assert_eq!(stats["gets"], gets, "GETs left RDMA during rotations: {:?}", c.read_stats());
     let _ = std::fs::remove_file(auth);
+}
+
+/// The emulated VM moves a few MB/s over Soft-RoCE (the ICRC of every
+/// packet is computed by emulated instructions): timeouts sized for it.
+fn verbs_rpc() -> ClientConfig {
+    ClientConfig::default()
+        .read_path(ReadPath::Rpc)
+        .rpc_transport(RpcTransport::Verbs)
+        .pool_size(1)
+        .request_timeout(Duration::from_secs(30))
+}
+
+/// PUTs, GETs, DELETEs and multi-gets as verbs messages, values from a few
+/// bytes to several slots (a frame spans messages), from 16 clients at
+/// once with 16 requests in flight each: every answer right, and counted on
+/// both sides (the client's verbs messages, the server's verbs bytes), so
+/// a silent fallback to TCP fails the test.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verbs_rpc_serves_every_request_from_many_clients_at_once() {
+    if !device_or_skip("verbs_rpc_serves_every_request_from_many_clients_at_once") {
+        return;
+    }
+    let srv = ServerProcess::start(&["--memory", "128MiB"]);
+    let tcp = Client::connect_with(&srv.rpc, ClientConfig::default().rpc_transport(RpcTransport::Tcp)).await.unwrap();
+    let before = tcp.stats().await.unwrap();
+    let (sent_before, links_before) = dmkv_client::verbs_rpc::counts();
+    let value = |c: usize, i: usize| {
+        let len = [1, 100, 3000, 8100, 8200, 20_000][(c + i) % 6];
+        let mut v = format!("{c}/{i}:").into_bytes();
+        v.resize(len.max(v.len()), b'a' + (i % 26) as u8);
+        v
+    };
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for c in 0..16 {
+        let addr = srv.rpc.clone();
+        tasks.spawn(async move {
+            let client = Client::connect_with(&addr, verbs_rpc()).await.expect("verbs RPC connect");
+            let mut rounds = tokio::task::JoinSet::new();
+            for i in 0..16 {
+                let client = client.clone();
+                rounds.spawn(async move {
+                    let key = format!("vr-{c}-{i}");
+                    client.put(&key, value(c, i)).await.expect("put");
+                    assert_eq!(client.get(&key).await.expect("get").as_deref(), Some(&value(c, i)[..]), "{key}");
+                });
+            }
+            while let Some(r) = rounds.join_next().await {
+                r.expect("request task");
+            }
+            let keys: Vec<String> = (0..16).map(|i| format!("vr-{c}-{i}")).collect();
+            let got = client.multi_get(&keys).await.expect("multi-get");
+            for (i, v) in got.into_iter().enumerate() {
+                assert_eq!(v.as_deref(), Some(&value(c, i)[..]), "multi-get vr-{c}-{i}");
+            }
+            assert!(client.delete(format!("vr-{c}-0")).await.expect("delete"));
+            assert_eq!(client.get(format!("vr-{c}-0")).await.expect("get"), None);
+        });
+    }
+    while let Some(r) = tasks.join_next().await {
+        r.expect("client task");
+    }
+    let after = tcp.stats().await.unwrap();
+    let (sent, links) = dmkv_client::verbs_rpc::counts();
+    println!(
+        "verbs RPC: {:.1?}, {} messages, {} links; server received {} bytes over verbs",
+        started.elapsed(),
+        sent - sent_before,
+        links - links_before,
+        after["verbs_rpc_bytes_received"] - before["verbs_rpc_bytes_received"]
+    );
+    assert!(links - links_before >= 16, "not every client opened a verbs link");
+    // 16 x (16 PUTs + 16 GETs + multi-get + DELETE + GET), PUTs of large
+    // values in several messages.
+    assert!(sent - sent_before >= 16 * 35, "fewer verbs messages than requests");
+    let total: usize = (0..16).flat_map(|c| (0..16).map(move |i| value(c, i).len())).sum();
+    assert!(
+        after["verbs_rpc_bytes_received"] - before["verbs_rpc_bytes_received"] >= total as u64,
+        "the server did not receive the values over verbs"
+    );
+
+    // `Auto` prices the two ways per node: both get measured, and all
+    // but the probes take one of them.
+    let auto = Client::connect_with(&srv.rpc, ClientConfig::default().read_path(ReadPath::Rpc)).await.unwrap();
+    for i in 0..2000 {
+        auto.put(format!("auto-{}", i % 100), "v").await.unwrap();
+    }
+    let price = auto.rpc_price();
+    println!("auto: {price:?}");
+    let [tcp, verbs] = price.taken();
+    assert!(price.srtt_ns().iter().all(Option::is_some), "a way was never measured: {price:?}");
+    assert!(tcp.min(verbs) <= 2000 / 8, "neither way took most requests: {price:?}");
+}
+
+/// Credits bound the links a node takes: each asks the default credits, a
+/// worker grants them out of its shared receive queue less the slack, and
+/// the link past that is refused (BUSY, so a client on `Auto` stays on
+/// TCP). Clients that die with requests in flight give their slots back:
+/// as many links as before fit again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verbs_rpc_links_past_the_receive_queue_are_refused_and_dead_clients_give_slots_back() {
+    if !device_or_skip("verbs_rpc_links_past_the_receive_queue_are_refused_and_dead_clients_give_slots_back") {
+        return;
+    }
+    let srv = ServerProcess::start(&["--memory", "64MiB"]);
+    // Two workers of 1024 slots less 64 of slack, 32 credits a link.
+    let fit = 2 * ((1024 - 64) / 32);
+    let mut clients = Vec::new();
+    for i in 0..fit {
+        let c = Client::connect_with(&srv.rpc, verbs_rpc()).await.unwrap_or_else(|e| panic!("link {i}: {e}"));
+        c.put(format!("link-{i}"), "x").await.unwrap();
+        clients.push(c);
+    }
+    let refused = Client::connect_with(&srv.rpc, verbs_rpc()).await.err().expect("a link past the credits");
+    assert!(refused.to_string().contains("no room"), "{refused}");
+    let auto = Client::connect_with(&srv.rpc, ClientConfig::default().read_path(ReadPath::Rpc)).await.unwrap();
+    auto.put("auto", "on tcp").await.expect("an Auto client stays on TCP when verbs is full");
+    // Half the clients die with requests in flight.
+    let dying: Vec<Client> = clients.drain(..fit / 2).collect();
+    for c in &dying {
+        for j in 0..8 {
+            let c = c.clone();
+            tokio::spawn(async move {
+                let _ = c.put(format!("dying-{j}"), vec![1u8; 20_000]).await;
+            });
+        }
+    }
+    drop(dying);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let mut again = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while again.len() < fit / 2 {
+        match Client::connect_with(&srv.rpc, verbs_rpc()).await {
+            Ok(c) => {
+                c.put("again", "y").await.unwrap();
+                again.push(c);
+            }
+            Err(e) if Instant::now() < deadline => {
+                // The dead clients' links close with their TCP connections.
+                println!("not yet: {e}");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => panic!("after {} of {} links: {e}", again.len(), fit / 2),
+        }
+    }
+    for c in clients.iter().chain(&again) {
+        c.put("still", "z").await.unwrap();
+    }
+}
+
+/// A client that sends past its credits: it asks for 2, then sends 10
+/// PUTs at once on a raw queue pair. The node closes its link at the first
+/// message past the credits, before reading it: no PUT past the second is
+/// applied, nothing is served out of order, and the shared receive queue
+/// stays whole for everyone else (a verbs client after it is served).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_past_its_credits_loses_its_link_and_nothing_past_them_is_served() {
+    use dmkv_common::proto::{Put, Request, VerbsRpc};
+    use dmkv_verbs::{MsgCq, MsgOp, MsgQp, RecvInto};
+    use std::io::{Read, Write};
+    if !device_or_skip("a_client_past_its_credits_loses_its_link_and_nothing_past_them_is_served") {
+        return;
+    }
+    let srv = ServerProcess::start(&["--memory", "64MiB"]);
+    let ctx = Context::open(None).unwrap();
+    let cq = MsgCq::create(&ctx, 64).unwrap();
+    let slot = dmkv_common::msglink::SLOT_BYTES;
+    let (qp, mut tx, rx) = MsgQp::create(&ctx, &cq, RecvInto::Own { count: 16, slot_bytes: slot }, 16, slot).unwrap();
+    qp.post_recv(rx).unwrap();
+    // The link is asked for on a raw connection (no authentication here).
+    let mut control = std::net::TcpStream::connect(&srv.rpc).unwrap();
+    let op = Op::VerbsRpc(VerbsRpc { endpoint: qp.endpoint().to_bytes().to_vec().into(), credits: 2 });
+    let mut frame = bytes::BytesMut::new();
+    dmkv_common::frame::encode(&Request { id: 1, op: Some(op) }, 1 << 20, &mut frame).unwrap();
+    control.write_all(&frame).unwrap();
+    let mut len = [0u8; 4];
+    control.read_exact(&mut len).unwrap();
+    let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
+    control.read_exact(&mut body).unwrap();
+    let reply = <dmkv_common::proto::Response as prost::Message>::decode(&body[..]).unwrap();
+    let Some(R::VerbsRpc(reply)) = reply.result else { panic!("VERBS_RPC answered {reply:?}") };
+    assert_eq!(reply.credits, 2);
+    qp.connect(&Endpoint::from_bytes(&reply.endpoint).unwrap()).unwrap();
+    for i in 0..10u64 {
+        let put = Op::Put(Put {
+            key: format!("rogue-{i}").into_bytes().into(),
+            value: b"x".to_vec().into(),
+            ..Default::default()
+        });
+        let mut f = bytes::BytesMut::new();
+        dmkv_common::frame::encode(&Request { id: 100 + i, op: Some(put) }, 1 << 20, &mut f).unwrap();
+        let s = tx.pop().expect("a send slot");
+        qp.send_slots().copy_in(&s, &f).unwrap();
+        qp.send(s, f.len() as u32, None).map_err(|(e, _)| e).unwrap();
+    }
+    // Reap until every send finished one way or the other.
+    let (mut sent_ok, mut sent_failed, mut replies) = (0, 0, 0);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut done = Vec::new();
+    while sent_ok + sent_failed < 10 && Instant::now() < deadline {
+        done.clear();
+        cq.poll(&mut done, 64).unwrap();
+        for c in done.drain(..) {
+            match (&c.op, &c.status) {
+                (MsgOp::Send, Ok(())) => sent_ok += 1,
+                (MsgOp::Send, Err(_)) => sent_failed += 1,
+                (MsgOp::Recv { len, .. }, Ok(())) if *len > 0 => replies += 1,
+                _ => {}
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    println!("rogue: {sent_ok} sends acknowledged, {sent_failed} failed, {replies} replies");
+    let check = Client::connect_with(
+        &srv.rpc,
+        ClientConfig::default().read_path(ReadPath::Rpc).rpc_transport(RpcTransport::Tcp),
+    )
+    .await
+    .unwrap();
+    let mut applied = Vec::new();
+    for i in 0..10 {
+        applied.push(check.get(format!("rogue-{i}")).await.unwrap().is_some());
+    }
+    println!("rogue PUTs applied: {applied:?}");
+    // Messages past the credits as the node counts them are never read:
+    // what was applied is a prefix of what was sent, and not all of it (a
+    // reader fast enough to return credits between two messages of one
+    // burst could admit a few more than two, never all ten).
+    let n = applied.iter().take_while(|a| **a).count();
+    assert!(applied[n..].iter().all(|a| !a), "a PUT after a refused one was applied: {applied:?}");
+    assert!(n < 10, "every PUT past the credits was applied: {applied:?}");
+    // Everyone else is served, over verbs too.
+    let good = Client::connect_with(
+        &srv.rpc,
+        ClientConfig::default().read_path(ReadPath::Rpc).rpc_transport(RpcTransport::Verbs),
+    )
+    .await
+    .unwrap();
+    good.put("after-rogue", "fine").await.unwrap();
+    assert_eq!(good.get("after-rogue").await.unwrap().as_deref(), Some(&b"fine"[..]));
+    drop(control);
 }

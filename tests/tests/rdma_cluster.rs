@@ -21,7 +21,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use dmkv_client::{Client, ClientConfig, ReadPath, Transport};
+use dmkv_client::{Client, ClientConfig, ReadPath, RpcTransport, Transport};
 use dmkv_tests::cluster::TestCluster;
 use dmkv_tests::history::{self, Clients, Shape, put_surely};
 use dmkv_tests::rdma::device_or_skip;
@@ -68,11 +68,24 @@ fn rdma_gets_read_shard_leaders_and_follow_a_failover() {
         let info = Client::connect(c.rpc(via)).await.expect("connect").region_info_full().await.expect("info");
         assert!(!info.rdma_device.is_empty(), "the node offers no RDMA: {info:?}");
         assert!(info.regions.iter().all(|d| d.rdma_rkey != 0), "a replica's region is not registered: {info:?}");
-        let writer = Client::connect(c.rpc(via)).await.expect("connect");
+        // The writer's PUTs and DELETEs go as verbs messages to each leader.
+        let verbs_writer = ClientConfig::default().rpc_transport(RpcTransport::Verbs);
+        let writer = Client::connect_with(c.rpc(via), verbs_writer).await.expect("connect");
         let keys: Vec<String> = (0..200).map(|i| format!("rd-{i}")).collect();
+        let (sent_before, _) = dmkv_client::verbs_rpc::counts();
+        let verbs_before = servers(&c, &[0, 1, 2]).await["verbs_rpc_bytes_received"];
         for k in &keys {
             put_surely(&writer, k, &format!("one {k}")).await;
         }
+        let (sent, links) = dmkv_client::verbs_rpc::counts();
+        let verbs_bytes = servers(&c, &[0, 1, 2]).await["verbs_rpc_bytes_received"] - verbs_before;
+        println!(
+            "verbs RPC PUTs: {} messages, {links} links; servers received {verbs_bytes} bytes",
+            sent - sent_before
+        );
+        // Counted on both sides: a PUT that went over TCP would not be.
+        assert!(sent - sent_before >= keys.len() as u64, "PUTs left the verbs RPC");
+        assert!(verbs_bytes >= keys.iter().map(|k| 2 * k.len() as u64 + 4).sum::<u64>(), "servers saw no verbs PUTs");
         let shards: std::collections::BTreeSet<u32> = keys.iter().map(|k| map.shard_of(k.as_bytes()).id).collect();
         assert_eq!(shards.len(), 2, "the keys miss a shard: {shards:?}");
         let reader = Client::connect_with(c.rpc(via), rdma_reader()).await.expect("connect");

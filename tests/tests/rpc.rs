@@ -596,3 +596,35 @@ async fn futures_join(c: &Client, n: usize) -> Vec<Option<dmkv_client::Versioned
     }
     out
 }
+
+/// Where no verbs RPC can open (this build, or a node without an RDMA
+/// device): a VERBS_RPC is answered with a clear refusal and the
+/// connection serves on, a client that insists on verbs fails to connect
+/// saying why, and one on `Auto` (the default) stays on TCP.
+#[tokio::test]
+async fn without_a_device_verbs_rpc_is_refused_and_auto_stays_on_tcp() {
+    let srv = ServerProcess::start(&["--memory", "16MiB", "--no-rdma"]);
+    let mut s = raw_conn(&srv.rpc);
+    let op = Op::VerbsRpc(proto::VerbsRpc { endpoint: vec![0u8; 30].into(), credits: 8 });
+    send_raw(&mut s, &Request { id: 7, op: Some(op) });
+    let reply = read_raw(&mut s).expect("an answer");
+    match reply.result {
+        Some(R::Error(e)) => {
+            assert_eq!(e.code, ErrorCode::BadRequest as i32, "{e:?}");
+            assert!(e.message.contains("verbs RPC") || e.message.contains("RDMA"), "{e:?}");
+        }
+        other => panic!("VERBS_RPC without a device answered {other:?}"),
+    }
+    let verbs = ClientConfig::default().rpc_transport(dmkv_client::RpcTransport::Verbs);
+    match Client::connect_with(&srv.rpc, verbs).await {
+        Err(ClientError::TransportUnavailable { reason, .. }) => println!("verbs refused: {reason}"),
+        Err(e) => panic!("wrong error: {e}"),
+        Ok(_) => panic!("a verbs RPC client connected without a device"),
+    }
+    let auto = Client::connect(&srv.rpc).await.expect("Auto connects over TCP");
+    auto.put("k", "v").await.unwrap();
+    assert_eq!(auto.get("k").await.unwrap().as_deref(), Some(&b"v"[..]));
+    let [tcp, verbs] = auto.rpc_price().taken();
+    assert_eq!(verbs, 0, "no request can have gone over verbs (tcp {tcp})");
+    still_serves(&srv.rpc).await;
+}
