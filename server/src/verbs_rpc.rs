@@ -43,6 +43,12 @@ pub const SEND_SLOTS: u32 = 32;
 pub const MAX_CONNS_PER_WORKER: usize = 128;
 /// Workers (each a shared receive queue, a completion queue and a task).
 pub const WORKERS: usize = 2;
+/// How long a closed link stays in its worker before its queue pair is
+/// destroyed and its grant goes back: in the error state since its close,
+/// every completion of it is in the queue long before, and is reaped with
+/// its slot posted again; meanwhile its queue pair number cannot be given
+/// to a new link, whose stream a late message could otherwise join.
+pub const CLOSE_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
 /// Completions one pass of a worker takes before it yields.
 const POLL_BUDGET: usize = 256;
 /// Shortest sleep of a worker waiting for completions or a credit return.
@@ -66,6 +72,8 @@ pub struct VerbsWorker {
     srq: Arc<Srq>,
     pool: Mutex<SlotPool>,
     conns: Mutex<HashMap<u32, Arc<VerbsConn>>>,
+    /// Accepts under way (see [`VerbsRpc::accept`]).
+    accepting: AtomicUsize,
     /// Wakes the worker to set its timer for a credit return: a reader
     /// freed slots while the worker slept with no return due.
     timer: tokio::sync::Notify,
@@ -79,6 +87,10 @@ pub struct VerbsConn {
 }
 
 struct ConnLink {
+    /// Once closed: when, and its grant, held until the link is reaped
+    /// ([`CLOSE_GRACE`]) so that its late messages are posted again before
+    /// the credits are granted anew.
+    closed: Option<(std::time::Instant, Option<dmkv_common::credit::Grant>)>,
     /// `None` once closed (its credits are back in the pool).
     link: Option<MsgLink<Slot>>,
     /// Why the link failed, for the reader and the writer.
@@ -103,6 +115,7 @@ impl VerbsRpc {
                 ),
                 conns: Mutex::new(HashMap::new()),
                 timer: tokio::sync::Notify::new(),
+                accepting: AtomicUsize::new(0),
             });
             let events = crate::rdma::watch(&w.cq)
                 .map_err(|e| VerbsError::Verb { verb: "epoll_ctl", errno: e.raw_os_error().unwrap_or(libc::EIO) })?;
@@ -119,7 +132,11 @@ impl VerbsRpc {
         let want = if credits == 0 { DEFAULT_CREDITS } else { credits.min(MAX_CREDITS_PER_CONN) };
         let i = self.next.fetch_add(1, Ordering::Relaxed) % self.workers.len();
         let worker = &self.workers[i];
-        if lock(&worker.conns).len() >= MAX_CONNS_PER_WORKER {
+        // Counted in the map (closed ones until reaped) plus those being
+        // accepted now, so concurrent accepts cannot pass the bound together.
+        let reserved = worker.accepting.fetch_add(1, Ordering::AcqRel);
+        let _unreserve = Unreserve(&worker.accepting);
+        if lock(&worker.conns).len() + reserved >= MAX_CONNS_PER_WORKER {
             return Err(Refused::Busy(format!("{MAX_CONNS_PER_WORKER} verbs RPC connections on this worker")));
         }
         let grant = lock(&worker.pool).grant(want).map_err(|e| Refused::Busy(e.to_string()))?;
@@ -139,10 +156,25 @@ impl VerbsRpc {
         let conn = Arc::new(VerbsConn {
             qp,
             worker: Arc::clone(worker),
-            state: Mutex::new(ConnLink { link: Some(link), failed: None, read_waker: None, write_waker: None }),
+            state: Mutex::new(ConnLink {
+                closed: None,
+                link: Some(link),
+                failed: None,
+                read_waker: None,
+                write_waker: None,
+            }),
         });
         lock(&worker.conns).insert(conn.qp.qp_num(), Arc::clone(&conn));
         Ok((conn, endpoint, granted))
+    }
+}
+
+/// Takes back an accept's reservation when the accept ends.
+struct Unreserve<'a>(&'a AtomicUsize);
+
+impl Drop for Unreserve<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -213,6 +245,7 @@ impl VerbsWorker {
                 None => {}
             }
             self.send_returns();
+            self.reap();
         }
     }
 
@@ -237,6 +270,26 @@ impl VerbsWorker {
     fn repost(&self, slots: Vec<Slot>) {
         if let Err((e, lost)) = self.srq.post(slots) {
             tracing::error!("verbs RPC: {} receive slots lost: {e}", lost.len());
+        }
+    }
+
+    /// Drops the connections closed [`CLOSE_GRACE`] ago (destroying their
+    /// queue pairs) and gives their grants back to the pool.
+    fn reap(&self) {
+        let mut reaped = Vec::new();
+        lock(&self.conns).retain(|_, c| {
+            let mut st = lock(&c.state);
+            match &mut st.closed {
+                Some((at, grant)) if at.elapsed() >= CLOSE_GRACE => {
+                    reaped.extend(grant.take());
+                    false
+                }
+                _ => true,
+            }
+        });
+        let mut pool = lock(&self.pool);
+        for grant in reaped {
+            pool.release(grant);
         }
     }
 
@@ -326,21 +379,27 @@ impl VerbsConn {
         drop(st);
         let _ = self.qp.fail();
         let Some(link) = link else { return };
-        lock(&self.worker.conns).remove(&self.qp.qp_num());
         let (unread, credits) = link.close();
         let n = unread.len() as u32;
         self.worker.repost(unread);
-        if let Some(credits) = credits {
+        let grant = credits.and_then(|credits| {
             let mut draining = credits.close(0);
             // The unread slots were the only ones held: every other was
             // posted again when it was read.
             let freed = draining.handle_freed(n);
             debug_assert!(freed.is_ok(), "a closed link held more slots than it had unread");
             match draining.finish() {
-                Ok(grant) => lock(&self.worker.pool).release(grant),
-                Err(d) => tracing::error!("verbs RPC: {} slots of a closed connection never came back", d.held()),
+                Ok(grant) => Some(grant),
+                Err(d) => {
+                    tracing::error!("verbs RPC: {} slots of a closed connection never came back", d.held());
+                    None
+                }
             }
-        }
+        });
+        // The connection stays in the worker's map (its queue pair alive,
+        // so its number is not reused) until reaped: completions still in
+        // the queue find it closed and post their slots again.
+        lock(&self.state).closed = Some((std::time::Instant::now(), grant));
     }
 }
 
