@@ -310,7 +310,7 @@ async fn put_latency(
     for i in 0..1000 {
         client.put(format!("warm{i}"), value.as_slice()).await.map_err(|e| format!("PUT: {e}"))?;
     }
-    let histogram = || Histogram::<u64>::new(3).map_err(|e| format!("histogram: {e}"));
+    let histogram = || Histogram::<u64>::new_with_bounds(1, 600_000_000, 3).map_err(|e| format!("histogram: {e}"));
     let hist: Arc<Mutex<Histogram<u64>>> = Arc::new(Mutex::new(histogram()?));
     let cpu_before = nodes_cpu_ticks(&c, nodes);
     let started = Instant::now();
