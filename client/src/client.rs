@@ -288,6 +288,14 @@ impl Client {
         self.inner.node.stats().await
     }
 
+    /// The counters of the node this client connected to, with each of
+    /// its shard replicas' item count, checksum and applied index: see
+    /// [`Session::stats_with`]. For tests and diagnostics.
+    #[doc(hidden)]
+    pub async fn stats_with_digests(&self) -> Result<HashMap<String, u64>, ClientError> {
+        self.inner.node.stats_with(true).await
+    }
+
     /// Descriptors of the server's remote-memory regions.
     pub async fn region_info(&self) -> Result<Vec<proto::RegionDescriptor>, ClientError> {
         self.inner.node.region_info().await

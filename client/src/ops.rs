@@ -1,15 +1,19 @@
-//! The SDK's memcached-style operations on a single node: writes with
-//! flags, a TTL, a compare-and-swap version or a mode (add, replace,
-//! append, prepend), counters and touch. The server runs each atomically
-//! and judges expiry by its own clock (the one one-sided GETs read), so a
-//! TTL is relative to the server's time, not this host's.
+//! The SDK's memcached-style operations: writes with flags, a TTL, a
+//! compare-and-swap version or a mode (add, replace, append, prepend),
+//! counters and touch. The server runs each atomically and judges expiry
+//! by its own clock (the one one-sided GETs read), so a TTL is relative to
+//! the server's time, not this host's. In a cluster each goes to its
+//! key's shard leader and through raft with a write id, like a PUT: the
+//! leader's clock makes a TTL an absolute expiry, the entry's log index
+//! is the new version, and a write sent again after a lost reply or a
+//! failover applies once (a touch excepted: it is sent again, and timed
+//! again by the leader it reaches).
 //!
 //! Refusals come back as [`ClientError::Server`] with the code:
 //! `NOT_STORED` (a mode's condition failed), `EXISTS` (CAS: the item has
 //! another version), `NOT_FOUND` (CAS, counter or touch of a missing or
 //! expired item), `NOT_NUMERIC` (counter on a non-number). Nothing changed
-//! then. Cluster nodes do not replicate these yet: they refuse them with
-//! `BAD_REQUEST`.
+//! then.
 
 use std::time::Duration;
 
@@ -42,14 +46,12 @@ fn ttl_secs(ttl: Option<Duration>) -> u64 {
 }
 
 impl Client {
-    fn single_node(&self) -> Result<(), ClientError> {
+    /// A write to the node this client connected to, or in a cluster to
+    /// the key's shard leader with a write id (`op` makes the request).
+    async fn write_call(&self, key: &[u8], op: impl Fn(Option<proto::WriteId>) -> Op) -> Result<R, ClientError> {
         match self.router() {
-            Some(_) => Err(ClientError::Server {
-                code: ErrorCode::BadRequest,
-                message: "flags, TTLs, CAS, write modes, counters and touch are not replicated yet: use a single node"
-                    .into(),
-            }),
-            None => Ok(()),
+            Some(r) => r.write_call(key, |id| op(Some(id))).await,
+            None => self.call(op(None)).await,
         }
     }
 
@@ -64,17 +66,20 @@ impl Client {
         let (key, value) = (key.as_ref(), value.as_ref());
         check_key(key)?;
         check_value(value)?;
-        self.single_node()?;
-        let op = Op::Put(proto::Put {
-            key: Bytes::copy_from_slice(key),
-            value: Bytes::copy_from_slice(value),
-            flags: opts.flags,
-            ttl_secs: ttl_secs(opts.ttl),
-            cas: opts.cas,
-            mode: opts.mode as i32,
-            ..Default::default()
-        });
-        match self.call(op).await? {
+        let (key, value) = (Bytes::copy_from_slice(key), Bytes::copy_from_slice(value));
+        let op = |write_id| {
+            Op::Put(proto::Put {
+                key: key.clone(),
+                value: value.clone(),
+                write_id,
+                flags: opts.flags,
+                ttl_secs: ttl_secs(opts.ttl),
+                cas: opts.cas,
+                mode: opts.mode as i32,
+                ..Default::default()
+            })
+        };
+        match self.write_call(&key, op).await? {
             R::Put(p) => Ok(p.version),
             other => Err(unexpected(&other)),
         }
@@ -92,9 +97,10 @@ impl Client {
 
     async fn arith(&self, key: &[u8], delta: u64, decrement: bool) -> Result<u64, ClientError> {
         check_key(key)?;
-        self.single_node()?;
-        let op = Op::Arith(proto::Arith { key: Bytes::copy_from_slice(key), delta, decrement, ..Default::default() });
-        match self.call(op).await? {
+        let k = Bytes::copy_from_slice(key);
+        let op =
+            |write_id| Op::Arith(proto::Arith { key: k.clone(), delta, decrement, write_id, ..Default::default() });
+        match self.write_call(key, op).await? {
             R::Arith(a) => Ok(a.value),
             other => Err(unexpected(&other)),
         }
@@ -128,14 +134,11 @@ impl Client {
 
     async fn touch_get(&self, key: &[u8], ttl: Option<Duration>, get: bool) -> Result<Option<Versioned>, ClientError> {
         check_key(key)?;
-        self.single_node()?;
-        let op = Op::Touch(proto::Touch {
-            key: Bytes::copy_from_slice(key),
-            ttl_secs: ttl_secs(ttl),
-            get,
-            ..Default::default()
-        });
-        match self.call(op).await? {
+        let k = Bytes::copy_from_slice(key);
+        let op = |write_id| {
+            Op::Touch(proto::Touch { key: k.clone(), ttl_secs: ttl_secs(ttl), get, write_id, ..Default::default() })
+        };
+        match self.write_call(key, op).await? {
             R::Touch(g) if g.found => {
                 Ok(Some(Versioned { value: g.value, version: g.version, flags: g.flags, expires_at: g.expires_at }))
             }
@@ -149,9 +152,9 @@ impl Client {
     pub async fn delete_cas(&self, key: impl AsRef<[u8]>, version: u64) -> Result<bool, ClientError> {
         let key = key.as_ref();
         check_key(key)?;
-        self.single_node()?;
+        let k = Bytes::copy_from_slice(key);
         match self
-            .call(Op::Delete(proto::Delete { key: Bytes::copy_from_slice(key), write_id: None, cas: version }))
+            .write_call(key, |write_id| Op::Delete(proto::Delete { key: k.clone(), write_id, cas: version }))
             .await?
         {
             R::Delete(d) => Ok(d.existed),

@@ -24,6 +24,7 @@ use bytes::Bytes;
 use dmkv_common::cluster::map::{ClusterMap, NodeId, ShardId};
 use dmkv_common::limits::MAX_WRITE_RETRY_WINDOW;
 use dmkv_common::proto::ErrorCode;
+use dmkv_common::proto::request::Op;
 use std::sync::atomic::Ordering;
 use tokio::time::Instant;
 
@@ -498,6 +499,21 @@ impl Router {
         let id = self.write_id();
         let retry = RetryPolicy::Identified(self.write_window);
         self.run(key, retry, |s| async move { s.delete_with(key, Some(id)).await }).await
+    }
+
+    /// Any other write of `key` (a mode, flags, TTL, CAS, a counter, a
+    /// touch) through its shard's leader: `op` makes the request with the
+    /// write's id, the same on every try, so it applies once within its
+    /// window however often it is sent.
+    pub async fn write_call(
+        &self,
+        key: &[u8],
+        op: impl Fn(dmkv_common::proto::WriteId) -> Op,
+    ) -> Result<dmkv_common::proto::response::Result, ClientError> {
+        let id = self.write_id();
+        let retry = RetryPolicy::Identified(self.write_window);
+        let op = &op;
+        self.run(key, retry, |s| async move { s.call(op(id)).await }).await
     }
 
     /// Reads many keys: split per shard, the shards asked in parallel.

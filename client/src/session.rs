@@ -827,6 +827,11 @@ impl Session {
         }
     }
 
+    /// A request to this node, answered as it comes (no routing).
+    pub(crate) async fn call(&self, op: Op) -> Result<R, ClientError> {
+        self.inner.pool.call(op).await
+    }
+
     /// Removes `key` on this node; returns whether it existed.
     pub async fn delete(&self, key: &[u8]) -> Result<bool, ClientError> {
         self.delete_with(key, None).await
@@ -970,7 +975,15 @@ impl Session {
 
     /// The server's counters.
     pub async fn stats(&self) -> Result<HashMap<String, u64>, ClientError> {
-        match self.inner.pool.call(Op::Stats(proto::Stats {})).await? {
+        self.stats_with(false).await
+    }
+
+    /// [`Session::stats`], with `digests` also each of the node's shard
+    /// replicas' item count, checksum and applied index
+    /// (`shard<S>_items`, `_digest`, `_applied`): it walks every store, so
+    /// it is for tests and diagnostics.
+    pub async fn stats_with(&self, digests: bool) -> Result<HashMap<String, u64>, ClientError> {
+        match self.inner.pool.call(Op::Stats(proto::Stats { digests })).await? {
             R::Stats(s) => Ok(s.counters),
             other => Err(unexpected(&other)),
         }

@@ -15,6 +15,7 @@ use crate::clock;
 use crate::compact::{self, Compactor};
 use crate::store::Store;
 pub use crate::store::item::{Arith, Expiry, Item, ItemMeta, Mode, Write};
+use dmkv_common::proto;
 
 /// A handle on the store for a protocol front-end: the store and the
 /// compactor that makes room in it (borrowed from their owner, the
@@ -128,3 +129,42 @@ impl<'a> Kv<'a> {
         });
     }
 }
+
+/// The store write a PUT asks for.
+pub fn write_of(p: &proto::Put, now_ms: u64) -> Write<'_> {
+    let mode = match proto::PutMode::try_from(p.mode).unwrap_or(proto::PutMode::Set) {
+        proto::PutMode::Set => Mode::Set,
+        proto::PutMode::Add => Mode::Add,
+        proto::PutMode::Replace => Mode::Replace,
+        proto::PutMode::Append => Mode::Append,
+        proto::PutMode::Prepend => Mode::Prepend,
+    };
+    Write {
+        value: &p.value,
+        mode,
+        flags: p.flags,
+        expiry: Expiry::At(expiry_of(p.ttl_secs, p.expires_at, now_ms)),
+        cas: p.cas,
+        vivify: p.vivify,
+    }
+}
+
+/// The expiry a request asks for: `expires_at` if given, else `ttl_secs`
+/// from the server's `now_ms` (both 0: never).
+pub fn expiry_of(ttl_secs: u64, expires_at: u32, now_ms: u64) -> u32 {
+    if expires_at != 0 { expires_at } else { dmkv_common::expiry::from_ttl(ttl_secs, now_ms) }
+}
+
+/// The store counter operation an ARITH asks for: the item keeps its
+/// expiry unless the request gives one.
+pub fn arith_of(a: &proto::Arith, now_ms: u64) -> Arith {
+    let at = expiry_of(a.ttl_secs, a.expires_at, now_ms);
+    Arith {
+        delta: a.delta,
+        incr: !a.decrement,
+        cas: a.cas,
+        vivify: a.vivify.then_some((a.initial, at)),
+        expiry: if at == 0 { Expiry::Keep } else { Expiry::At(at) },
+    }
+}
+

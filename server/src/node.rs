@@ -26,12 +26,13 @@ use crate::cluster::node::{ClusterError, ClusterNode};
 use crate::cluster::shard::JoinStep;
 use crate::compact::{self, Compactor};
 use crate::config::validate::{human, plain};
-use crate::kv::{self, Item, ItemMeta, Kv};
+use crate::kv::{self, Item, ItemMeta, Kv, arith_of, expiry_of, write_of};
 use crate::region::Region;
 use crate::registration::{Registration, Served};
 use crate::store::{Location, Store};
 
-/// What this node serves.
+/// What this node serves (a handle: cloning it shares the node).
+#[derive(Clone)]
 pub enum Node {
     /// One store over the node's own region.
     Single(Arc<SingleNode>),
@@ -104,14 +105,7 @@ pub struct Found {
     pub at: Location,
 }
 
-/// What a cluster node answers to a write it cannot replicate.
-const NOT_REPLICATED: &str =
-    "flags, expiry, CAS, write modes, counters and touch are not replicated yet: use a single node for them";
 const NOT_IN_CLUSTER: &str = "this node is not part of a cluster";
-
-fn not_replicated<T>() -> Result<T, NodeError> {
-    Err(NodeError::BadRequest(NOT_REPLICATED.into()))
-}
 
 impl SingleNode {
     /// Creates the region, formats the store over it, and starts eviction
@@ -222,53 +216,9 @@ impl SingleNode {
     }
 }
 
-/// The store write a PUT asks for.
-fn write_of(p: &proto::Put, now_ms: u64) -> kv::Write<'_> {
-    let mode = match proto::PutMode::try_from(p.mode).unwrap_or(proto::PutMode::Set) {
-        proto::PutMode::Set => kv::Mode::Set,
-        proto::PutMode::Add => kv::Mode::Add,
-        proto::PutMode::Replace => kv::Mode::Replace,
-        proto::PutMode::Append => kv::Mode::Append,
-        proto::PutMode::Prepend => kv::Mode::Prepend,
-    };
-    kv::Write {
-        value: &p.value,
-        mode,
-        flags: p.flags,
-        expiry: kv::Expiry::At(expiry_of(p.ttl_secs, p.expires_at, now_ms)),
-        cas: p.cas,
-        vivify: p.vivify,
-    }
-}
-
-/// The expiry a request asks for: `expires_at` if given, else `ttl_secs`
-/// from the server's `now_ms` (both 0: never).
-pub fn expiry_of(ttl_secs: u64, expires_at: u32, now_ms: u64) -> u32 {
-    if expires_at != 0 { expires_at } else { dmkv_common::expiry::from_ttl(ttl_secs, now_ms) }
-}
-
-/// The store counter operation an ARITH asks for: the item keeps its
-/// expiry unless the request gives one.
-fn arith_of(a: &proto::Arith, now_ms: u64) -> kv::Arith {
-    let at = expiry_of(a.ttl_secs, a.expires_at, now_ms);
-    kv::Arith {
-        delta: a.delta,
-        incr: !a.decrement,
-        cas: a.cas,
-        vivify: a.vivify.then_some((a.initial, at)),
-        expiry: if at == 0 { kv::Expiry::Keep } else { kv::Expiry::At(at) },
-    }
-}
-
-/// Whether a PUT asks for nothing but key, value (and write id): all a
-/// cluster replicates.
-fn plain_put(p: &proto::Put) -> bool {
-    p.flags == 0 && p.ttl_secs == 0 && p.expires_at == 0 && p.cas == 0 && p.mode == 0 && !p.vivify
-}
-
-/// A cluster shard's item (no flags or expiry there yet).
-fn found_plain((value, version, at): (Bytes, u64, Location)) -> Found {
-    Found { item: Item { value, meta: ItemMeta { version, ..Default::default() } }, at }
+/// A cluster shard's item as a GET finds it.
+fn found((item, at): (Item, Location)) -> Found {
+    Found { item, at }
 }
 
 impl Node {
@@ -296,8 +246,7 @@ impl Node {
                 let w = write_of(p, clock::now_ms());
                 Ok(kv::write(&s.kv(), &p.key, &w).await?.version)
             }
-            Node::Cluster(_) if !plain_put(p) => not_replicated(),
-            Node::Cluster(c) => Ok(c.put(&p.key, &p.value, p.write_id).await?),
+            Node::Cluster(c) => Ok(c.write(p.clone()).await?),
         }
     }
 
@@ -314,7 +263,7 @@ impl Node {
     pub async fn get(&self, key: &[u8]) -> Result<Option<Found>, NodeError> {
         match self {
             Node::Single(s) => s.get(key),
-            Node::Cluster(c) => Ok(c.get(key).await?.map(found_plain)),
+            Node::Cluster(c) => Ok(c.get(key).await?.map(found)),
         }
     }
 
@@ -322,8 +271,7 @@ impl Node {
     pub async fn delete(&self, d: &proto::Delete) -> Result<bool, NodeError> {
         match self {
             Node::Single(s) => Ok(kv::delete(&s.kv(), &d.key, d.cas)?),
-            Node::Cluster(_) if d.cas != 0 => not_replicated(),
-            Node::Cluster(c) => Ok(c.delete(&d.key, d.write_id).await?),
+            Node::Cluster(c) => Ok(c.delete_cas(d.clone()).await?),
         }
     }
 
@@ -331,7 +279,10 @@ impl Node {
     pub async fn arith(&self, a: &proto::Arith) -> Result<(u64, ItemMeta), NodeError> {
         match self {
             Node::Single(s) => Ok(kv::arith(&s.kv(), &a.key, &arith_of(a, clock::now_ms())).await?),
-            Node::Cluster(_) => not_replicated(),
+            Node::Cluster(c) => {
+                let (value, version) = c.arith(a.clone()).await?;
+                Ok((value, ItemMeta { version, ..Default::default() }))
+            }
         }
     }
 
@@ -342,7 +293,7 @@ impl Node {
                 let at = expiry_of(t.ttl_secs, t.expires_at, clock::now_ms());
                 Ok(kv::touch(&s.kv(), &t.key, at).await?)
             }
-            Node::Cluster(_) => not_replicated(),
+            Node::Cluster(c) => Ok(c.touch(t.clone()).await?),
         }
     }
 
@@ -360,11 +311,11 @@ impl Node {
             Node::Single(s) => s.multi_get(keys, max_bytes)?,
             Node::Cluster(c) => {
                 let got = c.multi_get(keys).await?;
-                let bytes: usize = got.iter().flatten().map(|(v, _, _)| v.len()).sum();
+                let bytes: usize = got.iter().flatten().map(|(item, _)| item.value.len()).sum();
                 if bytes > max_bytes {
                     return Err(NodeError::TooLarge(max_bytes));
                 }
-                got.into_iter().map(|v| v.map(found_plain)).collect()
+                got.into_iter().map(|v| v.map(found)).collect()
             }
         };
         // The reply's entries answer the keys by position.
@@ -478,6 +429,29 @@ impl Node {
             Node::Single(s) => vec![&s.store],
             Node::Cluster(c) => c.stores().collect(),
         }
+    }
+
+    /// Each store's live items and checksum (see [`Store::digest`]), and
+    /// in a cluster the index each replica's are as of: `shard<S>_items`,
+    /// `shard<S>_digest`, `shard<S>_applied` (a single node's as shard 0,
+    /// applied 0). Walks every store: for tests and diagnostics.
+    pub fn digests(&self) -> Vec<(String, u64)> {
+        let rows = match self {
+            Node::Single(s) => {
+                let (items, digest) = s.store.digest();
+                vec![(0, items, digest, 0)]
+            }
+            Node::Cluster(c) => c.digests(),
+        };
+        rows.into_iter()
+            .flat_map(|(shard, items, digest, applied)| {
+                [
+                    (format!("shard{shard}_items"), items),
+                    (format!("shard{shard}_digest"), digest),
+                    (format!("shard{shard}_applied"), applied),
+                ]
+            })
+            .collect()
     }
 
     /// STATS entries of what the node serves: its stores (a cluster's

@@ -368,6 +368,8 @@ fn needed_role(op: &Op) -> Role {
         // same, should that check ever go.
         Op::Raft(_) | Op::JoinShard(_) | Op::SnapshotChunk(_) => Role::Admin,
         Op::Reregister(_) | Op::ReplaceReplica(_) => Role::Admin,
+        // Walks every store under its writer lock: a diagnosis, not data.
+        Op::Stats(s) if s.digests => Role::Admin,
         _ => Role::Data,
     }
 }
@@ -621,7 +623,23 @@ async fn node_op(shared: &Shared, op: Op) -> Result<R, proto::Error> {
             let values = values.into_iter().map(|f| f.map_or_else(proto::GetReply::default, found)).collect();
             R::MultiGet(proto::MultiGetReply { values })
         }),
-        Op::Stats(_) => Ok(R::Stats(proto::StatsReply { counters: stats(shared) })),
+        Op::Stats(s) => {
+            let mut counters = stats(shared);
+            if s.digests {
+                // A walk of every store (holding each one's writes, and a
+                // shard's applies, while it runs): off the async workers,
+                // and one at a time.
+                static DIGESTING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+                if DIGESTING.swap(true, std::sync::atomic::Ordering::Acquire) {
+                    return Err(plain(ErrorCode::Busy, "another STATS with digests is running".into()));
+                }
+                let node = shared.node.clone();
+                let rows = tokio::task::spawn_blocking(move || node.digests()).await;
+                DIGESTING.store(false, std::sync::atomic::Ordering::Release);
+                counters.extend(rows.map_err(|e| plain(ErrorCode::Internal, e.to_string()))?);
+            }
+            Ok(R::Stats(proto::StatsReply { counters }))
+        }
         Op::RegionInfo(_) => Ok(R::RegionInfo(Box::new(region_info(shared)))),
         Op::Reregister(_) => node.reregister().map(|_| R::Reregister(Box::new(region_info(shared)))),
         Op::GetMap(_) => node.map_reply().map(|m| R::Map(Box::new(m))),

@@ -531,6 +531,9 @@ impl Store {
             return Err(Error::OutOfMemory);
         };
         let version = plan.version.unwrap_or(w.next_version);
+        // An item rewritten with the version it had (a touch): a view's
+        // version filter cannot tell it is newer than the view.
+        let relinked = version < w.next_version;
         w.next_version = w.next_version.max(version.saturating_add(1));
         w.scratch.clear();
         encode_item(key, &plan.value, version, plan.flags, plan.expires_at, &mut w.scratch);
@@ -539,6 +542,9 @@ impl Store {
         // the item's units.
         self.region.write(offset, &w.scratch);
         let new_slot = Slot::new(kh.fingerprint, offset, units);
+        if relinked {
+            self.views.note_relinked(new_slot);
+        }
         self.set_slot(self.index.seg(target.seg), target.bucket, target.slot, new_slot.pack());
         self.counters.puts.fetch_add(1, Ordering::Relaxed);
         self.counters.used_bytes.fetch_add((units * UNIT) as u64, Ordering::Relaxed);

@@ -195,7 +195,7 @@ fn requests_of_one_batch_are_all_counted_before_a_stats_and_at_a_close() {
     const GETS: u64 = 1000;
     let get =
         |id: u64| Request { id, op: Some(Op::Get(proto::Get { key: format!("absent{id}").into_bytes().into() })) };
-    let stats = |id: u64| Request { id, op: Some(Op::Stats(proto::Stats {})) };
+    let stats = |id: u64| Request { id, op: Some(Op::Stats(proto::Stats::default())) };
     // Sends `reqs` in one write, then `tail` raw; reads replies until the
     // one with id `until` (or the end); returns its STATS counters.
     let exchange = |reqs: &[Request], tail: &[u8], until: Option<u64>| -> Option<HashMap<String, u64>> {

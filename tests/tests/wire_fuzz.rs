@@ -278,7 +278,7 @@ impl Fuzzer {
                     .collect();
                 Op::MultiGet(proto::MultiGet { keys })
             }
-            900..930 => Op::Stats(proto::Stats {}),
+            900..930 => Op::Stats(proto::Stats::default()),
             930..960 => Op::RegionInfo(proto::RegionInfo {}),
             960..999 => Op::RdmaConnect(proto::RdmaConnect { endpoint: self.bytes_in(0..300) }),
             _ => Op::Reregister(proto::Reregister {}),

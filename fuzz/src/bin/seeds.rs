@@ -19,7 +19,7 @@ fn requests() -> Vec<Request> {
         Op::Get(proto::Get { key: b(b"key") }),
         Op::Delete(proto::Delete { key: b(b"key"), ..Default::default() }),
         Op::MultiGet(proto::MultiGet { keys: vec![b(b"a"), b(b""), b(b"ccc")] }),
-        Op::Stats(proto::Stats {}),
+        Op::Stats(proto::Stats::default()),
         Op::RegionInfo(proto::RegionInfo {}),
         Op::Reregister(proto::Reregister {}),
         Op::RdmaConnect(proto::RdmaConnect { endpoint: b(&[1, 2, 3, 4]) }),

@@ -7,19 +7,48 @@ use dmkv_common::proto::{self, raft_command::Op};
 use prost::Message;
 use thiserror::Error;
 
+use crate::kv::{self, Item};
 use crate::store::Store;
 
-/// What applying one entry did.
+/// What applying one entry did: the same on every replica, since each
+/// decides it from the log alone (the entry, the store the earlier
+/// entries made, and the log's time).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Applied {
     /// An entry with no command (a new leader's empty entry).
     Nothing,
+    /// A write stored (any mode): the item's version, its log index.
     Put {
         version: u64,
     },
     Delete {
         existed: bool,
     },
+    /// A counter's new value and its item's version.
+    Counter {
+        value: u64,
+        version: u64,
+    },
+    /// A touch: the live item with its new expiry, or none (boxed: a
+    /// shard remembers many outcomes, and this one is never among them).
+    Touched {
+        item: Option<Box<Item>>,
+    },
+    /// A write whose condition did not hold, or whose result would not be
+    /// an item (an append past the value limit): nothing changed, on any
+    /// replica. Only [`refusal`] errors.
+    Refused(Error),
+    /// A flush: how many items went.
+    Flushed {
+        items: u64,
+    },
+}
+
+/// Whether `e` is an outcome every replica reaches alike from the same
+/// log (a condition, a counter's value, a result's size), as opposed to
+/// room, which differs per replica and is waited for.
+pub fn refusal(e: &Error) -> bool {
+    matches!(e, Error::NotStored | Error::Exists | Error::NotFound | Error::NotNumeric | Error::ValueTooLarge(_))
 }
 
 /// Why an entry could not be applied.
@@ -54,8 +83,10 @@ pub const REMEMBER_WINDOWS: u64 = 2;
 pub const MAX_REMEMBERED_BYTES: usize = 32 << 20;
 
 /// What one remembered write costs, roughly: its id and outcome in the
-/// map (32 bytes and a control byte), its place in the expiry queue (32),
-/// and both tables' room to grow (each doubles, so up to half is empty).
+/// map (40 bytes and a control byte), its place in the expiry queue (32),
+/// and the tables' room to grow (they double; the count is sized for the
+/// average, half again the live bytes, so a shard's worst moment, both
+/// tables just doubled, takes about 150 bytes a write: 37 MiB).
 /// Every write costs the same, so the byte bound is a count bound.
 pub const REMEMBERED_ENTRY_BYTES: usize = 128;
 
@@ -85,10 +116,18 @@ pub fn encode_put(key: &[u8], value: &[u8]) -> Vec<u8> {
 /// The log entry data of a PUT carrying the client's write id, proposed by
 /// a leader whose clock reads `now_ms`.
 pub fn encode_put_with(key: &[u8], value: &[u8], write_id: Option<proto::WriteId>, now_ms: u64) -> Vec<u8> {
-    let write_id = write_id.map(logged);
-    let op =
-        Op::Put(proto::Put { key: key.to_vec().into(), value: value.to_vec().into(), write_id, ..Default::default() });
-    proto::RaftCommand { op: Some(op), now_ms }.encode_to_vec()
+    let p = proto::Put { key: key.to_vec().into(), value: value.to_vec().into(), write_id, ..Default::default() };
+    encode_write(p, now_ms)
+}
+
+/// The log entry data of any write a PUT asks for (mode, flags, expiry,
+/// CAS), proposed by a leader whose clock reads `now_ms`: its TTL becomes
+/// an absolute expiry by that clock, so every replica stores the same.
+pub fn encode_write(mut p: proto::Put, now_ms: u64) -> Vec<u8> {
+    p.expires_at = kv::expiry_of(p.ttl_secs, p.expires_at, now_ms);
+    p.ttl_secs = 0;
+    p.write_id = p.write_id.map(logged);
+    command(Op::Write(p), now_ms)
 }
 
 /// The log entry data of a DELETE.
@@ -99,7 +138,39 @@ pub fn encode_delete(key: &[u8]) -> Vec<u8> {
 /// The log entry data of a DELETE carrying the client's write id, proposed
 /// by a leader whose clock reads `now_ms`.
 pub fn encode_delete_with(key: &[u8], write_id: Option<proto::WriteId>, now_ms: u64) -> Vec<u8> {
-    let op = Op::Delete(proto::Delete { key: key.to_vec().into(), write_id: write_id.map(logged), cas: 0 });
+    encode_delete_cas(proto::Delete { key: key.to_vec().into(), write_id, cas: 0 }, now_ms)
+}
+
+/// The log entry data of a DELETE, conditional on a version when `cas` is
+/// set.
+pub fn encode_delete_cas(mut d: proto::Delete, now_ms: u64) -> Vec<u8> {
+    d.write_id = d.write_id.map(logged);
+    command(if d.cas == 0 { Op::Delete(d) } else { Op::DeleteCas(d) }, now_ms)
+}
+
+/// The log entry data of a counter operation (its TTL made absolute, as a
+/// PUT's).
+pub fn encode_arith(mut a: proto::Arith, now_ms: u64) -> Vec<u8> {
+    a.expires_at = kv::expiry_of(a.ttl_secs, a.expires_at, now_ms);
+    a.ttl_secs = 0;
+    a.write_id = a.write_id.map(logged);
+    command(Op::Arith(a), now_ms)
+}
+
+/// The log entry data of a touch (its TTL made absolute).
+pub fn encode_touch(mut t: proto::Touch, now_ms: u64) -> Vec<u8> {
+    t.expires_at = kv::expiry_of(t.ttl_secs, t.expires_at, now_ms);
+    t.ttl_secs = 0;
+    t.write_id = t.write_id.map(logged);
+    command(Op::Touch(t), now_ms)
+}
+
+/// The log entry data of a flush of the whole shard.
+pub fn encode_flush_all(now_ms: u64) -> Vec<u8> {
+    command(Op::FlushAll(proto::FlushAll {}), now_ms)
+}
+
+fn command(op: Op, now_ms: u64) -> Vec<u8> {
     proto::RaftCommand { op: Some(op), now_ms }.encode_to_vec()
 }
 
@@ -255,35 +326,64 @@ pub fn apply(store: &Store, index: u64, data: &[u8]) -> Result<Applied, ApplyErr
 /// [`apply`], except that a write whose id `seen` remembers is not
 /// applied again: it is answered as the first time.
 ///
-/// A PUT's version is its entry's index: the same on every replica, in
+/// A write's version is its entry's index: the same on every replica, in
 /// log order, whatever else a store did (an emptied store replaying its
 /// log, or writes refused for want of room and retried), so a version a
-/// client saw on one leader means the same on the next.
+/// client saw on one leader means the same on the next, and a CAS names
+/// the same item on every replica.
+///
+/// Every judgement is made from the log alone: expiry by the log's time
+/// (the latest leader clock applied, never this node's clock), conditions
+/// against the item the earlier entries left, so the replicas reach the
+/// same outcome and hold the same items, versions, flags and expiries. A
+/// condition is judged here, at its place in the log, not by the leader
+/// when it proposed: another write to the key may be ahead of it in the
+/// log, not applied yet when it was proposed.
 pub fn apply_once(store: &Store, seen: &mut Remembered, index: u64, data: &[u8]) -> Result<Applied, ApplyError> {
     if data.is_empty() {
         return Ok(Applied::Nothing);
     }
     let cmd = proto::RaftCommand::decode(data).map_err(|e| ApplyError::Malformed(e.to_string()))?;
     // Time from the entry, never this node's clock: every replica forgets
-    // the same writes here.
+    // the same writes here, and judges expiry alike.
     seen.advance(cmd.now_ms);
+    let now = seen.now_ms;
+    let version = Some(index);
     let (id, result) = match cmd.op {
-        Some(Op::Put(p)) => {
+        Some(Op::Put(p) | Op::Write(p)) => {
             if let Some(a) = seen.get(p.write_id.as_ref()) {
                 return Ok(a);
             }
-            (p.write_id, store.put_versioned(&p.key, &p.value, Some(index)).map(|version| Applied::Put { version }))
+            let w = kv::write_of(&p, now);
+            (p.write_id, store.write_versioned(&p.key, &w, now, version).map(|m| Applied::Put { version: m.version }))
         }
-        Some(Op::Delete(d)) => {
+        Some(Op::Delete(d) | Op::DeleteCas(d)) => {
             if let Some(a) = seen.get(d.write_id.as_ref()) {
                 return Ok(a);
             }
-            (d.write_id, store.delete(&d.key).map(|existed| Applied::Delete { existed }))
+            (d.write_id, store.delete_if(&d.key, d.cas, now).map(|existed| Applied::Delete { existed }))
         }
-        Some(Op::Arith(_) | Op::Touch(_)) => return Err(ApplyError::Malformed("not yet".into())),
+        Some(Op::Arith(a)) => {
+            if let Some(done) = seen.get(a.write_id.as_ref()) {
+                return Ok(done);
+            }
+            let r = store
+                .arith_versioned(&a.key, &kv::arith_of(&a, now), now, version)
+                .map(|(value, m)| Applied::Counter { value, version: m.version });
+            (a.write_id, r)
+        }
+        // Not remembered (its reply carries the item): a touch sent again
+        // is timed again by the leader it reaches.
+        Some(Op::Touch(t)) => {
+            (None, store.touch(&t.key, t.expires_at, now).map(|item| Applied::Touched { item: item.map(Box::new) }))
+        }
+        Some(Op::FlushAll(_)) => (None, Ok(Applied::Flushed { items: store.clear_all() })),
         None => return Err(ApplyError::Malformed("no operation".into())),
     };
-    let applied = result?;
+    let applied = match result {
+        Err(e) if refusal(&e) => Applied::Refused(e),
+        r => r?,
+    };
     seen.insert(id.as_ref(), &applied);
     Ok(applied)
 }
@@ -353,6 +453,156 @@ mod tests {
             apply_once(&s, &mut seen, next(), &encode_delete(b"n")).unwrap(),
             Applied::Delete { existed: false }
         );
+    }
+
+    /// A PUT of `mode` with `f` set on it.
+    fn put(key: &str, value: &str, f: impl FnOnce(&mut proto::Put)) -> proto::Put {
+        let mut p = proto::Put {
+            key: key.as_bytes().to_vec().into(),
+            value: value.as_bytes().to_vec().into(),
+            ..Default::default()
+        };
+        f(&mut p);
+        p
+    }
+
+    #[test]
+    fn every_write_mode_applies_alike_on_every_replica_judged_by_the_log_alone() {
+        use proto::PutMode::{Add, Append, Prepend, Replace};
+        let t = 1_800_000_000_000u64;
+        let secs = (t / 1000) as u32;
+        let arith = |key: &str, delta, decrement| proto::Arith {
+            key: key.as_bytes().to_vec().into(),
+            delta,
+            decrement,
+            ..Default::default()
+        };
+        let del = |key: &str, cas| proto::Delete { key: key.as_bytes().to_vec().into(), write_id: None, cas };
+        let touch =
+            |key: &str, ttl_secs| proto::Touch { key: key.as_bytes().to_vec().into(), ttl_secs, ..Default::default() };
+        // (entry, what it must apply as), index i + 1.
+        let log: Vec<(Vec<u8>, Applied)> = vec![
+            (encode_write(put("a", "1", |p| p.flags = 7), t), Applied::Put { version: 1 }),
+            (encode_write(put("a", "2", |p| p.mode = Add as i32), t), Applied::Refused(Error::NotStored)),
+            (encode_write(put("b", "x", |p| p.mode = Replace as i32), t), Applied::Refused(Error::NotStored)),
+            (encode_write(put("a", "+", |p| p.mode = Append as i32), t), Applied::Put { version: 4 }),
+            (encode_write(put("a", "-", |p| p.mode = Prepend as i32), t), Applied::Put { version: 5 }),
+            // CAS: the version read (5) wins once; the same version again loses.
+            (encode_write(put("a", "c", |p| p.cas = 5), t), Applied::Put { version: 6 }),
+            (encode_write(put("a", "d", |p| p.cas = 5), t), Applied::Refused(Error::Exists)),
+            (encode_write(put("n", "9", |p| p.ttl_secs = 10), t), Applied::Put { version: 8 }),
+            (encode_arith(arith("n", 2, false), t), Applied::Counter { value: 11, version: 9 }),
+            (encode_arith(arith("n", 20, true), t), Applied::Counter { value: 0, version: 10 }),
+            (encode_arith(arith("a", 1, false), t), Applied::Refused(Error::NotNumeric)),
+            (encode_delete_cas(del("a", 5), t), Applied::Refused(Error::Exists)),
+            // A leader whose clock is 60 s behind: the log's time stays,
+            // and its TTL counts from its own clock.
+            (encode_write(put("e", "y", |p| p.ttl_secs = 100), t - 60_000), Applied::Put { version: 13 }),
+            // Ten seconds on by the log: n (TTL 10 s) expired. A counter on it
+            // finds nothing, and an add takes its place.
+            (encode_arith(arith("n", 1, false), t + 10_000), Applied::Refused(Error::NotFound)),
+            (encode_write(put("n", "new", |p| p.mode = Add as i32), t + 10_000), Applied::Put { version: 15 }),
+            (encode_delete_cas(del("a", 6), t + 10_000), Applied::Delete { existed: true }),
+        ];
+        let (a, b) = (store("apply-modes-a"), store("apply-modes-b"));
+        let (mut ra, mut rb) = (Remembered::default(), Remembered::default());
+        for (i, (e, want)) in log.iter().enumerate() {
+            let index = i as u64 + 1;
+            let got = apply_once(&a, &mut ra, index, e).unwrap();
+            assert_eq!(&got, want, "entry {index}");
+            assert_eq!(apply_once(&b, &mut rb, index, e).unwrap(), got, "entry {index} on the other replica");
+            assert_eq!(a.digest(), b.digest(), "after entry {index}");
+        }
+        let item = |s: &Store, k: &str| s.get_item(k.as_bytes(), t + 10_000).unwrap().map(|(it, _)| it);
+        let e = item(&a, "e").unwrap();
+        assert_eq!(
+            (e.meta.version, e.meta.expires_at),
+            (13, secs - 60 + 100),
+            "expiry from the proposing leader's clock"
+        );
+        let n = item(&a, "n").unwrap();
+        assert_eq!((&n.value[..], n.meta.version, n.meta.expires_at), (&b"new"[..], 15, 0));
+        assert!(item(&a, "a").is_none());
+        // A touch keeps the version and moves the expiry; a flush empties.
+        let touched = apply_once(&a, &mut ra, 17, &encode_touch(touch("e", 5), t + 10_000)).unwrap();
+        let Applied::Touched { item: Some(it) } = touched else { panic!("{touched:?}") };
+        assert_eq!((it.meta.version, it.meta.expires_at, &it.value[..]), (13, secs + 15, &b"y"[..]));
+        assert_eq!(apply_once(&a, &mut ra, 18, &encode_flush_all(t + 10_000)).unwrap(), Applied::Flushed { items: 2 });
+        assert_eq!(a.digest(), (0, 0));
+    }
+
+    #[test]
+    fn a_counter_or_conditional_write_sent_again_applies_once() {
+        let s = store("apply-again");
+        let mut seen = Remembered::default();
+        let t = 1_800_000_000_000u64;
+        let incr = encode_arith(
+            proto::Arith {
+                key: "n".into(),
+                delta: 5,
+                vivify: true,
+                initial: 10,
+                write_id: id(4, 1, 0),
+                ..Default::default()
+            },
+            t,
+        );
+        let first = apply_once(&s, &mut seen, next(), &incr).unwrap();
+        assert!(matches!(first, Applied::Counter { value: 10, .. }), "{first:?}");
+        assert_eq!(apply_once(&s, &mut seen, next(), &incr).unwrap(), first, "answered as the first time");
+        assert_eq!(s.get(b"n").unwrap().unwrap().0, bytes::Bytes::from_static(b"10"), "not incremented again");
+        // An add whose reply was lost: sent again, it is not NOT_STORED.
+        let add = encode_write(
+            put("k", "v", |p| {
+                p.mode = proto::PutMode::Add as i32;
+                p.write_id = id(4, 2, 0);
+            }),
+            t,
+        );
+        let first = apply_once(&s, &mut seen, next(), &add).unwrap();
+        assert!(matches!(first, Applied::Put { .. }));
+        assert_eq!(apply_once(&s, &mut seen, next(), &add).unwrap(), first);
+        // A CAS that lost is remembered as lost.
+        let cas = encode_write(
+            put("k", "w", |p| {
+                p.cas = 1;
+                p.write_id = id(4, 3, 0);
+            }),
+            t,
+        );
+        assert_eq!(apply_once(&s, &mut seen, next(), &cas).unwrap(), Applied::Refused(Error::Exists));
+        assert_eq!(apply_once(&s, &mut seen, next(), &cas).unwrap(), Applied::Refused(Error::Exists));
+        // A refusal is remembered, not judged again: an add refused, the
+        // key deleted meanwhile, the add sent again is still refused (and
+        // stores nothing), though now it would be stored.
+        let add_lost = encode_write(
+            put("k", "late", |p| {
+                p.mode = proto::PutMode::Add as i32;
+                p.write_id = id(4, 4, 0);
+            }),
+            t,
+        );
+        assert_eq!(apply_once(&s, &mut seen, next(), &add_lost).unwrap(), Applied::Refused(Error::NotStored));
+        apply_once(&s, &mut seen, next(), &encode_delete_with(b"k", id(4, 5, 0), t)).unwrap();
+        assert_eq!(apply_once(&s, &mut seen, next(), &add_lost).unwrap(), Applied::Refused(Error::NotStored));
+        assert_eq!(s.get(b"k").unwrap(), None, "the add sent again stored nothing");
+    }
+
+    /// Conditional writes are logged under numbers of their own (a node
+    /// from before them stops at one instead of applying a plain set or
+    /// delete); the plain entries such nodes logged still apply.
+    #[test]
+    fn conditional_writes_have_entry_numbers_of_their_own() {
+        let s = store("apply-numbers");
+        let mut seen = Remembered::default();
+        let old = command(Op::Put(put("k", "v", |_| {})), 0);
+        assert!(matches!(apply_once(&s, &mut seen, next(), &old).unwrap(), Applied::Put { .. }));
+        assert_eq!(s.get(b"k").unwrap().unwrap().0, bytes::Bytes::from_static(b"v"));
+        let op = |data: Vec<u8>| proto::RaftCommand::decode(&data[..]).unwrap().op;
+        assert!(matches!(op(encode_write(put("k", "w", |p| p.flags = 3), 0)), Some(Op::Write(_))));
+        let d = proto::Delete { key: "k".into(), cas: 5, ..Default::default() };
+        assert!(matches!(op(encode_delete_cas(d, 0)), Some(Op::DeleteCas(_))));
+        assert!(matches!(op(encode_delete(b"k")), Some(Op::Delete(_))));
     }
 
     #[test]

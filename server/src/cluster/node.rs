@@ -16,7 +16,9 @@ use dmkv_common::proto;
 use raft::prelude::ConfState;
 use tokio::sync::watch;
 
-use super::apply::{Applied, Remembered, RememberedStats, encode_delete_with, encode_put_with};
+use super::apply::{
+    Applied, Remembered, RememberedStats, encode_arith, encode_delete_cas, encode_flush_all, encode_touch, encode_write,
+};
 use super::config::ClusterConfig;
 use super::desk::Desk;
 use super::driver::{LeasePublisher, ReplicaStatus, Restart, ShardThread, TICK};
@@ -31,6 +33,7 @@ use super::snapshot::{self as snap, SnapshotSlot};
 use super::sync_policy::{BATCH_SYNC_INTERVAL, SyncPolicy};
 use super::transfer::Link;
 use crate::compact::Compactor;
+use crate::kv::Item;
 use crate::region::Region;
 use crate::registration::Registration;
 use crate::store::{Location, Store};
@@ -486,6 +489,14 @@ impl ClusterNode {
     }
 
     async fn propose(&self, key: &[u8], data: Vec<u8>) -> Result<Applied, ClusterError> {
+        match self.propose_raw(key, data).await? {
+            // A condition that did not hold, on every replica alike.
+            Applied::Refused(e) => Err(ClusterError::Store(e)),
+            a => Ok(a),
+        }
+    }
+
+    async fn propose_raw(&self, key: &[u8], data: Vec<u8>) -> Result<Applied, ClusterError> {
         let r = self.replica_of(key)?;
         // Admitted only while it fits every replica's guarantee with what
         // is already on its way (a DELETE needs no room but is counted
@@ -509,20 +520,75 @@ impl ClusterNode {
     /// A PUT, answered once committed and applied here.
     /// `id`: the client's write id, so that a PUT sent again applies once.
     pub async fn put(&self, key: &[u8], value: &[u8], id: Option<proto::WriteId>) -> Result<u64, ClusterError> {
-        check_key(key).and_then(|()| check_value(value)).map_err(ClusterError::Store)?;
-        match self.propose(key, encode_put_with(key, value, id, crate::clock::now_ms())).await? {
+        let p =
+            proto::Put { key: key.to_vec().into(), value: value.to_vec().into(), write_id: id, ..Default::default() };
+        self.write(p).await
+    }
+
+    /// Any write a PUT asks for (mode, flags, TTL, CAS); returns the
+    /// item's new version. The leader's clock makes its TTL an absolute
+    /// expiry; the condition is judged where the entry applies.
+    pub async fn write(&self, p: proto::Put) -> Result<u64, ClusterError> {
+        check_key(&p.key).and_then(|()| check_value(&p.value)).map_err(ClusterError::Store)?;
+        let key = p.key.clone();
+        match self.propose(&key, encode_write(p, crate::clock::now_ms())).await? {
             Applied::Put { version } => Ok(version),
-            other => Err(ClusterError::Failed(format!("a PUT applied as {other:?}"))),
+            other => Err(unexpected("a PUT", other)),
         }
     }
 
     /// A DELETE, answered once committed and applied here.
     pub async fn delete(&self, key: &[u8], id: Option<proto::WriteId>) -> Result<bool, ClusterError> {
-        check_key(key).map_err(ClusterError::Store)?;
-        match self.propose(key, encode_delete_with(key, id, crate::clock::now_ms())).await? {
+        self.delete_cas(proto::Delete { key: key.to_vec().into(), write_id: id, cas: 0 }).await
+    }
+
+    /// A DELETE, of only the item of version `d.cas` when that is set.
+    pub async fn delete_cas(&self, d: proto::Delete) -> Result<bool, ClusterError> {
+        check_key(&d.key).map_err(ClusterError::Store)?;
+        let key = d.key.clone();
+        match self.propose(&key, encode_delete_cas(d, crate::clock::now_ms())).await? {
             Applied::Delete { existed } => Ok(existed),
-            other => Err(ClusterError::Failed(format!("a DELETE applied as {other:?}"))),
+            other => Err(unexpected("a DELETE", other)),
         }
+    }
+
+    /// A counter operation: the new value and the item's version.
+    pub async fn arith(&self, a: proto::Arith) -> Result<(u64, u64), ClusterError> {
+        check_key(&a.key).map_err(ClusterError::Store)?;
+        let key = a.key.clone();
+        match self.propose(&key, encode_arith(a, crate::clock::now_ms())).await? {
+            Applied::Counter { value, version } => Ok((value, version)),
+            other => Err(unexpected("a counter operation", other)),
+        }
+    }
+
+    /// Gives a key's live item a new expiry; returns the item.
+    pub async fn touch(&self, t: proto::Touch) -> Result<Option<Item>, ClusterError> {
+        check_key(&t.key).map_err(ClusterError::Store)?;
+        let key = t.key.clone();
+        match self.propose(&key, encode_touch(t, crate::clock::now_ms())).await? {
+            Applied::Touched { item } => Ok(item.map(|i| *i)),
+            other => Err(unexpected("a touch", other)),
+        }
+    }
+
+    /// Empties every shard this node's replicas lead (memcached's
+    /// flush_all on this node's part); returns how many items went. A
+    /// shard another node leads is not touched: NOT_LEADER names it.
+    pub async fn flush_led(&self) -> Result<u64, ClusterError> {
+        let mut items = 0;
+        for r in self.replicas.values() {
+            if !r.status.is_leader() {
+                continue;
+            }
+            match r.thread.propose(encode_flush_all(crate::clock::now_ms())).await {
+                Ok(Ok(Applied::Flushed { items: n })) => items += n,
+                Ok(Ok(other)) => return Err(unexpected("a flush", other)),
+                Ok(Err(e)) => return Err(self.cluster_error(e)),
+                Err(_) => return Err(ClusterError::Uncertain),
+            }
+        }
+        Ok(items)
     }
 
     /// Reads `key`'s shard's store linearizably with `read`: once a quorum
@@ -570,14 +636,16 @@ impl ClusterNode {
         Err(ClusterError::Busy)
     }
 
-    /// A linearizable GET on the shard's leader.
-    pub async fn get(&self, key: &[u8]) -> Result<Option<(Bytes, u64, Location)>, ClusterError> {
-        self.read_linearizably(key, |s| s.get_located(key)).await
+    /// A linearizable GET on the shard's leader: the live item (by this
+    /// node's clock, the one its region publishes to one-sided readers)
+    /// and where its slot is.
+    pub async fn get(&self, key: &[u8]) -> Result<Option<(Item, Location)>, ClusterError> {
+        self.read_linearizably(key, |s| s.get_item(key, crate::clock::now_ms())).await
     }
 
     /// Linearizable GETs of many keys: one read permission per shard
     /// (a quorum round, or the lease), then every key of that shard.
-    pub async fn multi_get(&self, keys: &[Bytes]) -> Result<Vec<Option<(Bytes, u64, Location)>>, ClusterError> {
+    pub async fn multi_get(&self, keys: &[Bytes]) -> Result<Vec<Option<(Item, Location)>>, ClusterError> {
         let mut by_shard: std::collections::BTreeMap<ShardId, Vec<usize>> = Default::default();
         {
             let map = crate::lock::lock(&self.map);
@@ -590,7 +658,8 @@ impl ClusterNode {
             let first = &keys[idx[0]];
             let got = self
                 .read_linearizably(first, |s| {
-                    idx.iter().map(|&i| s.get_located(&keys[i])).collect::<Result<Vec<_>, _>>()
+                    let now = crate::clock::now_ms();
+                    idx.iter().map(|&i| s.get_item(&keys[i], now)).collect::<Result<Vec<_>, _>>()
                 })
                 .await?;
             for (&i, v) in idx.iter().zip(got) {
@@ -756,6 +825,23 @@ impl ClusterNode {
         self.log.as_ref().map_or(0, |e| e.get_used_size() as u64)
     }
 
+    /// Each local replica's shard, live items, checksum of its items and
+    /// about the index they are as of (0: an entry applied during the walk;
+    /// the index is published after each batch, so it may lag the items),
+    /// for STATS with digests. Walks every store under its writer lock.
+    pub fn digests(&self) -> Vec<(ShardId, u64, u64, u64)> {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.replicas
+            .iter()
+            .map(|(&shard, r)| {
+                let before = r.status.applied.load(Relaxed);
+                let (items, digest) = r.store.digest();
+                let applied = if r.status.applied.load(Relaxed) == before { before } else { 0 };
+                (shard, items, digest, applied)
+            })
+            .collect()
+    }
+
     /// The stores of this node's replicas (for STATS).
     pub fn stores(&self) -> impl Iterator<Item = &Arc<Store>> {
         self.replicas.values().map(|r| &r.store)
@@ -765,6 +851,12 @@ impl ClusterNode {
     pub fn compactors(&self) -> impl Iterator<Item = &Compactor> {
         self.replicas.values().map(|r| &*r.compactor)
     }
+}
+
+/// What a shard answers when an entry applied as another kind of write
+/// than was proposed: the log holds another command at its index.
+fn unexpected(what: &str, a: Applied) -> ClusterError {
+    ClusterError::Failed(format!("{what} applied as {a:?}"))
 }
 
 /// Records the raft id a replica joins under (durable logs keep it).

@@ -9,9 +9,9 @@
 //! replica that made it.
 //!
 //! ```text
-//! magic "DMKVSNP3" | index u64 | term u64 | next_version u64
+//! magic "DMKVSNP4" | index u64 | term u64 | next_version u64
 //! | remembered_len u32 | remembered: log_now_ms u64, count u32,
-//!   (client u64, seq u64, kind u8, value u64, expires_ms u64)*
+//!   (client u64, seq u64, kind u8, a u64, b u64, expires_ms u64)*
 //! | (1 u8 | key_len u32 | value_len u32 | version u64 | flags u32 | expires u32 | key | value)*
 //! | 0 u8 | items u64 | xxh3-64 of everything before, u64
 //! ```
@@ -37,13 +37,19 @@ use super::apply::{Applied, MAX_REMEMBERED_WRITES, Remembered, RememberedParts, 
 use crate::store::Store;
 use crate::store::view::StoreView;
 
-const MAGIC: &[u8; 8] = b"DMKVSNP3";
+const MAGIC: &[u8; 8] = b"DMKVSNP4";
+/// The format before counters and refusals were remembered: the same but
+/// for one value per remembered write. Still read (a node's own saved
+/// snapshot from before an upgrade).
+const MAGIC_V3: &[u8; 8] = b"DMKVSNP3";
 /// Formats this version does not read.
 const OLD_MAGICS: [&[u8; 8]; 2] = [b"DMKVSNP1", b"DMKVSNP2"];
 const ITEM: u8 = 1;
 const END: u8 = 0;
 /// Bytes of one remembered write in the stream.
-const REMEMBERED_BYTES: usize = 33;
+const REMEMBERED_BYTES: usize = 41;
+/// Bytes of one in the DMKVSNP3 format.
+const REMEMBERED_BYTES_V3: usize = 33;
 /// Largest remembered section a reader takes.
 const MAX_REMEMBERED_SECTION: usize = 12 + MAX_REMEMBERED_WRITES * REMEMBERED_BYTES;
 
@@ -200,7 +206,8 @@ impl<R: Read> Decoder<R> {
                  catch up from its shard's leader",
             ));
         }
-        if &magic != MAGIC && magic.starts_with(b"DMKVSNP") {
+        let v3 = &magic == MAGIC_V3;
+        if &magic != MAGIC && !v3 && magic.starts_with(b"DMKVSNP") {
             // A newer dmkv's, after a downgrade: no damage, and the
             // replica must not throw away what may be the only copy.
             return Err(SnapshotError::OldFormat(
@@ -208,7 +215,7 @@ impl<R: Read> Decoder<R> {
                 "a format this version does not know (a newer dmkv's)",
             ));
         }
-        if &magic != MAGIC {
+        if &magic != MAGIC && !v3 {
             return Err(SnapshotError::Damaged("not a dmkv snapshot".into()));
         }
         d.at = Point { index: d.u64("header")?, term: d.u64("header")? };
@@ -219,7 +226,7 @@ impl<R: Read> Decoder<R> {
         }
         let mut section = vec![0u8; len];
         d.take(&mut section, "remembered writes")?;
-        d.remembered = decode_remembered(&mut Reader(&section))?;
+        d.remembered = decode_remembered(&mut Reader(&section), v3)?;
         Ok(d)
     }
 
@@ -373,24 +380,58 @@ fn encode_remembered(parts: &RememberedParts) -> Vec<u8> {
     out.extend_from_slice(&parts.now_ms.to_le_bytes());
     out.extend_from_slice(&(parts.writes.len() as u32).to_le_bytes());
     for w in &parts.writes {
-        let (kind, value) = match w.outcome {
-            Applied::Nothing => (0u8, 0u64),
-            Applied::Put { version } => (1, version),
-            Applied::Delete { existed } => (2, u64::from(existed)),
-        };
+        let (kind, a, b) = outcome_fields(&w.outcome);
         out.extend_from_slice(&w.client.to_le_bytes());
         out.extend_from_slice(&w.seq.to_le_bytes());
         out.push(kind);
-        out.extend_from_slice(&value.to_le_bytes());
+        out.extend_from_slice(&a.to_le_bytes());
+        out.extend_from_slice(&b.to_le_bytes());
         out.extend_from_slice(&w.expires_ms.to_le_bytes());
     }
     out
 }
 
-/// Reads what [`encode_remembered`] wrote. More writes than a shard keeps
-/// are refused: restored, the bound would drop some, which the replica
-/// that made the snapshot remembers.
-fn decode_remembered(r: &mut Reader<'_>) -> Result<RememberedParts, SnapshotError> {
+/// A remembered outcome as (kind, a, b). Touches and flushes are never
+/// remembered (`apply_once` gives them no id).
+fn outcome_fields(a: &Applied) -> (u8, u64, u64) {
+    use dmkv_common::error::Error;
+    match *a {
+        Applied::Nothing | Applied::Touched { .. } | Applied::Flushed { .. } => (0, 0, 0),
+        Applied::Put { version } => (1, version, 0),
+        Applied::Delete { existed } => (2, u64::from(existed), 0),
+        Applied::Counter { value, version } => (3, value, version),
+        Applied::Refused(ref e) => match e {
+            Error::NotStored => (4, 1, 0),
+            Error::Exists => (4, 2, 0),
+            Error::NotFound => (4, 3, 0),
+            Error::NotNumeric => (4, 4, 0),
+            Error::ValueTooLarge(n) => (4, 5, *n as u64),
+            // `Applied::Refused` holds only what `apply::refusal` takes.
+            _ => (0, 0, 0),
+        },
+    }
+}
+
+fn outcome_of(kind: u8, a: u64, b: u64) -> Result<Applied, SnapshotError> {
+    use dmkv_common::error::Error;
+    Ok(match (kind, a) {
+        (0, _) => Applied::Nothing,
+        (1, _) => Applied::Put { version: a },
+        (2, _) => Applied::Delete { existed: a != 0 },
+        (3, _) => Applied::Counter { value: a, version: b },
+        (4, 1) => Applied::Refused(Error::NotStored),
+        (4, 2) => Applied::Refused(Error::Exists),
+        (4, 3) => Applied::Refused(Error::NotFound),
+        (4, 4) => Applied::Refused(Error::NotNumeric),
+        (4, 5) => Applied::Refused(Error::ValueTooLarge(usize::try_from(b).unwrap_or(usize::MAX))),
+        (k, a) => return Err(SnapshotError::Damaged(format!("unknown outcome kind {k} ({a})"))),
+    })
+}
+
+/// Reads what [`encode_remembered`] wrote (`v3`: in the DMKVSNP3 format).
+/// More writes than a shard keeps are refused: restored, the bound would
+/// drop some, which the replica that made the snapshot remembers.
+fn decode_remembered(r: &mut Reader<'_>, v3: bool) -> Result<RememberedParts, SnapshotError> {
     const WHAT: &str = "remembered writes";
     let now_ms = r.u64(WHAT)?;
     let n = r.u32(WHAT)? as usize;
@@ -399,17 +440,17 @@ fn decode_remembered(r: &mut Reader<'_>) -> Result<RememberedParts, SnapshotErro
             "{n} remembered writes, more than the {MAX_REMEMBERED_WRITES} a shard keeps"
         )));
     }
-    let mut writes = Vec::with_capacity(n.min(r.0.len() / REMEMBERED_BYTES));
+    let each = if v3 { REMEMBERED_BYTES_V3 } else { REMEMBERED_BYTES };
+    let mut writes = Vec::with_capacity(n.min(r.0.len() / each));
     for _ in 0..n {
         let (client, seq) = (r.u64(WHAT)?, r.u64(WHAT)?);
         let kind = r.take(1, WHAT)?[0];
-        let value = r.u64(WHAT)?;
-        let outcome = match kind {
-            0 => Applied::Nothing,
-            1 => Applied::Put { version: value },
-            2 => Applied::Delete { existed: value != 0 },
-            k => return Err(SnapshotError::Damaged(format!("unknown outcome kind {k}"))),
-        };
+        let a = r.u64(WHAT)?;
+        let b = if v3 { 0 } else { r.u64(WHAT)? };
+        if v3 && kind > 2 {
+            return Err(SnapshotError::Damaged(format!("unknown outcome kind {kind}")));
+        }
+        let outcome = outcome_of(kind, a, b)?;
         writes.push(RememberedWrite { client, seq, outcome, expires_ms: r.u64(WHAT)? });
     }
     if !r.0.is_empty() {
@@ -524,6 +565,75 @@ mod tests {
             assert_eq!(back.to_parts(), seen.to_parts(), "at {now}");
         }
         assert!(back.len() < 200, "some were forgotten meanwhile");
+    }
+
+    #[test]
+    fn counters_and_refusals_are_remembered_through_a_snapshot() {
+        use super::super::apply::{apply_once, encode_arith, encode_write};
+        use dmkv_common::proto::{Arith, Put, PutMode};
+        let a = store();
+        let mut seen = Remembered::default();
+        let id = |seq| Some(WriteId { client: 9, seq, retry_window_ms: 5000 });
+        let now = 1_000_000;
+        let set = Put { key: "n".into(), value: "41".into(), write_id: id(1), ..Default::default() };
+        let add = Put { mode: PutMode::Add as i32, write_id: id(2), ..set.clone() };
+        let incr = Arith { key: "n".into(), delta: 1, write_id: id(3), ..Default::default() };
+        let entries = [encode_write(set, now), encode_write(add, now), encode_arith(incr, now)];
+        let first: Vec<_> =
+            entries.iter().enumerate().map(|(i, e)| apply_once(&a, &mut seen, i as u64 + 1, e).unwrap()).collect();
+        assert_eq!(first[1], Applied::Refused(dmkv_common::error::Error::NotStored));
+        assert_eq!(first[2], Applied::Counter { value: 42, version: 3 });
+        let bytes = bytes_of(&a, &seen, Point { index: 3, term: 1 });
+        let b = store();
+        let (_, mut back) = restore(&b, &bytes[..]).unwrap();
+        assert_eq!(back.to_parts(), seen.to_parts());
+        // Sent again to the restored replica: answered as the first time,
+        // and the counter not incremented twice.
+        for (i, e) in entries.iter().enumerate() {
+            assert_eq!(apply_once(&b, &mut back, 10 + i as u64, e).unwrap(), first[i]);
+        }
+        assert_eq!(b.get(b"n").unwrap().unwrap(), (bytes::Bytes::from_static(b"42"), 3));
+    }
+
+    #[test]
+    fn a_snapshot_in_the_format_before_is_still_read() {
+        // DMKVSNP3: one value per remembered write (a PUT's version, a
+        // DELETE's existed).
+        let mut body = b"DMKVSNP3".to_vec();
+        for x in [7u64, 2, 20] {
+            body.extend_from_slice(&x.to_le_bytes());
+        }
+        let mut section = 5000u64.to_le_bytes().to_vec();
+        section.extend_from_slice(&1u32.to_le_bytes());
+        for x in [4u64, 1] {
+            section.extend_from_slice(&x.to_le_bytes());
+        }
+        section.push(1);
+        section.extend_from_slice(&6u64.to_le_bytes());
+        section.extend_from_slice(&9000u64.to_le_bytes());
+        body.extend_from_slice(&(section.len() as u32).to_le_bytes());
+        body.extend_from_slice(&section);
+        body.push(ITEM);
+        body.extend_from_slice(&1u32.to_le_bytes());
+        body.extend_from_slice(&2u32.to_le_bytes());
+        body.extend_from_slice(&6u64.to_le_bytes());
+        body.extend_from_slice(&5u32.to_le_bytes());
+        body.extend_from_slice(&0u32.to_le_bytes());
+        body.extend_from_slice(b"kvv");
+        body.push(END);
+        body.extend_from_slice(&1u64.to_le_bytes());
+        let sum = xxhash_rust::xxh3::xxh3_64(&body);
+        body.extend_from_slice(&sum.to_le_bytes());
+        let s = store();
+        let (at, back) = restore(&s, &body[..]).unwrap();
+        assert_eq!(at, Point { index: 7, term: 2 });
+        let parts = back.to_parts();
+        assert_eq!(parts.now_ms, 5000);
+        assert_eq!(
+            parts.writes,
+            [RememberedWrite { client: 4, seq: 1, outcome: Applied::Put { version: 6 }, expires_ms: 9000 }]
+        );
+        assert_eq!(s.get(b"k").unwrap().unwrap(), (bytes::Bytes::from_static(b"vv"), 6));
     }
 
     #[test]

@@ -19,6 +19,13 @@ pub(super) struct Held {
     pub(super) from_seq: u64,
     /// Blocks unlinked since the view began.
     pub(super) unlinked: Mutex<Vec<Slot>>,
+    /// Blocks (their first unit) linked since the view began with a
+    /// version older than the view's next one: a touch rewrites an item
+    /// and keeps its version, so the view's version filter would take the
+    /// new copy (its expiry from after the view's moment) for the view's.
+    /// The walk leaves them out; the copy of the view's moment is in
+    /// `unlinked`. Bounded with `unlinked`: each such write unlinks one.
+    pub(super) relinked: Mutex<std::collections::HashSet<u64>>,
     /// Units held so far.
     pub(super) units: AtomicU64,
     pub(super) aborted: AtomicBool,
@@ -55,6 +62,18 @@ impl Views {
         }
     }
 
+    /// Notes that `slot` is about to be linked with a version older than
+    /// the store's next one (before it is published, so a walk that sees
+    /// the slot sees the note).
+    pub(super) fn note_relinked(&self, slot: Slot) {
+        if self.active.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        for h in lock(&self.list).iter().filter(|h| !h.aborted.load(Ordering::Relaxed)) {
+            lock(&h.relinked).insert(slot.offset_units);
+        }
+    }
+
     /// Retirements from this number on are held (`u64::MAX`: none).
     pub(super) fn hold_from(&self) -> u64 {
         if self.active.load(Ordering::Acquire) == 0 {
@@ -76,6 +95,7 @@ impl Views {
         for h in lock(&self.list).iter() {
             h.aborted.store(true, Ordering::Release);
             lock(&h.unlinked).clear();
+            lock(&h.relinked).clear();
         }
     }
 

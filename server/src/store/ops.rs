@@ -73,6 +73,19 @@ impl Store {
 
     /// Runs one write (see [`Write`]) at server time `now_ms`.
     pub fn write(&self, key: &[u8], w: &Write<'_>, now_ms: u64) -> Result<ItemMeta, Error> {
+        self.write_versioned(key, w, now_ms, None)
+    }
+
+    /// [`Store::write`] with the version given (`Some`: a replicated
+    /// write, whose version is its log index, so every replica gives the
+    /// item the same CAS version; `None`: the store's next).
+    pub fn write_versioned(
+        &self,
+        key: &[u8],
+        w: &Write<'_>,
+        now_ms: u64,
+        version: Option<u64>,
+    ) -> Result<ItemMeta, Error> {
         let needs_current = w.cas != 0 || w.mode != Mode::Set || w.expiry == Expiry::Keep;
         self.write_item(key, needs_current, |cur| {
             let cur = cur.filter(|c| !expired(c.item.expires_at, now_ms));
@@ -99,7 +112,7 @@ impl Store {
                     Expiry::At(at) => at,
                     Expiry::Keep => 0,
                 },
-                version: None,
+                version,
             };
             match (w.mode, &cur) {
                 (Mode::Set, Some(c)) => Ok(Plan { expires_at: keep(c), ..fresh(Cow::Borrowed(w.value)) }),
@@ -110,7 +123,7 @@ impl Store {
                     value: joined(c.item.value, w.mode == Mode::Prepend),
                     flags: c.item.flags,
                     expires_at: c.item.expires_at,
-                    version: None,
+                    version,
                 }),
                 (Mode::Append | Mode::Prepend, None) if w.vivify => Ok(fresh(Cow::Borrowed(w.value))),
                 (Mode::Replace | Mode::Append | Mode::Prepend, None) => Err(Error::NotStored),
@@ -121,6 +134,17 @@ impl Store {
     /// A counter operation at server time `now_ms`: the new value and the
     /// item's meta.
     pub fn arith(&self, key: &[u8], a: &Arith, now_ms: u64) -> Result<(u64, ItemMeta), Error> {
+        self.arith_versioned(key, a, now_ms, None)
+    }
+
+    /// [`Store::arith`] with the version given (see [`Store::write_versioned`]).
+    pub fn arith_versioned(
+        &self,
+        key: &[u8],
+        a: &Arith,
+        now_ms: u64,
+        version: Option<u64>,
+    ) -> Result<(u64, ItemMeta), Error> {
         let mut result = 0;
         let meta = self.write_item(key, true, |cur| {
             let cur = cur.filter(|c| !expired(c.item.expires_at, now_ms));
@@ -141,7 +165,7 @@ impl Store {
                 (Expiry::At(at), Some(_)) => at,
                 _ => old_expiry,
             };
-            Ok(Plan { value: Cow::Owned(value.to_string().into_bytes()), flags, expires_at, version: None })
+            Ok(Plan { value: Cow::Owned(value.to_string().into_bytes()), flags, expires_at, version })
         })?;
         Ok((result, meta))
     }

@@ -13,8 +13,11 @@
 //! it the view is aborted (its reader gets [`ViewError::Aborted`]) and
 //! space flows again.
 //!
-//! An item can be met twice (seen in the index, and unlinked later): both
-//! copies are the same version, and a restore keeps one.
+//! A touch rewrites an item keeping its version, so the version filter
+//! cannot tell its new copy from the view's: such blocks are noted as they
+//! are linked (`Held::relinked`) and left out. An item can still be met
+//! twice when the compactor moved it (seen in the index, and unlinked
+//! later): both copies are the same bytes, and a restore keeps one.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -64,6 +67,7 @@ impl Store {
             id: self.views.next_id.fetch_add(1, Ordering::Relaxed),
             from_seq: self.retire_seq.load(Ordering::Acquire),
             unlinked: Mutex::new(Vec::new()),
+            relinked: Mutex::new(Default::default()),
             units: AtomicU64::new(0),
             aborted: AtomicBool::new(false),
         });
@@ -95,7 +99,11 @@ impl StoreView {
                 return Ok(());
             }
             match decode_item(buf) {
-                Ok(item) if item.version < self.next_version => f(&item),
+                Ok(item)
+                    if item.version < self.next_version && !lock(&self.held.relinked).contains(&slot.offset_units) =>
+                {
+                    f(&item)
+                }
                 _ => Ok(()),
             }
         };
@@ -192,6 +200,31 @@ mod tests {
         assert_eq!(items(&view), before);
         drop(view);
         assert_eq!(s.views.active.load(Ordering::Relaxed), 0);
+    }
+
+    /// A touch after the view began rewrites the item with the version it
+    /// had: the view still holds the item's expiry of its moment, one copy
+    /// of it, though the item was touched twice (the second touch unlinks
+    /// the first's copy too).
+    #[test]
+    fn a_touch_after_the_view_began_is_not_in_it() {
+        const NOW: u64 = 1_800_000_000_000;
+        let s = store(Duration::ZERO);
+        let w = crate::store::item::Write {
+            expiry: crate::store::item::Expiry::At(2_000_000_000),
+            ..crate::store::item::Write::set(b"v")
+        };
+        s.write(b"k", &w, NOW).unwrap();
+        let view = s.view().unwrap();
+        s.touch(b"k", 2_100_000_000, NOW).unwrap().expect("touched");
+        s.touch(b"k", 2_200_000_000, NOW).unwrap().expect("touched again");
+        let mut seen = Vec::new();
+        view.walk(|it| {
+            seen.push(it.expires_at);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(seen, vec![2_000_000_000], "the view's copies of k, by expiry");
     }
 
     /// Writes racing a walk on another thread.
