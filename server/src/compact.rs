@@ -192,6 +192,39 @@ pub fn plan(
     }
 }
 
+/// The free blocks with empty blocks added where a range may also begin
+/// or end: where the area starts, where `dest` does, and at both ends of
+/// every index segment (no item straddles those either), so a range may
+/// also begin at the start of the area or just after a segment, and end
+/// just before the destination or a segment.
+fn bounds(blocks: &[(u64, u64)], area: &Range<u64>, fixed: &[u64], dest: Option<u64>) -> Vec<(u64, u64)> {
+    let mut edges: Vec<u64> = fixed.iter().flat_map(|&s| [s, s + SEGMENT_UNITS as u64]).collect();
+    edges.extend(dest);
+    if blocks.first().is_none_or(|b| b.0 != area.start) {
+        edges.push(area.start);
+    }
+    edges.sort_unstable();
+    let mut bounds = Vec::with_capacity(blocks.len() + edges.len());
+    let mut e = edges.iter().copied().peekable();
+    for &b in blocks {
+        while let Some(at) = e.next_if(|&at| at <= b.0) {
+            bounds.push((at, 0));
+        }
+        bounds.push(b);
+    }
+    bounds.extend(e.map(|at| (at, 0)));
+    bounds
+}
+
+/// Plans a range of `want` units (or a little more) whose items are to be
+/// evicted where they are, for a PUT that waits (`--evict lru`): the one
+/// with the fewest used units, so the fewest items go. Moving items is no
+/// use in a full cache: they need a block as large as what they leave.
+pub fn plan_eviction(blocks: &[(u64, u64)], area: Range<u64>, want: u64, skip: &[u64], fixed: &[u64]) -> Option<Plan> {
+    let bounds = bounds(blocks, &area, fixed, None);
+    plan(&bounds, area, want, Pick::Emptiest, 0..0, skip, fixed)
+}
+
 /// Plans a step towards a free block of `want` units: the longest range
 /// (up to `want`) whose used units fit in the largest free block, so that
 /// once it is empty the largest free block has grown. Each step needs only
@@ -208,25 +241,7 @@ pub fn plan_step(
 ) -> Option<Plan> {
     let &(dest, dest_len) = blocks.iter().max_by_key(|&&(at, len)| (len, std::cmp::Reverse(at)))?;
     let avoid = dest..dest + dest_len;
-    // Empty blocks where the area starts, where the destination does, and
-    // at both ends of every index segment (no item straddles those
-    // either), so a range may also begin at the start of the area or just
-    // after a segment, and end just before the destination or a segment.
-    let mut edges: Vec<u64> = fixed.iter().flat_map(|&s| [s, s + SEGMENT_UNITS as u64]).collect();
-    edges.push(dest);
-    if blocks.first().is_none_or(|b| b.0 != area.start) {
-        edges.push(area.start);
-    }
-    edges.sort_unstable();
-    let mut bounds = Vec::with_capacity(blocks.len() + edges.len());
-    let mut e = edges.iter().copied().peekable();
-    for &b in blocks {
-        while let Some(at) = e.next_if(|&at| at <= b.0) {
-            bounds.push((at, 0));
-        }
-        bounds.push(b);
-    }
-    bounds.extend(e.map(|at| (at, 0)));
+    let bounds = bounds(blocks, &area, fixed, Some(dest));
     let fits =
         |len: u64| plan(&bounds, area.clone(), len, pick, avoid.clone(), skip, fixed).filter(|p| p.used <= dest_len);
     if let Pick::After(_) = pick {
@@ -317,14 +332,14 @@ impl Compactor {
     /// pieces.
     pub fn after_out_of_memory(&self, units: u64) -> Option<Duration> {
         let store = &self.shared.store;
-        // Space in its grace period comes back by itself.
-        if let Some(wait) = store.reclaim_wait() {
-            return Some(wait.max(Duration::from_millis(1)));
-        }
         let space = store.space();
         if space.free + space.parked < units {
-            return None;
+            // Space in its grace period comes back by itself.
+            return store.reclaim_wait().map(|wait| wait.max(Duration::from_millis(1)));
         }
+        // Free space would do, in pieces: ask for a block now, even while
+        // some space waits out its grace period (with eviction on, some
+        // always does, and the refusal would never reach the compactor).
         self.shared.stats.demands.fetch_add(1, Ordering::Relaxed);
         self.shared.demand.fetch_max(units, Ordering::Relaxed);
         self.notify();
@@ -393,7 +408,14 @@ fn run(s: &Shared) {
         // while a PUT may be about to take it.
         let quiet = last_demand.is_some_and(|t| t.elapsed() < DEMAND_QUIET);
         let (why, want, pick) = if need > 0 {
-            (Some(Why::Demand(need)), need, Pick::Emptiest)
+            // A block made for an earlier demand may be waiting for the
+            // PUT that asked: moving items into it (the largest) would
+            // break it up again.
+            if s.store.space().largest_free >= need {
+                (None, 0, Pick::Emptiest)
+            } else {
+                (Some(Why::Demand(need)), need, Pick::Emptiest)
+            }
         } else {
             let space = s.store.space();
             match background_work(s.mode, space, window).filter(|_| !quiet) {
@@ -405,7 +427,12 @@ fn run(s: &Shared) {
         let planning = Instant::now();
         let planned = why.and_then(|why| {
             let fixed = s.store.segment_starts();
-            Some((why, plan_step(&s.store.free_blocks(), area, want, pick, &skip, &fixed)?))
+            let blocks = s.store.free_blocks();
+            let step = match why {
+                Why::Demand(_) if s.store.evicts() => plan_eviction(&blocks, area, want, &skip, &fixed),
+                _ => plan_step(&blocks, area, want, pick, &skip, &fixed),
+            };
+            Some((why, step?))
         });
         // Planning is work too: paced like moves unless a PUT waits.
         if why.is_some_and(|w| !matches!(w, Why::Demand(_))) {
@@ -441,12 +468,15 @@ fn run(s: &Shared) {
 
 /// Carries out a step: park the range, reserve room for its items at the
 /// destination, move them there, wait for the range to come back free.
-/// Whether it did.
+/// Whether it did. With eviction on, a range for a PUT that waits has its
+/// items evicted where they are instead ([`plan_eviction`]): memcached
+/// too evicts a slab page's items to give a large item a page.
 fn empty_range(s: &Shared, plan: &Plan, why: Why) -> bool {
     let range = plan.range.clone();
     let Some(items) = s.store.begin_evacuation(range.clone()) else { return false };
+    let evict = matches!(why, Why::Demand(_)) && s.store.evicts();
     // Items straddling the range's ends count whole.
-    let total: u64 = items.iter().map(Candidate::units).sum();
+    let total: u64 = if evict { 0 } else { items.iter().map(Candidate::units).sum() };
     // Into the largest free block as it is now (writes may have taken the
     // front of the planned one meanwhile).
     let dest = match total {
@@ -470,7 +500,9 @@ fn empty_range(s: &Shared, plan: &Plan, why: Why) -> bool {
             outcome = Err("stopping");
             break;
         }
-        if s.store.relocate(c, to) == Relocation::Moved {
+        if evict {
+            s.store.evict_listed(c);
+        } else if s.store.relocate(c, to) == Relocation::Moved {
             to += c.units();
         }
         // A demand that arrives meanwhile speeds the rest up.

@@ -62,6 +62,9 @@ pub struct Counters {
     pub get_expired: AtomicU64,
     /// Items evicted to make room (`--evict lru`).
     pub evictions: AtomicU64,
+    /// Of those, items evicted where they were because a write needed
+    /// their range in one piece (`Store::evict_listed`).
+    pub evicted_for_room: AtomicU64,
     pub puts: AtomicU64,
     pub deletes: AtomicU64,
     pub out_of_memory: AtomicU64,

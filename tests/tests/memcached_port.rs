@@ -169,6 +169,42 @@ fn text_and_meta_commands_over_a_socket() {
     assert!(c.closed());
 }
 
+/// Where a third-party suite found dmkv answering other than memcached
+/// does: HTTP request lines and over-long lines close the connection
+/// without a word, a length past an int is a bad line, `stats cachedump`
+/// lists keys, `cache_memlimit` is answered.
+#[test]
+fn odd_requests_get_memcacheds_answers() {
+    let srv = ServerProcess::start(&["--memory", "16MiB", "--memcached-listen", "127.0.0.1:0"]);
+    let port = port_of(&srv);
+    // Closed at once, nothing written back (a timeout would be an error).
+    let hung_up = |req: &[u8]| {
+        let mut c = Conn::new(port);
+        c.send(req);
+        let mut rest = Vec::new();
+        let r = c.s.read_to_end(&mut rest);
+        assert!(
+            r.is_ok() && rest.is_empty(),
+            "{:?}: {r:?}, {:?}",
+            String::from_utf8_lossy(&req[..40.min(req.len())]),
+            String::from_utf8_lossy(&rest)
+        );
+    };
+    hung_up(b"GET / HTTP/1.0\r\n\r\n");
+    hung_up(b"PUT /x HTTP/1.1\r\nHost: a\r\n\r\n");
+    hung_up(&[&b"set k 0 0 1"[..], &[b' '; 3000]].concat());
+    let mut c = Conn::new(port);
+    assert_eq!(c.ask("set k 0 0 4294967295\r\n", 1), ["CLIENT_ERROR bad command line format\r\n"]);
+    assert_eq!(c.ask("set dump-me 0 0 5\r\nhello\r\n", 1), ["STORED\r\n"]);
+    assert_eq!(c.ask("stats cachedump 1 1\r\n", 2), ["ITEM dump-me [5 b; 0 s]\r\n", "END\r\n"]);
+    assert_eq!(c.ask("stats cachedump 2 0\r\n", 1), ["END\r\n"]);
+    assert_eq!(c.ask("stats items\r\n", 2), ["STAT items:1:number 1\r\n", "END\r\n"]);
+    assert_eq!(c.ask("cache_memlimit 64\r\n", 1), ["OK\r\n"]);
+    assert_eq!(c.ask("cache_memlimit 8\r\n", 1), ["MEMLIMIT_ADJUST_FAILED out of bounds or unable to adjust\r\n"]);
+    assert_eq!(c.ask("cache_memlimit 2\r\n", 1), ["MEMLIMIT_TOO_SMALL cannot set maxbytes to less than 8m\r\n"]);
+    assert_eq!(c.ask("cache_memlimit 64 noreply\r\nmn\r\n", 1), ["MN\r\n"]);
+}
+
 #[test]
 fn authentication_as_memcached_does_it_with_sasl_off() {
     let dir = TempDir::new("memcached-auth");

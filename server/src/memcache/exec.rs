@@ -22,7 +22,7 @@ pub enum Close {
     Quit,
     /// A command before authenticating, or a failed authentication.
     Unauthenticated,
-    /// Input memcached closes on (a line too long).
+    /// Input memcached closes on (a line too long, an HTTP request).
     Protocol(&'static str),
 }
 
@@ -48,6 +48,23 @@ pub enum Step {
     Swallow(usize),
     /// Answered; close the connection.
     Close(Close),
+}
+
+/// The answer to `cache_memlimit <megabytes>`, memcached's. dmkv's region
+/// is mapped (and registered for one-sided reads) once, so it can neither
+/// grow nor shrink: a limit at or above it is already met (OK), one below
+/// it cannot be (memcached's answer when it cannot adjust, as with its
+/// preallocated memory).
+fn mem_limit(svc: &Service, megabytes: u32) -> &'static str {
+    if megabytes < 8 {
+        "MEMLIMIT_TOO_SMALL cannot set maxbytes to less than 8m"
+    } else if megabytes > 1_000_000_000 {
+        "MEMLIMIT_ADJUST_FAILED input value is megabytes not bytes"
+    } else if u64::from(megabytes) << 20 >= svc.node.store().header().region_len {
+        "OK"
+    } else {
+        "MEMLIMIT_ADJUST_FAILED out of bounds or unable to adjust"
+    }
 }
 
 /// Runs `req`, appending its reply to `out`. A get resumes at key `from`.
@@ -151,8 +168,12 @@ pub async fn execute(req: &Request<'_>, svc: &Service, out: &mut BytesMut, from:
                 c.reset();
                 line(out, "RESET");
             }
+            StatsKind::Items => stats::items(svc, out),
+            StatsKind::CacheDump { class, limit } => stats::cachedump(svc, *class, *limit, out).await,
             StatsKind::Unknown => line(out, "ERROR"),
         },
+        Request::MemLimit { megabytes, noreply } => reply(out, *noreply, mem_limit(svc, *megabytes)),
+        Request::Close(why) => return Step::Close(Close::Protocol(why)),
         Request::Meta(m) => meta::execute(m, kv, c, out).await,
         Request::MetaNoop => line(out, "MN"),
         Request::Error { msg, swallow, close } => {

@@ -7,6 +7,8 @@ use bytes::BytesMut;
 pub mod err {
     pub const ERROR: &str = "ERROR";
     pub const BAD_FORMAT: &str = "CLIENT_ERROR bad command line format";
+    pub const BAD_LINE: &str = "CLIENT_ERROR bad command line";
+    pub const BAD_SLAB_ID: &str = "CLIENT_ERROR Illegal slab id";
     pub const BAD_DELETE: &str = "CLIENT_ERROR bad command line format.  Usage: delete <key> [noreply]";
     pub const BAD_CHUNK: &str = "CLIENT_ERROR bad data chunk";
     pub const LINE_TOO_LONG: &str = "CLIENT_ERROR line too long";

@@ -64,3 +64,44 @@ pub fn general(svc: &Service, out: &mut BytesMut) {
     }
     out.extend_from_slice(b"END\r\n");
 }
+
+/// `stats items`: dmkv keeps no size classes, so all its items are class
+/// 1's (what tools that walk the classes to dump keys look for).
+pub fn items(svc: &Service, out: &mut BytesMut) {
+    let n = svc.node.store().counters.items.load(Relaxed);
+    if n > 0 {
+        out.extend_from_slice(format!("STAT items:1:number {n}\r\n").as_bytes());
+    }
+    out.extend_from_slice(b"END\r\n");
+}
+
+/// Most bytes of one cachedump reply (memcached's bound, which `limit 0`
+/// fills).
+pub const MAX_CACHEDUMP_BYTES: usize = 2 << 20;
+
+/// `stats cachedump <class> <limit>`: `ITEM key [bytes b; expiry s]` for
+/// up to `limit` live items of class 1 (the only one), memcached's lines;
+/// the expiry is a unix time, 0 for none. Walked off the async workers.
+pub async fn cachedump(svc: &Service, class: u32, limit: u32, out: &mut BytesMut) {
+    if class == 1 {
+        let store = std::sync::Arc::clone(svc.node.store());
+        let now_ms = svc.kv().now_ms();
+        // Each line takes at least 16 bytes besides its key.
+        let max = if limit == 0 { MAX_CACHEDUMP_BYTES / 16 } else { limit as usize };
+        let listed = tokio::task::spawn_blocking(move || store.list(max, now_ms)).await.unwrap_or_default();
+        let start = out.len();
+        // Keys the native API stored that the text protocol cannot name
+        // (spaces, control bytes) would break the reply's lines.
+        for (key, len, expires_at) in listed.into_iter().filter(|(k, ..)| super::token::key_ok(k) && !k.contains(&b' '))
+        {
+            let line = format!(" [{len} b; {expires_at} s]\r\n");
+            if out.len() - start + 5 + key.len() + line.len() > MAX_CACHEDUMP_BYTES {
+                break;
+            }
+            out.extend_from_slice(b"ITEM ");
+            out.extend_from_slice(&key);
+            out.extend_from_slice(line.as_bytes());
+        }
+    }
+    out.extend_from_slice(b"END\r\n");
+}

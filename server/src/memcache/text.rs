@@ -15,7 +15,7 @@ pub use super::token::{MAX_KEY_LEN, key_ok, number};
 use crate::kv::Mode;
 
 /// Longest command line (memcached's bound: longer ones close the
-/// connection unless they are a multi-key get).
+/// connection, without a reply, unless they are a multi-key get).
 pub const MAX_LINE_LEN: usize = 2048;
 /// Longest get/gets/gat/gats line: the only lines that grow with the number
 /// of keys. Bounds the keys of one get too (each takes at least 2 bytes).
@@ -75,6 +75,15 @@ pub enum Request<'a> {
     Meta(meta::Meta<'a>),
     /// mn.
     MetaNoop,
+    /// cache_memlimit: the megabytes asked for (at least 8, at most
+    /// memcached's 1e9; other values are answered as memcached does).
+    MemLimit {
+        megabytes: u32,
+        noreply: bool,
+    },
+    /// Input memcached closes the connection on without a word (a line
+    /// too long, an HTTP request): `why` is logged.
+    Close(&'static str),
     /// Answer `msg`; then skip `swallow` more bytes of input (the data
     /// block of a refused storage command), or close if `close`.
     Error {
@@ -102,11 +111,16 @@ pub struct Store<'a> {
 pub enum StatsKind {
     /// `stats`: the general statistics.
     General,
-    /// `stats settings|items|slabs|sizes|conns`: nothing dmkv keeps, so
+    /// `stats settings|slabs|sizes|conns`: nothing dmkv keeps, so
     /// just END.
     Empty,
     /// `stats reset`.
     Reset,
+    /// `stats items`: one class, dmkv's items are not in size classes.
+    Items,
+    /// `stats cachedump <class> <limit>`: up to `limit` items (0: as many
+    /// as fit memcached's 2 MB) of class `class`.
+    CacheDump { class: u32, limit: u32 },
     /// Anything else: ERROR.
     Unknown,
 }
@@ -119,24 +133,21 @@ fn error(len: usize, msg: &'static str) -> Parsed<'static> {
 /// command's data block (larger ones are refused and skipped); it is
 /// `MAX_VALUE_LEN` once a connection is authenticated.
 pub fn parse(buf: &[u8], max_value: usize) -> Parsed<'_> {
-    let Some(nl) = buf.iter().position(|&b| b == b'\n') else {
-        let limit = if starts_with_retrieval(buf) { MAX_KEYS_LINE_LEN } else { MAX_LINE_LEN };
-        if buf.len() > limit {
+    let nl = buf.iter().position(|&b| b == b'\n');
+    let line_len = nl.map_or(buf.len(), |nl| nl + 1);
+    if starts_with_retrieval(buf) {
+        // memcached reads a get's keys without bound; dmkv stops at its own
+        // and says so.
+        if line_len > MAX_KEYS_LINE_LEN {
             return Parsed::Request {
-                len: buf.len(),
+                len: line_len,
                 req: Request::Error { msg: err::LINE_TOO_LONG, swallow: 0, close: true },
             };
         }
-        return Parsed::Incomplete;
-    };
-    let line_len = nl + 1;
-    let limit = if starts_with_retrieval(buf) { MAX_KEYS_LINE_LEN } else { MAX_LINE_LEN };
-    if line_len > limit {
-        return Parsed::Request {
-            len: line_len,
-            req: Request::Error { msg: err::LINE_TOO_LONG, swallow: 0, close: true },
-        };
+    } else if line_len > MAX_LINE_LEN {
+        return Parsed::Request { len: line_len, req: Request::Close("a command line longer than 2048 bytes") };
     }
+    let Some(nl) = nl else { return Parsed::Incomplete };
     let line = buf[..nl].strip_suffix(b"\r").unwrap_or(&buf[..nl]);
     let mut toks = line.split(|&b| b == b' ').filter(|t| !t.is_empty());
     let Some(cmd) = toks.next() else { return error(line_len, err::ERROR) };
@@ -213,22 +224,46 @@ pub fn parse(buf: &[u8], max_value: usize) -> Parsed<'_> {
         b"version" => Request::Version,
         b"verbosity" if !args.is_empty() && args.len() <= 2 => Request::Verbosity { noreply },
         b"quit" => Request::Quit,
-        b"stats" => Request::Stats(match args.as_slice() {
-            [] => StatsKind::General,
-            [b"settings" | b"items" | b"slabs" | b"sizes" | b"conns"] => StatsKind::Empty,
-            [b"reset"] => StatsKind::Reset,
-            _ => StatsKind::Unknown,
-        }),
+        b"stats" => match args.as_slice() {
+            [] => Request::Stats(StatsKind::General),
+            [b"settings" | b"slabs" | b"sizes" | b"conns"] => Request::Stats(StatsKind::Empty),
+            [b"items"] => Request::Stats(StatsKind::Items),
+            [b"reset"] => Request::Stats(StatsKind::Reset),
+            [b"cachedump", rest @ ..] => cachedump(rest),
+            _ => Request::Stats(StatsKind::Unknown),
+        },
+        b"cache_memlimit" if matches!(args.len(), 1 | 2) => match number::<u32>(args[0]) {
+            None => Request::Error { msg: err::ERROR, swallow: 0, close: false },
+            Some(megabytes) => Request::MemLimit { megabytes, noreply },
+        },
         b"mn" => Request::MetaNoop,
         b"mg" | b"md" | b"ma" | b"me" => match meta::parse(cmd, &args, None) {
             Ok(m) => Request::Meta(m),
             Err(msg) => Request::Error { msg, swallow: 0, close: false },
         },
         b"ms" => return meta_set(buf, line_len, &args, max_value),
+        // What a browser sends to the port (`GET / HTTP/1.1`, a form's
+        // POST): memcached hangs up on it, so cross-protocol requests
+        // from web pages get no further than the first line.
+        _ if args.last().unwrap_or(&cmd).starts_with(b"HTTP/") => Request::Close("an HTTP request"),
         _ => Request::Error { msg: err::ERROR, swallow: 0, close: false },
     };
     Parsed::Request { len: line_len, req }
 }
+
+/// `stats cachedump <class> <limit>`, as memcached checks it.
+fn cachedump(args: &[&[u8]]) -> Request<'static> {
+    let error = |msg| Request::Error { msg, swallow: 0, close: false };
+    let [class, limit, ..] = args else { return error(err::BAD_LINE) };
+    match (number::<u32>(class), number::<u32>(limit)) {
+        (Some(class), _) if class >= MAX_SLAB_CLASSES => error(err::BAD_SLAB_ID),
+        (Some(class), Some(limit)) => Request::Stats(StatsKind::CacheDump { class, limit }),
+        _ => error(err::BAD_FORMAT),
+    }
+}
+
+/// memcached's bound on a slab class id (`MAX_NUMBER_OF_SLAB_CLASSES`).
+pub const MAX_SLAB_CLASSES: u32 = 64;
 
 /// Whether `buf` begins a line that may carry many keys.
 fn starts_with_retrieval(buf: &[u8]) -> bool {
@@ -273,7 +308,7 @@ fn storage<'a>(
     }
     // Without a length there is no knowing where the data block ends: the
     // line alone is refused, as memcached does.
-    let Some(vlen) = number::<i32>(args[3]).and_then(|v| usize::try_from(v).ok()) else {
+    let Some(vlen) = number::<i32>(args[3]).filter(|&v| v <= i32::MAX - 2).and_then(|v| usize::try_from(v).ok()) else {
         return error(line_len, err::BAD_FORMAT);
     };
     let swallow = |msg| Parsed::Request { len: line_len, req: Request::Error { msg, swallow: vlen + 2, close: false } };

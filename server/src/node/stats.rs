@@ -51,6 +51,7 @@ pub fn store_stats(s: &Store) -> Vec<(&'static str, u64)> {
         ("get_hits", load(&c.get_hits)),
         ("get_expired", load(&c.get_expired)),
         ("evictions", load(&c.evictions)),
+        ("evicted_for_room", load(&c.evicted_for_room)),
         ("puts", load(&c.puts)),
         ("deletes", load(&c.deletes)),
         ("items", load(&c.items)),

@@ -54,6 +54,28 @@ impl Store {
         (items, sum)
     }
 
+    /// Up to `max` live items at server time `now_ms`, as (key, value
+    /// length, expiry), in index order (memcached's `stats cachedump`).
+    /// Read as GETs read, under an epoch guard and not the writer lock, so
+    /// writes go on meanwhile and the list is no one moment's picture.
+    pub fn list(&self, max: usize, now_ms: u64) -> Vec<(Vec<u8>, usize, u32)> {
+        let _guard = crossbeam_epoch::pin();
+        let mut buf = Vec::new();
+        let mut out = Vec::new();
+        for (_, _, _, slot) in self.live_slots() {
+            if out.len() >= max {
+                break;
+            }
+            if self.read_verified(slot, &mut buf)
+                && let Ok(it) = decode_item(&buf)
+                && !dmkv_common::expiry::expired(it.expires_at, now_ms)
+            {
+                out.push((it.key.to_vec(), it.value.len(), it.expires_at));
+            }
+        }
+        out
+    }
+
     /// Every live key (for emptying the store).
     fn keys(&self) -> Vec<Vec<u8>> {
         let mut keys = Vec::new();

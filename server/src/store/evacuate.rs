@@ -18,8 +18,9 @@ use crossbeam_epoch as epoch;
 use dmkv_common::layout::Slot;
 use dmkv_common::limits::{UNIT, WORDS_PER_BUCKET};
 
-use super::Store;
+use super::index::Seg;
 use super::relocation::{Candidate, Relocation};
+use super::{Store, Writer};
 
 /// Free blocks copied per hold of the writer lock (about 0.3 ms).
 const FREE_BLOCKS_PER_LOCK: usize = 16_384;
@@ -122,15 +123,11 @@ impl Store {
         }
     }
 
-    /// Moves one listed item out of the parked range into the reserved
-    /// units at `to` (as many as the item has). On anything but `Moved`
-    /// those units are still the caller's.
-    pub fn relocate(&self, c: &Candidate, to: u64) -> Relocation {
+    /// Where a listed item's slot is now, if it is still the one listed:
+    /// (segment, bucket, slot index, slot).
+    fn find_listed<'s>(&'s self, w: &mut Writer, c: &Candidate) -> Option<(&'s Seg, usize, usize, Slot)> {
         let (bucket, i) = (c.pos / WORDS_PER_BUCKET, c.pos % WORDS_PER_BUCKET - 1);
-        let guard = epoch::pin();
-        let mut w = lock(&self.writer);
-        let w = &mut *w;
-        let Some(old) = Slot::unpack(c.word) else { return Relocation::Gone };
+        let old = Slot::unpack(c.word)?;
         let mut seg = self.index.seg(c.seg);
         if !seg.live.load(Ordering::Acquire) || seg.slot(bucket, i) != c.word {
             // The segment may have split since the listing (and its id been
@@ -139,12 +136,35 @@ impl Store {
             let mut probe = std::mem::take(&mut w.scratch);
             let kh = self.key_of(old, &mut probe);
             w.scratch = probe;
-            let Some(kh) = kh else { return Relocation::Gone };
-            seg = self.index.segment(&kh).1;
+            seg = self.index.segment(&kh?).1;
         }
-        if seg.slot(bucket, i) != c.word {
-            return Relocation::Gone;
-        }
+        (seg.slot(bucket, i) == c.word).then_some((seg, bucket, i, old))
+    }
+
+    /// Evicts one listed item of the parked range instead of moving it
+    /// (`--evict lru`, when a write needs the range in one piece and there
+    /// is no block to move its items into): unlinked and retired as any
+    /// eviction, so the range still comes back after the grace period.
+    pub fn evict_listed(&self, c: &Candidate) -> Relocation {
+        let guard = epoch::pin();
+        let mut w = lock(&self.writer);
+        let Some((seg, bucket, i, old)) = self.find_listed(&mut w, c) else { return Relocation::Gone };
+        self.set_slot(seg, bucket, i, Slot::EMPTY);
+        self.counters.items.fetch_sub(1, Ordering::Relaxed);
+        self.counters.evictions.fetch_add(1, Ordering::Relaxed);
+        self.counters.evicted_for_room.fetch_add(1, Ordering::Relaxed);
+        self.retire(old, &guard);
+        Relocation::Evicted
+    }
+
+    /// Moves one listed item out of the parked range into the reserved
+    /// units at `to` (as many as the item has). On anything but `Moved`
+    /// those units are still the caller's.
+    pub fn relocate(&self, c: &Candidate, to: u64) -> Relocation {
+        let guard = epoch::pin();
+        let mut w = lock(&self.writer);
+        let w = &mut *w;
+        let Some((seg, bucket, i, old)) = self.find_listed(w, c) else { return Relocation::Gone };
         let mut buf = std::mem::take(&mut w.scratch);
         if !self.read_verified(old, &mut buf) {
             // Its value is lost either way (as in `find_for_write`); left

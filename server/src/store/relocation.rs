@@ -26,4 +26,6 @@ pub enum Relocation {
     /// The key was overwritten or deleted since it was listed (or its item
     /// no longer verified and was unlinked): nothing to move.
     Gone,
+    /// Evicted where it was ([`super::Store::evict_listed`]).
+    Evicted,
 }
