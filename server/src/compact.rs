@@ -332,14 +332,16 @@ impl Compactor {
     /// pieces.
     pub fn after_out_of_memory(&self, units: u64) -> Option<Duration> {
         let store = &self.shared.store;
+        // Space in its grace period comes back by itself (and asking
+        // drives the epoch on)...
+        let reclaim = store.reclaim_wait().map(|wait| wait.max(Duration::from_millis(1)));
         let space = store.space();
-        if space.free + space.parked < units {
-            // Space in its grace period comes back by itself.
-            return store.reclaim_wait().map(|wait| wait.max(Duration::from_millis(1)));
+        // ... so wait for it, unless the store evicts: then some space
+        // always waits out its grace period, and a write that needs a
+        // block larger than any would never reach the compactor.
+        if space.free + space.parked < units || (reclaim.is_some() && !store.evicts()) {
+            return reclaim;
         }
-        // Free space would do, in pieces: ask for a block now, even while
-        // some space waits out its grace period (with eviction on, some
-        // always does, and the refusal would never reach the compactor).
         self.shared.stats.demands.fetch_add(1, Ordering::Relaxed);
         self.shared.demand.fetch_max(units, Ordering::Relaxed);
         self.notify();

@@ -93,8 +93,10 @@ impl crate::framed::Handler for Conn {
     }
 
     fn logged(e: &Close) -> bool {
-        // Quitting is normal; failed authentications are logged by the gate.
-        matches!(e, Close::Quit | Close::Unauthenticated)
+        // Quitting is normal; failed authentications are logged by the
+        // gate; what memcached hangs up on (HTTP, long lines) anyone can
+        // send, so a warning each time would let them flood the log.
+        matches!(e, Close::Quit | Close::Unauthenticated | Close::Protocol(_))
     }
 }
 

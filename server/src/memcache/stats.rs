@@ -78,22 +78,31 @@ pub fn items(svc: &Service, out: &mut BytesMut) {
 /// Most bytes of one cachedump reply (memcached's bound, which `limit 0`
 /// fills).
 pub const MAX_CACHEDUMP_BYTES: usize = 2 << 20;
+/// Most bytes of items one cachedump reads to find its keys.
+pub const MAX_CACHEDUMP_READ: u64 = 16 << 20;
+/// Cachedumps run one at a time (each walks the index).
+static CACHEDUMPS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1);
 
 /// `stats cachedump <class> <limit>`: `ITEM key [bytes b; expiry s]` for
 /// up to `limit` live items of class 1 (the only one), memcached's lines;
 /// the expiry is a unix time, 0 for none. Walked off the async workers.
 pub async fn cachedump(svc: &Service, class: u32, limit: u32, out: &mut BytesMut) {
-    if class == 1 {
+    if class == 1
+        && let Ok(_one) = CACHEDUMPS.acquire().await
+    {
         let store = std::sync::Arc::clone(svc.node.store());
         let now_ms = svc.kv().now_ms();
         // Each line takes at least 16 bytes besides its key.
-        let max = if limit == 0 { MAX_CACHEDUMP_BYTES / 16 } else { limit as usize };
-        let listed = tokio::task::spawn_blocking(move || store.list(max, now_ms)).await.unwrap_or_default();
-        let start = out.len();
+        let most = MAX_CACHEDUMP_BYTES / 16;
+        let max = if limit == 0 { most } else { (limit as usize).min(most) };
         // Keys the native API stored that the text protocol cannot name
         // (spaces, control bytes) would break the reply's lines.
-        for (key, len, expires_at) in listed.into_iter().filter(|(k, ..)| super::token::key_ok(k) && !k.contains(&b' '))
-        {
+        let keep = |k: &[u8]| super::token::key_ok(k) && !k.contains(&b' ');
+        let listed = tokio::task::spawn_blocking(move || store.list(max, MAX_CACHEDUMP_READ, now_ms, keep))
+            .await
+            .unwrap_or_default();
+        let start = out.len();
+        for (key, len, expires_at) in listed {
             let line = format!(" [{len} b; {expires_at} s]\r\n");
             if out.len() - start + 5 + key.len() + line.len() > MAX_CACHEDUMP_BYTES {
                 break;

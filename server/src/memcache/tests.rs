@@ -140,6 +140,7 @@ fn memcacheds_answers_to_odd_requests() {
     assert_eq!(error_of(b"stats cachedump 1\r\n").0, err::BAD_LINE);
     assert_eq!(error_of(b"stats cachedump 64 1\r\n").0, err::BAD_SLAB_ID);
     assert_eq!(error_of(b"stats cachedump x 1\r\n").0, err::BAD_FORMAT);
+    assert_eq!(error_of(b"stats cachedump 64 x\r\n").0, err::BAD_FORMAT);
     assert_eq!(one(b"stats items\r\n"), Request::Stats(StatsKind::Items));
     assert_eq!(one(b"cache_memlimit 100\r\n"), Request::MemLimit { megabytes: 100, noreply: false });
     assert_eq!(one(b"cache_memlimit 8 noreply\r\n"), Request::MemLimit { megabytes: 8, noreply: true });

@@ -256,7 +256,7 @@ fn cachedump(args: &[&[u8]]) -> Request<'static> {
     let error = |msg| Request::Error { msg, swallow: 0, close: false };
     let [class, limit, ..] = args else { return error(err::BAD_LINE) };
     match (number::<u32>(class), number::<u32>(limit)) {
-        (Some(class), _) if class >= MAX_SLAB_CLASSES => error(err::BAD_SLAB_ID),
+        (Some(class), Some(_)) if class >= MAX_SLAB_CLASSES => error(err::BAD_SLAB_ID),
         (Some(class), Some(limit)) => Request::Stats(StatsKind::CacheDump { class, limit }),
         _ => error(err::BAD_FORMAT),
     }

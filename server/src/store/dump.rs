@@ -54,21 +54,32 @@ impl Store {
         (items, sum)
     }
 
-    /// Up to `max` live items at server time `now_ms`, as (key, value
-    /// length, expiry), in index order (memcached's `stats cachedump`).
+    /// Up to `max` live items at server time `now_ms` whose keys `keep`
+    /// takes, as (key, value length, expiry), in index order (memcached's
+    /// `stats cachedump`), reading at most about `max_bytes` of items.
     /// Read as GETs read, under an epoch guard and not the writer lock, so
-    /// writes go on meanwhile and the list is no one moment's picture.
-    pub fn list(&self, max: usize, now_ms: u64) -> Vec<(Vec<u8>, usize, u32)> {
+    /// writes go on meanwhile and the list is no one moment's picture; the
+    /// bounds keep the guard (which holds back reclaiming) short.
+    pub fn list(
+        &self,
+        max: usize,
+        max_bytes: u64,
+        now_ms: u64,
+        keep: impl Fn(&[u8]) -> bool,
+    ) -> Vec<(Vec<u8>, usize, u32)> {
         let _guard = crossbeam_epoch::pin();
         let mut buf = Vec::new();
         let mut out = Vec::new();
+        let mut read = 0u64;
         for (_, _, _, slot) in self.live_slots() {
-            if out.len() >= max {
+            if out.len() >= max || read >= max_bytes {
                 break;
             }
+            read += u64::from(slot.units) * dmkv_common::limits::UNIT as u64;
             if self.read_verified(slot, &mut buf)
                 && let Ok(it) = decode_item(&buf)
                 && !dmkv_common::expiry::expired(it.expires_at, now_ms)
+                && keep(it.key)
             {
                 out.push((it.key.to_vec(), it.value.len(), it.expires_at));
             }

@@ -178,6 +178,10 @@ impl Store {
         debug_assert!(w.alloc.parked().is_none_or(|r| to + u64::from(old.units) <= r.start || r.end <= to));
         self.region.write(to * UNIT as u64, &buf);
         let new = Slot { offset_units: to, ..old };
+        // A copy made after a view began: the view has the old one (in its
+        // unlinked list once retired below), which may be older than this
+        // one if a touch came between the view and the move.
+        self.views.note_relinked(new);
         self.set_slot(seg, bucket, i, new.pack());
         // A move is no use: the item keeps its recency (eviction).
         self.note_moved(old.offset_units, to);

@@ -56,6 +56,7 @@ impl Views {
             if held > max_units {
                 h.aborted.store(true, Ordering::Release);
                 lock(&h.unlinked).clear();
+                lock(&h.relinked).clear();
                 continue;
             }
             lock(&h.unlinked).push(slot);
@@ -63,8 +64,8 @@ impl Views {
     }
 
     /// Notes that `slot` is about to be linked with a version older than
-    /// the store's next one (before it is published, so a walk that sees
-    /// the slot sees the note).
+    /// the store's next one, by a touch or a compactor move (before it is
+    /// published, so a walk that sees the slot sees the note).
     pub(super) fn note_relinked(&self, slot: Slot) {
         if self.active.load(Ordering::Acquire) == 0 {
             return;

@@ -13,11 +13,11 @@
 //! it the view is aborted (its reader gets [`ViewError::Aborted`]) and
 //! space flows again.
 //!
-//! A touch rewrites an item keeping its version, so the version filter
-//! cannot tell its new copy from the view's: such blocks are noted as they
-//! are linked (`Held::relinked`) and left out. An item can still be met
-//! twice when the compactor moved it (seen in the index, and unlinked
-//! later): both copies are the same bytes, and a restore keeps one.
+//! A touch rewrites an item keeping its version, and so does a compactor
+//! move, so the version filter cannot tell such a copy from the view's:
+//! their blocks are noted as they are linked (`Held::relinked`) and left
+//! out, and the view's copy is met in the unlinked list. So the walk meets
+//! every item of the view once.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -121,7 +121,11 @@ impl StoreView {
             }
         }
         // Everything of the view not met in the index was unlinked before
-        // its segment was walked: it is in this list by now.
+        // its segment was walked, and is in this list once the write that
+        // unlinked it has retired it: writes publish the new slot, then
+        // retire the old block, under the writer lock, so taking the lock
+        // once waits out a write the walk saw half done.
+        drop(lock(&self.store.writer));
         let unlinked = std::mem::take(&mut *lock(&self.held.unlinked));
         if aborted() {
             return Err(ViewError::Aborted.to_string());
@@ -218,6 +222,35 @@ mod tests {
         let view = s.view().unwrap();
         s.touch(b"k", 2_100_000_000, NOW).unwrap().expect("touched");
         s.touch(b"k", 2_200_000_000, NOW).unwrap().expect("touched again");
+        let mut seen = Vec::new();
+        view.walk(|it| {
+            seen.push(it.expires_at);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(seen, vec![2_000_000_000], "the view's copies of k, by expiry");
+    }
+
+    /// The compactor moves a copy a touch made after the view began: the
+    /// moved copy is not the view's either.
+    #[test]
+    fn a_touched_item_moved_after_the_view_began_is_not_in_it() {
+        use crate::store::{Candidate, Relocation};
+        const NOW: u64 = 1_800_000_000_000;
+        let s = store(Duration::ZERO);
+        let w = crate::store::item::Write {
+            expiry: crate::store::item::Expiry::At(2_000_000_000),
+            ..crate::store::item::Write::set(b"v")
+        };
+        s.write(b"k", &w, NOW).unwrap();
+        let view = s.view().unwrap();
+        s.touch(b"k", 2_100_000_000, NOW).unwrap().expect("touched");
+        let (_, at) = s.get_item(b"k", NOW).unwrap().unwrap();
+        let slot = Slot::unpack(at.slot).unwrap();
+        let items = s.begin_evacuation(slot.offset_units..slot.offset_units + u64::from(slot.units)).unwrap();
+        assert_eq!(items.len(), 1);
+        let to = s.reserve(items.iter().map(Candidate::units).sum()).unwrap();
+        assert_eq!(s.relocate(&items[0], to), Relocation::Moved);
         let mut seen = Vec::new();
         view.walk(|it| {
             seen.push(it.expires_at);
