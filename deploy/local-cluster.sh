@@ -5,6 +5,7 @@
 #   deploy/local-cluster.sh status           # processes and `dmkv cluster status`
 #   deploy/local-cluster.sh kill NODE        # SIGKILL one node (a crash)
 #   deploy/local-cluster.sh restart NODE     # start it again (from its raft log)
+#   deploy/local-cluster.sh rolling-restart  # SIGTERM and start each node in turn
 #   deploy/local-cluster.sh stop             # SIGTERM every node
 #
 # Node N serves clients on 127.0.0.1:(7069+N) and raft on 127.0.0.1:(7169+N),
@@ -92,6 +93,14 @@ node_arg() {
     [[ ${1:-} =~ ^[1-9][0-9]*$ && $1 -le $NODES ]] || die "name a node: 1 to $NODES"
 }
 
+stop_node() {
+    local n=$1
+    if running "$n"; then kill -TERM "$(pid_of "$n")"; fi
+    for _ in $(seq 1 100); do running "$n" || break; sleep 0.1; done
+    if running "$n"; then kill -KILL "$(pid_of "$n")"; fi
+    rm -f "$DIR/node$n.pid"
+}
+
 case ${1:-} in
 start)
     build
@@ -105,11 +114,7 @@ stop)
     for n in $(seq 1 $NODES); do
         if running "$n"; then kill -TERM "$(pid_of "$n")"; fi
     done
-    for n in $(seq 1 $NODES); do
-        for _ in $(seq 1 100); do running "$n" || break; sleep 0.1; done
-        if running "$n"; then kill -KILL "$(pid_of "$n")"; fi
-        rm -f "$DIR/node$n.pid"
-    done
+    for n in $(seq 1 $NODES); do stop_node "$n"; done
     echo "cluster stopped (raft logs kept in $DIR; remove it to start afresh)"
     ;;
 status)
@@ -142,8 +147,21 @@ restart)
     wait_serving "$2"
     echo "node $2 restarted"
     ;;
+rolling-restart)
+    # One node at a time: a stopping node hands its shards' leadership
+    # over first, so clients see no election.
+    [[ -f $DIR/cluster.toml ]] || die "no cluster here; run: $0 start"
+    for n in $(seq 1 $NODES); do
+        stop_node "$n"
+        : > "$DIR/node$n.out"
+        start_node "$n"
+        wait_serving "$n"
+        wait_leaders
+        echo "node $n restarted"
+    done
+    ;;
 *)
-    sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
     ;;
 esac

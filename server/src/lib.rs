@@ -389,8 +389,19 @@ impl Server {
             let (shared, rx) = (Arc::clone(&shared), rx.clone());
             listen::serve_rehomed("rpc", stream, |s| service::serve_connection(s, shared, rx))
         });
+        let node = self.shared.node.cluster().cloned();
         let stop = async {
             shutdown.await;
+            // Before anything stops (the peer links carry the transfer):
+            // clients find the shards' new leaders without an election.
+            if let Some(node) = node {
+                match tokio::task::spawn_blocking(move || node.hand_over_leadership()).await {
+                    Ok((0, _)) => {}
+                    Ok((led, 0)) => info!(shards = led, "leadership handed over"),
+                    Ok((led, still)) => warn!(shards = led, still, "leadership not handed over in time"),
+                    Err(e) => warn!("handing leadership over failed: {e}"),
+                }
+            }
             // Connections answer what they have read, then close.
             let _ = stop_tx.send(true);
         };

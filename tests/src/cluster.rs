@@ -247,6 +247,12 @@ impl TestCluster {
         }
     }
 
+    /// Stops node index `i` as an operator does (SIGTERM, then waits for
+    /// it to exit, bounded); its exit status.
+    pub fn stop(&mut self, i: usize) -> Option<std::process::ExitStatus> {
+        self.nodes[i].take().and_then(|mut p| p.stop())
+    }
+
     /// Kills node index `i` with SIGKILL.
     pub fn kill(&mut self, i: usize) {
         if let Some(mut p) = self.nodes[i].take() {

@@ -128,8 +128,12 @@ impl ServerProcess {
             }
             None => Command::new(&dmkvd),
         };
+        // Warnings only, unless the test asks for a filter of its own.
+        if !args.contains(&"--log") {
+            cmd.args(["--log", "warn"]);
+        }
         let mut child = cmd
-            .args(["--listen", listen, "--log", "warn"])
+            .args(["--listen", listen])
             .args(args)
             .stdout(Stdio::piped())
             .stderr(stderr.map_or_else(Stdio::inherit, Stdio::from))

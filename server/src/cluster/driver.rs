@@ -116,6 +116,8 @@ enum Input {
     Replace(u64, oneshot::Sender<Result<(), String>>),
     /// A snapshot for this follower did not reach it.
     SnapshotFailed(u64, u64),
+    /// Hand leadership over (see `ShardCore::transfer_leadership`).
+    HandOver,
     Stop,
 }
 
@@ -441,6 +443,13 @@ impl ShardThread {
         self.shutdown();
     }
 
+    /// Asks the replica to hand its leadership to another voter, if it
+    /// leads (the node is about to stop). Does not wait: the replica's
+    /// status says when it no longer leads.
+    pub fn hand_over(&self) {
+        let _ = self.tx.send(Input::HandOver);
+    }
+
     /// Stops the thread (its replica fences first) and waits for it.
     pub fn halt(&self) {
         let _ = self.tx.send(Input::Stop);
@@ -537,7 +546,7 @@ fn refuse_until(rx: &Receiver<Input>, until: std::time::Instant, bootstrap: &mut
             Ok(Input::Join(_, a)) => drop(a.send(Err(down()))),
             Ok(Input::Replace(_, a)) => drop(a.send(Err("the shard's replica is starting again".into()))),
             Ok(Input::Bootstrap) => *bootstrap = true,
-            Ok(Input::Raft(_) | Input::SnapshotFailed(..)) => {}
+            Ok(Input::Raft(_) | Input::SnapshotFailed(..) | Input::HandOver) => {}
             Ok(Input::Stop) | Err(RecvTimeoutError::Disconnected) => return false,
             Err(RecvTimeoutError::Timeout) => return true,
         }
@@ -599,6 +608,11 @@ fn run<S: LogStore>(
                     let _ = answer.send(core.join(replica));
                 }
                 Ok(Input::SnapshotFailed(to, index)) => core.snapshot_failed(to, index),
+                Ok(Input::HandOver) => {
+                    if let Some(to) = core.transfer_leadership() {
+                        info!(to, "handing leadership over: the node is stopping");
+                    }
+                }
                 Ok(Input::Replace(id, answer)) => {
                     // Readers stop before the store empties.
                     if let Some(l) = leases.as_mut() {

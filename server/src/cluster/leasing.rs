@@ -26,11 +26,22 @@ pub struct LeaseKeeper {
     /// A renewal round in flight: (context, sent at).
     renewing: Option<(u64, u64)>,
     next_ctx: u64,
+    /// The term in which this replica began handing leadership over
+    /// ([`LeaseKeeper::hand_over`]): no lease for the rest of it.
+    handed_over_in: Option<u64>,
 }
 
 impl LeaseKeeper {
     pub fn new(cfg: LeaseConfig) -> Result<LeaseKeeper, NoLease> {
-        Ok(LeaseKeeper { lease_ns: cfg.lease_ns()?, cfg, lease: None, ready_index: 0, renewing: None, next_ctx: 0 })
+        Ok(LeaseKeeper {
+            lease_ns: cfg.lease_ns()?,
+            cfg,
+            lease: None,
+            ready_index: 0,
+            renewing: None,
+            next_ctx: 0,
+            handed_over_in: None,
+        })
     }
 
     /// The lease length on this replica's clock.
@@ -41,6 +52,9 @@ impl LeaseKeeper {
     /// Tells the keeper whether this replica leads in `term`. Losing
     /// leadership while a lease was held means fencing.
     pub fn on_role(&mut self, leader: bool, term: u64) -> LeaseAction {
+        if leader && self.handed_over_in == Some(term) {
+            return LeaseAction::None;
+        }
         match (&self.lease, leader) {
             (Some(l), true) if l.term() == term => LeaseAction::None,
             (None, false) => LeaseAction::None,
@@ -56,6 +70,23 @@ impl LeaseKeeper {
                 self.renewing = None;
                 if fence { LeaseAction::Fence } else { LeaseAction::None }
             }
+        }
+    }
+
+    /// Gives the lease up for the rest of `term`, before leadership is
+    /// handed to another replica. A transfer lets the other replica
+    /// campaign at once (raft's TimeoutNow), and its voters grant a
+    /// transfer's votes however recently they heard from this leader, so
+    /// the rule a lease rests on (no rival elected before it ends) no
+    /// longer holds. Not taken again in this term even if the transfer is
+    /// aborted: its TimeoutNow may still be on its way. Fence if a lease
+    /// was held.
+    pub fn hand_over(&mut self, term: u64) -> LeaseAction {
+        self.handed_over_in = Some(term);
+        self.renewing = None;
+        match self.lease.take() {
+            Some(l) if l.expiry().is_some() => LeaseAction::Fence,
+            _ => LeaseAction::None,
         }
     }
 
@@ -142,6 +173,27 @@ mod tests {
         assert!(k.due(end - k.lease_ns() / 2).is_some());
         assert_eq!(k.published(end, 12), None, "over at its end");
         assert_eq!(k.poll(end), LeaseAction::Fence);
+    }
+
+    #[test]
+    fn a_lease_handed_over_is_gone_for_the_rest_of_the_term() {
+        let mut k = keeper();
+        k.on_role(true, 5);
+        let ctx = k.due(0).unwrap();
+        k.on_read_state(ctx, 1);
+        assert!(k.published(MS, 1).is_some());
+        assert_eq!(k.hand_over(5), LeaseAction::Fence);
+        assert_eq!((k.published(MS, 1), k.held()), (None, None));
+        // Still leading in that term (the transfer was aborted): no round,
+        // no lease.
+        assert_eq!(k.on_role(true, 5), LeaseAction::None);
+        assert_eq!(k.due(10 * MS), None);
+        assert!(!k.on_read_state(ctx, 1) || k.published(10 * MS, 1).is_none());
+        // Leading in a later term, leases again.
+        assert_eq!(k.on_role(true, 7), LeaseAction::None);
+        let ctx = k.due(20 * MS).expect("a round in the new term");
+        k.on_read_state(ctx, 2);
+        assert!(k.published(21 * MS, 2).is_some());
     }
 
     #[test]

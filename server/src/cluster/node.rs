@@ -41,6 +41,11 @@ use crate::store::{Location, Store};
 /// Raft's election timeout in ticks of [`super::driver::TICK`]: 150 ms,
 /// randomized by raft up to twice that. Heartbeats go every 30 ms.
 pub const ELECTION_TICKS: usize = 15;
+/// Most a stopping node waits for its shards' leadership to move
+/// ([`ClusterNode::hand_over_leadership`]): raft gives a transfer up after
+/// an election timeout (up to 300 ms), and a catching-up voter may need a
+/// few round trips first.
+pub const MAX_HAND_OVER_WAIT: Duration = Duration::from_secs(2);
 /// Most any node's clock rate is taken to differ from true time (ppm).
 pub const LEASE_DRIFT_PPM: u64 = dmkv_common::cluster::lease::MAX_DRIFT_PPM;
 /// Taken off the lease for scheduling between reading a clock and acting.
@@ -389,6 +394,28 @@ impl ClusterNode {
             #[cfg(feature = "rdma")]
             rdma: p.rdma.map(|r| r.device),
         })
+    }
+
+    /// Hands the leadership of every shard this node leads to another of
+    /// its voters (a rolling restart then costs no election timeout and no
+    /// stretch without a lease), and waits until none is led here, at most
+    /// [`MAX_HAND_OVER_WAIT`]; returns how many shards it led and how many
+    /// it still leads. Blocks. Raft gives a transfer up after an election
+    /// timeout (a voter that is down, or too far behind): the node then
+    /// stops leading as it would have anyway.
+    pub fn hand_over_leadership(&self) -> (usize, usize) {
+        let led: Vec<&LocalReplica> = self.replicas.values().filter(|r| r.status.is_leader()).collect();
+        for r in &led {
+            r.thread.hand_over();
+        }
+        let deadline = std::time::Instant::now() + MAX_HAND_OVER_WAIT;
+        loop {
+            let still = led.iter().filter(|r| r.status.is_leader()).count();
+            if still == 0 || std::time::Instant::now() >= deadline {
+                return (led.len(), still);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
     }
 
     /// Stops every replica (each fences first), forces the log to disk and

@@ -187,6 +187,12 @@ impl<S: LogStore> Replica<S> {
         &mut self.node
     }
 
+    /// Asks raft to hand leadership to voter `to` (see
+    /// `ShardCore::transfer_leadership`, which gives the lease up first).
+    pub fn transfer_leader(&mut self, to: u64) {
+        self.node.transfer_leader(to);
+    }
+
     /// One tick of the logical clock.
     pub fn tick(&mut self) {
         self.node.tick();

@@ -96,6 +96,9 @@ pub struct ShardCore<S: LogStore, P, R = P> {
     /// Proposals by log index: (term proposed in, caller's id).
     pending: BTreeMap<u64, (u64, P)>,
     was_leader: bool,
+    /// The lease was given up for a hand-over: fence at the next poll,
+    /// before the transfer's messages go out.
+    transfer_fence: bool,
     /// Reads asked for since the last poll.
     new_reads: Vec<R>,
     /// Reads asked for since the last poll that must not be granted under
@@ -231,6 +234,7 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
             store,
             pending: BTreeMap::new(),
             was_leader: false,
+            transfer_fence: false,
             new_reads: Vec::new(),
             new_quorum_reads: Vec::new(),
             confirming: BTreeMap::new(),
@@ -826,10 +830,39 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
         Ok(())
     }
 
+    /// Hands leadership to the other voter whose log goes furthest (for a
+    /// node about to stop, so its shards do not wait out an election
+    /// timeout): gives the lease up first ([`LeaseKeeper::hand_over`];
+    /// the next [`ShardCore::poll`] says fence, before the transfer's
+    /// messages), then asks raft to transfer, which it does once that
+    /// voter's log is complete, or gives up after an election timeout.
+    /// Proposals are refused meanwhile. The voter chosen, or `None` if
+    /// this replica does not lead or leads alone.
+    pub fn transfer_leadership(&mut self) -> Option<u64> {
+        let raft = &self.replica.raft().raft;
+        if raft.state != StateRole::Leader {
+            return None;
+        }
+        let (me, term) = (raft.id, raft.term);
+        let voters = raft.prs().conf().voters();
+        let to = raft
+            .prs()
+            .iter()
+            .filter(|&(&id, _)| id != me && voters.contains(id))
+            .max_by_key(|&(&id, pr)| (pr.matched, std::cmp::Reverse(id)))
+            .map(|(&id, _)| id)?;
+        if let Some(k) = self.leases.as_mut() {
+            self.transfer_fence |= k.hand_over(term) == LeaseAction::Fence;
+        }
+        self.replica.transfer_leader(to);
+        Some(to)
+    }
+
     /// Handles what raft has ready: persists (through the store of the
     /// log), applies committed entries, answers proposals.
     pub fn poll(&mut self) -> Result<Poll<P, R>, raft::Error> {
-        let mut out = Poll { messages: Vec::new(), answers: Vec::new(), reads: Vec::new(), fence: false };
+        let fence = std::mem::take(&mut self.transfer_fence);
+        let mut out = Poll { messages: Vec::new(), answers: Vec::new(), reads: Vec::new(), fence };
         // raft-rs drops a ReadIndex request until the leader has committed
         // an entry of its term: rounds sent earlier would be lost (and a
         // lost lease round waits a whole lease before the next).
@@ -1210,5 +1243,45 @@ mod tests {
         let p = cores[l].poll().unwrap();
         assert!(p.reads.is_empty(), "no lease: the read waits for a round");
         assert_eq!(cores[l].lease_reads(), 1);
+    }
+
+    /// A leader that hands over gives its lease up first (the poll that
+    /// carries the transfer's messages says fence), never leases again in
+    /// its term, and the voter it chose leads next, with a lease of its own.
+    #[test]
+    fn a_leader_hands_over_after_giving_up_its_lease() {
+        use dmkv_common::cluster::lease::LeaseConfig;
+        let cfg = LeaseConfig { election_timeout_ns: 90_000_000, max_drift_ppm: 1000, margin_ns: 1_000_000 };
+        let mut cores: Vec<_> = (1..=3).map(|id| core(id).with_leases(LeaseKeeper::new(cfg).unwrap(), 0)).collect();
+        let mut now = 0u64;
+        let mut step = |cores: &mut Vec<ShardCore<MemStorage, u32>>, rounds: usize| {
+            for _ in 0..rounds {
+                now += 10_000_000;
+                for c in cores.iter_mut() {
+                    c.set_clock(now);
+                }
+                drive(cores, 1, None);
+            }
+        };
+        step(&mut cores, 100);
+        let l = leader(&cores, None).expect("a leader");
+        let term = cores[l].replica().raft().raft.term;
+        assert!(cores[l].lease().is_some(), "the leader holds a lease");
+        let to = cores[l].transfer_leadership().expect("a voter to hand to");
+        assert_ne!(to as usize - 1, l);
+        let p = cores[l].poll().unwrap();
+        assert!(p.fence, "fenced in the poll that carries the transfer's messages");
+        assert_eq!(cores[l].lease(), None);
+        for m in p.messages {
+            let to = (m.to - 1) as usize;
+            let _ = cores[to].step(m);
+        }
+        step(&mut cores, 50);
+        assert_eq!(leader(&cores, None), Some(to as usize - 1), "the chosen voter leads");
+        assert!(cores[to as usize - 1].replica().raft().raft.term > term);
+        assert!(cores[to as usize - 1].lease().is_some(), "the new leader leases");
+        assert_eq!(cores[l].lease(), None);
+        // A follower hands nothing over.
+        assert_eq!(cores[l].transfer_leadership(), None);
     }
 }

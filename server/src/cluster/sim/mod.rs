@@ -82,6 +82,10 @@ pub struct Rules {
     /// The election timeout the lease is computed from (ticks); raft's is
     /// [`ELECTION_TICKS`]. A larger one makes leases too long.
     pub lease_timeout_ticks: u64,
+    /// A leader hands over as built (`ShardCore::transfer_leadership`:
+    /// the lease given up first); otherwise it asks raft to transfer and
+    /// keeps its lease.
+    pub hand_over_fence: bool,
 }
 
 /// How a shard thread ticks raft.
@@ -113,6 +117,7 @@ impl Rules {
             publish_unapplied: false,
             quiet: true,
             lease_timeout_ticks: ELECTION_TICKS as u64,
+            hand_over_fence: true,
         }
     }
 }
@@ -161,6 +166,9 @@ pub struct Faults {
     /// store, emptied and refilled from the log (as the supervisor does),
     /// under RPC reads granted before.
     pub in_place_restarts: bool,
+    /// Now and then the leader is told to hand its leadership over, as a
+    /// node that is being stopped is.
+    pub hand_overs: bool,
 }
 
 impl Faults {
@@ -180,6 +188,7 @@ impl Faults {
             apply_stalls: true,
             full_follower: true,
             in_place_restarts: true,
+            hand_overs: true,
         }
     }
 }
@@ -233,6 +242,8 @@ pub(crate) struct Node {
 /// An input of a shard thread.
 pub(crate) enum Input {
     Raft(Message),
+    /// Hand leadership over (a node about to stop).
+    HandOver,
     /// An RPC read: the client's read id, whether the lease may grant it.
     Read(u64, bool),
     /// A PUT: the client's write id and the command.
@@ -584,6 +595,9 @@ impl World {
             if self.faults.in_place_restarts && self.nodes[i].up() && self.rng.random_ratio(1, 3000) {
                 self.restart_in_place(i);
             }
+            if self.faults.hand_overs && self.nodes[i].leads().is_some() && self.rng.random_ratio(1, 1500) {
+                self.net.push((t, i, Input::HandOver));
+            }
             let n = &self.nodes[i];
             if n.restarting_until != 0 {
                 if t >= n.restarting_until {
@@ -672,6 +686,16 @@ impl World {
                 Input::Propose(id, data) => {
                     if let Err((id, _)) = core.propose(data, id) {
                         refused.push(id);
+                    }
+                }
+                Input::HandOver if self.rules.hand_over_fence => drop(core.transfer_leadership()),
+                Input::HandOver => {
+                    // As a transfer without the lease given up would: to
+                    // the next voter, the lease kept.
+                    let raft = &core.replica().raft().raft;
+                    if raft.state == StateRole::Leader {
+                        let to = raft.id % NODES as u64 + 1;
+                        core.replica_mut().transfer_leader(to);
                     }
                 }
             }
