@@ -191,6 +191,16 @@ pub struct Flags {
     /// (the shard's items saved as a snapshot first, with --data-dir).
     #[arg(long, value_name = "N")]
     pub raft_log_entries: Option<u64>,
+    /// TLS between cluster nodes: this node's certificate chain (PEM),
+    /// naming it `node-N`; needs --peer-tls-key and --peer-tls-ca.
+    #[arg(long, value_name = "FILE")]
+    pub peer_tls_cert: Option<PathBuf>,
+    /// This node's peer TLS private key (PEM).
+    #[arg(long, value_name = "FILE")]
+    pub peer_tls_key: Option<PathBuf>,
+    /// The CA (PEM) that signs every node's peer certificate.
+    #[arg(long, value_name = "FILE")]
+    pub peer_tls_ca: Option<PathBuf>,
 }
 
 /// What a full store does (`--evict`).
@@ -244,6 +254,9 @@ pub struct FileConfig {
     pub data_dir: Option<PathBuf>,
     pub sync: Option<crate::cluster::sync_policy::SyncPolicy>,
     pub raft_log_entries: Option<u64>,
+    pub peer_tls_cert: Option<PathBuf>,
+    pub peer_tls_key: Option<PathBuf>,
+    pub peer_tls_ca: Option<PathBuf>,
     pub rkey_rotate_secs: Option<u64>,
     pub tls_cert: Option<PathBuf>,
     pub tls_key: Option<PathBuf>,
@@ -589,12 +602,27 @@ impl Config {
                         crate::cluster::shard::LogLimits { max_entries: n, keep_entries: n / 10, ..Default::default() }
                     }
                 };
+                let peer_tls = match (
+                    flags.peer_tls_cert.or(file.peer_tls_cert),
+                    flags.peer_tls_key.or(file.peer_tls_key),
+                    flags.peer_tls_ca.or(file.peer_tls_ca),
+                ) {
+                    (Some(cert), Some(key), Some(ca)) => {
+                        validate::readable_file(&name!(peer_tls_cert), &cert)?;
+                        validate::readable_file(&name!(peer_tls_key), &key)?;
+                        validate::readable_file(&name!(peer_tls_ca), &ca)?;
+                        Some(crate::cluster::peer_tls::PeerTlsFiles { cert, key, ca })
+                    }
+                    (None, None, None) => None,
+                    _ => return Err("peer_tls_cert, peer_tls_key and peer_tls_ca go together".into()),
+                };
                 Some(crate::cluster::node::ClusterSetup {
                     config,
                     node_id,
                     data_dir,
                     sync: sync.unwrap_or_default(),
                     log_limits,
+                    peer_tls,
                 })
             }
             (None, None) if flags.raft_log_entries.is_some() || file.raft_log_entries.is_some() => {
@@ -605,6 +633,13 @@ impl Config {
             }
             (None, None) if flags.sync.is_some() || file.sync.is_some() => {
                 return Err("--sync is for cluster nodes with --data-dir".into());
+            }
+            (None, None)
+                if [&flags.peer_tls_cert, &flags.peer_tls_key, &flags.peer_tls_ca, &file.peer_tls_cert]
+                    .iter()
+                    .any(|f| f.is_some()) =>
+            {
+                return Err("--peer-tls-cert, --peer-tls-key and --peer-tls-ca are for cluster nodes".into());
             }
             (None, None) => None,
             (Some(_), None) => return Err("--cluster needs --node-id".into()),
@@ -906,6 +941,31 @@ mod tests {
         let auth_file = dir.join("auth");
         std::fs::write(&auth_file, auth).unwrap();
         Flags { cluster: Some(file), node_id: Some(1), auth_file: Some(auth_file), ..Flags::default() }
+    }
+
+    #[test]
+    fn peer_tls_files_go_together_and_only_on_cluster_nodes() {
+        let dir = tempfile::tempdir().unwrap();
+        let auth = "data data-0123456789abcdef\nnode:1 n1-secret-0123456789\nnode:2 n2-secret-0123456789\n\
+                    node:3 n3-secret-0123456789\n";
+        let pem = dir.path().join("x.pem");
+        std::fs::write(&pem, "not read until the node starts").unwrap();
+        let cluster = cluster_with_auth(dir.path(), auth);
+        let with = |cert: bool, key: bool, ca: bool, base: Flags| Flags {
+            peer_tls_cert: cert.then(|| pem.clone()),
+            peer_tls_key: key.then(|| pem.clone()),
+            peer_tls_ca: ca.then(|| pem.clone()),
+            ..base
+        };
+        let c = Config::resolve(FileConfig::default(), with(true, true, true, cluster.clone())).unwrap();
+        assert_eq!(c.cluster.unwrap().peer_tls.map(|f| f.ca), Some(pem.clone()));
+        let err = Config::resolve(FileConfig::default(), with(true, false, true, cluster.clone())).unwrap_err();
+        assert!(err.contains("go together"), "{err}");
+        let err = Config::resolve(FileConfig::default(), with(true, true, true, Flags::default())).unwrap_err();
+        assert!(err.contains("for cluster nodes"), "{err}");
+        let missing = Flags { peer_tls_ca: Some(dir.path().join("nope.pem")), ..with(true, true, false, cluster) };
+        let err = Config::resolve(FileConfig::default(), missing).unwrap_err();
+        assert!(err.contains("peer_tls_ca") || err.contains("peer-tls-ca"), "{err}");
     }
 
     #[test]

@@ -106,8 +106,11 @@ impl Server {
                          a new engine rkey and epoch when it fences; RDMA registrations last the node's life)"
                     );
                 }
-                if cfg.tls.is_some() {
-                    warn!("TLS covers clients only: raft traffic between nodes is authenticated but not encrypted");
+                if cfg.tls.is_some() && setup.peer_tls.is_none() {
+                    warn!(
+                        "TLS covers clients only: raft traffic between nodes is not encrypted \
+                         (--peer-tls-cert, --peer-tls-key and --peer-tls-ca encrypt it)"
+                    );
                 }
                 let params = cluster::node::NodeParams {
                     memory: cfg.memory,

@@ -75,6 +75,9 @@ struct ConnState {
     nonce: Option<[u8; dmkv_common::auth::NONCE_LEN]>,
     /// Accepted on the peer port: raft traffic only.
     peer_port: bool,
+    /// The node a peer-port connection's TLS certificate names (peer
+    /// TLS): a node secret proved on it must be that node's.
+    tls_node: Option<dmkv_common::cluster::map::NodeId>,
     /// RDMA queue pairs set up over this connection; destroyed with it.
     #[cfg(feature = "rdma")]
     qps: Vec<dmkv_verbs::QueuePair>,
@@ -143,6 +146,7 @@ async fn serve(stream: TcpStream, shared: Arc<Shared>, shutdown: watch::Receiver
         refusal_logged: false,
         nonce: None,
         peer_port,
+        tls_node: None,
         #[cfg(feature = "rdma")]
         qps: Vec::new(),
         #[cfg(feature = "rdma")]
@@ -152,12 +156,12 @@ async fn serve(stream: TcpStream, shared: Arc<Shared>, shutdown: watch::Receiver
         #[cfg(feature = "rdma")]
         shutdown: shutdown.clone(),
     };
-    // The peer port speaks plain TCP: peers prove their node secret on
-    // every connection, but what they replicate is not encrypted (peer TLS
-    // is not built; docs/replication.md).
+    // The peer port has TLS of its own (`cluster::peer_tls`), or none:
+    // the client port's certificate is not a node's.
+    let peer_tls = if peer_port { shared.node.cluster().and_then(|n| n.peer_tls.clone()) } else { None };
     let (tls, limits) = (if peer_port { None } else { shared.tls.clone() }, shared.limits);
     let stats = Arc::clone(if peer_port { &shared.metrics.peer } else { &shared.metrics.rpc });
-    let requests = Requests {
+    let mut requests = Requests {
         decoder: Decoder::new(shared.max_frame),
         shared,
         state,
@@ -165,6 +169,25 @@ async fn serve(stream: TcpStream, shared: Arc<Shared>, shutdown: watch::Receiver
         read_at: None,
         done: Vec::new(),
     };
+    if let Some(peer_tls) = peer_tls {
+        let handshake = tokio::time::timeout(crate::access::handshake_timeout(&limits), peer_tls.accept(stream));
+        match handshake.await {
+            Ok(Ok((s, node))) => {
+                // The certificate is the node's identity; with secrets, the
+                // proof must be that node's too (`admit`).
+                requests.state.tls_node = Some(node);
+                if !requests.shared.gate.enabled() {
+                    requests.state.node = Some(Sender::Node(node));
+                }
+                framed::serve_connection(s, peer, stats, requests, limits, shutdown).await
+            }
+            // A node with the wrong certificate would retry forever:
+            // say it where the operator looks.
+            Ok(Err(e)) => tracing::warn!(peer = %framed::display_peer(peer), "peer TLS refused: {e}"),
+            Err(_) => tracing::debug!(peer = %framed::display_peer(peer), "peer TLS handshake timed out"),
+        }
+        return;
+    }
     match tls {
         None => framed::serve_connection(stream, peer, stats, requests, limits, shutdown).await,
         Some(acceptor) => {
@@ -437,6 +460,13 @@ fn admit(shared: &Shared, conn: &mut ConnState, req: &Request) -> Result<(), Ref
         // port roles by theirs: neither kind of secret opens the other port.
         if conn.peer_port {
             return match shared.gate.check_node(conn.peer, &nonce, &a.proof) {
+                Ok(node) if conn.tls_node.is_some_and(|t| t != node) => Err(Refusal(
+                    ErrorCode::Unauthenticated,
+                    format!(
+                        "node {node}'s secret on a connection whose certificate is node {}'s",
+                        conn.tls_node.unwrap_or_default()
+                    ),
+                )),
                 Ok(node) => {
                     conn.node = Some(Sender::Node(node));
                     Ok(())
@@ -771,6 +801,7 @@ fn verbs_connect(
         refusal_logged: false,
         nonce: None,
         peer_port: false,
+        tls_node: None,
         qps: Vec::new(),
         verbs: None,
         over_verbs: true,

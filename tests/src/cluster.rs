@@ -68,7 +68,7 @@ fn peer_ips(nodes: usize) -> Vec<Ipv4Addr> {
 impl TestCluster {
     /// Starts `nodes` nodes holding `shards` shards of `replicas` replicas;
     /// with `durable`, each keeps its raft log in its own data directory.
-    /// `args` go to every dmkvd.
+    /// `args` go to every dmkvd, `{id}` in them replaced by the node's id.
     pub fn start(nodes: usize, shards: u32, replicas: usize, durable: bool, args: &[&str]) -> TestCluster {
         TestCluster::try_start(nodes, shards, replicas, durable, args).unwrap_or_else(|e| panic!("{e}"))
     }
@@ -218,7 +218,9 @@ impl TestCluster {
         if self.durable {
             args.extend(["--data-dir", &data]);
         }
-        args.extend(self.args.iter().map(String::as_str));
+        // `{id}` in an argument is the node's id: each node its own file.
+        let own: Vec<String> = self.args.iter().map(|a| a.replace("{id}", &id)).collect();
+        args.extend(own.iter().map(String::as_str));
         // Appended to: a node's log from before a restart (why it crashed)
         // is what a failure report needs most.
         let log = std::fs::OpenOptions::new()

@@ -631,3 +631,127 @@ fn a_cluster_node_without_its_own_secret_refuses_to_start() {
     let srv = ServerProcess::start_with(&env, &rpc.to_string(), &args).expect("a node with DMKVD_NODE_TOKEN");
     assert!(srv.endpoint("peer").is_some());
 }
+
+/// A CA's certificate and key, and certificates it signs naming nodes.
+fn node_pki(dir: &TempDir, prefix: &str, nodes: &[u64]) -> String {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    for &n in nodes {
+        let key = KeyPair::generate().unwrap();
+        let cert = CertificateParams::new(vec![format!("node-{n}")]).unwrap().signed_by(&key, &ca, &ca_key).unwrap();
+        dir.file(&format!("{prefix}node{n}.pem"), &cert.pem());
+        dir.file(&format!("{prefix}node{n}.key"), &key.serialize_pem());
+    }
+    dir.file(&format!("{prefix}ca.pem"), &ca.pem())
+}
+
+/// Peer TLS: nodes replicate over mutual TLS; the peer port speaks
+/// nothing else; a node whose certificate another CA signed is refused by
+/// its peers (and says so in their logs) while the others go on; once its
+/// files are replaced, it is taken again without a restart (reload) and
+/// catches up. A node given another node's certificate does not start.
+#[test]
+fn cluster_nodes_replicate_over_mutual_tls_bound_to_their_ids() {
+    let dir = TempDir::new("peer-tls");
+    let ca = node_pki(&dir, "", &[1, 2, 3]);
+    node_pki(&dir, "rogue-", &[3]);
+    let path = |f: &str| dir.0.join(f).to_string_lossy().to_string();
+    let (cert, key) = (path("node{id}.pem"), path("node{id}.key"));
+    let mut c = dmkv_tests::cluster::TestCluster::start(
+        3,
+        3,
+        3,
+        false,
+        &[
+            "--peer-tls-cert",
+            &cert,
+            "--peer-tls-key",
+            &key,
+            "--peer-tls-ca",
+            &ca,
+            "--log",
+            "warn,dmkv_server::cluster::peer_tls=info",
+        ],
+    );
+    let peer = c.endpoint(0, "peer").expect("node 1's peer port").to_string();
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    rt.block_on(async {
+        let client = Client::connect(c.rpc(0)).await.unwrap();
+        for i in 0..20 {
+            client.put(format!("t{i}"), format!("v{i}")).await.expect("a put replicated over TLS");
+        }
+        // Plaintext on the peer port: not served.
+        let mut raw = Raw::connect(&peer, std::net::Ipv4Addr::new(127, 0, 0, 93)).await;
+        assert!(raw.call(raft_batch(2, 2)).await.is_none(), "the peer port answered plaintext");
+    });
+
+    // Node 3 with a certificate of another CA: refused by its peers.
+    c.kill(2);
+    for ext in ["pem", "key"] {
+        std::fs::copy(path(&format!("node3.{ext}")), path(&format!("good-node3.{ext}"))).unwrap();
+        std::fs::copy(path(&format!("rogue-node3.{ext}")), path(&format!("node3.{ext}"))).unwrap();
+    }
+    c.restart(2);
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !c.log(0).contains("peer TLS refused") {
+        assert!(std::time::Instant::now() < deadline, "node 1 did not refuse node 3:\n{}", c.log(0));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let target = rt.block_on(async {
+        let client = Client::connect(c.rpc(0)).await.unwrap();
+        for i in 0..20 {
+            client.put(format!("u{i}"), format!("w{i}")).await.expect("nodes 1 and 2 go on");
+        }
+        applied_by_leaders(&c).await
+    });
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(!caught_up(&rt, &c, &target), "node 3 caught up with a certificate of another CA");
+    // Its own files back, no restart: taken again, and it catches up.
+    for ext in ["pem", "key"] {
+        std::fs::copy(path(&format!("good-node3.{ext}")), path(&format!("node3.{ext}"))).unwrap();
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !caught_up(&rt, &c, &target) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "node 3 did not catch up after its files were fixed:\n{}",
+            c.log(2)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(c.log(2).contains("peer TLS certificates reloaded"), "{}", c.log(2));
+
+    // Node 3 started with node 2's certificate: refuses to start.
+    c.kill(2);
+    for ext in ["pem", "key"] {
+        std::fs::copy(path(&format!("node2.{ext}")), path(&format!("node3.{ext}"))).unwrap();
+    }
+    let err = c.try_restart(2).expect_err("node 3 started with node 2's certificate");
+    assert!(err.contains("does not name this node (node-3"), "{err}");
+}
+
+/// Each shard's applied index on its leader (nodes 1 and 2).
+async fn applied_by_leaders(c: &dmkv_tests::cluster::TestCluster) -> std::collections::BTreeMap<u32, u64> {
+    let mut out = std::collections::BTreeMap::new();
+    for i in 0..2 {
+        let s = Client::connect(c.rpc(i)).await.unwrap().cluster_status().await.unwrap();
+        out.extend(s.local.iter().filter(|r| r.role == "leader").map(|r| (r.shard, r.applied)));
+    }
+    out
+}
+
+/// Whether node 3's replicas applied what the leaders had in `target`.
+fn caught_up(
+    rt: &tokio::runtime::Runtime,
+    c: &dmkv_tests::cluster::TestCluster,
+    target: &std::collections::BTreeMap<u32, u64>,
+) -> bool {
+    rt.block_on(async {
+        let Ok(client) = Client::connect(c.rpc(2)).await else { return false };
+        let Ok(s) = client.cluster_status().await else { return false };
+        target.iter().all(|(shard, a)| s.local.iter().any(|r| r.shard == *shard && r.applied >= *a))
+    })
+}

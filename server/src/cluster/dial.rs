@@ -4,15 +4,19 @@
 //! transfers (`transfer`) both dial this way.
 
 use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::BytesMut;
 use dmkv_common::PROTOCOL_VERSION;
 use dmkv_common::auth::{Purpose, Token, node_name};
+use dmkv_common::cluster::map::NodeId;
 use dmkv_common::frame::{self, Decoder};
 use dmkv_common::proto::{self, Request, request::Op, response::Result as R};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpSocket, TcpStream};
+
+use super::peer_tls::PeerTls;
 
 /// How long connecting and authenticating to a peer may take.
 pub const DIAL_TIMEOUT: Duration = Duration::from_secs(2);
@@ -28,7 +32,14 @@ pub struct Dialer {
     /// Where dials leave from: the IP of this node's peer address, or
     /// `None` to let the route pick (see [`Dialer::source_of`]).
     pub source: Option<IpAddr>,
+    /// TLS to peers, if the node has it.
+    pub tls: Option<Arc<PeerTls>>,
 }
+
+/// A connection to a peer: TCP, or TLS over it.
+pub trait PeerIo: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> PeerIo for T {}
+pub type PeerStream = Box<dyn PeerIo>;
 
 impl Dialer {
     /// The source for dials of a node whose peer address is `own`: its IP,
@@ -38,10 +49,14 @@ impl Dialer {
     }
 }
 
-/// Connects and authenticates as node `d.me`.
-pub(super) async fn dial(d: &Dialer, addr: SocketAddr) -> Result<TcpStream, String> {
-    let mut s = connect_from(d.source, addr).await?;
-    let _ = s.set_nodelay(true);
+/// Connects to node `to` at `addr` and authenticates as node `d.me`.
+pub(super) async fn dial(d: &Dialer, to: NodeId, addr: SocketAddr) -> Result<PeerStream, String> {
+    let tcp = connect_from(d.source, addr).await?;
+    let _ = tcp.set_nodelay(true);
+    let mut s: PeerStream = match &d.tls {
+        Some(tls) => Box::new(tls.connect(to, tcp).await?),
+        None => Box::new(tcp),
+    };
     let mut buf = BytesMut::new();
     let hello = Op::Hello(proto::Hello { protocol_version: PROTOCOL_VERSION, client_name: format!("node-{}", d.me) });
     let nonce = match call(&mut s, &mut buf, d.max_frame, 1, hello).await? {
@@ -78,18 +93,18 @@ async fn connect_from(source: Option<IpAddr>, addr: SocketAddr) -> Result<TcpStr
     socket.connect(addr).await.map_err(|e| e.to_string())
 }
 
-/// Sends one request to a peer's peer port (authenticated as this node) and
-/// returns its answer; bounded by [`DIAL_TIMEOUT`] in all.
-pub async fn ask(d: &Dialer, addr: SocketAddr, op: Op) -> Result<R, String> {
+/// Sends one request to node `to`'s peer port (authenticated as this
+/// node) and returns its answer; bounded by [`DIAL_TIMEOUT`] in all.
+pub async fn ask(d: &Dialer, to: NodeId, addr: SocketAddr, op: Op) -> Result<R, String> {
     let once = async {
-        let mut s = dial(d, addr).await?;
+        let mut s = dial(d, to, addr).await?;
         let mut buf = BytesMut::new();
         call(&mut s, &mut buf, d.max_frame, 3, op).await
     };
     tokio::time::timeout(DIAL_TIMEOUT, once).await.unwrap_or_else(|_| Err("timed out".into()))
 }
 
-async fn call(s: &mut TcpStream, buf: &mut BytesMut, max_frame: usize, id: u64, op: Op) -> Result<R, String> {
+async fn call(s: &mut PeerStream, buf: &mut BytesMut, max_frame: usize, id: u64, op: Op) -> Result<R, String> {
     let mut out = BytesMut::new();
     frame::encode(&Request { id, op: Some(op) }, max_frame, &mut out).map_err(|e| e.to_string())?;
     s.write_all(&out).await.map_err(|e| e.to_string())?;

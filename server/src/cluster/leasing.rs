@@ -90,6 +90,13 @@ impl LeaseKeeper {
         }
     }
 
+    /// The simulation's rule without [`LeaseKeeper::hand_over`]'s hold on
+    /// the rest of the term.
+    #[cfg(test)]
+    pub fn forget_hand_over(&mut self) {
+        self.handed_over_in = None;
+    }
+
     /// The context of a renewal round to send now, if one is due: when
     /// less than half the lease is left, and none is in flight (one lost
     /// for a whole lease is given up).

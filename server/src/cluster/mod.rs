@@ -15,6 +15,7 @@ pub mod local;
 pub mod log;
 pub mod node;
 pub mod peer;
+pub mod peer_tls;
 pub mod replica;
 pub mod shard;
 #[cfg(test)]

@@ -46,6 +46,9 @@ pub const ELECTION_TICKS: usize = 15;
 /// an election timeout (up to 300 ms), and a catching-up voter may need a
 /// few round trips first.
 pub const MAX_HAND_OVER_WAIT: Duration = Duration::from_secs(2);
+/// How often a stopping node asks a shard it still leads to hand over
+/// again (a transfer raft gave up).
+pub const HAND_OVER_RETRY: Duration = Duration::from_millis(400);
 /// Most any node's clock rate is taken to differ from true time (ppm).
 pub const LEASE_DRIFT_PPM: u64 = dmkv_common::cluster::lease::MAX_DRIFT_PPM;
 /// Taken off the lease for scheduling between reading a clock and acting.
@@ -87,6 +90,8 @@ pub struct ClusterSetup {
     pub sync: SyncPolicy,
     /// When shard logs are compacted.
     pub log_limits: super::shard::LogLimits,
+    /// TLS between nodes (`--peer-tls-cert` and friends).
+    pub peer_tls: Option<super::peer_tls::PeerTlsFiles>,
 }
 
 /// Why a cluster request was not carried out.
@@ -154,6 +159,8 @@ pub struct ClusterNode {
     log: Option<Arc<raft_engine::Engine>>,
     data_dir: Option<PathBuf>,
     sync: SyncPolicy,
+    /// TLS on the peer port, and on dials to peers.
+    pub peer_tls: Option<Arc<super::peer_tls::PeerTls>>,
     /// The device every replica's region is registered with.
     #[cfg(feature = "rdma")]
     rdma: Option<Arc<crate::rdma::RdmaDevice>>,
@@ -181,8 +188,20 @@ impl ClusterNode {
         let map = cfg.initial_map().map_err(|e| e.to_string())?;
         let local: Vec<_> = map.shards().iter().filter(|s| s.replicas.contains(&me)).cloned().collect();
         let peers: Vec<_> = cfg.nodes.iter().filter(|n| n.id != me).map(|n| (n.id, n.peer)).collect();
-        let dialer =
-            Dialer { me, token: p.token, max_frame: p.max_frame, source: Dialer::source_of(cfg.node(me)?.peer) };
+        let peer_tls = match &setup.peer_tls {
+            Some(files) => {
+                let nodes = cfg.nodes.iter().map(|n| n.id).collect();
+                Some(Arc::new(super::peer_tls::PeerTls::load(files.clone(), me, nodes)?))
+            }
+            None => None,
+        };
+        let dialer = Dialer {
+            me,
+            token: p.token,
+            max_frame: p.max_frame,
+            source: Dialer::source_of(cfg.node(me)?.peer),
+            tls: peer_tls.clone(),
+        };
         let peers = Arc::new(Peers::start(dialer.clone(), peers, stop.clone(), p.memory));
         // A log that may lack what its replicas acknowledged (see
         // `last_run`, `log::Recovery`) is not trusted to vote: replicas of
@@ -391,6 +410,7 @@ impl ClusterNode {
             log: engine,
             data_dir: setup.data_dir.clone(),
             sync: setup.sync,
+            peer_tls,
             #[cfg(feature = "rdma")]
             rdma: p.rdma.map(|r| r.device),
         })
@@ -399,22 +419,33 @@ impl ClusterNode {
     /// Hands the leadership of every shard this node leads to another of
     /// its voters (a rolling restart then costs no election timeout and no
     /// stretch without a lease), and waits until none is led here, at most
-    /// [`MAX_HAND_OVER_WAIT`]; returns how many shards it led and how many
-    /// it still leads. Blocks. Raft gives a transfer up after an election
-    /// timeout (a voter that is down, or too far behind): the node then
-    /// stops leading as it would have anyway.
+    /// [`MAX_HAND_OVER_WAIT`]; returns how many shards began a transfer and
+    /// how many of those this node still leads. Blocks. A shard led alone
+    /// has no one to hand over to. Raft gives a transfer up after an
+    /// election timeout (the voter went down, or is too far behind): the
+    /// shard is asked again every [`HAND_OVER_RETRY`], and picks a voter
+    /// heard from lately. What is still led at the deadline stops leading
+    /// as it would have anyway.
     pub fn hand_over_leadership(&self) -> (usize, usize) {
-        let led: Vec<&LocalReplica> = self.replicas.values().filter(|r| r.status.is_leader()).collect();
-        for r in &led {
-            r.thread.hand_over();
-        }
         let deadline = std::time::Instant::now() + MAX_HAND_OVER_WAIT;
+        let mut handing: Vec<&LocalReplica> = Vec::new();
         loop {
-            let still = led.iter().filter(|r| r.status.is_leader()).count();
-            if still == 0 || std::time::Instant::now() >= deadline {
-                return (led.len(), still);
+            for r in self.replicas.values().filter(|r| r.status.is_leader()) {
+                if r.thread.hand_over() && !handing.iter().any(|h| std::ptr::eq(*h, r)) {
+                    handing.push(r);
+                }
             }
-            std::thread::sleep(std::time::Duration::from_millis(5));
+            let retry = (std::time::Instant::now() + HAND_OVER_RETRY).min(deadline);
+            loop {
+                let still = handing.iter().filter(|r| r.status.is_leader()).count();
+                if still == 0 || std::time::Instant::now() >= deadline {
+                    return (handing.len(), still);
+                }
+                if std::time::Instant::now() >= retry {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
         }
     }
 
@@ -1045,8 +1076,8 @@ async fn membership(mut m: Membership) {
         }
         if let Some(record) = &m.undecided {
             let mut terms = Vec::new();
-            for &(_, addr) in &m.peers {
-                let term = match peer::ask(&m.dialer, addr, proto::request::Op::GetMap(proto::GetMap {})).await {
+            for &(to, addr) in &m.peers {
+                let term = match peer::ask(&m.dialer, to, addr, proto::request::Op::GetMap(proto::GetMap {})).await {
                     Ok(proto::response::Result::Map(r)) => r.local.iter().find(|l| l.shard == m.shard).map(|l| l.term),
                     _ => None,
                 };
@@ -1070,9 +1101,9 @@ async fn membership(mut m: Membership) {
             }
         } else if !m.status.joined() && m.status.id.load(Ordering::Relaxed) != 0 {
             let join = proto::JoinShard { shard: m.shard, replica_id: m.status.id.load(Ordering::Relaxed) };
-            for &(_, addr) in &m.peers {
+            for &(to, addr) in &m.peers {
                 if let Ok(proto::response::Result::JoinShard(r)) =
-                    peer::ask(&m.dialer, addr, proto::request::Op::JoinShard(join)).await
+                    peer::ask(&m.dialer, to, addr, proto::request::Op::JoinShard(join)).await
                 {
                     tracing::info!(shard = m.shard, step = r.step, "joining the shard");
                     break;

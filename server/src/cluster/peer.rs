@@ -5,6 +5,8 @@
 //! messages and in bytes, and a message that finds it full (or the peer
 //! unreachable) is dropped: raft retransmits. A peer that takes nothing
 //! for [`PEER_WRITE_TIMEOUT`] is dropped too, and its queue with it.
+//! With peer TLS (`peer_tls`) the connection is TLS, and the peer's
+//! certificate must name the node dialed.
 //! Snapshots do not go this way: raft's MsgSnapshot goes to `transfer`,
 //! which streams the snapshot on a connection of its own.
 //!
@@ -24,12 +26,11 @@ use dmkv_common::frame;
 use dmkv_common::proto::{Request, request::Op};
 use raft::prelude::Message;
 use tokio::io::AsyncWriteExt;
-use tokio::net::TcpStream;
 use tokio::sync::{mpsc, watch};
 use tracing::{debug, info, warn};
 
-use super::dial::dial;
 pub use super::dial::{DIAL_TIMEOUT, Dialer, ask};
+use super::dial::{PeerStream, dial};
 use super::wire::{self, MAX_BATCH_MESSAGES};
 
 /// Raft messages queued for one peer at most...
@@ -130,7 +131,7 @@ async fn send_loop(
     let mut warned = false;
     loop {
         let dialed = tokio::select! {
-            r = tokio::time::timeout(DIAL_TIMEOUT, dial(&d, addr)) => r.unwrap_or_else(|_| Err("timed out".into())),
+            r = tokio::time::timeout(DIAL_TIMEOUT, dial(&d, peer, addr)) => r.unwrap_or_else(|_| Err("timed out".into())),
             _ = stop.changed() => return,
         };
         match dialed {
@@ -169,11 +170,11 @@ async fn send_loop(
 /// Sends batches until the queue closes (`Ok`) or the connection fails.
 async fn pump(
     d: &Dialer,
-    stream: TcpStream,
+    stream: PeerStream,
     rx: &mut mpsc::Receiver<(u32, Message)>,
     bytes: &AtomicU64,
 ) -> Result<(), String> {
-    let (mut rd, mut wr) = stream.into_split();
+    let (mut rd, mut wr) = tokio::io::split(stream);
     // Replies only count accepted messages: read and discard them, so the
     // peer's writes never block.
     let mut drain = tokio::spawn(async move { tokio::io::copy(&mut rd, &mut tokio::io::sink()).await });

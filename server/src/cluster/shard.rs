@@ -21,6 +21,7 @@ use raft::StateRole;
 use tracing::warn;
 
 use dmkv_common::cluster::lease::LeaseAction;
+use dmkv_common::cluster::map::node_of;
 
 use super::apply::{Applied, ApplyError, Remembered, RememberedStats, apply_once};
 use super::desk::{Descriptor, Desk};
@@ -845,10 +846,18 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
         }
         let (me, term) = (raft.id, raft.term);
         let voters = raft.prs().conf().voters();
+        // A voter heard from lately (check_quorum keeps `recent_active`
+        // current: a voter that is down keeps its old `matched`, and raft
+        // would give the transfer up after an election timeout), on
+        // another node (a join or replace may briefly put two of a
+        // shard's replicas on this one, which is stopping). Ids without a
+        // node part (unit tests, the simulation) are replicas of nodes of
+        // their own.
+        let elsewhere = |id: u64| node_of(me) == 0 || node_of(id) != node_of(me);
         let to = raft
             .prs()
             .iter()
-            .filter(|&(&id, _)| id != me && voters.contains(id))
+            .filter(|&(&id, pr)| id != me && voters.contains(id) && pr.recent_active && elsewhere(id))
             .max_by_key(|&(&id, pr)| (pr.matched, std::cmp::Reverse(id)))
             .map(|(&id, _)| id)?;
         if let Some(k) = self.leases.as_mut() {
@@ -856,6 +865,14 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
         }
         self.replica.transfer_leader(to);
         Some(to)
+    }
+
+    /// See [`LeaseKeeper::forget_hand_over`].
+    #[cfg(test)]
+    pub fn forget_hand_over(&mut self) {
+        if let Some(k) = self.leases.as_mut() {
+            k.forget_hand_over();
+        }
     }
 
     /// Handles what raft has ready: persists (through the store of the
@@ -1283,5 +1300,94 @@ mod tests {
         assert_eq!(cores[l].lease(), None);
         // A follower hands nothing over.
         assert_eq!(cores[l].transfer_leadership(), None);
+    }
+
+    /// A voter that lags gets TimeoutNow only in a later poll (after its
+    /// append response), and the lease is gone by then; a transfer to a
+    /// voter that is down is given up: the leader leads on in its term
+    /// without a lease, takes writes, and answers reads by quorum rounds.
+    #[test]
+    fn a_hand_over_to_a_lagging_voter_or_one_that_is_down() {
+        use dmkv_common::cluster::lease::LeaseConfig;
+        use raft::prelude::MessageType;
+        let cfg = LeaseConfig { election_timeout_ns: 90_000_000, max_drift_ppm: 1000, margin_ns: 1_000_000 };
+        let mut cores: Vec<_> = (1..=3).map(|id| core(id).with_leases(LeaseKeeper::new(cfg).unwrap(), 0)).collect();
+        let mut now = 0u64;
+        for _ in 0..100 {
+            now += 10_000_000;
+            for c in cores.iter_mut() {
+                c.set_clock(now);
+            }
+            drive(&mut cores, 1, None);
+        }
+        let l = leader(&cores, None).unwrap();
+        let term = cores[l].replica().raft().raft.term;
+        assert!(cores[l].lease().is_some());
+        // Entries the followers have not got yet.
+        for n in 0..5u32 {
+            cores[l].propose(encode_put(format!("k{n}").as_bytes(), b"v"), n).unwrap();
+        }
+        let p = cores[l].poll().unwrap(); // appends dropped
+        drop(p);
+        let to = cores[l].transfer_leadership().unwrap();
+        let p = cores[l].poll().unwrap();
+        assert!(p.fence);
+        assert!(!p.messages.iter().any(|m| m.get_msg_type() == MessageType::MsgTimeoutNow), "not yet up to date");
+        let mut net = p.messages;
+        let mut saw_timeout_now_late = false;
+        let mut fences_after = 0;
+        for _ in 0..20 {
+            for m in std::mem::take(&mut net) {
+                if m.from == l as u64 + 1 && m.get_msg_type() == MessageType::MsgTimeoutNow {
+                    saw_timeout_now_late = true;
+                    assert_eq!(cores[l].lease(), None);
+                    assert_eq!(cores[l].lease_held(), None);
+                }
+                let _ = cores[(m.to - 1) as usize].step(m);
+            }
+            for (i, c) in cores.iter_mut().enumerate() {
+                let p = c.poll().unwrap();
+                if i == l && p.fence {
+                    fences_after += 1;
+                }
+                net.extend(p.messages);
+            }
+        }
+        assert!(saw_timeout_now_late);
+        assert_eq!(fences_after, 0, "one fence, before the first message");
+        let nl = leader(&cores, None).unwrap();
+        assert_eq!(nl, to as usize - 1);
+        assert!(cores[nl].replica().raft().raft.term > term);
+
+        // Aborted: the new leader hands over to a target that is down.
+        for _ in 0..50 {
+            now += 10_000_000;
+            for c in cores.iter_mut() {
+                c.set_clock(now);
+            }
+            drive(&mut cores, 1, None);
+        }
+        let l = leader(&cores, None).unwrap();
+        assert!(cores[l].lease().is_some());
+        let t2 = cores[l].replica().raft().raft.term;
+        let target = cores[l].transfer_leadership().unwrap() as usize - 1;
+        assert!(cores[l].poll().unwrap().fence);
+        let mut reads = Reads::new();
+        for _ in 0..60 {
+            now += 10_000_000;
+            for c in cores.iter_mut() {
+                c.set_clock(now);
+            }
+            drive_reads(&mut cores, 1, Some(target), &mut reads);
+        }
+        assert_eq!(leader(&cores, Some(target)), Some(l), "still leads");
+        assert_eq!(cores[l].replica().raft().raft.term, t2);
+        assert_eq!(cores[l].lease(), None, "no lease in that term");
+        assert!(cores[l].replica().raft().raft.lead_transferee.is_none(), "aborted");
+        cores[l].propose(encode_put(b"after", b"v"), 99).unwrap();
+        cores[l].read(5, true).unwrap();
+        let answers = drive_reads(&mut cores, 3, Some(target), &mut reads);
+        assert!(answers.iter().any(|(id, r)| *id == 99 && r.is_ok()), "{answers:?}");
+        assert!(reads.contains(&(5, Ok(ReadGrant { lease_until: None, generation: 0 }))), "{reads:?}");
     }
 }

@@ -107,7 +107,7 @@ impl Transfers {
             // Taken until the follower answered the last part (it checked
             // the whole stream), not only until the walk ended.
             let held = Arc::clone(&out);
-            match send_one(&dialer, addr, shard, desc, out, &m).await {
+            match send_one(&dialer, node_of(to), addr, shard, desc, out, &m).await {
                 Ok(bytes) => info!(
                     shard,
                     to = node_of(to),
@@ -160,19 +160,20 @@ impl std::io::Write for ChunkWriter {
     }
 }
 
-/// Streams `out` to the node at `addr`, then `m`; the bytes sent.
+/// Streams `out` to node `node` at `addr`, then `m`; the bytes sent.
 async fn send_one(
     d: &Dialer,
+    node: NodeId,
     addr: SocketAddr,
     shard: ShardId,
     desc: Descriptor,
     out: Arc<Outgoing>,
     m: &Message,
 ) -> Result<u64, String> {
-    let stream = tokio::time::timeout(dial::DIAL_TIMEOUT, dial::dial(d, addr))
+    let stream = tokio::time::timeout(dial::DIAL_TIMEOUT, dial::dial(d, node, addr))
         .await
         .unwrap_or_else(|_| Err("timed out connecting".into()))?;
-    let (mut rd, mut wr) = stream.into_split();
+    let (mut rd, mut wr) = tokio::io::split(stream);
     let (tx, mut rx) = mpsc::channel::<Vec<u8>>(WINDOW);
     // The walk is background work: it yields the CPU to the shard threads.
     let walker = tokio::task::spawn_blocking(move || {
@@ -230,7 +231,7 @@ async fn send_one(
 
 /// Waits for the answer to the oldest unanswered chunk.
 async fn reply(
-    rd: &mut tokio::net::tcp::OwnedReadHalf,
+    rd: &mut tokio::io::ReadHalf<super::dial::PeerStream>,
     dec: &Decoder,
     buf: &mut BytesMut,
     unanswered: &mut VecDeque<u64>,

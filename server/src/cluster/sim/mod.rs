@@ -82,10 +82,21 @@ pub struct Rules {
     /// The election timeout the lease is computed from (ticks); raft's is
     /// [`ELECTION_TICKS`]. A larger one makes leases too long.
     pub lease_timeout_ticks: u64,
-    /// A leader hands over as built (`ShardCore::transfer_leadership`:
-    /// the lease given up first); otherwise it asks raft to transfer and
-    /// keeps its lease.
-    pub hand_over_fence: bool,
+    /// How a leader hands over.
+    pub hand_over: HandOver,
+}
+
+/// How a leader that is told to hand over does it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HandOver {
+    /// As built (`ShardCore::transfer_leadership`): the lease given up
+    /// first and not taken again in that term.
+    Built,
+    /// Fenced first, but the lease may be taken again in that term (while
+    /// the transfer's TimeoutNow may still be on its way).
+    FenceOnly,
+    /// Raft asked to transfer, the lease kept.
+    KeepLease,
 }
 
 /// How a shard thread ticks raft.
@@ -117,7 +128,7 @@ impl Rules {
             publish_unapplied: false,
             quiet: true,
             lease_timeout_ticks: ELECTION_TICKS as u64,
-            hand_over_fence: true,
+            hand_over: HandOver::Built,
         }
     }
 }
@@ -688,7 +699,13 @@ impl World {
                         refused.push(id);
                     }
                 }
-                Input::HandOver if self.rules.hand_over_fence => drop(core.transfer_leadership()),
+                Input::HandOver if self.rules.hand_over == HandOver::Built => {
+                    let _ = core.transfer_leadership();
+                }
+                Input::HandOver if self.rules.hand_over == HandOver::FenceOnly => {
+                    let _ = core.transfer_leadership();
+                    core.forget_hand_over();
+                }
                 Input::HandOver => {
                     // As a transfer without the lease given up would: to
                     // the next voter, the lease kept.
