@@ -563,9 +563,6 @@ impl Config {
                 let config = crate::cluster::config::ClusterConfig::parse(&text)
                     .map_err(|e| format!("{name} {}: {e}", path.display()))?;
                 let me = config.node(node_id)?;
-                if memcached_listen.is_some() {
-                    return Err(format!("{}: not available on a cluster node (yet)", name!(memcached_listen)));
-                }
                 if flags.listen.or(file.listen).is_some_and(|l| l != me.rpc) {
                     return Err(format!(
                         "--listen differs from node {node_id}'s rpc address {} in the cluster file",
@@ -1040,8 +1037,8 @@ mod tests {
         assert_eq!(c.cluster.unwrap().sync, SyncPolicy::Always, "the default");
         let mut mc = node(None, true);
         mc.memcached_listen = Some("127.0.0.1:11211".parse().unwrap());
-        let err = Config::resolve(FileConfig::default(), mc).unwrap_err();
-        assert_eq!(err, "--memcached-listen: not available on a cluster node (yet)");
+        let c = Config::resolve(FileConfig::default(), mc).unwrap();
+        assert!(c.memcached_listen.is_some(), "the memcached port on a cluster node");
         let c = Config::resolve(FileConfig::default(), node(Some(SyncPolicy::Batch), true)).unwrap();
         assert_eq!(c.cluster.unwrap().sync, SyncPolicy::Batch);
         let err = Config::resolve(FileConfig::default(), node(Some(SyncPolicy::None), false)).unwrap_err();

@@ -94,9 +94,6 @@ impl Server {
                 }
                 // Config refuses these on a cluster node; a Config built
                 // in code is held to the same.
-                if cfg.memcached_listen.is_some() {
-                    return Err(invalid("--memcached-listen: not served in cluster mode".into()));
-                }
                 if cfg.evict == config::Evict::Lru {
                     return Err(invalid("--evict lru: not served in cluster mode".into()));
                 }
@@ -340,12 +337,15 @@ impl Server {
                 }
             });
         }
-        // `bind` refuses the memcached port on a cluster node.
-        if let (Some(l), Some(single)) = (self.memcached, self.shared.node.single()) {
+        if let Some(l) = self.memcached {
             let (rx, srx) = (stop_rx.clone(), stop_rx.clone());
+            let backend = match &self.shared.node {
+                crate::node::Node::Single(n) => memcache::backend::Backend::Single(Arc::clone(n)),
+                crate::node::Node::Cluster(c) => memcache::backend::Backend::Cluster(Arc::clone(c)),
+            };
             let svc = Arc::new(memcache::Service::new(
                 Arc::clone(&self.shared),
-                Arc::clone(single),
+                backend,
                 self.threads,
                 self.max_memcached_connections,
             ));

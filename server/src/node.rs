@@ -323,6 +323,15 @@ impl Node {
         Ok(values)
     }
 
+    /// Empties every shard this cluster node leads (a flush_all passed on
+    /// by another node); how many items went.
+    pub async fn flush_led(&self) -> Result<u64, NodeError> {
+        match self {
+            Node::Single(_) => Err(NodeError::BadRequest("this node is not part of a cluster".into())),
+            Node::Cluster(c) => Ok(c.flush_led().await?),
+        }
+    }
+
     /// Notes a client's one-sided reads (for eviction's recency).
     pub fn note_accesses(&self, units: &[u64]) {
         match self {

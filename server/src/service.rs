@@ -285,10 +285,16 @@ impl Requests {
     /// a connection's writes reach the shard in order; replies may come
     /// back out of order (they carry the request's id).
     fn deferrable(&self, req: &Request) -> bool {
-        self.shared.node.cluster().is_some()
-            && !self.state.peer_port
-            && self.state.role.is_none_or(|r| r.allows(Role::Data))
-            && matches!(req.op, Some(Op::Put(_) | Op::Delete(_) | Op::Get(_) | Op::MultiGet(_)))
+        let data = matches!(req.op, Some(Op::Put(_) | Op::Delete(_) | Op::Get(_) | Op::MultiGet(_)));
+        // Skips `handle`'s checks: only what they would pass. On the peer
+        // port, a node's forwarded requests (`misplaced` takes them from a
+        // node only).
+        let allowed = if self.state.peer_port {
+            self.state.node.is_some()
+        } else {
+            self.state.role.is_none_or(|r| r.allows(Role::Data))
+        };
+        self.shared.node.cluster().is_some() && allowed && data
     }
 
     async fn defer(&mut self, req: Request, started: std::time::Instant, out: &mut BytesMut) {
@@ -402,9 +408,10 @@ fn needed_role(op: &Op) -> Role {
 /// port, from the node it says it is from; the peer port serves nothing
 /// else. Checked before roles: no role's secret makes raft traffic right.
 fn misplaced(shared: &Shared, conn: &ConnState, op: &Op) -> Option<String> {
-    let cluster_traffic = matches!(op, Op::Raft(_) | Op::GetMap(_) | Op::JoinShard(_) | Op::SnapshotChunk(_));
+    let cluster_traffic =
+        matches!(op, Op::Raft(_) | Op::GetMap(_) | Op::JoinShard(_) | Op::SnapshotChunk(_)) || forwarded(op);
     if !conn.peer_port {
-        return matches!(op, Op::Raft(_) | Op::JoinShard(_) | Op::SnapshotChunk(_)).then(|| {
+        return matches!(op, Op::Raft(_) | Op::JoinShard(_) | Op::SnapshotChunk(_) | Op::FlushAll(_)).then(|| {
             "raft traffic and joins are taken on a cluster node's peer port only (the cluster file's `peer` \
              address), from a node proving its own node secret"
                 .into()
@@ -431,6 +438,16 @@ fn misplaced(shared: &Shared, conn: &ConnState, op: &Op) -> Option<String> {
         Op::JoinShard(j) => identity::check_join(sender, j.replica_id).err(),
         _ => None,
     }
+}
+
+/// Data requests another node passes on to this one's peer port (its
+/// memcached port serves every key: `cluster::forward`); taken only from
+/// a node, as raft traffic is.
+fn forwarded(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::Put(_) | Op::Get(_) | Op::Delete(_) | Op::Arith(_) | Op::Touch(_) | Op::MultiGet(_) | Op::FlushAll(_)
+    )
 }
 
 /// Lets `req` through, or answers it with the refusal after which the
@@ -626,7 +643,7 @@ fn reply(id: u64, r: Result<R, proto::Error>) -> Response {
 
 /// Runs an op of what the node serves (every op but the connection's own:
 /// HELLO, AUTHENTICATE, RDMA setup), single or cluster alike.
-async fn node_op(shared: &Shared, op: Op) -> Result<R, proto::Error> {
+pub(crate) async fn node_op(shared: &Shared, op: Op) -> Result<R, proto::Error> {
     let node = &shared.node;
     let r = match op {
         Op::Put(p) => node.put(&p).await.map(|version| R::Put(proto::PutReply { version })),
@@ -681,6 +698,7 @@ async fn node_op(shared: &Shared, op: Op) -> Result<R, proto::Error> {
             .await
             .map(|replica_id| R::ReplaceReplica(proto::ReplaceReplicaReply { replica_id })),
         Op::SnapshotChunk(c) => node.receive_snapshot(c).await.map(R::SnapshotChunk),
+        Op::FlushAll(_) => node.flush_led().await.map(|items| R::FlushAll(proto::FlushAllReply { items })),
         Op::Raft(batch) => {
             return match &shared.raft {
                 None => Err(plain(ErrorCode::BadRequest, "this node is not part of a cluster".into())),

@@ -36,7 +36,13 @@ fn python() -> Option<&'static str> {
 
 /// Runs the script against `port`; panics with its output if it fails.
 fn run_script(py: &str, port: u16, against: &str) {
-    let out = Command::new(py).arg(script()).arg(port.to_string()).output().expect("run python");
+    run_script_on(py, &[port], against)
+}
+
+/// Runs the script against `ports` (several: through pymemcache's
+/// HashClient); panics with its output if it fails.
+fn run_script_on(py: &str, ports: &[u16], against: &str) {
+    let out = Command::new(py).arg(script()).args(ports.iter().map(u16::to_string)).output().expect("run python");
     let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
     println!("--- pymemcache against {against}:\n{text}");
     assert!(out.status.success(), "pymemcache script failed against {against} ({}):\n{text}", out.status);
@@ -55,4 +61,24 @@ fn pymemcache_works_against_dmkv_as_against_memcached() {
     }
     let srv = ServerProcess::start(&["--memory", "16MiB", "--memcached-listen", "127.0.0.1:0"]);
     run_script(py, port_of(&srv), "dmkv");
+}
+
+/// A dmkv cluster serves memcached clients on every node: the same script
+/// through each node's port (keys whose shard another node leads go to
+/// it), then through pymemcache's HashClient over all three ports, as an
+/// application with its own consistent hashing over memcached servers.
+#[test]
+fn pymemcache_works_against_every_node_of_a_cluster() {
+    let Some(py) = python() else { return };
+    let c = dmkv_tests::cluster::TestCluster::start(3, 3, 3, false, &["--memcached-listen", "127.0.0.1:0"]);
+    let ports: Vec<u16> = (0..3)
+        .map(|i| {
+            let addr = c.endpoint(i, "memcached").expect("memcached= in the listening line");
+            addr.rsplit(':').next().and_then(|p| p.parse().ok()).expect("a port")
+        })
+        .collect();
+    for (i, &port) in ports.iter().enumerate() {
+        run_script(py, port, &format!("cluster node {}", i + 1));
+    }
+    run_script_on(py, &ports, "the cluster through HashClient");
 }

@@ -125,7 +125,69 @@ impl Conn {
 #[test]
 fn text_and_meta_commands_over_a_socket() {
     let srv = ServerProcess::start(&["--memory", "16MiB", "--memcached-listen", "127.0.0.1:0"]);
-    let mut c = Conn::new(port_of(&srv));
+    text_and_meta_commands(port_of(&srv));
+}
+
+/// The same conversation with every node of a cluster (keys whose shard
+/// another node leads go to it), then multi-gets over every shard, in
+/// order, with noreply sets before them and quiet meta gets.
+#[test]
+fn every_cluster_node_serves_every_key() {
+    let c = dmkv_tests::cluster::TestCluster::start(3, 4, 3, false, &["--memcached-listen", "127.0.0.1:0"]);
+    let port = |i: usize| -> u16 {
+        let addr = c.endpoint(i, "memcached").expect("memcached= in the listening line");
+        addr.rsplit(':').next().and_then(|p| p.parse().ok()).expect("a port")
+    };
+    for i in 0..3 {
+        text_and_meta_commands(port(i));
+    }
+    let keys: Vec<String> = (0..150).map(|k| format!("mk{k}")).collect();
+    for i in 0..3 {
+        let mut conn = Conn::new(port(i));
+        let sets: String =
+            keys.iter().map(|k| format!("set {k} {i} 0 {} noreply\r\n{k}-{i}\r\n", k.len() + 2)).collect();
+        // Nothing answers a noreply set; the meta no-op answers once all
+        // before it are done.
+        assert_eq!(conn.ask(&format!("{sets}mn\r\n"), 1), ["MN\r\n"]);
+        let reader = (i + 1) % 3;
+        let mut conn = Conn::new(port(reader));
+        let asked: Vec<&str> = keys.iter().rev().map(String::as_str).chain(["missing"]).collect();
+        let lines = conn.ask(&format!("get {}\r\n", asked.join(" ")), 2 * keys.len() + 1);
+        for (n, k) in keys.iter().rev().enumerate() {
+            let want = [format!("VALUE {k} {i} {}\r\n", k.len() + 2), format!("{k}-{i}\r\n")];
+            assert_eq!(lines[2 * n..2 * n + 2], want, "node {} answering the multi-get", reader + 1);
+        }
+        assert_eq!(lines[2 * keys.len()], "END\r\n");
+        let quiet: String = keys.iter().take(20).map(|k| format!("mg {k} v q\r\nmg nope{k} v q\r\n")).collect();
+        let lines = conn.ask(&format!("{quiet}mn\r\n"), 41);
+        assert_eq!(lines.iter().filter(|l| l.starts_with("VA ")).count(), 20, "{lines:?}");
+        assert_eq!(lines.last().map(String::as_str), Some("MN\r\n"));
+    }
+    // Some node led not every shard: requests went between nodes.
+    let forwarded: u64 = (0..3).map(|i| stat(&mut Conn::new(port(i)), "forwarded")).sum();
+    assert!(forwarded > 0, "no request was passed on to another node");
+}
+
+/// A `stats` field's value.
+fn stat(c: &mut Conn, name: &str) -> u64 {
+    c.send(b"stats\r\n");
+    let mut found = None;
+    loop {
+        let l = c.line();
+        if l == "END\r\n" || l.is_empty() {
+            return found.unwrap_or_else(|| panic!("no STAT {name}"));
+        }
+        if let Some(v) = l.strip_prefix(&format!("STAT {name} ")) {
+            found = v.trim().parse().ok();
+        }
+    }
+}
+
+fn text_and_meta_commands(port: u16) {
+    let mut c = Conn::new(port);
+    // What an earlier conversation (another node of the same cluster) left.
+    let clear: String = ["a", "n", "m", "cnt", "foo"].iter().map(|k| format!("delete {k} noreply\r\n")).collect();
+    assert_eq!(c.ask(&format!("{clear}mn\r\n"), 1), ["MN\r\n"]);
     assert_eq!(c.ask("set a 7 0 3\r\nabc\r\n", 1), ["STORED\r\n"]);
     assert_eq!(c.ask("add a 0 0 1\r\nx\r\n", 1), ["NOT_STORED\r\n"]);
     assert_eq!(c.ask("get a nope\r\n", 3), ["VALUE a 7 3\r\n", "abc\r\n", "END\r\n"]);

@@ -52,9 +52,8 @@ pub const STEADY_RUN: Duration = Duration::from_secs(60);
 pub const MAX_INPUTS_PER_POLL: usize = 256;
 /// Raft's logical clock: one tick this often, at most.
 pub const TICK: Duration = Duration::from_millis(10);
-/// Most a stopping node waits for a shard thread to say whether it began
-/// handing its leadership over (a thread busy applying a long batch).
-pub const HAND_OVER_ANSWER: Duration = Duration::from_millis(500);
+/// A shard thread's answer to a hand-over: the voter chosen, or why none.
+pub type HandOverAnswer = Result<u64, super::shard::NoHandOver>;
 const TICK_NS: u64 = TICK.as_nanos() as u64;
 
 /// When raft's logical clock ticks (see the module's comment): at most one
@@ -120,8 +119,8 @@ enum Input {
     /// A snapshot for this follower did not reach it.
     SnapshotFailed(u64, u64),
     /// Hand leadership over (see `ShardCore::transfer_leadership`);
-    /// answered whether a transfer began.
-    HandOver(std::sync::mpsc::SyncSender<bool>),
+    /// answered with the voter chosen, or why none.
+    HandOver(std::sync::mpsc::SyncSender<HandOverAnswer>),
     Stop,
 }
 
@@ -448,16 +447,13 @@ impl ShardThread {
     }
 
     /// Asks the replica to hand its leadership to another voter, if it
-    /// leads (the node is about to stop); whether a transfer began (not
-    /// leading, leading alone, no voter heard from lately, or no answer
-    /// within [`HAND_OVER_ANSWER`]: no). Does not wait for the transfer:
-    /// the replica's status says when it no longer leads.
-    pub fn hand_over(&self) -> bool {
+    /// leads (the node is about to stop); where its answer will come, or
+    /// `None` if the thread takes no input now. Does not wait: the caller
+    /// collects the answers of every shard it asked, and the replica's
+    /// status says when it no longer leads.
+    pub fn hand_over(&self) -> Option<std::sync::mpsc::Receiver<HandOverAnswer>> {
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        if self.tx.try_send(Input::HandOver(tx)).is_err() {
-            return false;
-        }
-        rx.recv_timeout(HAND_OVER_ANSWER).unwrap_or(false)
+        self.tx.try_send(Input::HandOver(tx)).ok().map(|()| rx)
     }
 
     /// Stops the thread (its replica fences first) and waits for it.
@@ -556,7 +552,7 @@ fn refuse_until(rx: &Receiver<Input>, until: std::time::Instant, bootstrap: &mut
             Ok(Input::Join(_, a)) => drop(a.send(Err(down()))),
             Ok(Input::Replace(_, a)) => drop(a.send(Err("the shard's replica is starting again".into()))),
             Ok(Input::Bootstrap) => *bootstrap = true,
-            Ok(Input::HandOver(answer)) => drop(answer.try_send(false)),
+            Ok(Input::HandOver(answer)) => drop(answer.try_send(Err(super::shard::NoHandOver::NotLeader))),
             Ok(Input::Raft(_) | Input::SnapshotFailed(..)) => {}
             Ok(Input::Stop) | Err(RecvTimeoutError::Disconnected) => return false,
             Err(RecvTimeoutError::Timeout) => return true,
@@ -621,10 +617,10 @@ fn run<S: LogStore>(
                 Ok(Input::SnapshotFailed(to, index)) => core.snapshot_failed(to, index),
                 Ok(Input::HandOver(answer)) => {
                     let to = core.transfer_leadership();
-                    if let Some(to) = to {
+                    if let Ok(to) = to {
                         info!(to, "handing leadership over: the node is stopping");
                     }
-                    let _ = answer.try_send(to.is_some());
+                    let _ = answer.try_send(to);
                 }
                 Ok(Input::Replace(id, answer)) => {
                     // Readers stop before the store empties.

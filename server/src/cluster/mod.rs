@@ -8,6 +8,7 @@ pub mod desk;
 pub mod dial;
 pub mod driver;
 pub mod engine_panic;
+pub mod forward;
 pub mod identity;
 pub mod last_run;
 pub mod leasing;

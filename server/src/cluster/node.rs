@@ -161,6 +161,8 @@ pub struct ClusterNode {
     sync: SyncPolicy,
     /// TLS on the peer port, and on dials to peers.
     pub peer_tls: Option<Arc<super::peer_tls::PeerTls>>,
+    /// Requests this node passes on to the node that leads their shard.
+    pub forward: super::forward::Forwarder,
     /// The device every replica's region is registered with.
     #[cfg(feature = "rdma")]
     rdma: Option<Arc<crate::rdma::RdmaDevice>>,
@@ -202,6 +204,7 @@ impl ClusterNode {
             source: Dialer::source_of(cfg.node(me)?.peer),
             tls: peer_tls.clone(),
         };
+        let forward = super::forward::Forwarder::new(dialer.clone(), &peers);
         let peers = Arc::new(Peers::start(dialer.clone(), peers, stop.clone(), p.memory));
         // A log that may lack what its replicas acknowledged (see
         // `last_run`, `log::Recovery`) is not trusted to vote: replicas of
@@ -411,6 +414,7 @@ impl ClusterNode {
             data_dir: setup.data_dir.clone(),
             sync: setup.sync,
             peer_tls,
+            forward,
             #[cfg(feature = "rdma")]
             rdma: p.rdma.map(|r| r.device),
         })
@@ -419,27 +423,40 @@ impl ClusterNode {
     /// Hands the leadership of every shard this node leads to another of
     /// its voters (a rolling restart then costs no election timeout and no
     /// stretch without a lease), and waits until none is led here, at most
-    /// [`MAX_HAND_OVER_WAIT`]; returns how many shards began a transfer and
-    /// how many of those this node still leads. Blocks. A shard led alone
-    /// has no one to hand over to. Raft gives a transfer up after an
+    /// [`MAX_HAND_OVER_WAIT`]; returns how many shards it had to hand over
+    /// and how many of those it still leads. Blocks. A shard led alone has
+    /// no one to hand over to, and is not waited for. Raft gives a transfer up after an
     /// election timeout (the voter went down, or is too far behind): the
     /// shard is asked again every [`HAND_OVER_RETRY`], and picks a voter
     /// heard from lately. What is still led at the deadline stops leading
     /// as it would have anyway.
     pub fn hand_over_leadership(&self) -> (usize, usize) {
+        use super::shard::NoHandOver;
         let deadline = std::time::Instant::now() + MAX_HAND_OVER_WAIT;
-        let mut handing: Vec<&LocalReplica> = Vec::new();
+        // Every shard led now but not alone: asked until it leads no more.
+        let mut waiting: Vec<&LocalReplica> = self.replicas.values().filter(|r| r.status.is_leader()).collect();
         loop {
-            for r in self.replicas.values().filter(|r| r.status.is_leader()) {
-                if r.thread.hand_over() && !handing.iter().any(|h| std::ptr::eq(*h, r)) {
-                    handing.push(r);
+            // All asked at once, then the answers collected against the
+            // one deadline (a shard thread busy with a long apply answers
+            // late, or not before it).
+            let asked: Vec<(*const LocalReplica, _)> = waiting
+                .iter()
+                .filter(|r| r.status.is_leader())
+                .map(|&r| (r as *const _, r.thread.hand_over()))
+                .collect();
+            for (asked, rx) in asked {
+                let left = deadline.saturating_duration_since(std::time::Instant::now());
+                if let Some(Err(NoHandOver::NotLeader | NoHandOver::Alone)) =
+                    rx.and_then(|rx| rx.recv_timeout(left).ok())
+                {
+                    waiting.retain(|&r| !std::ptr::eq(r, asked));
                 }
             }
             let retry = (std::time::Instant::now() + HAND_OVER_RETRY).min(deadline);
             loop {
-                let still = handing.iter().filter(|r| r.status.is_leader()).count();
+                let still = waiting.iter().filter(|r| r.status.is_leader()).count();
                 if still == 0 || std::time::Instant::now() >= deadline {
-                    return (handing.len(), still);
+                    return (waiting.len(), still);
                 }
                 if std::time::Instant::now() >= retry {
                     break;
@@ -903,6 +920,12 @@ impl ClusterNode {
     /// The stores of this node's replicas (for STATS).
     pub fn stores(&self) -> impl Iterator<Item = &Arc<Store>> {
         self.replicas.values().map(|r| &r.store)
+    }
+
+    /// The stores of the shards this node leads now (what its memcached
+    /// port's `stats` counts: every item once across the cluster).
+    pub fn led_stores(&self) -> Vec<Arc<Store>> {
+        self.replicas.values().filter(|r| r.status.is_leader()).map(|r| Arc::clone(&r.store)).collect()
     }
 
     /// The compactors of this node's replicas (for STATS).

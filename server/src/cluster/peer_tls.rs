@@ -58,7 +58,10 @@ pub struct PeerTls {
 }
 
 struct Loaded {
+    /// The files' times when they last loaded...
     stamps: [Option<SystemTime>; 3],
+    /// ...and when they last failed to (warned once per change).
+    failed: Option<[Option<SystemTime>; 3]>,
     checked: Instant,
     server: Arc<rustls::ServerConfig>,
     client: Arc<rustls::ClientConfig>,
@@ -68,8 +71,9 @@ impl PeerTls {
     /// Loads the files; an error names the file and what is wrong with it,
     /// including a certificate that does not name node `me`.
     pub fn load(files: PeerTlsFiles, me: NodeId, nodes: Vec<NodeId>) -> Result<PeerTls, String> {
-        let (server, client) = configs(&files, me)?;
-        let loaded = Loaded { stamps: stamps(&files), checked: Instant::now(), server, client };
+        let stamped = stamps(&files);
+        let (server, client) = configs(&files, me, &nodes)?;
+        let loaded = Loaded { stamps: stamped, failed: None, checked: Instant::now(), server, client };
         Ok(PeerTls { files, me, nodes, loaded: Mutex::new(loaded) })
     }
 
@@ -81,15 +85,22 @@ impl PeerTls {
         let mut l = self.loaded.lock().unwrap_or_else(|p| p.into_inner());
         if l.checked.elapsed() >= RELOAD_CHECK {
             l.checked = Instant::now();
+            // Stamped before reading: a file written meanwhile changes its
+            // time again, and is read at the next check. Files that fail
+            // to load are tried again every check (a pair written one
+            // after the other may be read between the two writes).
             let now = stamps(&self.files);
             if now != l.stamps {
-                l.stamps = now;
-                match configs(&self.files, self.me) {
+                match configs(&self.files, self.me, &self.nodes) {
                     Ok((server, client)) => {
-                        (l.server, l.client) = (server, client);
+                        (l.server, l.client, l.stamps, l.failed) = (server, client, now, None);
                         tracing::info!("peer TLS certificates reloaded");
                     }
-                    Err(e) => tracing::warn!("peer TLS files changed but do not load (the last good ones stay): {e}"),
+                    Err(e) if l.failed != Some(now) => {
+                        l.failed = Some(now);
+                        tracing::warn!("peer TLS files changed but do not load (the last good ones stay): {e}");
+                    }
+                    Err(_) => {}
                 }
             }
         }
@@ -132,8 +143,14 @@ fn stamps(f: &PeerTlsFiles) -> [Option<SystemTime>; 3] {
 }
 
 /// Both ends' configurations: this node's certificate presented either
-/// way, the CA required of the other end either way.
-fn configs(f: &PeerTlsFiles, me: NodeId) -> Result<(Arc<rustls::ServerConfig>, Arc<rustls::ClientConfig>), String> {
+/// way, the CA required of the other end either way, and the other end's
+/// certificate naming exactly the node meant ([`NodeVerifier`] when
+/// dialing, [`PeerTls::accept`] when accepting).
+fn configs(
+    f: &PeerTlsFiles,
+    me: NodeId,
+    nodes: &[NodeId],
+) -> Result<(Arc<rustls::ServerConfig>, Arc<rustls::ClientConfig>), String> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let certs = read_certs(&f.cert)?;
     let key = || PrivateKeyDer::from_pem_file(&f.key).map_err(|e| format!("peer TLS key {}: {e}", f.key.display()));
@@ -142,11 +159,12 @@ fn configs(f: &PeerTlsFiles, me: NodeId) -> Result<(Arc<rustls::ServerConfig>, A
         roots.add(c).map_err(|e| format!("peer TLS CA {}: {e}", f.ca.display()))?;
     }
     let roots = Arc::new(roots);
-    // A node that starts with another node's certificate would be refused
-    // by every peer: say so at start.
-    if node_named(&certs[0], &[me]).is_err() {
+    // A node that starts with another node's certificate (or one naming
+    // several) would be refused by every peer: say so at start.
+    if node_named(&certs[0], nodes) != Ok(me) {
         return Err(format!(
-            "peer TLS certificate {} does not name this node ({}, as a DNS subject alternative name)",
+            "peer TLS certificate {} does not name this node ({}, as a DNS subject alternative name) and no \
+             other node of the cluster file",
             f.cert.display(),
             tls_name(me)
         ));
@@ -160,13 +178,72 @@ fn configs(f: &PeerTlsFiles, me: NodeId) -> Result<(Arc<rustls::ServerConfig>, A
         .with_client_cert_verifier(verifier)
         .with_single_cert(certs.clone(), key()?)
         .map_err(|e| format!("peer TLS certificate {} does not fit its key: {e}", f.cert.display()))?;
+    let inner = rustls::client::WebPkiServerVerifier::builder_with_provider(roots, Arc::clone(&provider))
+        .build()
+        .map_err(|e| format!("peer TLS CA {}: {e}", f.ca.display()))?;
+    let verifier = Arc::new(NodeVerifier { inner, nodes: nodes.to_vec() });
     let client = rustls::ClientConfig::builder_with_provider(provider)
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(|e| format!("peer TLS: {e}"))?
-        .with_root_certificates(roots)
+        .dangerous()
+        .with_custom_certificate_verifier(verifier)
         .with_client_auth_cert(certs, key()?)
         .map_err(|e| format!("peer TLS certificate {} does not fit its key: {e}", f.cert.display()))?;
     Ok((Arc::new(server), Arc::new(client)))
+}
+
+/// The dialing end's check: the CA's (webpki, as rustls does it), and
+/// that the certificate names the node dialed and no other node of the
+/// cluster (a certificate naming two nodes would pass the plain name
+/// check for either).
+#[derive(Debug)]
+struct NodeVerifier {
+    inner: Arc<rustls::client::WebPkiServerVerifier>,
+    nodes: Vec<NodeId>,
+}
+
+impl rustls::client::danger::ServerCertVerifier for NodeVerifier {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp: &[u8],
+        now: rustls_pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        let verified = self.inner.verify_server_cert(end_entity, intermediates, server_name, ocsp, now)?;
+        let meant = match server_name {
+            ServerName::DnsName(d) => d.as_ref().strip_prefix("node-").and_then(|n| n.parse::<NodeId>().ok()),
+            _ => None,
+        };
+        match (meant, node_named(end_entity, &self.nodes)) {
+            (Some(m), Ok(n)) if m == n => Ok(verified),
+            (_, Err(e)) => Err(rustls::Error::General(e)),
+            _ => Err(rustls::Error::General("the certificate names another node".into())),
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.inner.supported_verify_schemes()
+    }
 }
 
 #[cfg(test)]
@@ -258,6 +335,36 @@ mod tests {
         assert!(ok.is_ok(), "{:?}", ok.err());
         assert!(wrong.is_err(), "node 2's certificate taken for node 3");
         assert_eq!(accepted[0], Ok(1), "the accepting end learns the dialer is node 1");
+        let _ = std::fs::remove_dir_all(d);
+    }
+
+    /// A certificate naming two nodes (its holder started from a cluster
+    /// file that lists only one of them) passes the CA and the name check
+    /// for either, but a dialer that knows both refuses it.
+    #[tokio::test]
+    async fn a_dialer_refuses_a_certificate_that_names_two_nodes() {
+        let d = tmp("two");
+        let ca = ca();
+        let a = PeerTls::load(files(&d, "node-1", &ca), 1, vec![1, 2, 3]).unwrap();
+        let (c, k) = leaf(&["node-2", "node-3"], &ca);
+        let two = PeerTlsFiles { cert: d.join("two.pem"), key: d.join("two.key"), ca: d.join("ca.pem") };
+        std::fs::write(&two.cert, c.pem()).unwrap();
+        std::fs::write(&two.key, k.serialize_pem()).unwrap();
+        assert!(PeerTls::load(two.clone(), 2, vec![1, 2, 3]).is_err(), "started naming two nodes");
+        let b = Arc::new(PeerTls::load(two, 2, vec![2]).unwrap());
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            for _ in 0..2 {
+                let (s, _) = l.accept().await.unwrap();
+                let _ = b.accept(s).await;
+            }
+        });
+        for to in [2, 3] {
+            let r = a.connect(to, TcpStream::connect(addr).await.unwrap()).await;
+            assert!(r.is_err(), "a certificate naming nodes 2 and 3 taken for node {to}");
+        }
+        server.await.unwrap();
         let _ = std::fs::remove_dir_all(d);
     }
 }

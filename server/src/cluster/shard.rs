@@ -90,6 +90,16 @@ pub struct Poll<P, R = P> {
     pub fence: bool,
 }
 
+/// Why a replica did not begin handing its leadership over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NoHandOver {
+    NotLeader,
+    /// No other voter (one replica), or none on another node.
+    Alone,
+    /// No other voter heard from lately: worth asking again.
+    NoVoterHeard,
+}
+
 /// One replica of a shard, with its store.
 pub struct ShardCore<S: LogStore, P, R = P> {
     replica: Replica<S>,
@@ -837,12 +847,11 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
     /// the next [`ShardCore::poll`] says fence, before the transfer's
     /// messages), then asks raft to transfer, which it does once that
     /// voter's log is complete, or gives up after an election timeout.
-    /// Proposals are refused meanwhile. The voter chosen, or `None` if
-    /// this replica does not lead or leads alone.
-    pub fn transfer_leadership(&mut self) -> Option<u64> {
+    /// Proposals are refused meanwhile. The voter chosen, or why none.
+    pub fn transfer_leadership(&mut self) -> Result<u64, NoHandOver> {
         let raft = &self.replica.raft().raft;
         if raft.state != StateRole::Leader {
-            return None;
+            return Err(NoHandOver::NotLeader);
         }
         let (me, term) = (raft.id, raft.term);
         let voters = raft.prs().conf().voters();
@@ -854,17 +863,28 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
         // node part (unit tests, the simulation) are replicas of nodes of
         // their own.
         let elsewhere = |id: u64| node_of(me) == 0 || node_of(id) != node_of(me);
-        let to = raft
+        let others: Vec<(u64, &raft::Progress)> = raft
             .prs()
             .iter()
-            .filter(|&(&id, pr)| id != me && voters.contains(id) && pr.recent_active && elsewhere(id))
-            .max_by_key(|&(&id, pr)| (pr.matched, std::cmp::Reverse(id)))
-            .map(|(&id, _)| id)?;
+            .filter(|&(&id, _)| id != me && voters.contains(id) && elsewhere(id))
+            .map(|(&id, pr)| (id, pr))
+            .collect();
+        if others.is_empty() {
+            return Err(NoHandOver::Alone);
+        }
+        // check_quorum clears `recent_active` every election timeout until
+        // the voter answers again: none now is worth asking again soon.
+        let to = others
+            .iter()
+            .filter(|(_, pr)| pr.recent_active)
+            .max_by_key(|&&(id, pr)| (pr.matched, std::cmp::Reverse(id)))
+            .map(|&(id, _)| id)
+            .ok_or(NoHandOver::NoVoterHeard)?;
         if let Some(k) = self.leases.as_mut() {
             self.transfer_fence |= k.hand_over(term) == LeaseAction::Fence;
         }
         self.replica.transfer_leader(to);
-        Some(to)
+        Ok(to)
     }
 
     /// See [`LeaseKeeper::forget_hand_over`].
@@ -1299,7 +1319,7 @@ mod tests {
         assert!(cores[to as usize - 1].lease().is_some(), "the new leader leases");
         assert_eq!(cores[l].lease(), None);
         // A follower hands nothing over.
-        assert_eq!(cores[l].transfer_leadership(), None);
+        assert_eq!(cores[l].transfer_leadership(), Err(NoHandOver::NotLeader));
     }
 
     /// A voter that lags gets TimeoutNow only in a later poll (after its

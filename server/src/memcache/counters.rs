@@ -3,7 +3,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
-use dmkv_common::error::Error;
+use super::backend::Error;
 
 /// What the memcached port counts, per listener.
 #[derive(Debug, Default)]

@@ -4,8 +4,8 @@
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
+use super::backend::Error;
 use bytes::BytesMut;
-use dmkv_common::error::Error;
 use dmkv_common::expiry::{RELATIVE_LIMIT_SECS, from_exptime};
 
 use super::counters::count_store;
@@ -60,12 +60,16 @@ fn mem_limit(svc: &Service, megabytes: u32) -> &'static str {
         "MEMLIMIT_TOO_SMALL cannot set maxbytes to less than 8m"
     } else if megabytes > 1_000_000_000 {
         "MEMLIMIT_ADJUST_FAILED input value is megabytes not bytes"
-    } else if u64::from(megabytes) << 20 >= svc.node.store().header().region_len {
+    } else if u64::from(megabytes) << 20 >= svc.region_bytes() {
         "OK"
     } else {
         "MEMLIMIT_ADJUST_FAILED out of bounds or unable to adjust"
     }
 }
+
+/// Keys of a get looked up at once (on a cluster node, one request per
+/// leader for them); the reply still goes out part by part.
+pub const GET_PIECE: usize = 64;
 
 /// Runs `req`, appending its reply to `out`. A get resumes at key `from`.
 pub async fn execute(req: &Request<'_>, svc: &Service, out: &mut BytesMut, from: usize) -> Step {
@@ -78,37 +82,44 @@ pub async fn execute(req: &Request<'_>, svc: &Service, out: &mut BytesMut, from:
     match req {
         Request::Get { keys, cas, touch } => {
             let now = kv.now_ms();
-            for (i, key) in keys.iter().enumerate().skip(from) {
-                if i > from && out.len() >= crate::framed::MAX_PENDING_REPLY_BYTES {
-                    return Step::Partial(i);
-                }
-                c.cmd_get.fetch_add(1, Relaxed);
+            let mut i = from;
+            while i < keys.len() {
+                // Plain gets in pieces (one request per leader on a
+                // cluster node); a gat touches key by key.
+                let end = if touch.is_some() { i + 1 } else { (i + GET_PIECE).min(keys.len()) };
                 let found = match touch {
                     Some(e) => {
                         c.cmd_touch.fetch_add(1, Relaxed);
-                        kv.touch(key, from_exptime(*e, now)).await
+                        vec![kv.touch(keys[i], from_exptime(*e, now)).await]
                     }
-                    None => kv.get(key),
+                    None => kv.get_many(&keys[i..end]).await,
                 };
-                match found {
-                    Ok(Some(item)) => {
-                        c.get_hits.fetch_add(1, Relaxed);
-                        if touch.is_some() {
-                            c.touch_hits.fetch_add(1, Relaxed);
-                        }
-                        value(out, key, item.meta.flags, &item.value, cas.then_some(item.meta.version));
+                for (j, found) in (i..end).zip(found) {
+                    if j > from && out.len() >= crate::framed::MAX_PENDING_REPLY_BYTES {
+                        return Step::Partial(j);
                     }
-                    Ok(None) => {
-                        c.get_misses.fetch_add(1, Relaxed);
-                        if touch.is_some() {
-                            c.touch_misses.fetch_add(1, Relaxed);
+                    c.cmd_get.fetch_add(1, Relaxed);
+                    match found {
+                        Ok(Some(item)) => {
+                            c.get_hits.fetch_add(1, Relaxed);
+                            if touch.is_some() {
+                                c.touch_hits.fetch_add(1, Relaxed);
+                            }
+                            value(out, keys[j], item.meta.flags, &item.value, cas.then_some(item.meta.version));
                         }
-                    }
-                    Err(e) => {
-                        line(out, error_line(&e));
-                        return Step::Done;
+                        Ok(None) => {
+                            c.get_misses.fetch_add(1, Relaxed);
+                            if touch.is_some() {
+                                c.touch_misses.fetch_add(1, Relaxed);
+                            }
+                        }
+                        Err(e) => {
+                            line(out, error_line(&e));
+                            return Step::Done;
+                        }
                     }
                 }
+                i = end;
             }
             line(out, "END");
         }
@@ -155,8 +166,10 @@ pub async fn execute(req: &Request<'_>, svc: &Service, out: &mut BytesMut, from:
         }
         Request::FlushAll { delay, noreply } => {
             c.cmd_flush.fetch_add(1, Relaxed);
-            kv.flush_all(Duration::from_secs(flush_delay(*delay, kv.now_ms()))).await;
-            reply(out, *noreply, "OK");
+            match kv.flush_all(Duration::from_secs(flush_delay(*delay, kv.now_ms()))).await {
+                Ok(()) => reply(out, *noreply, "OK"),
+                Err(e) => line(out, error_line(&e)),
+            }
         }
         Request::Version => line(out, &format!("VERSION {}", VERSION)),
         Request::Verbosity { noreply } => reply(out, *noreply, "OK"),
@@ -207,7 +220,7 @@ async fn store(s: &Store<'_>, svc: &Service, out: &mut BytesMut) {
     let r = match s.cas {
         // No item has version 0 (the store's "unconditional"): memcached
         // answers such a cas by whether the item exists.
-        Some(0) => match kv.get(s.key) {
+        Some(0) => match kv.get(s.key).await {
             Ok(Some(_)) => Err(Error::Exists),
             Ok(None) => Err(Error::NotFound),
             Err(e) => Err(e),

@@ -10,15 +10,16 @@
 use std::borrow::Cow;
 use std::sync::atomic::Ordering::Relaxed;
 
+use super::backend::Error;
 use base64::Engine as _;
 use bytes::{Bytes, BytesMut};
-use dmkv_common::error::Error;
 use dmkv_common::expiry::from_exptime;
 
+use super::backend::McKv as Kv;
 use super::counters::{Counters, count_store};
 use super::reply::err;
 use super::token::{MAX_KEY_LEN, number};
-use crate::kv::{Arith, Expiry, Item, ItemMeta, Kv, Mode, Write};
+use crate::kv::{Arith, Expiry, Item, ItemMeta, Mode, Write};
 
 /// Most flags on one meta command (memcached's MFLAG_MAX_OPT_LENGTH).
 pub const MAX_FLAGS: usize = 20;
@@ -217,6 +218,8 @@ pub fn error_line(e: &Error) -> &'static str {
         Error::NotStored => "NS",
         Error::Exists => "EX",
         Error::NotFound => "NF",
+        Error::Unavailable => err::UNAVAILABLE,
+        Error::Uncertain => err::UNCERTAIN,
     }
 }
 
@@ -235,7 +238,7 @@ pub async fn execute(m: &Meta<'_>, kv: &Kv<'_>, c: &Counters, out: &mut BytesMut
         Cmd::Set => set(m, kv, c, now_ms, out).await,
         Cmd::Delete => delete(m, kv, c, out).await,
         Cmd::Arith => arith(m, kv, c, now_ms, out).await,
-        Cmd::Debug => match kv.get(&m.key) {
+        Cmd::Debug => match kv.get(&m.key).await {
             Ok(Some(i)) => {
                 out.extend_from_slice(b"ME ");
                 out.extend_from_slice(m.raw_key);
@@ -266,7 +269,7 @@ async fn get(m: &Meta<'_>, kv: &Kv<'_>, c: &Counters, now_ms: u64, out: &mut Byt
             hit.fetch_add(1, Relaxed);
             found
         }
-        None => kv.get(&m.key)?,
+        None => kv.get(&m.key).await?,
     };
     let (item, won) = match (found, m.vivify) {
         (Some(i), _) => (i, false),
@@ -283,7 +286,7 @@ async fn get(m: &Meta<'_>, kv: &Kv<'_>, c: &Counters, now_ms: u64, out: &mut Byt
             };
             match kv.write(&m.key, &w).await {
                 Ok(meta) => (Item { value: Bytes::new(), meta }, true),
-                Err(Error::NotStored) => match kv.get(&m.key)? {
+                Err(Error::NotStored) => match kv.get(&m.key).await? {
                     Some(i) => (i, false),
                     None => return miss(m, c, out),
                 },
@@ -350,7 +353,7 @@ async fn set(m: &Meta<'_>, kv: &Kv<'_>, c: &Counters, now_ms: u64, out: &mut Byt
         Ok(meta) => {
             if !m.quiet {
                 let size = if concat {
-                    kv.get(&m.key).ok().flatten().map_or(m.value.len(), |i| i.value.len())
+                    kv.get(&m.key).await.ok().flatten().map_or(m.value.len(), |i| i.value.len())
                 } else {
                     m.value.len()
                 };

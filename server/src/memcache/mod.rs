@@ -16,6 +16,7 @@
 //! `framed::MAX_PENDING_REPLY_BYTES` (a get of many large values is
 //! written out part by part), time by the server's idle and frame timeouts.
 
+pub mod backend;
 pub mod counters;
 pub mod exec;
 pub mod meta;

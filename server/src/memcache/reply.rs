@@ -19,6 +19,13 @@ pub mod err {
     pub const BAD_EXPTIME: &str = "CLIENT_ERROR invalid exptime argument";
     pub const UNAUTHENTICATED: &str = "CLIENT_ERROR unauthenticated";
     pub const AUTH_FAILED: &str = "CLIENT_ERROR authentication failure";
+    /// dmkv's own (a cluster node): the key's shard has no leader this
+    /// node can reach now; nothing was done. Clients treat SERVER_ERROR as
+    /// a failed command and may retry.
+    pub const UNAVAILABLE: &str = "SERVER_ERROR temporarily unavailable: the key's shard has no reachable leader";
+    /// dmkv's own: a write passed on to its shard's leader lost its
+    /// answer; it may or may not have been applied.
+    pub const UNCERTAIN: &str = "SERVER_ERROR the write may or may not have been applied: read before retrying";
 }
 
 /// Appends `line` and CRLF.

@@ -11,11 +11,12 @@ use super::service::{Service, VERSION};
 /// The general `stats` reply: `STAT name value` lines and END.
 pub fn general(svc: &Service, out: &mut BytesMut) {
     let c = &svc.counters;
-    let store = svc.node.store();
+    let stores = svc.stores();
+    let sum = |f: fn(&crate::store::Store) -> &AtomicU64| stores.iter().map(|s| f(s).load(Relaxed)).sum::<u64>();
     let listener = &svc.shared.metrics.memcached;
     let now_ms = svc.kv().now_ms();
     let n = |a: &AtomicU64| a.load(Relaxed).to_string();
-    let fields: Vec<(&str, String)> = vec![
+    let mut fields: Vec<(&str, String)> = vec![
         ("pid", std::process::id().to_string()),
         ("uptime", svc.started.elapsed().as_secs().to_string()),
         ("time", (now_ms / 1000).to_string()),
@@ -31,7 +32,7 @@ pub fn general(svc: &Service, out: &mut BytesMut) {
         ("get_hits", n(&c.get_hits)),
         ("get_misses", n(&c.get_misses)),
         // The store's count: every port's reads (one-sided ones excepted).
-        ("get_expired", n(&store.counters.get_expired)),
+        ("get_expired", sum(|s| &s.counters.get_expired).to_string()),
         ("get_flushed", "0".into()),
         ("delete_misses", n(&c.delete_misses)),
         ("delete_hits", n(&c.delete_hits)),
@@ -50,15 +51,19 @@ pub fn general(svc: &Service, out: &mut BytesMut) {
         ("auth_errors", n(&c.auth_errors)),
         ("bytes_read", n(&listener.received)),
         ("bytes_written", n(&listener.sent)),
-        ("limit_maxbytes", store.header().region_len.to_string()),
+        ("limit_maxbytes", svc.region_bytes().to_string()),
         ("threads", svc.threads.to_string()),
-        ("curr_items", n(&store.counters.items)),
+        ("curr_items", sum(|s| &s.counters.items).to_string()),
         ("total_items", n(&c.total_items)),
-        ("bytes", n(&store.counters.used_bytes)),
+        ("bytes", sum(|s| &s.counters.used_bytes).to_string()),
         // Non-zero only with `--evict lru`; otherwise a full store refuses writes.
-        ("evictions", n(&store.counters.evictions)),
+        ("evictions", sum(|s| &s.counters.evictions).to_string()),
         ("reclaimed", "0".into()),
     ];
+    if let super::backend::Backend::Cluster(c) = &svc.backend {
+        // dmkv's own: requests passed on to the node leading their shard.
+        fields.push(("forwarded", c.forward.sent.load(Relaxed).to_string()));
+    }
     for (k, v) in fields {
         out.extend_from_slice(format!("STAT {k} {v}\r\n").as_bytes());
     }
@@ -68,7 +73,7 @@ pub fn general(svc: &Service, out: &mut BytesMut) {
 /// `stats items`: dmkv keeps no size classes, so all its items are class
 /// 1's (what tools that walk the classes to dump keys look for).
 pub fn items(svc: &Service, out: &mut BytesMut) {
-    let n = svc.node.store().counters.items.load(Relaxed);
+    let n: u64 = svc.stores().iter().map(|s| s.counters.items.load(Relaxed)).sum();
     if n > 0 {
         out.extend_from_slice(format!("STAT items:1:number {n}\r\n").as_bytes());
     }
@@ -90,7 +95,7 @@ pub async fn cachedump(svc: &Service, class: u32, limit: u32, out: &mut BytesMut
     if class == 1
         && let Ok(_one) = CACHEDUMPS.acquire().await
     {
-        let store = std::sync::Arc::clone(svc.node.store());
+        let stores = svc.stores();
         let now_ms = svc.kv().now_ms();
         // Each line takes at least 16 bytes besides its key.
         let most = MAX_CACHEDUMP_BYTES / 16;
@@ -98,9 +103,20 @@ pub async fn cachedump(svc: &Service, class: u32, limit: u32, out: &mut BytesMut
         // Keys the native API stored that the text protocol cannot name
         // (spaces, control bytes) would break the reply's lines.
         let keep = |k: &[u8]| super::token::key_ok(k) && !k.contains(&b' ');
-        let listed = tokio::task::spawn_blocking(move || store.list(max, MAX_CACHEDUMP_READ, now_ms, keep))
-            .await
-            .unwrap_or_default();
+        // A cluster node lists the shards it leads, one after another.
+        let listed = tokio::task::spawn_blocking(move || {
+            let mut listed = Vec::new();
+            for store in stores {
+                let left = max.saturating_sub(listed.len());
+                if left == 0 {
+                    break;
+                }
+                listed.extend(store.list(left, MAX_CACHEDUMP_READ, now_ms, keep));
+            }
+            listed
+        })
+        .await
+        .unwrap_or_default();
         let start = out.len();
         for (key, len, expires_at) in listed {
             let line = format!(" [{len} b; {expires_at} s]\r\n");

@@ -1,0 +1,175 @@
+//! Requests a node passes on to another node's peer port: the memcached
+//! port serves every key on every node, and a key whose shard another
+//! node leads goes to that node this way (as a proxy such as mcrouter
+//! would, but inside the node). Over the cluster's own connections:
+//! dialed like raft's ([`super::dial`]: authenticated with this node's
+//! secret, TLS when the node has peer TLS), one per peer, pipelined
+//! (requests carry ids, replies come back by id, in any order).
+//!
+//! A link is dialed when first needed and dropped when it fails; the
+//! requests on it then fail (a write among them may or may not have been
+//! applied: the caller says so). Everything is bounded: requests waiting
+//! on a link ([`MAX_LINK_QUEUE`]), unanswered ones ([`MAX_IN_FLIGHT`]), and
+//! each request's wait ([`FORWARD_TIMEOUT`]).
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use bytes::BytesMut;
+use dmkv_common::cluster::map::NodeId;
+use dmkv_common::frame::{self, Decoder};
+use dmkv_common::proto::{self, Request, request::Op, response::Result as R};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::{mpsc, oneshot};
+
+use super::dial::{self, Dialer};
+
+/// Requests waiting for a link's writer, per peer.
+pub const MAX_LINK_QUEUE: usize = 1024;
+/// Requests sent on one link and not yet answered.
+pub const MAX_IN_FLIGHT: usize = 4096;
+/// Most a forwarded request waits for its answer, dial included.
+pub const FORWARD_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Why a forwarded request has no answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ForwardError {
+    /// It was not sent: the peer is unknown, unreachable, or its queue is
+    /// full. Nothing happened there.
+    NotSent(String),
+    /// Sent, but no answer came (the link failed or the wait ran out): a
+    /// write may or may not have been applied.
+    NoAnswer(String),
+}
+
+type Answer = oneshot::Sender<Result<R, ForwardError>>;
+
+/// This node's links to its peers for forwarded requests.
+pub struct Forwarder {
+    dialer: Dialer,
+    addrs: HashMap<NodeId, SocketAddr>,
+    links: Mutex<HashMap<NodeId, mpsc::Sender<(Op, Answer)>>>,
+    /// Requests sent (memcached's `stats`: `forwarded`).
+    pub sent: std::sync::atomic::AtomicU64,
+}
+
+impl Forwarder {
+    pub fn new(dialer: Dialer, peers: &[(NodeId, SocketAddr)]) -> Forwarder {
+        Forwarder {
+            dialer,
+            addrs: peers.iter().copied().collect(),
+            links: Mutex::new(HashMap::new()),
+            sent: Default::default(),
+        }
+    }
+
+    /// Sends `op` to node `to` and waits for its answer (an error reply is
+    /// an answer: `R::Error`).
+    pub async fn call(&self, to: NodeId, op: Op) -> Result<R, ForwardError> {
+        let tx = self.link(to)?;
+        let (answer, rx) = oneshot::channel();
+        tx.try_send((op, answer)).map_err(|e| match e {
+            mpsc::error::TrySendError::Full(_) => ForwardError::NotSent(format!("node {to}'s queue is full")),
+            mpsc::error::TrySendError::Closed(_) => ForwardError::NotSent(format!("node {to}'s link closed")),
+        })?;
+        self.sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        match tokio::time::timeout(FORWARD_TIMEOUT, rx).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(ForwardError::NoAnswer(format!("node {to}'s link failed"))),
+            Err(_) => Err(ForwardError::NoAnswer(format!("node {to} did not answer within {FORWARD_TIMEOUT:?}"))),
+        }
+    }
+
+    /// The link to `to`, started if there is none (or it ended).
+    fn link(&self, to: NodeId) -> Result<mpsc::Sender<(Op, Answer)>, ForwardError> {
+        let addr = *self.addrs.get(&to).ok_or_else(|| ForwardError::NotSent(format!("no node {to}")))?;
+        let mut links = crate::lock::lock(&self.links);
+        if let Some(tx) = links.get(&to).filter(|tx| !tx.is_closed()) {
+            return Ok(tx.clone());
+        }
+        let (tx, rx) = mpsc::channel(MAX_LINK_QUEUE);
+        tokio::spawn(run_link(self.dialer.clone(), to, addr, rx));
+        links.insert(to, tx.clone());
+        Ok(tx)
+    }
+}
+
+/// Dials, then writes requests and routes answers until the link fails
+/// or nobody holds a sender; every request not answered then fails.
+async fn run_link(d: Dialer, to: NodeId, addr: SocketAddr, mut rx: mpsc::Receiver<(Op, Answer)>) {
+    let stream = match tokio::time::timeout(dial::DIAL_TIMEOUT, dial::dial(&d, to, addr)).await {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => return fail_queued(&mut rx, &format!("cannot reach node {to}: {e}")),
+        Err(_) => return fail_queued(&mut rx, &format!("cannot reach node {to}: timed out")),
+    };
+    let (mut rd, mut wr) = tokio::io::split(stream);
+    let mut pending: HashMap<u64, Answer> = HashMap::new();
+    let dec = Decoder::new(d.max_frame);
+    let (mut inbuf, mut out) = (BytesMut::new(), BytesMut::new());
+    // Ids from 10: the dial's HELLO and AUTHENTICATE took lower ones.
+    let mut next_id = 10u64;
+    let why = loop {
+        tokio::select! {
+            req = rx.recv(), if pending.len() < MAX_IN_FLIGHT => {
+                let Some((op, answer)) = req else { break "no more requests".to_string() };
+                next_id += 1;
+                out.clear();
+                if let Err(e) = frame::encode(&Request { id: next_id, op: Some(op) }, d.max_frame, &mut out) {
+                    let _ = answer.send(Err(ForwardError::NotSent(e.to_string())));
+                    continue;
+                }
+                pending.insert(next_id, answer);
+                match tokio::time::timeout(FORWARD_TIMEOUT, wr.write_all(&out)).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => break e.to_string(),
+                    Err(_) => break format!("node {to} took nothing for {FORWARD_TIMEOUT:?}"),
+                }
+            }
+            read = rd.read_buf(&mut inbuf) => {
+                match read {
+                    Ok(0) => break "closed by the peer".to_string(),
+                    Ok(_) => {}
+                    Err(e) => break e.to_string(),
+                }
+                loop {
+                    match dec.next_message::<proto::Response>(&mut inbuf) {
+                        Ok(Some(resp)) => {
+                            // An id nobody waits for (answered after its
+                            // caller gave up) is dropped.
+                            if let Some(answer) = pending.remove(&resp.id) {
+                                let r = resp.result.ok_or_else(|| ForwardError::NoAnswer("an empty reply".into()));
+                                let _ = answer.send(r);
+                            }
+                        }
+                        Ok(None) => break,
+                        Err(e) => {
+                            inbuf.clear();
+                            fail_all(&mut pending, &format!("a bad reply from node {to}: {e}"));
+                            return fail_queued(&mut rx, "the link failed");
+                        }
+                    }
+                }
+            }
+        }
+    };
+    tracing::debug!(node = to, "forwarding link ends: {why}");
+    fail_all(&mut pending, &why);
+    fail_queued(&mut rx, &why);
+}
+
+fn fail_all(pending: &mut HashMap<u64, Answer>, why: &str) {
+    for (_, answer) in pending.drain() {
+        let _ = answer.send(Err(ForwardError::NoAnswer(why.to_string())));
+    }
+}
+
+/// Fails what is queued, and closes the queue: the next request starts a
+/// new link.
+fn fail_queued(rx: &mut mpsc::Receiver<(Op, Answer)>, why: &str) {
+    rx.close();
+    while let Ok((_, answer)) = rx.try_recv() {
+        let _ = answer.send(Err(ForwardError::NotSent(why.to_string())));
+    }
+}
