@@ -679,7 +679,11 @@ impl Session {
         let this = self.clone();
         let region_id = path.region_id;
         tokio::spawn(async move {
-            let _ = this.inner.pool.call(Op::AccessReport(proto::AccessReport { region_id, units })).await;
+            let _ = this
+                .inner
+                .pool
+                .call(Op::AccessReport(proto::AccessReport { region_id, units, forwarded: false }))
+                .await;
         });
     }
 
@@ -1177,6 +1181,9 @@ impl Session {
         let mut hinted = None;
         if one_sided {
             if let Some(p) = self.shard_path(shard).await {
+                // To this node, whose region the path reads: the shard's
+                // leader, which chooses what an evicting shard drops.
+                self.report_accesses(&p);
                 match p.get(key).await {
                     Ok(OneSidedGet::Found(v)) => return Ok(Some(v)),
                     Ok(OneSidedGet::Missing) => return Ok(None),

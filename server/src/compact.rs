@@ -339,7 +339,7 @@ impl Compactor {
         // ... so wait for it, unless the store evicts: then some space
         // always waits out its grace period, and a write that needs a
         // block larger than any would never reach the compactor.
-        if space.free + space.parked < units || (reclaim.is_some() && !store.evicts()) {
+        if space.free + space.parked < units || (reclaim.is_some() && !store.evicts_here()) {
             return reclaim;
         }
         self.shared.stats.demands.fetch_add(1, Ordering::Relaxed);
@@ -431,7 +431,7 @@ fn run(s: &Shared) {
             let fixed = s.store.segment_starts();
             let blocks = s.store.free_blocks();
             let step = match why {
-                Why::Demand(_) if s.store.evicts() => plan_eviction(&blocks, area, want, &skip, &fixed),
+                Why::Demand(_) if s.store.evicts_here() => plan_eviction(&blocks, area, want, &skip, &fixed),
                 _ => plan_step(&blocks, area, want, pick, &skip, &fixed),
             };
             Some((why, step?))
@@ -476,7 +476,7 @@ fn run(s: &Shared) {
 fn empty_range(s: &Shared, plan: &Plan, why: Why) -> bool {
     let range = plan.range.clone();
     let Some(items) = s.store.begin_evacuation(range.clone()) else { return false };
-    let evict = matches!(why, Why::Demand(_)) && s.store.evicts();
+    let evict = matches!(why, Why::Demand(_)) && s.store.evicts_here();
     // Items straddling the range's ends count whole.
     let total: u64 = if evict { 0 } else { items.iter().map(Candidate::units).sum() };
     // Into the largest free block as it is now (writes may have taken the

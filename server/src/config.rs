@@ -643,11 +643,6 @@ impl Config {
             (None, Some(_)) => return Err("--node-id needs --cluster".into()),
         };
         let evict = flags.evict.or(file.evict).unwrap_or_default();
-        if evict == Evict::Lru && cluster.is_some() {
-            // An eviction changes a shard's data: it would have to be
-            // decided by the leader and go through raft.
-            return Err(format!("{}: lru is not available on a cluster node (yet)", name!(evict)));
-        }
         let listen = match &cluster {
             Some(c) => c.config.node(c.node_id)?.rpc,
             None => listen,

@@ -38,7 +38,7 @@ pub async fn with_room<T>(kv: &Kv<'_>, units: usize, mut op: impl FnMut() -> Res
                 // The write may have needed a new index segment instead
                 // (or as well): ask for room for either.
                 let units = units.max(SEGMENT_UNITS) as u64;
-                if kv.store.evicts() {
+                if kv.store.evicts_here() {
                     kv.store.evict_bytes(units * UNIT as u64);
                 }
                 match kv.compactor.after_out_of_memory(units) {

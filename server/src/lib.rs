@@ -94,9 +94,6 @@ impl Server {
                 }
                 // Config refuses these on a cluster node; a Config built
                 // in code is held to the same.
-                if cfg.evict == config::Evict::Lru {
-                    return Err(invalid("--evict lru: not served in cluster mode".into()));
-                }
                 if cfg.rkey_rotate.is_some() {
                     warn!(
                         "--rkey-rotate-secs: not served in cluster mode (each shard's leader gives its region \
@@ -120,7 +117,12 @@ impl Server {
                 };
                 let node = cluster::node::ClusterNode::start(setup, params, stop.1.clone())
                     .map_err(|e| invalid(format!("cluster node {}: {e}", setup.node_id)))?;
-                (Node::Cluster(Arc::new(node)), Some(peer))
+                let node = Arc::new(node);
+                if cfg.evict == config::Evict::Lru {
+                    // Leaders choose, the log removes (docs/eviction.md).
+                    cluster::node::start_eviction(&node, stop.1.clone());
+                }
+                (Node::Cluster(node), Some(peer))
             }
             None => {
                 let single = node::SingleNode::format(&node::SingleParams {

@@ -446,7 +446,14 @@ fn misplaced(shared: &Shared, conn: &ConnState, op: &Op) -> Option<String> {
 fn forwarded(op: &Op) -> bool {
     matches!(
         op,
-        Op::Put(_) | Op::Get(_) | Op::Delete(_) | Op::Arith(_) | Op::Touch(_) | Op::MultiGet(_) | Op::FlushAll(_)
+        Op::Put(_)
+            | Op::Get(_)
+            | Op::Delete(_)
+            | Op::Arith(_)
+            | Op::Touch(_)
+            | Op::MultiGet(_)
+            | Op::FlushAll(_)
+            | Op::AccessReport(_)
     )
 }
 
@@ -663,7 +670,7 @@ pub(crate) async fn node_op(shared: &Shared, op: Op) -> Result<R, proto::Error> 
             }))
         }),
         Op::AccessReport(r) => {
-            node.note_accesses(&r.units);
+            node.note_accesses(r);
             Ok(R::AccessReport(proto::AccessReportReply {}))
         }
         Op::MultiGet(m) => node.multi_get(&m.keys, shared.max_frame).await.map(|values| {

@@ -222,6 +222,10 @@ pub struct Store {
     log_limit: LogLimit,
     /// Last-access stamps, with eviction on (`evict`).
     recency: std::sync::OnceLock<recency::Recency>,
+    /// A cluster replica's store: it keeps recency, but only its shard's
+    /// leader chooses what goes, and every replica removes it through the
+    /// log; nothing here evicts on its own (`Store::evicts_here`).
+    replicated_eviction: std::sync::atomic::AtomicBool,
     /// Retirements of blocks and segments so far, numbered under the
     /// writer lock: a view holds those from its number on.
     retire_seq: AtomicU64,
@@ -276,6 +280,7 @@ impl Store {
             counters: Counters::default(),
             log_limit: LogLimit::new(),
             recency: std::sync::OnceLock::new(),
+            replicated_eviction: std::sync::atomic::AtomicBool::new(false),
         };
         {
             let mut w = lock(&store.writer);
@@ -725,10 +730,14 @@ impl Store {
     /// on grace periods and compaction: a cluster leader admits a write
     /// only while this holds, so every replica can apply it.
     pub fn live_within(&self, extra: u64, percent: u64) -> bool {
+        u128::from(self.live_bytes() + extra) * 100 <= u128::from(self.header.data_len) * u128::from(percent)
+    }
+
+    /// Live items and the index, plus two segments for a write that
+    /// splits: what [`Store::live_within`] bounds.
+    pub fn live_bytes(&self) -> u64 {
         let c = &self.counters;
-        let live =
-            c.used_bytes.load(Ordering::Relaxed) + c.index_bytes.load(Ordering::Relaxed) + 2 * SEGMENT_LEN as u64;
-        u128::from(live + extra) * 100 <= u128::from(self.header.data_len) * u128::from(percent)
+        c.used_bytes.load(Ordering::Relaxed) + c.index_bytes.load(Ordering::Relaxed) + 2 * SEGMENT_LEN as u64
     }
 
     /// The allocator's free-space figures, in units.

@@ -207,3 +207,74 @@ fn a_cas_race_across_a_leader_kill_keeps_one_winner_per_version() {
     // won too (its client does not know), but none counts twice.
     assert!(value >= wins && value <= wins + unknown, "{value} steps for {wins} wins and {unknown} unknown");
 }
+
+/// `--evict lru` in a cluster: the shard's leader chooses the least
+/// recently used items and logs their removal, so a cluster that is sent
+/// several times its memory takes every write, keeps a hot set that is
+/// read (one-sided reads reported as on one node) over cold keys written
+/// once, every replica holds the same items, and a leader kill does not
+/// bring an evicted key back.
+#[test]
+fn an_evicting_cluster_takes_every_write_keeps_hot_keys_and_stays_alike() {
+    let mut c = TestCluster::start(3, 2, 3, false, &["--evict", "lru", "--memory", "24MiB"]);
+    let rt = rt();
+    rt.block_on(c.leaders_known(0));
+    let value = vec![b'x'; 4000];
+    let hot: Vec<String> = (0..100).map(|i| format!("hot-{i}")).collect();
+    let cold = 12_000;
+    let gone: Vec<String> = rt.block_on(async {
+        let client = Client::connect(c.rpc(0)).await.expect("connect");
+        let reader = Client::connect_with(c.rpc(1), ClientConfig::default().read_path(ReadPath::OneSided))
+            .await
+            .expect("connect");
+        for k in &hot {
+            client.put(k, value.clone()).await.expect("hot put");
+        }
+        // About 48 MB of values into 12 MB of regions per shard replica.
+        for i in 0..cold {
+            let k = format!("cold-{i}");
+            client.put(&k, value.clone()).await.unwrap_or_else(|e| panic!("{k}: {e} (an evicting cluster refused)"));
+            if i % 8 == 0 {
+                let h = &hot[(i / 8) % hot.len()];
+                let got = reader.get(h).await.expect("hot get");
+                assert!(
+                    got.is_some_and(|v| v.len() == value.len()),
+                    "{h} lost while being read (after {i} cold writes; {:?})",
+                    reader.read_stats()
+                );
+            }
+        }
+        let mut gone = Vec::new();
+        for i in 0..cold {
+            let k = format!("cold-{i}");
+            if client.get(&k).await.expect("get").is_none() {
+                gone.push(k);
+            }
+        }
+        gone
+    });
+    assert!(gone.len() > cold / 2, "only {} of {cold} cold keys evicted", gone.len());
+    let kept = rt.block_on(async {
+        let client = Client::connect(c.rpc(2)).await.expect("connect");
+        let mut kept = 0;
+        for k in &hot {
+            kept += usize::from(client.get(k).await.expect("get").is_some());
+        }
+        kept
+    });
+    println!("{} of {cold} cold keys evicted; {kept} of {} hot keys kept", gone.len(), hot.len());
+    assert!(kept >= 90, "only {kept} of {} hot keys survived", hot.len());
+    rt.block_on(replicas_agree(&c, &[0, 1, 2]));
+    // A new leader holds the same items: nothing evicted comes back.
+    let map = rt.block_on(c.leaders_known(0));
+    let victim = map.shards()[0].leader.expect("a leader") as usize - 1;
+    c.kill(victim);
+    let via = (victim + 1) % 3;
+    rt.block_on(c.leaders_known(via));
+    rt.block_on(async {
+        let client = Client::connect(c.rpc(via)).await.expect("connect");
+        for k in gone.iter().step_by(50) {
+            assert_eq!(client.get(k).await.expect("get after the kill"), None, "{k} came back after a failover");
+        }
+    });
+}

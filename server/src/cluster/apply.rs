@@ -38,6 +38,10 @@ pub enum Applied {
     /// an item (an append past the value limit): nothing changed, on any
     /// replica. Only [`refusal`] errors.
     Refused(Error),
+    /// An eviction: how many of the items named went.
+    Evicted {
+        items: u64,
+    },
     /// A flush: how many items went.
     Flushed {
         items: u64,
@@ -166,6 +170,12 @@ pub fn encode_touch(mut t: proto::Touch, now_ms: u64) -> Vec<u8> {
 }
 
 /// The log entry data of a flush of the whole shard.
+/// The removal of items the leader chose to evict: `(key, version)`.
+pub fn encode_evict(items: Vec<(Vec<u8>, u64)>, now_ms: u64) -> Vec<u8> {
+    let items = items.into_iter().map(|(key, version)| proto::EvictItem { key: key.into(), version }).collect();
+    command(Op::Evict(proto::Evict { items }), now_ms)
+}
+
 pub fn encode_flush_all(now_ms: u64) -> Vec<u8> {
     command(Op::FlushAll(proto::FlushAll {}), now_ms)
 }
@@ -378,6 +388,19 @@ pub fn apply_once(store: &Store, seen: &mut Remembered, index: u64, data: &[u8])
             (None, store.touch(&t.key, t.expires_at, now).map(|item| Applied::Touched { item: item.map(Box::new) }))
         }
         Some(Op::FlushAll(_)) => (None, Ok(Applied::Flushed { items: store.clear_all() })),
+        // Each item only if it is still the version the leader chose (a
+        // write since made a new one, which stays); a key already gone is
+        // nothing to do. Every replica removes the same items.
+        Some(Op::Evict(e)) => {
+            let mut items = 0;
+            for it in &e.items {
+                if it.version != 0 && matches!(store.delete_if(&it.key, it.version, now), Ok(true)) {
+                    items += 1;
+                }
+            }
+            store.counters.evictions.fetch_add(items, std::sync::atomic::Ordering::Relaxed);
+            (None, Ok(Applied::Evicted { items }))
+        }
         None => return Err(ApplyError::Malformed("no operation".into())),
     };
     let applied = match result {
@@ -409,6 +432,27 @@ mod tests {
         }
         assert!(matches!(apply(&s, next(), &encode_put(b"", b"v")), Err(ApplyError::Store(Error::EmptyKey))));
         assert_eq!(s.get(b"kept").unwrap().unwrap().0, bytes::Bytes::from_static(b"1"));
+    }
+
+    /// An eviction entry removes each named item only where it is still
+    /// the version the leader chose: a write since stays, and a key gone
+    /// or never there is nothing to do.
+    #[test]
+    fn an_eviction_removes_only_the_versions_it_names() {
+        let s = Store::format(Arc::new(Region::create("evict", 4 << 20).unwrap()), 64, 1, 1, Duration::ZERO).unwrap();
+        let v = |a: Applied| match a {
+            Applied::Put { version } => version,
+            other => panic!("{other:?}"),
+        };
+        let a = v(apply(&s, next(), &encode_put(b"a", b"1")).unwrap());
+        let b = v(apply(&s, next(), &encode_put(b"b", b"1")).unwrap());
+        let b2 = v(apply(&s, next(), &encode_put(b"b", b"2")).unwrap());
+        let victims = vec![(b"a".to_vec(), a), (b"b".to_vec(), b), (b"gone".to_vec(), 7), (b"a".to_vec(), 0)];
+        assert_eq!(apply(&s, next(), &encode_evict(victims, 0)).unwrap(), Applied::Evicted { items: 1 });
+        assert!(s.get(b"a").unwrap().is_none(), "a's version was named");
+        let (value, meta) = s.get(b"b").unwrap().unwrap();
+        assert_eq!((value, meta), (bytes::Bytes::from_static(b"2"), b2), "a newer b stays");
+        assert_eq!(s.counters.evictions.load(std::sync::atomic::Ordering::Relaxed), 1);
     }
 
     thread_local!(static INDEX: std::cell::Cell<u64> = const { std::cell::Cell::new(0) });

@@ -17,7 +17,8 @@ use raft::prelude::ConfState;
 use tokio::sync::watch;
 
 use super::apply::{
-    Applied, Remembered, RememberedStats, encode_arith, encode_delete_cas, encode_flush_all, encode_touch, encode_write,
+    Applied, Remembered, RememberedStats, encode_arith, encode_delete_cas, encode_evict, encode_flush_all,
+    encode_touch, encode_write,
 };
 use super::config::ClusterConfig;
 use super::desk::Desk;
@@ -70,6 +71,12 @@ pub fn lease_config() -> dmkv_common::cluster::lease::LeaseConfig {
 /// the store's guarantee (`compact::GUARANTEED_PERCENT`), so that every
 /// replica can apply what the leader admitted.
 pub const ADMIT_PERCENT: u64 = crate::compact::GUARANTEED_PERCENT - 5;
+/// Most items one eviction entry names (`--evict lru`).
+pub const EVICT_ENTRY_ITEMS: usize = 256;
+/// The least room an evicting shard keeps below its admission bound.
+pub const EVICT_MIN_HEADROOM: u64 = dmkv_common::limits::MAX_VALUE_LEN as u64 + (64 << 10);
+/// How often a node looks whether a shard it leads must evict.
+pub const EVICT_CHECK: Duration = Duration::from_millis(10);
 
 /// Tries of one RPC read whose permission did not hold by the end of the
 /// read (the lease ended, or the store was emptied meanwhile); then BUSY.
@@ -580,7 +587,19 @@ impl ClusterNode {
         let ahead = r.in_flight.fetch_add(bytes, Ordering::Relaxed);
         let _done = InFlight(&r.in_flight, bytes);
         if !r.store.live_within(ahead + bytes, ADMIT_PERCENT) {
-            return Err(ClusterError::Store(StoreError::OutOfMemory));
+            // An evicting shard makes room (`evict_round`, through the
+            // log): the write waits for it, boundedly, as a single node's
+            // waits for its own eviction.
+            let deadline = tokio::time::Instant::now() + crate::compact::OUT_OF_MEMORY_WAIT;
+            loop {
+                if !r.store.evicts() || tokio::time::Instant::now() >= deadline {
+                    return Err(ClusterError::Store(StoreError::OutOfMemory));
+                }
+                tokio::time::sleep(EVICT_CHECK / 2).await;
+                if r.store.live_within(r.in_flight.load(Ordering::Relaxed), ADMIT_PERCENT) {
+                    break;
+                }
+            }
         }
         match r.thread.propose(data).await {
             Ok(Ok(a)) => Ok(a),
@@ -922,6 +941,61 @@ impl ClusterNode {
         self.replicas.values().map(|r| &r.store)
     }
 
+    /// Notes a client's one-sided reads of `shard`'s leader's region, for
+    /// eviction's recency, if this node's replica leads it; else the
+    /// leader to pass them on to, if another node is known to lead.
+    pub fn note_accesses(&self, shard: ShardId, units: &[u64]) -> Option<NodeId> {
+        if let Some(r) = self.replicas.get(&shard).filter(|r| r.status.is_leader()) {
+            r.store.note_remote_accesses(units);
+            return None;
+        }
+        let map = crate::lock::lock(&self.map);
+        map.shards().iter().find(|s| s.id == shard).and_then(|s| s.leader).filter(|&l| l != self.id)
+    }
+
+    /// Turns eviction on for every replica (`--evict lru`): recency
+    /// stamps, before the node takes traffic. Only a leader chooses what
+    /// goes, and every replica removes it as a log entry applies
+    /// ([`start_eviction`]).
+    pub fn enable_eviction(&self) {
+        for r in self.replicas.values() {
+            r.store.enable_replicated_eviction();
+        }
+    }
+
+    /// One look at every shard this node leads: one whose live items (and
+    /// index) come within a headroom of the admission bound logs the
+    /// removal of its least recently used items, and waits for it to
+    /// apply. How many items went.
+    pub async fn evict_round(&self) -> u64 {
+        let mut evicted = 0;
+        for r in self.replicas.values() {
+            if !r.status.is_leader() || !r.store.evicts() {
+                continue;
+            }
+            // Below the admission bound by a headroom that takes any one
+            // item (a write waits for no eviction): a 32nd of the region,
+            // at least the largest value.
+            let data = r.store.header().data_len;
+            let headroom = (data / 32).max(EVICT_MIN_HEADROOM);
+            let keep = (data / 100 * ADMIT_PERCENT).saturating_sub(headroom);
+            let want = (r.store.live_bytes() + r.in_flight.load(Ordering::Relaxed)).saturating_sub(keep);
+            if want == 0 {
+                continue;
+            }
+            let victims = r.store.plan_victims(EVICT_ENTRY_ITEMS, want);
+            if victims.is_empty() {
+                continue;
+            }
+            if let Ok(Ok(Applied::Evicted { items })) =
+                r.thread.propose(encode_evict(victims, crate::clock::now_ms())).await
+            {
+                evicted += items;
+            }
+        }
+        evicted
+    }
+
     /// The stores of the shards this node leads now (what its memcached
     /// port's `stats` counts: every item once across the cluster).
     pub fn led_stores(&self) -> Vec<Arc<Store>> {
@@ -1242,6 +1316,24 @@ impl Drop for InFlight<'_> {
 fn shard_seed(cfg: &ClusterConfig, shard: ShardId) -> u64 {
     let nodes: Vec<String> = cfg.nodes.iter().map(|n| format!("{}={}/{}", n.id, n.rpc, n.peer)).collect();
     xxhash_rust::xxh3::xxh3_64(format!("dmkv shard seed {shard} {}", nodes.join(",")).as_bytes())
+}
+
+/// Starts `node`'s eviction (`--evict lru`): every [`EVICT_CHECK`], each
+/// shard it leads evicts through the log as it must ([`ClusterNode::evict_round`]);
+/// ends when `stop` turns true or the node is dropped.
+pub fn start_eviction(node: &Arc<ClusterNode>, mut stop: watch::Receiver<bool>) {
+    node.enable_eviction();
+    let weak = Arc::downgrade(node);
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep(EVICT_CHECK) => {}
+                _ = stop.changed() => return,
+            }
+            let Some(node) = weak.upgrade() else { return };
+            node.evict_round().await;
+        }
+    });
 }
 
 #[cfg(test)]

@@ -396,7 +396,7 @@ fn encode_remembered(parts: &RememberedParts) -> Vec<u8> {
 fn outcome_fields(a: &Applied) -> (u8, u64, u64) {
     use dmkv_common::error::Error;
     match *a {
-        Applied::Nothing | Applied::Touched { .. } | Applied::Flushed { .. } => (0, 0, 0),
+        Applied::Nothing | Applied::Touched { .. } | Applied::Flushed { .. } | Applied::Evicted { .. } => (0, 0, 0),
         Applied::Put { version } => (1, version, 0),
         Applied::Delete { existed } => (2, u64::from(existed), 0),
         Applied::Counter { value, version } => (3, value, version),

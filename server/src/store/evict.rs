@@ -87,6 +87,19 @@ impl Store {
         self.recency.get().is_some()
     }
 
+    /// Turns eviction on for a cluster replica: recency kept, items
+    /// removed only through the log ([`Store::plan_victims`]).
+    pub fn enable_replicated_eviction(&self) {
+        self.replicated_eviction.store(true, Ordering::Release);
+        self.enable_eviction();
+    }
+
+    /// Whether this store removes items on its own when it runs short (a
+    /// single node with eviction on).
+    pub fn evicts_here(&self) -> bool {
+        self.evicts() && !self.replicated_eviction.load(Ordering::Acquire)
+    }
+
     /// Notes a read of the item at `unit` (the server's own, or one a
     /// client reported).
     pub(super) fn note_access(&self, unit: u64) {
@@ -161,6 +174,58 @@ impl Store {
             evicted += n;
         }
         evicted
+    }
+
+    /// For a cluster shard's leader, which does not remove items itself
+    /// (every replica must remove the same ones, through the log): the
+    /// least recently used items, sampled as [`Store::evict_to_headroom`]
+    /// samples them, whose bytes come to `bytes`, at most `max` of them,
+    /// as (key, version). Nothing changes here.
+    pub fn plan_victims(&self, max: usize, bytes: u64) -> Vec<(Vec<u8>, u64)> {
+        let Some(rec) = self.recency.get() else { return Vec::new() };
+        let _guard = epoch::pin();
+        let mut w = lock(&self.writer);
+        let segments = w.index.meta.len() as u64;
+        let (mut out, mut chosen, mut freed) = (Vec::new(), std::collections::HashSet::new(), 0u64);
+        let mut buf = Vec::new();
+        while segments > 0 && out.len() < max && freed < bytes {
+            let now = rec.now();
+            let mut oldest: Option<(u32, Slot)> = None;
+            let mut seen = 0;
+            for _ in 0..MAX_DRAWS {
+                if seen >= EVICT_SAMPLES {
+                    break;
+                }
+                let r = next(&mut w.rng);
+                let seg = self.index.seg((r % segments) as u32);
+                if !seg.live.load(Ordering::Acquire) {
+                    continue;
+                }
+                let b = ((r >> 32) % SEGMENT_BUCKETS as u64) as usize;
+                for i in 0..SLOTS_PER_BUCKET {
+                    let Some(slot) = Slot::unpack(seg.slot(b, i)) else { continue };
+                    if chosen.contains(&slot.offset_units) {
+                        continue;
+                    }
+                    seen += 1;
+                    let age = rec.age(slot.offset_units, now);
+                    if oldest.is_none_or(|(a, _)| age > a) {
+                        oldest = Some((age, slot));
+                    }
+                }
+            }
+            let Some((_, slot)) = oldest else { break };
+            chosen.insert(slot.offset_units);
+            freed += slot.len() as u64;
+            // A slot whose item does not read back (damaged) is no victim
+            // to name; its bytes still count, so the plan ends.
+            if self.read_verified(slot, &mut buf)
+                && let Ok(it) = dmkv_common::layout::decode_item(&buf)
+            {
+                out.push((it.key.to_vec(), it.version));
+            }
+        }
+        out
     }
 
     /// Up to `max` evictions under one hold of the writer lock, stopping
