@@ -8,9 +8,11 @@
 #   deploy/local-cluster.sh rolling-restart  # SIGTERM and start each node in turn
 #   deploy/local-cluster.sh stop             # SIGTERM every node
 #
-# Node N serves clients on 127.0.0.1:(7069+N) and raft on 127.0.0.1:(7169+N),
-# so `dmkv put k v` (default server 127.0.0.1:7070) reaches node 1. Set
-# DMKV_CLUSTER_PORT to move the first client port (peers: +100), and
+# Node N serves clients on 127.0.0.1:(7069+N), raft on 127.0.0.1:(7169+N) and
+# memcached's protocols on 127.0.0.1:(7269+N) (any key on any node), so
+# `dmkv put k v` (default server 127.0.0.1:7070) reaches node 1. Set
+# DMKV_CLUSTER_PORT to move the first client port (peers: +100, memcached:
+# +200), and
 # DMKV_CLUSTER_DIR for where logs, raft logs and pid files go. DMKVD and
 # DMKV name the binaries (default: target/release, built if missing).
 set -euo pipefail
@@ -58,7 +60,7 @@ start_node() {
     fi
     mkdir -p "$DIR/node$n"
     nohup "$DMKVD" --cluster "$DIR/cluster.toml" --node-id "$n" --data-dir "$DIR/node$n" \
-        --memory "$MEMORY" > "$DIR/node$n.out" 2> "$DIR/node$n.log" < /dev/null &
+        --memory "$MEMORY" --memcached-listen "127.0.0.1:$((PORT + 200 + n - 1))" > "$DIR/node$n.out" 2> "$DIR/node$n.log" < /dev/null &
     echo $! > "$DIR/node$n.pid"
 }
 
