@@ -79,12 +79,28 @@ fn memccapable_passes_what_it_passes_against_memcached() {
     let ours = passing(port_of(&srv));
     let missing: Vec<_> = reference.iter().filter(|t| !ours.contains(t)).collect();
     assert!(missing.is_empty(), "memccapable tests passing against memcached but not dmkv: {missing:?}");
+    // Each node of a cluster, whose keys live on all three (each node
+    // leads one shard, so most keys are passed on).
+    let c = dmkv_tests::cluster::TestCluster::start(3, 3, 3, false, &["--memcached-listen", "127.0.0.1:0"]);
+    for i in 0..3 {
+        let theirs = passing(cluster_port(&c, i));
+        let missing: Vec<_> = reference.iter().filter(|t| !theirs.contains(t)).collect();
+        assert!(missing.is_empty(), "memccapable tests failing against cluster node {}: {missing:?}", i + 1);
+    }
+    let forwarded: u64 = (0..3).map(|i| stat(&mut Conn::new(cluster_port(&c, i)), "forwarded")).sum();
+    assert!(forwarded > 0, "no request was passed on to another node");
     eprintln!(
-        "memccapable: {} of {} text tests pass against dmkv ({} against memcached)",
+        "memccapable: {} of {} text tests pass against dmkv and each node of a cluster ({} against memcached)",
         ours.len(),
         ASCII_TESTS.len(),
         reference.len()
     );
+}
+
+/// Node `i`'s memcached port.
+fn cluster_port(c: &dmkv_tests::cluster::TestCluster, i: usize) -> u16 {
+    let addr = c.endpoint(i, "memcached").expect("memcached= in the listening line");
+    addr.rsplit(':').next().and_then(|p| p.parse().ok()).expect("a port")
 }
 
 /// A text-protocol conversation: send, then read what came back.
@@ -134,10 +150,7 @@ fn text_and_meta_commands_over_a_socket() {
 #[test]
 fn every_cluster_node_serves_every_key() {
     let c = dmkv_tests::cluster::TestCluster::start(3, 4, 3, false, &["--memcached-listen", "127.0.0.1:0"]);
-    let port = |i: usize| -> u16 {
-        let addr = c.endpoint(i, "memcached").expect("memcached= in the listening line");
-        addr.rsplit(':').next().and_then(|p| p.parse().ok()).expect("a port")
-    };
+    let port = |i: usize| cluster_port(&c, i);
     for i in 0..3 {
         text_and_meta_commands(port(i));
     }
@@ -166,6 +179,66 @@ fn every_cluster_node_serves_every_key() {
     // Some node led not every shard: requests went between nodes.
     let forwarded: u64 = (0..3).map(|i| stat(&mut Conn::new(port(i)), "forwarded")).sum();
     assert!(forwarded > 0, "no request was passed on to another node");
+}
+
+/// A memcached client sets keys through one node while the leader of a
+/// shard on another node is killed (SIGKILL): every answer comes within
+/// the client's timeout, a set is acknowledged (`STORED`) or answered with
+/// a `SERVER_ERROR` (unavailable, or uncertain), the sets of the killed
+/// shard are taken again once its replicas elect a leader, and every
+/// acknowledged set is readable afterwards, through every surviving node.
+#[test]
+fn a_leader_killed_under_memcached_traffic_loses_no_acknowledged_set() {
+    let mut c = dmkv_tests::cluster::TestCluster::start(3, 3, 3, false, &["--memcached-listen", "127.0.0.1:0"]);
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let map = rt.block_on(c.leaders_known(0));
+    // The node a client talks to, and the leader (on another node) to kill.
+    let (client_node, victim) = (0..3)
+        .find_map(|i| {
+            let other = map.shards().iter().find_map(|s| s.leader.filter(|&l| l != i as u64 + 1))?;
+            Some((i, other as usize - 1))
+        })
+        .expect("some shard led by another node");
+    let mut conn = Conn::new(cluster_port(&c, client_node));
+    let (mut stored, mut refused, mut killed_at) = (Vec::new(), 0, None);
+    let started = std::time::Instant::now();
+    for n in 0..3000u32 {
+        if n == 500 {
+            c.kill(victim);
+            killed_at = Some(std::time::Instant::now());
+        }
+        let (k, v) = (format!("kill-{n}"), format!("v{n}"));
+        let asked = std::time::Instant::now();
+        let got = conn.ask(&format!("set {k} 0 0 {}\r\n{v}\r\n", v.len()), 1).remove(0);
+        // Conn's read timeout (10 s) would have failed the read; the
+        // forwarder's own bound is 5 s and an election wait 2 s.
+        assert!(asked.elapsed() < Duration::from_secs(8), "set {k} answered after {:?}", asked.elapsed());
+        match got.as_str() {
+            "STORED\r\n" => stored.push((k, v)),
+            l if l.starts_with("SERVER_ERROR ") => refused += 1,
+            l => panic!("set {k}: {l:?}"),
+        }
+    }
+    let after_kill = killed_at.map(|t| t.elapsed());
+    eprintln!(
+        "{} sets stored, {refused} refused (SERVER_ERROR) in {:?}; node {} killed {after_kill:?} before the end",
+        stored.len(),
+        started.elapsed(),
+        victim + 1
+    );
+    assert!(stored.len() > 2500, "only {} of 3000 sets stored", stored.len());
+    let _ = rt.block_on(c.leaders_known(client_node));
+    for i in (0..3).filter(|&i| i != victim) {
+        let mut conn = Conn::new(cluster_port(&c, i));
+        for chunk in stored.chunks(100) {
+            let keys: Vec<&str> = chunk.iter().map(|(k, _)| k.as_str()).collect();
+            let lines = conn.ask(&format!("get {}\r\n", keys.join(" ")), 2 * chunk.len() + 1);
+            for (j, (k, v)) in chunk.iter().enumerate() {
+                assert_eq!(lines[2 * j], format!("VALUE {k} 0 {}\r\n", v.len()), "node {}: {lines:?}", i + 1);
+                assert_eq!(lines[2 * j + 1], format!("{v}\r\n"));
+            }
+        }
+    }
 }
 
 /// A `stats` field's value.
