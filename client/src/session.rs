@@ -679,11 +679,7 @@ impl Session {
         let this = self.clone();
         let region_id = path.region_id;
         tokio::spawn(async move {
-            let _ = this
-                .inner
-                .pool
-                .call(Op::AccessReport(proto::AccessReport { region_id, units, forwarded: false }))
-                .await;
+            let _ = this.inner.pool.call(Op::AccessReport(proto::AccessReport { region_id, units })).await;
         });
     }
 

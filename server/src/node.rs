@@ -334,23 +334,16 @@ impl Node {
 
     /// Notes a client's one-sided reads (for eviction's recency).
     /// In a cluster the region read is a shard leader's (`region_id`: the
-    /// shard + 1), and its leader chooses what goes (`evict_round`): a
-    /// report that reached another node is passed on to the leader, once.
+    /// shard + 1), and its leader chooses what goes (`evict_round`). The
+    /// offsets are in the region that was read: a report that reaches a
+    /// replica no longer leading is dropped (another replica's items lie
+    /// elsewhere), which costs recency only.
     pub fn note_accesses(&self, r: proto::AccessReport) {
         match self {
             Node::Single(s) => s.store.note_remote_accesses(&r.units),
             Node::Cluster(c) => {
-                let Some(shard) = r.region_id.checked_sub(1) else { return };
-                match c.note_accesses(shard, &r.units) {
-                    Some(leader) if !r.forwarded => {
-                        let c = Arc::clone(c);
-                        let r = proto::AccessReport { forwarded: true, ..r };
-                        // In the background: a lost report costs recency only.
-                        tokio::spawn(async move {
-                            let _ = c.forward.call(leader, proto::request::Op::AccessReport(r)).await;
-                        });
-                    }
-                    _ => {}
+                if let Some(shard) = r.region_id.checked_sub(1) {
+                    c.note_accesses(shard, &r.units);
                 }
             }
         }

@@ -285,7 +285,13 @@ impl Requests {
     /// a connection's writes reach the shard in order; replies may come
     /// back out of order (they carry the request's id).
     fn deferrable(&self, req: &Request) -> bool {
-        let data = matches!(req.op, Some(Op::Put(_) | Op::Delete(_) | Op::Get(_) | Op::MultiGet(_)));
+        // Each of these waits on raft (or a lease): run aside, so that
+        // one of them does not hold up the connection's others (a node
+        // passes many clients' requests on over one connection).
+        let data = matches!(
+            req.op,
+            Some(Op::Put(_) | Op::Delete(_) | Op::Get(_) | Op::MultiGet(_) | Op::Arith(_) | Op::Touch(_))
+        ) || (self.state.peer_port && matches!(req.op, Some(Op::FlushAll(_))));
         // Skips `handle`'s checks: only what they would pass. On the peer
         // port, a node's forwarded requests (`misplaced` takes them from a
         // node only).
@@ -446,14 +452,7 @@ fn misplaced(shared: &Shared, conn: &ConnState, op: &Op) -> Option<String> {
 fn forwarded(op: &Op) -> bool {
     matches!(
         op,
-        Op::Put(_)
-            | Op::Get(_)
-            | Op::Delete(_)
-            | Op::Arith(_)
-            | Op::Touch(_)
-            | Op::MultiGet(_)
-            | Op::FlushAll(_)
-            | Op::AccessReport(_)
+        Op::Put(_) | Op::Get(_) | Op::Delete(_) | Op::Arith(_) | Op::Touch(_) | Op::MultiGet(_) | Op::FlushAll(_)
     )
 }
 

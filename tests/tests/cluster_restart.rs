@@ -85,7 +85,7 @@ fn memcached_load(port: u16, seen: &Seen, next: &AtomicU64, stop: &AtomicBool) {
     while !stop.load(Ordering::Relaxed) {
         i += 1;
         let k = (i as usize * 7) % KEYS;
-        let ok = if i % 20 == 0 {
+        let ok = if i.is_multiple_of(20) {
             let n = next.fetch_add(1, Ordering::Relaxed).to_string();
             s.get_mut().write_all(format!("set mc-{k} 0 0 {}\r\n{n}\r\n", n.len()).as_bytes()).unwrap();
             let got = line(&mut s);
@@ -128,13 +128,8 @@ fn memcached_load(port: u16, seen: &Seen, next: &AtomicU64, stop: &AtomicBool) {
 
 #[test]
 fn a_rolling_restart_under_load_fails_nothing_and_serves_no_stale_read() {
-    let mut c = TestCluster::start(
-        3,
-        2,
-        3,
-        true,
-        &["--log", "warn,dmkv_server=info", "--memcached-listen", "127.0.0.1:0"],
-    );
+    let mut c =
+        TestCluster::start(3, 2, 3, true, &["--log", "warn,dmkv_server=info", "--memcached-listen", "127.0.0.1:0"]);
     let rt = rt();
     rt.block_on(c.leaders_known(0));
     let counters = || (0..KEYS).map(|_| AtomicU64::new(0)).collect();

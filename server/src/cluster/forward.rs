@@ -6,18 +6,21 @@
 //! secret, TLS when the node has peer TLS), one per peer, pipelined
 //! (requests carry ids, replies come back by id, in any order).
 //!
-//! A link is dialed when first needed and dropped when it fails; the
-//! requests on it then fail (a write among them may or may not have been
-//! applied: the caller says so). Everything is bounded: requests waiting
-//! on a link ([`MAX_LINK_QUEUE`]), unanswered ones ([`MAX_IN_FLIGHT`]), and
-//! each request's wait ([`FORWARD_TIMEOUT`]).
+//! A link is dialed when first needed and dropped when it fails, stalls
+//! (its peer answers nothing while callers wait) or idles ([`LINK_IDLE`]);
+//! the requests on it then fail (a write among them may or may not have
+//! been applied, unless it was never wholly written: the caller says
+//! which). Everything is bounded: requests waiting on a link
+//! ([`MAX_LINK_QUEUE`]), unanswered ones ([`MAX_IN_FLIGHT`]), bytes not yet
+//! written ([`MAX_UNWRITTEN`]), and each request's wait
+//! ([`FORWARD_TIMEOUT`]).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use bytes::BytesMut;
+use bytes::{Buf, BytesMut};
 use dmkv_common::cluster::map::NodeId;
 use dmkv_common::frame::{self, Decoder};
 use dmkv_common::proto::{self, Request, request::Op, response::Result as R};
@@ -32,6 +35,14 @@ pub const MAX_LINK_QUEUE: usize = 1024;
 pub const MAX_IN_FLIGHT: usize = 4096;
 /// Most a forwarded request waits for its answer, dial included.
 pub const FORWARD_TIMEOUT: Duration = Duration::from_secs(5);
+/// Bytes of requests taken from the queue and not yet written.
+pub const MAX_UNWRITTEN: usize = 4 << 20;
+/// How often a link drops the requests whose callers gave up, and checks
+/// that its peer still reads and answers.
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
+/// A link with nothing to do for this long is closed (a peer's server
+/// closes idle connections after minutes).
+pub const LINK_IDLE: Duration = Duration::from_secs(60);
 
 /// Why a forwarded request has no answer.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -96,8 +107,10 @@ impl Forwarder {
     }
 }
 
-/// Dials, then writes requests and routes answers until the link fails
-/// or nobody holds a sender; every request not answered then fails.
+/// Dials, then writes requests and routes answers until the link fails,
+/// stalls, idles, or nobody holds a sender; every request not answered
+/// then fails. Reading and writing go on side by side (a link that only
+/// read between writes could wait on a peer that waits on it).
 async fn run_link(d: Dialer, to: NodeId, addr: SocketAddr, mut rx: mpsc::Receiver<(Op, Answer)>) {
     let stream = match tokio::time::timeout(dial::DIAL_TIMEOUT, dial::dial(&d, to, addr)).await {
         Ok(Ok(s)) => s,
@@ -105,32 +118,42 @@ async fn run_link(d: Dialer, to: NodeId, addr: SocketAddr, mut rx: mpsc::Receive
         Err(_) => return fail_queued(&mut rx, &format!("cannot reach node {to}: timed out")),
     };
     let (mut rd, mut wr) = tokio::io::split(stream);
-    let mut pending: HashMap<u64, Answer> = HashMap::new();
+    let mut link = Link::default();
     let dec = Decoder::new(d.max_frame);
-    let (mut inbuf, mut out) = (BytesMut::new(), BytesMut::new());
+    let mut inbuf = BytesMut::new();
+    let mut sweep = tokio::time::interval(SWEEP_EVERY);
+    let (mut last_read, mut last_write, mut last_use) = (Instant::now(), Instant::now(), Instant::now());
     // Ids from 10: the dial's HELLO and AUTHENTICATE took lower ones.
     let mut next_id = 10u64;
     let why = loop {
         tokio::select! {
-            req = rx.recv(), if pending.len() < MAX_IN_FLIGHT => {
+            req = rx.recv(), if link.pending.len() < MAX_IN_FLIGHT && link.out.len() < MAX_UNWRITTEN => {
                 let Some((op, answer)) = req else { break "no more requests".to_string() };
                 next_id += 1;
-                out.clear();
-                if let Err(e) = frame::encode(&Request { id: next_id, op: Some(op) }, d.max_frame, &mut out) {
+                last_use = Instant::now();
+                let before = link.out.len();
+                if let Err(e) = frame::encode(&Request { id: next_id, op: Some(op) }, d.max_frame, &mut link.out) {
+                    link.out.truncate(before);
                     let _ = answer.send(Err(ForwardError::NotSent(e.to_string())));
                     continue;
                 }
-                pending.insert(next_id, answer);
-                match tokio::time::timeout(FORWARD_TIMEOUT, wr.write_all(&out)).await {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => break e.to_string(),
-                    Err(_) => break format!("node {to} took nothing for {FORWARD_TIMEOUT:?}"),
+                link.unwritten.push_back((next_id, link.out.len() - before));
+                link.pending.insert(next_id, answer);
+            }
+            wrote = wr.write(&link.out), if !link.out.is_empty() => {
+                match wrote {
+                    Ok(0) => break "closed by the peer".to_string(),
+                    Ok(n) => {
+                        link.wrote(n);
+                        last_write = Instant::now();
+                    }
+                    Err(e) => break e.to_string(),
                 }
             }
             read = rd.read_buf(&mut inbuf) => {
                 match read {
                     Ok(0) => break "closed by the peer".to_string(),
-                    Ok(_) => {}
+                    Ok(_) => last_read = Instant::now(),
                     Err(e) => break e.to_string(),
                 }
                 loop {
@@ -138,7 +161,7 @@ async fn run_link(d: Dialer, to: NodeId, addr: SocketAddr, mut rx: mpsc::Receive
                         Ok(Some(resp)) => {
                             // An id nobody waits for (answered after its
                             // caller gave up) is dropped.
-                            if let Some(answer) = pending.remove(&resp.id) {
+                            if let Some(answer) = link.pending.remove(&resp.id) {
                                 let r = resp.result.ok_or_else(|| ForwardError::NoAnswer("an empty reply".into()));
                                 let _ = answer.send(r);
                             }
@@ -146,22 +169,74 @@ async fn run_link(d: Dialer, to: NodeId, addr: SocketAddr, mut rx: mpsc::Receive
                         Ok(None) => break,
                         Err(e) => {
                             inbuf.clear();
-                            fail_all(&mut pending, &format!("a bad reply from node {to}: {e}"));
+                            link.fail(&format!("a bad reply from node {to}: {e}"));
                             return fail_queued(&mut rx, "the link failed");
                         }
                     }
                 }
             }
+            _ = sweep.tick() => {
+                // Callers that gave up: their entries go, and a link
+                // whose peer answered nothing while they waited is taken
+                // for dead (a host gone without a reset would otherwise
+                // hold it, and every request to that node, forever).
+                let before = link.pending.len();
+                link.pending.retain(|_, answer| !answer.is_closed());
+                let gave_up = before - link.pending.len();
+                if gave_up > 0 && last_read.elapsed() >= FORWARD_TIMEOUT {
+                    break format!("node {to} answered nothing for {FORWARD_TIMEOUT:?}");
+                }
+                if !link.out.is_empty() && last_write.elapsed() >= FORWARD_TIMEOUT {
+                    break format!("node {to} took nothing for {FORWARD_TIMEOUT:?}");
+                }
+                // Closed here, well before the peer's idle timeout would
+                // close it under a request on its way.
+                if link.pending.is_empty() && last_use.elapsed() >= LINK_IDLE {
+                    break "idle".to_string();
+                }
+            }
         }
     };
     tracing::debug!(node = to, "forwarding link ends: {why}");
-    fail_all(&mut pending, &why);
+    link.fail(&why);
     fail_queued(&mut rx, &why);
 }
 
-fn fail_all(pending: &mut HashMap<u64, Answer>, why: &str) {
-    for (_, answer) in pending.drain() {
-        let _ = answer.send(Err(ForwardError::NoAnswer(why.to_string())));
+/// A link's requests: those sent and not answered, and the bytes of those
+/// not wholly written yet.
+#[derive(Default)]
+struct Link {
+    pending: HashMap<u64, Answer>,
+    out: BytesMut,
+    /// Requests in `out`, in order: (id, frame length).
+    unwritten: VecDeque<(u64, usize)>,
+}
+
+impl Link {
+    /// `n` more bytes of `out` were written.
+    fn wrote(&mut self, mut n: usize) {
+        self.out.advance(n);
+        while let Some((_, len)) = self.unwritten.front_mut() {
+            if n < *len {
+                *len -= n;
+                break;
+            }
+            n -= *len;
+            self.unwritten.pop_front();
+        }
+    }
+
+    /// Fails every request: one not wholly written was not taken by the
+    /// peer (it reads whole frames only); any other may have been.
+    fn fail(&mut self, why: &str) {
+        for (id, _) in self.unwritten.drain(..) {
+            if let Some(answer) = self.pending.remove(&id) {
+                let _ = answer.send(Err(ForwardError::NotSent(why.to_string())));
+            }
+        }
+        for (_, answer) in self.pending.drain() {
+            let _ = answer.send(Err(ForwardError::NoAnswer(why.to_string())));
+        }
     }
 }
 

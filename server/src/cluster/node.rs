@@ -125,6 +125,8 @@ struct LocalReplica {
     /// Bytes of writes proposed here and not answered yet: admitted
     /// against the guarantee before they are applied.
     in_flight: AtomicU64,
+    /// Bytes of writes waiting for eviction to make room for them.
+    waiting: AtomicU64,
     reg: Arc<Registration>,
     status: Arc<ReplicaStatus>,
     remembered: Arc<RememberedStats>,
@@ -398,6 +400,7 @@ impl ClusterNode {
                     store,
                     compactor,
                     in_flight: AtomicU64::new(0),
+                    waiting: AtomicU64::new(0),
                     reg,
                     status,
                     remembered,
@@ -580,27 +583,36 @@ impl ClusterNode {
 
     async fn propose_raw(&self, key: &[u8], data: Vec<u8>) -> Result<Applied, ClusterError> {
         let r = self.replica_of(key)?;
+        // A follower proposes nothing: it says who leads before any wait
+        // for room (it evicts nothing itself, so a wait would only end in
+        // OUT_OF_MEMORY).
+        if !r.status.is_leader() {
+            let leader = r.status.leader.load(Ordering::Relaxed);
+            let leader = (leader != 0).then(|| node_of(leader)).filter(|&n| n != self.id);
+            return Err(ClusterError::NotLeader { leader, map_version: self.map_version() });
+        }
         // Admitted only while it fits every replica's guarantee with what
         // is already on its way (a DELETE needs no room but is counted
         // alike: it is small).
         let bytes = (data.len() + dmkv_common::layout::ITEM_HEADER_LEN) as u64;
-        let ahead = r.in_flight.fetch_add(bytes, Ordering::Relaxed);
-        let _done = InFlight(&r.in_flight, bytes);
-        if !r.store.live_within(ahead + bytes, ADMIT_PERCENT) {
+        if !admit(r, bytes) {
             // An evicting shard makes room (`evict_round`, through the
             // log): the write waits for it, boundedly, as a single node's
-            // waits for its own eviction.
+            // waits for its own eviction. Each waiter is admitted on its
+            // own bytes, not on all waiters' at once.
+            let _waiting = InFlight::add(&r.waiting, bytes);
             let deadline = tokio::time::Instant::now() + crate::compact::OUT_OF_MEMORY_WAIT;
             loop {
                 if !r.store.evicts() || tokio::time::Instant::now() >= deadline {
                     return Err(ClusterError::Store(StoreError::OutOfMemory));
                 }
                 tokio::time::sleep(EVICT_CHECK / 2).await;
-                if r.store.live_within(r.in_flight.load(Ordering::Relaxed), ADMIT_PERCENT) {
+                if admit(r, bytes) {
                     break;
                 }
             }
         }
+        let _done = InFlight(&r.in_flight, bytes);
         match r.thread.propose(data).await {
             Ok(Ok(a)) => Ok(a),
             Ok(Err(e)) => Err(self.cluster_error(e)),
@@ -942,15 +954,12 @@ impl ClusterNode {
     }
 
     /// Notes a client's one-sided reads of `shard`'s leader's region, for
-    /// eviction's recency, if this node's replica leads it; else the
-    /// leader to pass them on to, if another node is known to lead.
-    pub fn note_accesses(&self, shard: ShardId, units: &[u64]) -> Option<NodeId> {
+    /// eviction's recency, if this node's replica leads it (and so owns
+    /// the region read); anything else is dropped.
+    pub fn note_accesses(&self, shard: ShardId, units: &[u64]) {
         if let Some(r) = self.replicas.get(&shard).filter(|r| r.status.is_leader()) {
             r.store.note_remote_accesses(units);
-            return None;
         }
-        let map = crate::lock::lock(&self.map);
-        map.shards().iter().find(|s| s.id == shard).and_then(|s| s.leader).filter(|&l| l != self.id)
     }
 
     /// Turns eviction on for every replica (`--evict lru`): recency
@@ -968,10 +977,11 @@ impl ClusterNode {
     /// removal of its least recently used items, and waits for it to
     /// apply. How many items went.
     pub async fn evict_round(&self) -> u64 {
-        let mut evicted = 0;
-        for r in self.replicas.values() {
+        // Shards side by side: one whose log is slow (an apply stalled, a
+        // quorum lost) holds up only its own eviction.
+        let rounds = self.replicas.values().map(|r| async move {
             if !r.status.is_leader() || !r.store.evicts() {
-                continue;
+                return 0;
             }
             // Below the admission bound by a headroom that takes any one
             // item (a write waits for no eviction): a 32nd of the region,
@@ -979,21 +989,28 @@ impl ClusterNode {
             let data = r.store.header().data_len;
             let headroom = (data / 32).max(EVICT_MIN_HEADROOM);
             let keep = (data / 100 * ADMIT_PERCENT).saturating_sub(headroom);
-            let want = (r.store.live_bytes() + r.in_flight.load(Ordering::Relaxed)).saturating_sub(keep);
+            // Writes waiting for room count up to one headroom more per
+            // round: a burst larger than the shard is refused in time, not
+            // paid for with every item the shard holds.
+            let waiting = r.waiting.load(Ordering::Relaxed).min(headroom);
+            let want = (r.store.live_bytes() + r.in_flight.load(Ordering::Relaxed) + waiting).saturating_sub(keep);
             if want == 0 {
-                continue;
+                return 0;
             }
-            let victims = r.store.plan_victims(EVICT_ENTRY_ITEMS, want);
+            // Reads the victims' items: off the async workers.
+            let store = Arc::clone(&r.store);
+            let victims = tokio::task::spawn_blocking(move || store.plan_victims(EVICT_ENTRY_ITEMS, want))
+                .await
+                .unwrap_or_default();
             if victims.is_empty() {
-                continue;
+                return 0;
             }
-            if let Ok(Ok(Applied::Evicted { items })) =
-                r.thread.propose(encode_evict(victims, crate::clock::now_ms())).await
-            {
-                evicted += items;
+            match r.thread.propose(encode_evict(victims, crate::clock::now_ms())).await {
+                Ok(Ok(Applied::Evicted { items })) => items,
+                _ => 0,
             }
-        }
-        evicted
+        });
+        futures_util::future::join_all(rounds).await.into_iter().sum()
     }
 
     /// The stores of the shards this node leads now (what its memcached
@@ -1304,6 +1321,31 @@ fn spawn_log_purge(engine: Arc<raft_engine::Engine>, stop: watch::Receiver<bool>
 
 /// Bytes proposed and not yet answered, released when the answer comes.
 struct InFlight<'a>(&'a AtomicU64, u64);
+
+impl<'a> InFlight<'a> {
+    /// Counts `bytes` in `counter` until dropped.
+    fn add(counter: &'a AtomicU64, bytes: u64) -> InFlight<'a> {
+        counter.fetch_add(bytes, Ordering::Relaxed);
+        InFlight(counter, bytes)
+    }
+}
+
+/// Counts a write of `bytes` as on its way in `r` if it fits the
+/// admission bound with what is already on its way (the caller then owns
+/// an [`InFlight`] for it); a compare-and-swap, so that two writes never
+/// both take the last room.
+fn admit(r: &LocalReplica, bytes: u64) -> bool {
+    let mut ahead = r.in_flight.load(Ordering::Relaxed);
+    loop {
+        if !r.store.live_within(ahead + bytes, ADMIT_PERCENT) {
+            return false;
+        }
+        match r.in_flight.compare_exchange_weak(ahead, ahead + bytes, Ordering::Relaxed, Ordering::Relaxed) {
+            Ok(_) => return true,
+            Err(now) => ahead = now,
+        }
+    }
+}
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {

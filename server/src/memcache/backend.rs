@@ -29,6 +29,12 @@ pub const MAX_HOPS: usize = 3;
 pub const MAX_LEADER_WAIT: Duration = Duration::from_secs(2);
 /// How often a request without a leader looks again.
 const LEADER_POLL: Duration = Duration::from_millis(20);
+/// Most a multi-key get waits, all its leaders together; a key not
+/// answered by then is answered unavailable.
+pub const GET_MANY_DEADLINE: Duration = Duration::from_secs(8);
+/// A multi-key get's keys asked on their own at once (where a leader's
+/// multi-get failed).
+const MAX_GETS_AT_ONCE: usize = 32;
 
 /// Why a command was not carried out: the store's refusals, and a
 /// cluster's two of its own.
@@ -122,28 +128,44 @@ impl McKv<'_> {
                 None => alone.push(i),
             }
         }
+        // One deadline for the whole request, the leaders asked at once,
+        // and keys that must go alone a few at a time: a leader that does
+        // not answer costs one wait, not one per key.
+        let deadline = tokio::time::Instant::now() + GET_MANY_DEADLINE;
         let mut out: Vec<Option<Result<Option<Item>, Error>>> = vec![None; keys.len()];
-        for (leader, idx) in by_leader {
-            for part in idx.chunks(MAX_MULTI_GET_KEYS) {
-                let op = Op::MultiGet(proto::MultiGet {
-                    keys: part.iter().map(|&i| Bytes::copy_from_slice(keys[i])).collect(),
-                });
-                let got = match call(node, shared, leader, op).await {
-                    Ok(R::MultiGet(m)) if m.values.len() == part.len() => m.values,
-                    // Moved on, too large for one reply, or unreachable:
-                    // each key on its own.
-                    _ => {
-                        alone.extend_from_slice(part);
-                        continue;
+        let parts: Vec<(NodeId, &[usize])> =
+            by_leader.iter().flat_map(|(&l, idx)| idx.chunks(MAX_MULTI_GET_KEYS).map(move |p| (l, p))).collect();
+        let asked = futures_util::future::join_all(parts.iter().map(|&(leader, part)| {
+            let op =
+                Op::MultiGet(proto::MultiGet { keys: part.iter().map(|&i| Bytes::copy_from_slice(keys[i])).collect() });
+            tokio::time::timeout_at(deadline, call(node, shared, leader, op))
+        }))
+        .await;
+        for ((_, part), got) in parts.iter().zip(asked) {
+            match got {
+                Ok(Ok(R::MultiGet(m))) if m.values.len() == part.len() => {
+                    for (&i, g) in part.iter().zip(m.values) {
+                        out[i] = Some(Ok(item_of(g)));
                     }
-                };
-                for (&i, g) in part.iter().zip(got) {
-                    out[i] = Some(Ok(item_of(g)));
                 }
+                // The deadline passed: unavailable, as below.
+                Err(_) => {}
+                // Moved on, too large for one reply, or unreachable: each
+                // key on its own (where its shard is led now).
+                Ok(_) => alone.extend_from_slice(part),
             }
         }
-        for i in alone {
-            out[i] = Some(self.get(keys[i]).await);
+        let singles: Vec<(usize, Result<Option<Item>, Error>)> =
+            futures_util::StreamExt::collect(futures_util::StreamExt::buffer_unordered(
+                futures_util::stream::iter(alone.into_iter().map(|i| async move {
+                    let got = tokio::time::timeout_at(deadline, self.get(keys[i])).await;
+                    (i, got.unwrap_or(Err(Error::Unavailable)))
+                })),
+                MAX_GETS_AT_ONCE,
+            ))
+            .await;
+        for (i, got) in singles {
+            out[i] = Some(got);
         }
         out.into_iter().map(|r| r.unwrap_or(Err(Error::Unavailable))).collect()
     }

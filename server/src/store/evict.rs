@@ -183,12 +183,16 @@ impl Store {
     /// as (key, version). Nothing changes here.
     pub fn plan_victims(&self, max: usize, bytes: u64) -> Vec<(Vec<u8>, u64)> {
         let Some(rec) = self.recency.get() else { return Vec::new() };
+        // Items are read after the writer lock is let go (a plan of
+        // large items copies megabytes): under the epoch guard, as a GET
+        // reads, so a victim's block is not reused meanwhile. One replaced
+        // or removed since is named with its old version, which the
+        // log's removal then does not match.
         let _guard = epoch::pin();
         let mut w = lock(&self.writer);
         let segments = w.index.meta.len() as u64;
-        let (mut out, mut chosen, mut freed) = (Vec::new(), std::collections::HashSet::new(), 0u64);
-        let mut buf = Vec::new();
-        while segments > 0 && out.len() < max && freed < bytes {
+        let (mut slots, mut chosen, mut freed) = (Vec::new(), std::collections::HashSet::new(), 0u64);
+        while segments > 0 && slots.len() < max && freed < bytes {
             let now = rec.now();
             let mut oldest: Option<(u32, Slot)> = None;
             let mut seen = 0;
@@ -217,8 +221,14 @@ impl Store {
             let Some((_, slot)) = oldest else { break };
             chosen.insert(slot.offset_units);
             freed += slot.len() as u64;
-            // A slot whose item does not read back (damaged) is no victim
-            // to name; its bytes still count, so the plan ends.
+            slots.push(slot);
+        }
+        drop(w);
+        // A slot whose item does not read back (damaged) is no victim to
+        // name; its bytes still counted, so the plan ends.
+        let mut buf = Vec::new();
+        let mut out = Vec::with_capacity(slots.len());
+        for slot in slots {
             if self.read_verified(slot, &mut buf)
                 && let Ok(it) = dmkv_common::layout::decode_item(&buf)
             {
