@@ -12,6 +12,7 @@ use dmkv_client::{Client, ClientConfig, ClientError, ErrorCode, ReadPath, TlsOpt
 use dmkv_common::frame::{self, Decoder};
 use dmkv_common::onesided::{self, HANDSHAKE_OK, HANDSHAKE_RATE_LIMITED, HANDSHAKE_REFUSED, ReadStatus, ReadWr};
 use dmkv_common::proto::{self, Request, Response, request::Op, response::Result as R};
+use dmkv_server::cluster::peer_tls::{PeerTls, PeerTlsFiles};
 use dmkv_tests::{ServerProcess, TempDir, engine_connect};
 
 const DATA: &str = "data-token-0123456789abcdef";
@@ -391,8 +392,8 @@ fn a_cluster_with_tls_serves_every_shard() {
 /// loopback address (every 127/8 address is local on Linux): to the peer
 /// port, which no client SDK speaks to, and to keep one test's failed
 /// proofs from rate-limiting another's address.
-struct Raw {
-    s: tokio::net::TcpStream,
+struct Raw<S = tokio::net::TcpStream> {
+    s: S,
     buf: BytesMut,
     id: u64,
 }
@@ -404,7 +405,9 @@ impl Raw {
         let s = socket.connect(addr.parse().unwrap()).await.unwrap();
         Raw { s, buf: BytesMut::new(), id: 0 }
     }
+}
 
+impl<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin> Raw<S> {
     /// Sends `op` and returns its reply, or `None` once the peer closed.
     async fn call(&mut self, op: Op) -> Option<Response> {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -652,7 +655,8 @@ fn node_pki(dir: &TempDir, prefix: &str, nodes: &[u64]) -> String {
 /// nothing else; a node whose certificate another CA signed is refused by
 /// its peers (and says so in their logs) while the others go on; once its
 /// files are replaced, it is taken again without a restart (reload) and
-/// catches up. A node given another node's certificate does not start.
+/// catches up. A node given another node's certificate does not start; a
+/// holder of node 2's certificate is refused as node 3, on either end.
 #[test]
 fn cluster_nodes_replicate_over_mutual_tls_bound_to_their_ids() {
     let dir = TempDir::new("peer-tls");
@@ -686,6 +690,25 @@ fn cluster_nodes_replicate_over_mutual_tls_bound_to_their_ids() {
         // Plaintext on the peer port: not served.
         let mut raw = Raw::connect(&peer, std::net::Ipv4Addr::new(127, 0, 0, 93)).await;
         assert!(raw.call(raft_batch(2, 2)).await.is_none(), "the peer port answered plaintext");
+        // Node 2's certificate speaking for node 3: refused, while the
+        // same connection is taken for what it says as node 2.
+        let files = |n: u32| PeerTlsFiles {
+            cert: dir.0.join(format!("node{n}.pem")),
+            key: dir.0.join(format!("node{n}.key")),
+            ca: dir.0.join("ca.pem"),
+        };
+        let as_node2 = PeerTls::load(files(2), 2, vec![1, 2, 3]).unwrap();
+        let tcp = tokio::net::TcpStream::connect(&peer).await.unwrap();
+        let s = as_node2.connect(1, tcp).await.expect("node 2's certificate is good");
+        let mut raw = Raw { s, buf: BytesMut::new(), id: 0 };
+        let (code, msg) = accepted(&raw.call(raft_batch(3, 3)).await).expect_err("node 2 taken as node 3");
+        assert_eq!(code, Some(ErrorCode::PermissionDenied), "{msg}");
+        assert_eq!(accepted(&raw.call(raft_batch(2, 2)).await), Ok(1), "node 2 as itself");
+        // Dialing node 1 but reaching a holder of node 2's certificate
+        // (an address taken over): the dialer refuses it.
+        let tcp = tokio::net::TcpStream::connect(&peer).await.unwrap();
+        let as_node1 = PeerTls::load(files(1), 1, vec![1, 2, 3]).unwrap();
+        assert!(as_node1.connect(2, tcp).await.is_err(), "node 1's certificate taken for node 2");
     });
 
     // Node 3 with a certificate of another CA: refused by its peers.
