@@ -282,8 +282,10 @@ impl Requests {
     /// A cluster node's data request: answered when raft has done its
     /// part, while the connection reads and starts the next ones. Started
     /// in the order read (the first poll proposes or queues the read), so
-    /// a connection's writes reach the shard in order; replies may come
-    /// back out of order (they carry the request's id).
+    /// a connection's writes reach the shard in order, except that one
+    /// waiting for eviction to make room (a full shard) lets later ones of
+    /// the same connection that fit go first; replies may come back out
+    /// of order (they carry the request's id).
     fn deferrable(&self, req: &Request) -> bool {
         // Each of these waits on raft (or a lease): run aside, so that
         // one of them does not hold up the connection's others (a node

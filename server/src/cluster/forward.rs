@@ -24,7 +24,7 @@ use bytes::{Buf, BytesMut};
 use dmkv_common::cluster::map::NodeId;
 use dmkv_common::frame::{self, Decoder};
 use dmkv_common::proto::{self, Request, request::Op, response::Result as R};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot};
 
 use super::dial::{self, Dialer};
@@ -125,6 +125,8 @@ async fn run_link(d: Dialer, to: NodeId, addr: SocketAddr, mut rx: mpsc::Receive
     let (mut last_read, mut last_write, mut last_use) = (Instant::now(), Instant::now(), Instant::now());
     // Ids from 10: the dial's HELLO and AUTHENTICATE took lower ones.
     let mut next_id = 10u64;
+    // Written since the last flush: TLS holds written bytes until flushed.
+    let mut unflushed = false;
     let why = loop {
         tokio::select! {
             req = rx.recv(), if link.pending.len() < MAX_IN_FLIGHT && link.out.len() < MAX_UNWRITTEN => {
@@ -138,15 +140,17 @@ async fn run_link(d: Dialer, to: NodeId, addr: SocketAddr, mut rx: mpsc::Receive
                     continue;
                 }
                 link.unwritten.push_back((next_id, link.out.len() - before));
-                link.pending.insert(next_id, answer);
+                link.pending.insert(next_id, (answer, Instant::now()));
             }
-            wrote = wr.write(&link.out), if !link.out.is_empty() => {
+            wrote = write_or_flush(&mut wr, &link.out), if !link.out.is_empty() || unflushed => {
                 match wrote {
-                    Ok(0) => break "closed by the peer".to_string(),
-                    Ok(n) => {
+                    Ok(Some(0)) => break "closed by the peer".to_string(),
+                    Ok(Some(n)) => {
                         link.wrote(n);
                         last_write = Instant::now();
+                        unflushed = true;
                     }
+                    Ok(None) => unflushed = false,
                     Err(e) => break e.to_string(),
                 }
             }
@@ -161,7 +165,7 @@ async fn run_link(d: Dialer, to: NodeId, addr: SocketAddr, mut rx: mpsc::Receive
                         Ok(Some(resp)) => {
                             // An id nobody waits for (answered after its
                             // caller gave up) is dropped.
-                            if let Some(answer) = link.pending.remove(&resp.id) {
+                            if let Some((answer, _)) = link.pending.remove(&resp.id) {
                                 let r = resp.result.ok_or_else(|| ForwardError::NoAnswer("an empty reply".into()));
                                 let _ = answer.send(r);
                             }
@@ -176,16 +180,17 @@ async fn run_link(d: Dialer, to: NodeId, addr: SocketAddr, mut rx: mpsc::Receive
                 }
             }
             _ = sweep.tick() => {
-                // Callers that gave up: their entries go, and a link
-                // whose peer answered nothing while they waited is taken
-                // for dead (a host gone without a reset would otherwise
-                // hold it, and every request to that node, forever).
-                let before = link.pending.len();
-                link.pending.retain(|_, answer| !answer.is_closed());
-                let gave_up = before - link.pending.len();
-                if gave_up > 0 && last_read.elapsed() >= FORWARD_TIMEOUT {
+                // A request a caller's whole timeout old with nothing read
+                // since it was sent: the peer is taken for dead (a host
+                // gone without a reset would otherwise hold the link, and
+                // every request to that node, forever). A link that reads
+                // answers to others meanwhile is alive, however slow one
+                // request is. Callers that gave up: their entries go.
+                let dead = link.pending.values().any(|(_, sent)| sent.elapsed() >= FORWARD_TIMEOUT && last_read <= *sent);
+                if dead {
                     break format!("node {to} answered nothing for {FORWARD_TIMEOUT:?}");
                 }
+                link.pending.retain(|_, (answer, _)| !answer.is_closed());
                 if !link.out.is_empty() && last_write.elapsed() >= FORWARD_TIMEOUT {
                     break format!("node {to} took nothing for {FORWARD_TIMEOUT:?}");
                 }
@@ -202,11 +207,19 @@ async fn run_link(d: Dialer, to: NodeId, addr: SocketAddr, mut rx: mpsc::Receive
     fail_queued(&mut rx, &why);
 }
 
+/// Writes some of `out`, or flushes once it is all written: Some(bytes
+/// written), or None once flushed. Either may be dropped unfinished (a
+/// write then took nothing).
+async fn write_or_flush<W: AsyncWrite + Unpin>(wr: &mut W, out: &[u8]) -> std::io::Result<Option<usize>> {
+    if out.is_empty() { wr.flush().await.map(|()| None) } else { wr.write(out).await.map(Some) }
+}
+
 /// A link's requests: those sent and not answered, and the bytes of those
 /// not wholly written yet.
 #[derive(Default)]
 struct Link {
-    pending: HashMap<u64, Answer>,
+    /// Requests written (or on their way), by id: who waits, and since when.
+    pending: HashMap<u64, (Answer, Instant)>,
     out: BytesMut,
     /// Requests in `out`, in order: (id, frame length).
     unwritten: VecDeque<(u64, usize)>,
@@ -230,11 +243,11 @@ impl Link {
     /// peer (it reads whole frames only); any other may have been.
     fn fail(&mut self, why: &str) {
         for (id, _) in self.unwritten.drain(..) {
-            if let Some(answer) = self.pending.remove(&id) {
+            if let Some((answer, _)) = self.pending.remove(&id) {
                 let _ = answer.send(Err(ForwardError::NotSent(why.to_string())));
             }
         }
-        for (_, answer) in self.pending.drain() {
+        for (_, (answer, _)) in self.pending.drain() {
             let _ = answer.send(Err(ForwardError::NoAnswer(why.to_string())));
         }
     }
@@ -246,5 +259,85 @@ fn fail_queued(rx: &mut mpsc::Receiver<(Op, Answer)>, why: &str) {
     rx.close();
     while let Ok((_, answer)) = rx.try_recv() {
         let _ = answer.send(Err(ForwardError::NotSent(why.to_string())));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use dmkv_common::proto::{Response, response::Result as R};
+
+    use super::*;
+
+    /// A peer that answers HELLO without asking for a proof, a GET of
+    /// "slow" after 1.5 s, never a GET of "never", any other at once;
+    /// counts the connections it accepted.
+    async fn fake_peer() -> (SocketAddr, Arc<AtomicUsize>) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let count = Arc::clone(&accepted);
+        tokio::spawn(async move {
+            while let Ok((s, _)) = l.accept().await {
+                count.fetch_add(1, Ordering::Relaxed);
+                tokio::spawn(async move {
+                    let (mut rd, wr) = tokio::io::split(s);
+                    let wr = Arc::new(tokio::sync::Mutex::new(wr));
+                    let (dec, mut buf) = (Decoder::new(1 << 20), BytesMut::new());
+                    while rd.read_buf(&mut buf).await.is_ok_and(|n| n > 0) {
+                        while let Ok(Some(req)) = dec.next_message::<Request>(&mut buf) {
+                            let (delay, result) = match req.op {
+                                Some(Op::Hello(_)) => (0, R::Hello(Default::default())),
+                                Some(Op::Get(g)) if &g.key[..] == b"never" => continue,
+                                Some(Op::Get(g)) if &g.key[..] == b"slow" => (1500, R::Get(Default::default())),
+                                _ => (0, R::Get(Default::default())),
+                            };
+                            let wr = Arc::clone(&wr);
+                            tokio::spawn(async move {
+                                tokio::time::sleep(Duration::from_millis(delay)).await;
+                                let mut out = BytesMut::new();
+                                let resp = Response { id: req.id, result: Some(result) };
+                                frame::encode(&resp, 1 << 20, &mut out).unwrap();
+                                let _ = wr.lock().await.write_all(&out).await;
+                            });
+                        }
+                    }
+                });
+            }
+        });
+        (addr, accepted)
+    }
+
+    fn get(key: &str) -> Op {
+        Op::Get(proto::Get { key: bytes::Bytes::copy_from_slice(key.as_bytes()) })
+    }
+
+    /// A link quiet for longer than the forward timeout stays up when a
+    /// caller gives up on a request while the peer is still answering
+    /// others; a peer that answers nothing within the timeout is taken for
+    /// dead, and the next request dials anew.
+    #[tokio::test]
+    async fn a_caller_giving_up_on_a_quiet_link_breaks_it_only_if_the_peer_is_silent() {
+        let (addr, accepted) = fake_peer().await;
+        let d = Dialer { me: 2, token: None, max_frame: 1 << 20, source: None, tls: None };
+        let fw = Forwarder::new(d, &[(1, addr)]);
+        assert!(fw.call(1, get("a")).await.is_ok());
+        tokio::time::sleep(FORWARD_TIMEOUT + Duration::from_millis(300)).await;
+        // A caller gives up at once (a client went away); another's
+        // request takes 1.5 s to be answered.
+        assert!(tokio::time::timeout(Duration::from_millis(20), fw.call(1, get("never"))).await.is_err());
+        let slow = fw.call(1, get("slow")).await;
+        assert!(slow.is_ok(), "a slow answer on a live link: {slow:?}");
+        assert_eq!(accepted.load(Ordering::Relaxed), 1, "the link was not broken");
+
+        // Nothing answered for the whole timeout: the link goes, and the
+        // next request dials again.
+        let silent = fw.call(1, get("never")).await;
+        assert!(matches!(silent, Err(ForwardError::NoAnswer(_))), "{silent:?}");
+        tokio::time::sleep(SWEEP_EVERY + Duration::from_millis(200)).await;
+        assert!(fw.call(1, get("b")).await.is_ok());
+        assert_eq!(accepted.load(Ordering::Relaxed), 2, "a silent peer's link was kept");
     }
 }

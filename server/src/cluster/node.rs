@@ -78,6 +78,11 @@ pub const EVICT_MIN_HEADROOM: u64 = dmkv_common::limits::MAX_VALUE_LEN as u64 + 
 /// How often a node looks whether a shard it leads must evict.
 pub const EVICT_CHECK: Duration = Duration::from_millis(10);
 
+/// How long one shard's eviction round may wait for its removal to apply
+/// before the next round starts (a quarter of what a write waits for
+/// room, so a stalled shard costs the others' writers no refusal).
+pub const EVICT_ROUND_TIMEOUT: Duration = Duration::from_millis(500);
+
 /// Tries of one RPC read whose permission did not hold by the end of the
 /// read (the lease ended, or the store was emptied meanwhile); then BUSY.
 pub const MAX_READ_TRIES: usize = 8;
@@ -603,6 +608,13 @@ impl ClusterNode {
             let _waiting = InFlight::add(&r.waiting, bytes);
             let deadline = tokio::time::Instant::now() + crate::compact::OUT_OF_MEMORY_WAIT;
             loop {
+                // Deposed meanwhile: nothing here evicts any more, and
+                // the write belongs with the new leader.
+                if !r.status.is_leader() {
+                    let leader = r.status.leader.load(Ordering::Relaxed);
+                    let leader = (leader != 0).then(|| node_of(leader)).filter(|&n| n != self.id);
+                    return Err(ClusterError::NotLeader { leader, map_version: self.map_version() });
+                }
                 if !r.store.evicts() || tokio::time::Instant::now() >= deadline {
                     return Err(ClusterError::Store(StoreError::OutOfMemory));
                 }
@@ -977,8 +989,11 @@ impl ClusterNode {
     /// removal of its least recently used items, and waits for it to
     /// apply. How many items went.
     pub async fn evict_round(&self) -> u64 {
-        // Shards side by side: one whose log is slow (an apply stalled, a
-        // quorum lost) holds up only its own eviction.
+        // Shards side by side, each round bounded: one whose log is slow
+        // (an apply stalled, a quorum lost) holds up the next round of
+        // the others for at most EVICT_ROUND_TIMEOUT. Its removal may
+        // still apply after the round gave up on it: it names items by
+        // version, so it removes nothing written since.
         let rounds = self.replicas.values().map(|r| async move {
             if !r.status.is_leader() || !r.store.evicts() {
                 return 0;
@@ -1005,8 +1020,13 @@ impl ClusterNode {
             if victims.is_empty() {
                 return 0;
             }
-            match r.thread.propose(encode_evict(victims, crate::clock::now_ms())).await {
-                Ok(Ok(Applied::Evicted { items })) => items,
+            match tokio::time::timeout(
+                EVICT_ROUND_TIMEOUT,
+                r.thread.propose(encode_evict(victims, crate::clock::now_ms())),
+            )
+            .await
+            {
+                Ok(Ok(Ok(Applied::Evicted { items }))) => items,
                 _ => 0,
             }
         });
