@@ -7,11 +7,17 @@
 #                      [--records N] [--value-size B] [--update-writes record|field]
 #                      [--duration S] [--warmup W] [--server-threads N] [--memory-mib N] [--seed N]
 #                      [--stores "dmkv dmkv-onesided memcached dmkv-memcached redis"] [--runs N] [--no-install]
+#                      [--doc-dir DIR]
 #
 # dmkv-memcached is dmkvd serving memcached's text protocol on its second
 # port (--memcached-listen), driven like memcached. A dmkvd without that
 # port drops it from the default stores with a warning (named in --stores,
-# it is an error).
+# it is an error). dmkv-cluster-memcached (only when named in --stores) is
+# the memcached port of node 1 of a 3-node cluster on this machine (3
+# shards of 3 replicas, each node with the settings of the single dmkvd),
+# driven the same way; the page says what share of requests node 1 passed
+# on to other nodes. --doc-dir (default docs) is where the page, its plots
+# and the CSV go.
 #
 # Configurations are threads x in flight; those with one in flight (Tx1)
 # are YCSB's own mode and come first in the tables, the others are
@@ -43,6 +49,7 @@ STORES="dmkv dmkv-onesided memcached dmkv-memcached redis"
 STORES_GIVEN=0
 ROUNDS=1
 INSTALL=1
+DOC_DIR=docs
 START_TRIES=100             # x 0.1 s: how long a server gets to start
 PORT_TRIES=50
 
@@ -61,6 +68,7 @@ while [ $# -gt 0 ]; do
         --stores) STORES="$2"; STORES_GIVEN=1; shift 2 ;;
         --runs) ROUNDS="$2"; shift 2 ;;
         --no-install) INSTALL=0; shift ;;
+        --doc-dir) DOC_DIR="$2"; shift 2 ;;
         # The usage is the comment block at the top, without its markers.
         -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;;
         *) echo "compare.sh: unknown flag $1" >&2; exit 2 ;;
@@ -97,6 +105,7 @@ fi
 STAMP="$(date -u +%Y%m%d-%H%M%S)"
 RESULTS="benches/results/$STAMP"
 mkdir -p "$RESULTS"
+mkdir -p "$DOC_DIR"
 COMMANDS="$RESULTS/commands.txt"
 : > "$COMMANDS"
 
@@ -112,6 +121,9 @@ start_store() {
             local args=(--listen 127.0.0.1:0) field=rpc
             [ "$store" = dmkv-memcached ] && { args+=(--memcached-listen 127.0.0.1:0); field=memcached; }
             start_dmkvd "$field" dmkvd "${args[@]}" --threads "$SERVER_THREADS" --memory "${MEMORY_MIB}MiB" --log warn
+            ;;
+        dmkv-cluster-memcached)
+            start_dmkv_cluster 3 --threads "$SERVER_THREADS" --memory "${MEMORY_MIB}MiB" --log warn
             ;;
         memcached) start_memcached -c 4096 ;;
         redis)
@@ -145,6 +157,7 @@ for store in $STORES; do
             backend="$store"
             [ "$store" = dmkv-onesided ] && backend=dmkv
             [ "$store" = dmkv-memcached ] && backend=memcached
+            [ "$store" = dmkv-cluster-memcached ] && backend=memcached
             args=(--backend "$backend" --label "$store" --server "$ADDR" --workload "$w" --records "$RECORDS" --value-size "$VALUE_SIZE"
                 --update-writes "$UPDATE_WRITES" --threads "$threads" --in-flight "$inflight" --duration "$DURATION" --warmup "$WARMUP" --seed "$SEED"
                 --json "$RESULTS/$name.json" --csv "$RESULTS/$name.csv")
@@ -153,7 +166,14 @@ for store in $STORES; do
             # The first run of a store loads the records; the others reuse them.
             [ "$loaded" = 1 ] && args+=(--skip-load)
             record "$BIN/dmkv-ycsb" "${args[@]}"
+            if [ "$store" = dmkv-cluster-memcached ]; then
+                fw0="$(mc_stat "$ADDR" forwarded)"; cmd0="$(mc_stat "$ADDR" cmd_get cmd_set)"
+            fi
             "$BIN/dmkv-ycsb" "${args[@]}" | tee "$RESULTS/$name.txt"
+            if [ "$store" = dmkv-cluster-memcached ]; then
+                fw=$(( $(mc_stat "$ADDR" forwarded) - fw0 )); cmd=$(( $(mc_stat "$ADDR" cmd_get cmd_set) - cmd0 ))
+                printf '%s\t%s\t%s\n' "$name" "$fw" "$cmd" >> "$RESULTS/forwarded.tsv"
+            fi
             loaded=1
             RUNS=$((RUNS + 1))
         done
@@ -170,10 +190,10 @@ first_csv="$(ls "$RESULTS"/*.csv | head -1)"
 {
     echo "run,$(head -1 "$first_csv")"
     for f in "$RESULTS"/*.csv; do tail -n +2 "$f" | sed "s/^/$(basename "$f" .csv),/"; done
-} > docs/benchmarks.csv
+} > "$DOC_DIR/benchmarks.csv"
 log "plots and tables"
-record "$BIN/dmkv-ycsb-plot" --out-dir docs --markdown "$RESULTS/tables.md" "$RESULTS/*.json"
-"$BIN/dmkv-ycsb-plot" --out-dir docs --markdown "$RESULTS/tables.md" "$RESULTS"/*.json
+record "$BIN/dmkv-ycsb-plot" --out-dir "$DOC_DIR" --markdown "$RESULTS/tables.md" "$RESULTS/*.json"
+"$BIN/dmkv-ycsb-plot" --out-dir "$DOC_DIR" --markdown "$RESULTS/tables.md" "$RESULTS"/*.json
 
 cpu="$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)"
 mem="$(awk '/^MemTotal/ { printf "%.1f GiB", $2 / 1048576 }' /proc/meminfo)"
@@ -235,6 +255,14 @@ mem="$(awk '/^MemTotal/ { printf "%.1f GiB", $2 / 1048576 }' /proc/meminfo)"
         echo "- \`dmkv-memcached\` is dmkvd serving memcached's text protocol on its second port (\`--memcached-listen\`),"
         echo "  driven by the same client as memcached (\`--backend memcached\`); it sits beside memcached in the tables."
     fi
+    if [[ " $STORES " == *" dmkv-cluster-memcached "* ]]; then
+        echo "- \`dmkv-cluster-memcached\` is the memcached port of node 1 of a 3-node cluster on these same cores (3 shards"
+        echo "  of 3 replicas: every write goes through raft to all three nodes; each node has the threads and memory"
+        echo "  of the single dmkvd). Every key goes to node 1, which serves the shards it leads and passes the rest on"
+        echo "  to their leaders. Share of requests node 1 passed on (its \`forwarded\` counter over its \`cmd_get\` +"
+        echo "  \`cmd_set\`, warm-up included), per run:"
+        awk -F'\t' '$3 > 0 { printf "  %s %.1f %%;", $1, 100 * $2 / $3 } END { print "" }' "$RESULTS/forwarded.tsv"
+    fi
     echo "- Measured where YCSB measures. Throughput: operations over the measured wall-clock window (first"
     echo "  measured start to last reply, all threads together). Latency: service time in µs, from sending the"
     echo "  request (the key already chosen, the value built) to its reply; failures are counted, not timed. In"
@@ -263,5 +291,5 @@ mem="$(awk '/^MemTotal/ { printf "%.1f GiB", $2 / 1048576 }' /proc/meminfo)"
     echo "![p99 latency](ycsb-p99.svg)"
     echo
     cat "$RESULTS/tables.md"
-} > docs/benchmarks.md
-log "wrote docs/benchmarks.md ($RUNS runs)"
+} > "$DOC_DIR/benchmarks.md"
+log "wrote $DOC_DIR/benchmarks.md ($RUNS runs)"

@@ -47,9 +47,11 @@ wait_port() { # port pid
     return 1
 }
 
+# SERVER_PID may name several processes (a cluster's nodes).
 stop_store() {
-    kill "$SERVER_PID" 2>/dev/null || true
-    wait "$SERVER_PID" 2>/dev/null || true
+    local p
+    for p in $SERVER_PID; do kill "$p" 2>/dev/null || true; done
+    for p in $SERVER_PID; do wait "$p" 2>/dev/null || true; done
 }
 
 # Starts memcached on a free port with SERVER_THREADS, MEMORY_MIB and any
@@ -87,4 +89,104 @@ start_dmkvd() { # field name flags...
     done
     [ -n "$ADDR" ] || { echo "$(basename "$0"): dmkvd did not start (or printed no $field= address)" >&2
         cat "$RESULTS/$name.err" >&2; exit 1; }
+}
+
+# Starts a 3-node cluster of $BIN/dmkvd on loopback: SHARDS shards of 3
+# replicas, each node with the given flags and a memcached port. Sets
+# ADDR to node 1's memcached address (clients send every key there, so
+# node 1 passes on the keys of shards it does not lead), MC_ADDRS to
+# every node's, and SERVER_PID to the three processes. Returns once node
+# 1 stores a key of every shard (each shard has a leader).
+start_dmkv_cluster() { # shards flags...
+    local try
+    # A port free when picked may be taken before a node binds it.
+    for try in 1 2 3; do
+        start_dmkv_cluster_once "$@" && return 0
+        stop_store
+        echo "$(basename "$0"): the cluster did not start (try $try of 3)" >&2
+    done
+    exit 1
+}
+
+start_dmkv_cluster_once() { # shards flags...
+    local shards="$1" dir id i ok
+    shift
+    dir="$RESULTS/cluster-$(date +%s%N)"
+    mkdir -p "$dir"
+    {
+        echo "shards = $shards"
+        echo "replicas = 3"
+        for id in 1 2 3; do
+            printf '[[node]]\nid = %s\nrpc = "127.0.0.1:%s"\npeer = "127.0.0.1:%s"\n' "$id" "$(free_port)" "$(free_port)"
+        done
+    } > "$dir/cluster.toml"
+    SERVER_PID=""
+    MC_ADDRS=()
+    for id in 1 2 3; do
+        [ "$id" = 1 ] && record "$BIN/dmkvd" --cluster "\$OUT/cluster.toml" --node-id 1 --memcached-listen 127.0.0.1:0 "$@"
+        "$BIN/dmkvd" --cluster "$dir/cluster.toml" --node-id "$id" --memcached-listen 127.0.0.1:0 "$@" \
+            > "$dir/node$id.out" 2> "$dir/node$id.err" &
+        SERVER_PID="$SERVER_PID $!"
+        PIDS+=("$!")
+    done
+    for id in 1 2 3; do
+        ADDR=""
+        for ((i = 0; i < START_TRIES; i++)); do
+            ADDR="$(sed -n "s/^dmkvd listening.* memcached=\([^ ]*\).*/\1/p" "$dir/node$id.out")"
+            [ -n "$ADDR" ] && break
+            sleep 0.1
+        done
+        [ -n "$ADDR" ] || { echo "$(basename "$0"): cluster node $id did not start" >&2; tail -3 "$dir/node$id.err" >&2; return 1; }
+        MC_ADDRS+=("$ADDR")
+    done
+    ADDR="${MC_ADDRS[0]}"
+    # 64 keys reach every shard of a small cluster with near certainty;
+    # each set waits out its shard's election on node 1.
+    for ((i = 0; i < START_TRIES; i++)); do
+        ok="$(mc_sets "$ADDR" 64)"
+        [ "$ok" = 64 ] && return 0
+        sleep 0.1
+    done
+    echo "$(basename "$0"): the cluster did not elect its leaders" >&2
+    return 1
+}
+
+# How many of N sets of probe keys to ADDR were STORED.
+mc_sets() { # addr n
+    python3 - "$1" "$2" <<'PY'
+import socket, sys
+host, port = sys.argv[1].rsplit(":", 1)
+n = int(sys.argv[2])
+try:
+    s = socket.create_connection((host, int(port)), timeout=5)
+    s.sendall(b"".join(b"set probe-%d 0 0 1\r\nx\r\n" % i for i in range(n)))
+    data = b""
+    while data.count(b"\r\n") < n:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    print(data.count(b"STORED\r\n"))
+except OSError:
+    print(0)
+PY
+}
+
+# The sum of numbers from `stats` on the memcached port at ADDR (absent
+# ones count 0).
+mc_stat() { # addr name...
+    python3 - "$@" <<'PY'
+import socket, sys
+host, port = sys.argv[1].rsplit(":", 1)
+s = socket.create_connection((host, int(port)), timeout=5)
+s.sendall(b"stats\r\n")
+data = b""
+while not data.endswith(b"END\r\n"):
+    chunk = s.recv(65536)
+    if not chunk:
+        break
+    data += chunk
+names = set(sys.argv[2:])
+print(sum(int(p[2]) for p in (l.split() for l in data.decode().splitlines()) if len(p) == 3 and p[1] in names))
+PY
 }

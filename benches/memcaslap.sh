@@ -6,7 +6,14 @@
 #
 #   benches/memcaslap.sh [--runs N] [--duration S] [--threads N] [--concurrency N]
 #                        [--value-size B] [--memory-mib M] [--server-threads N]
-#                        [--stores "memcached dmkv-memcached"] [--no-install]
+#                        [--stores "memcached dmkv-memcached dmkv-cluster-memcached"] [--no-install]
+#
+# dmkv-cluster-memcached is the memcached ports of a 3-node cluster on
+# this machine (3 shards of 3 replicas, each node with the same threads
+# and memory as the single dmkvd): memcaslap spreads keys over the three
+# nodes by its own hashing, and each node passes on those of shards it
+# does not lead; the table says what share was passed on (the nodes'
+# `stats` counter `forwarded`).
 #
 # Workload: memcaslap's own (keys it has set, a window per connection),
 # 32 B keys, fixed-size values, 90 % get / 10 % set. Raw output goes to
@@ -50,8 +57,8 @@ for n in "$RUNS" "$DURATION" "$THREADS" "$CONCURRENCY" "$VALUE_SIZE" "$MEMORY_MI
 done
 for s in $STORES; do
     case "$s" in
-        memcached|dmkv-memcached) ;;
-        *) echo "memcaslap.sh: unknown store $s (memcached, dmkv-memcached)" >&2; exit 2 ;;
+        memcached|dmkv-memcached|dmkv-cluster-memcached) ;;
+        *) echo "memcaslap.sh: unknown store $s (memcached, dmkv-memcached, dmkv-cluster-memcached)" >&2; exit 2 ;;
     esac
 done
 
@@ -66,7 +73,7 @@ if ! command -v memcached >/dev/null || ! command -v memcaslap >/dev/null; then
 fi
 
 BIN="${CARGO_TARGET_DIR:-target}/release"
-if [[ " $STORES " == *" dmkv-memcached "* ]]; then
+if [[ " $STORES " == *" dmkv-"* ]]; then
     log "building (release)"
     cargo build --release -p dmkv-server --bin dmkvd
     if ! "$BIN/dmkvd" --help | grep -q -- --memcached-listen; then
@@ -100,30 +107,35 @@ start_store() {
             start_dmkvd memcached dmkvd --listen 127.0.0.1:0 --memcached-listen 127.0.0.1:0 \
                 --threads "$SERVER_THREADS" --memory "${MEMORY_MIB}MiB" --log warn
             ;;
+        dmkv-cluster-memcached)
+            start_dmkv_cluster 3 --threads "$SERVER_THREADS" --memory "${MEMORY_MIB}MiB" --log warn
+            ;;
     esac
 }
 
 
 # One line per run: store, TPS, get and set average latency (µs), hit
-# ratio (%), output file. memcaslap prints latency only with -S; a
+# ratio (%), output file, share of commands passed on (%, a cluster's). memcaslap prints latency only with -S; a
 # statistics period as long as the run gives one block for the whole run.
 SUMMARY="$RESULTS/runs.tsv"
 : > "$SUMMARY"
 parse() { # store file
-    awk -v store="$1" -v file="$(basename "$2")" '
+    awk -v store="$1" -v file="$(basename "$2")" -v fw="${3:-}" '
         /^Get Statistics \(/ { block = "get" }
         /^Set Statistics \(/ { block = "set" }
         /^Total Statistics \(/ { block = "" }
         /^ *Avg:/ && block == "get" { get_avg = $2 }
         /^ *Avg:/ && block == "set" { set_avg = $2 }
         /^cmd_get:/ { gets = $2 }
+        /^cmd_set:/ { sets = $2 }
         /^get_misses:/ { misses = $2 }
         /TPS:/ { for (i = 1; i < NF; i++) if ($i == "TPS:") tps = $(i + 1) }
         END {
             if (tps == "") exit 1
             hit = gets > 0 ? sprintf("%.2f", 100 * (1 - misses / gets)) : "–"
-            printf "%s\t%s\t%s\t%s\t%s\t%s\n", store, tps, get_avg == "" ? "–" : get_avg,
-                set_avg == "" ? "–" : set_avg, hit, file
+            share = fw != "" && gets + sets > 0 ? sprintf("%.1f %%", 100 * fw / (gets + sets)) : "–"
+            printf "%s\t%s\t%s\t%s\t%s\t%s\t%s\n", store, tps, get_avg == "" ? "–" : get_avg,
+                set_avg == "" ? "–" : set_avg, hit, file, share
         }' "$2"
 }
 
@@ -135,10 +147,21 @@ for ((round = 1; round <= RUNS; round++)); do
         start_store "$store"
         out="$RESULTS/$store-r$round.txt"
         args=(-s "$ADDR" -T "$THREADS" -c "$CONCURRENCY" -t "${DURATION}s" -S "${DURATION}s" -F "$CONFIG" -X "$VALUE_SIZE")
+        fw0=""
+        if [ "$store" = dmkv-cluster-memcached ]; then
+            fw0=0
+            for a in "${MC_ADDRS[@]}"; do fw0=$(( fw0 + $(mc_stat "$a" forwarded) )); done
+            args[1]="$(IFS=,; echo "${MC_ADDRS[*]}")"
+        fi
         record memcaslap "${args[@]}"
         # memcaslap clears the screen before each statistics block.
         memcaslap "${args[@]}" 2>&1 | tr -d '\033' > "$out" || true
-        parse "$store" "$out" >> "$SUMMARY" || { echo "memcaslap.sh: no TPS in $out:" >&2; tail -5 "$out" >&2; exit 1; }
+        fw=""
+        if [ -n "$fw0" ]; then
+            fw=$(( -fw0 ))
+            for a in "${MC_ADDRS[@]}"; do fw=$(( fw + $(mc_stat "$a" forwarded) )); done
+        fi
+        parse "$store" "$out" "$fw" >> "$SUMMARY" || { echo "memcaslap.sh: no TPS in $out:" >&2; tail -5 "$out" >&2; exit 1; }
         tail -1 "$SUMMARY" >&2
         stop_store
     done
@@ -170,20 +193,28 @@ cpu="$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)"
     echo "written, so a miss means the server dropped an item. Server threads: $SERVER_THREADS; memory: $MEMORY_MIB MiB."
     echo "Latency is memcaslap's average per command in µs. Each store ran $RUNS time(s); the table shows the"
     echo "run of median TPS and the range of TPS over the runs."
+    if [[ " $STORES " == *" dmkv-cluster-memcached "* ]]; then
+        echo
+        echo "\`dmkv-cluster-memcached\` is the memcached ports of a 3-node cluster on these same cores (3 shards"
+        echo "of 3 replicas: every write goes through raft to all three nodes; each node has the threads and memory"
+        echo "above). memcaslap spreads its keys over the three nodes by its own hashing (\`-s\` with all three);"
+        echo "each node serves the shards it leads and passes the rest on to their leaders; \"passed on\" is the share"
+        echo "of commands passed on (the nodes' \`forwarded\` counters over memcaslap's commands)."
+    fi
     echo
     echo "## Results"
     echo
-    echo "| store | TPS | runs: TPS range | get avg µs | set avg µs | get hit ratio |"
-    echo "|---|---:|---|---:|---:|---:|"
+    echo "| store | TPS | runs: TPS range | get avg µs | set avg µs | get hit ratio | passed on |"
+    echo "|---|---:|---|---:|---:|---:|---:|"
     for store in $STORES; do
         rows="$(awk -F'\t' -v s="$store" '$1 == s' "$SUMMARY" | sort -t$'\t' -k2,2n)"
         n="$(wc -l <<< "$rows")"
         median="$(sed -n "$(( (n - 1) / 2 + 1 ))p" <<< "$rows")"
         low="$(head -1 <<< "$rows" | cut -f2)"
         high="$(tail -1 <<< "$rows" | cut -f2)"
-        IFS=$'\t' read -r _ tps get_avg set_avg hit _ <<< "$median"
+        IFS=$'\t' read -r _ tps get_avg set_avg hit _ share <<< "$median"
         range="1"; [ "$n" = 1 ] || range="$n: $low–$high"
-        echo "| $store | $tps | $range | $get_avg | $set_avg | $hit % |"
+        echo "| $store | $tps | $range | $get_avg | $set_avg | $hit % | $share |"
     done
     echo
     echo "## Commands"
