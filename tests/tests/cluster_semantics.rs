@@ -210,18 +210,18 @@ fn a_cas_race_across_a_leader_kill_keeps_one_winner_per_version() {
 
 /// `--evict lru` in a cluster: the shard's leader chooses the least
 /// recently used items and logs their removal, so a cluster that is sent
-/// several times its memory takes every write, keeps a hot set that is
+/// ten times its memory takes every write, keeps a hot set that is
 /// read (one-sided reads reported as on one node) over cold keys written
 /// once, every replica holds the same items, and a leader kill does not
 /// bring an evicted key back.
 #[test]
 fn an_evicting_cluster_takes_every_write_keeps_hot_keys_and_stays_alike() {
-    let mut c = TestCluster::start(3, 2, 3, false, &["--evict", "lru", "--memory", "24MiB"]);
+    let mut c = TestCluster::start(3, 2, 3, false, &["--evict", "lru", "--memory", "8MiB"]);
     let rt = rt();
     rt.block_on(c.leaders_known(0));
     let value = vec![b'x'; 4000];
     let hot: Vec<String> = (0..100).map(|i| format!("hot-{i}")).collect();
-    let cold = 12_000;
+    let cold = 21_000;
     let gone: Vec<String> = rt.block_on(async {
         let client = Client::connect(c.rpc(0)).await.expect("connect");
         let reader = Client::connect_with(c.rpc(1), ClientConfig::default().read_path(ReadPath::OneSided))
@@ -230,12 +230,13 @@ fn an_evicting_cluster_takes_every_write_keeps_hot_keys_and_stays_alike() {
         for k in &hot {
             client.put(k, value.clone()).await.expect("hot put");
         }
-        // About 48 MB of values into 12 MB of regions per shard replica.
+        // 84 MB of values into 8 MiB of regions on each node (4 MiB per
+        // shard replica): ten times the memory.
         for i in 0..cold {
             let k = format!("cold-{i}");
             client.put(&k, value.clone()).await.unwrap_or_else(|e| panic!("{k}: {e} (an evicting cluster refused)"));
-            if i % 8 == 0 {
-                let h = &hot[(i / 8) % hot.len()];
+            if i % 2 == 0 {
+                let h = &hot[(i / 2) % hot.len()];
                 let got = reader.get(h).await.expect("hot get");
                 assert!(
                     got.is_some_and(|v| v.len() == value.len()),

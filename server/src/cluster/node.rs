@@ -7,14 +7,14 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use dmkv_common::cluster::map::{ClusterMap, NodeId, ShardId, node_of, replica_id};
 use dmkv_common::error::{Error as StoreError, check_key, check_value};
 use dmkv_common::proto;
 use raft::prelude::ConfState;
-use tokio::sync::watch;
+use tokio::sync::{oneshot, watch};
 
 use super::apply::{
     Applied, Remembered, RememberedStats, encode_arith, encode_delete_cas, encode_evict, encode_flush_all,
@@ -83,6 +83,14 @@ pub const EVICT_CHECK: Duration = Duration::from_millis(10);
 /// room, so a stalled shard costs the others' writers no refusal).
 pub const EVICT_ROUND_TIMEOUT: Duration = Duration::from_millis(500);
 
+/// How long a shard's later rounds wait for an eviction entry its round
+/// stopped waiting for, before they plan another (an entry lost with a
+/// leadership change may never be answered).
+pub const EVICT_ENTRY_PATIENCE: Duration = Duration::from_secs(5);
+
+/// The answer to an eviction entry.
+type EvictAnswer = oneshot::Receiver<Result<Applied, ProposeError>>;
+
 /// Tries of one RPC read whose permission did not hold by the end of the
 /// read (the lease ended, or the store was emptied meanwhile); then BUSY.
 pub const MAX_READ_TRIES: usize = 8;
@@ -132,6 +140,10 @@ struct LocalReplica {
     in_flight: AtomicU64,
     /// Bytes of writes waiting for eviction to make room for them.
     waiting: AtomicU64,
+    /// An eviction entry whose round stopped waiting for it, and when it
+    /// was proposed: no other is planned while it may still apply (it
+    /// would remove the same want again).
+    evicting: Mutex<Option<(Instant, EvictAnswer)>>,
     reg: Arc<Registration>,
     status: Arc<ReplicaStatus>,
     remembered: Arc<RememberedStats>,
@@ -406,6 +418,7 @@ impl ClusterNode {
                     compactor,
                     in_flight: AtomicU64::new(0),
                     waiting: AtomicU64::new(0),
+                    evicting: Mutex::new(None),
                     reg,
                     status,
                     remembered,
@@ -987,16 +1000,31 @@ impl ClusterNode {
     /// One look at every shard this node leads: one whose live items (and
     /// index) come within a headroom of the admission bound logs the
     /// removal of its least recently used items, and waits for it to
-    /// apply. How many items went.
+    /// apply, at most EVICT_ROUND_TIMEOUT. How many items went (those of
+    /// an earlier round's entry that applied late included).
     pub async fn evict_round(&self) -> u64 {
         // Shards side by side, each round bounded: one whose log is slow
         // (an apply stalled, a quorum lost) holds up the next round of
         // the others for at most EVICT_ROUND_TIMEOUT. Its removal may
-        // still apply after the round gave up on it: it names items by
-        // version, so it removes nothing written since.
+        // still apply after the round gave up on it (it names items by
+        // version, so it removes nothing written since); until it does,
+        // that shard plans no other.
         let rounds = self.replicas.values().map(|r| async move {
             if !r.status.is_leader() || !r.store.evicts() {
                 return 0;
+            }
+            // The last round's entry, if it is still on its way.
+            let mut late = 0;
+            {
+                let mut pending = crate::lock::lock(&r.evicting);
+                if let Some((since, rx)) = pending.as_mut() {
+                    match rx.try_recv() {
+                        Err(oneshot::error::TryRecvError::Empty) if since.elapsed() < EVICT_ENTRY_PATIENCE => return 0,
+                        Ok(Ok(Applied::Evicted { items })) => late = items,
+                        _ => {}
+                    }
+                    *pending = None;
+                }
             }
             // Below the admission bound by a headroom that takes any one
             // item (a write waits for no eviction): a 32nd of the region,
@@ -1010,7 +1038,7 @@ impl ClusterNode {
             let waiting = r.waiting.load(Ordering::Relaxed).min(headroom);
             let want = (r.store.live_bytes() + r.in_flight.load(Ordering::Relaxed) + waiting).saturating_sub(keep);
             if want == 0 {
-                return 0;
+                return late;
             }
             // Reads the victims' items: off the async workers.
             let store = Arc::clone(&r.store);
@@ -1018,16 +1046,17 @@ impl ClusterNode {
                 .await
                 .unwrap_or_default();
             if victims.is_empty() {
-                return 0;
+                return late;
             }
-            match tokio::time::timeout(
-                EVICT_ROUND_TIMEOUT,
-                r.thread.propose(encode_evict(victims, crate::clock::now_ms())),
-            )
-            .await
-            {
+            let since = Instant::now();
+            let mut rx = r.thread.propose(encode_evict(victims, crate::clock::now_ms()));
+            late + match tokio::time::timeout(EVICT_ROUND_TIMEOUT, &mut rx).await {
                 Ok(Ok(Ok(Applied::Evicted { items }))) => items,
-                _ => 0,
+                Ok(_) => 0,
+                Err(_) => {
+                    *crate::lock::lock(&r.evicting) = Some((since, rx));
+                    0
+                }
             }
         });
         futures_util::future::join_all(rounds).await.into_iter().sum()
