@@ -129,6 +129,9 @@ async fn run_link(d: Dialer, to: NodeId, addr: SocketAddr, mut rx: mpsc::Receive
     // are owed all the same), so a peer that went silent is found even
     // when every caller leaves early.
     let mut owed_since: Option<Instant> = None;
+    // The id of the last request wholly written (ids rise, and frames go
+    // out in order): those up to it are owed answers, later ones not yet.
+    let mut written_through = 0u64;
     // Ids from 10: the dial's HELLO and AUTHENTICATE took lower ones.
     let mut next_id = 10u64;
     // Written since the last flush: TLS holds written bytes until flushed.
@@ -152,8 +155,11 @@ async fn run_link(d: Dialer, to: NodeId, addr: SocketAddr, mut rx: mpsc::Receive
                 match wrote {
                     Ok(Some(0)) => break "closed by the peer".to_string(),
                     Ok(Some(n)) => {
-                        if link.wrote(n) > 0 && owed_since.is_none() {
-                            owed_since = Some(Instant::now());
+                        if let Some(id) = link.wrote(n) {
+                            written_through = id;
+                            if owed_since.is_none() {
+                                owed_since = Some(Instant::now());
+                            }
                         }
                         last_write = Instant::now();
                         unflushed = true;
@@ -179,9 +185,10 @@ async fn run_link(d: Dialer, to: NodeId, addr: SocketAddr, mut rx: mpsc::Receive
                             }
                         }
                         Ok(None) => {
-                            // Nothing owed to anyone waiting: the next
+                            // Nothing owed to anyone waiting (what is
+                            // pending is not wholly written yet): the next
                             // request written starts the count.
-                            if link.pending.is_empty() {
+                            if !link.pending.keys().any(|&id| id <= written_through) {
                                 owed_since = None;
                             }
                             break;
@@ -240,19 +247,19 @@ struct Link {
 }
 
 impl Link {
-    /// `n` more bytes of `out` were written; how many requests that
-    /// finished writing.
-    fn wrote(&mut self, mut n: usize) -> usize {
+    /// `n` more bytes of `out` were written; the id of the last request
+    /// that finished writing with them, if any did.
+    fn wrote(&mut self, mut n: usize) -> Option<u64> {
         self.out.advance(n);
-        let mut done = 0;
-        while let Some((_, len)) = self.unwritten.front_mut() {
+        let mut done = None;
+        while let Some((id, len)) = self.unwritten.front_mut() {
             if n < *len {
                 *len -= n;
                 break;
             }
             n -= *len;
+            done = Some(*id);
             self.unwritten.pop_front();
-            done += 1;
         }
         done
     }
