@@ -168,12 +168,12 @@ fn set_flag(args: &mut Vec<String>, flag: &str, value: &str) {
 }
 
 /// A free loopback port to start the local cluster's ports from (clients
-/// on P..P+2, peers on P+100..P+102).
+/// on P..P+2, peers on P+100..P+102, memcached on P+200..P+202).
 fn cluster_base_port() -> u16 {
     for _ in 0..50 {
         let p = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
         let free = |q: u16| std::net::TcpListener::bind(("127.0.0.1", q)).is_ok();
-        if p < 60_000 && (0..3).all(|i| free(p + i) && free(p + 100 + i)) {
+        if p < 60_000 && (0..3).all(|i| free(p + i) && free(p + 100 + i) && free(p + 200 + i)) {
             return p;
         }
     }
