@@ -33,6 +33,7 @@ pub mod path;
 pub mod pipeline;
 pub mod pool;
 pub mod read_path;
+pub mod route_view;
 pub mod router;
 pub mod session;
 pub mod tls;

@@ -487,10 +487,11 @@ fn cluster_status(seed: &Client, cfg: &ClientConfig) -> Result<String, String> {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{} nodes, {} shards, {} partitions",
+        "{} nodes, {} shards, {} partitions, map version {}",
         first.nodes.len(),
         first.shards.len(),
-        first.partitions.len()
+        first.partitions.len(),
+        first.version
     );
     let _ = writeln!(out, "{:<6}{:<24}STATE", "NODE", "RPC");
     for n in &first.nodes {
@@ -503,9 +504,14 @@ fn cluster_status(seed: &Client, cfg: &ClientConfig) -> Result<String, String> {
         };
         let _ = writeln!(out, "{:<6}{:<24}{state}", n.id, n.rpc);
     }
-    let _ =
-        writeln!(out, "{:<7}{:<32}{:<8}{:<7}{:<8}{:<24}LAG", "SHARD", "MEMBERS", "LEADER", "TERM", "COMMIT", "APPLIED");
-    for sh in &first.shards {
+    let _ = writeln!(
+        out,
+        "{:<7}{:<32}{:<8}{:<7}{:<12}{:<10}{:<10}{:<8}{:<24}LAG",
+        "SHARD", "MEMBERS", "LEADER", "TERM", "PARTITIONS", "ITEMS", "BYTES", "COMMIT", "APPLIED"
+    );
+    // The metadata group first (it keeps the map), then the data shards.
+    let meta = dmkv_common::proto::ShardEntry { id: dmkv_common::cluster::map::META_SHARD, ..Default::default() };
+    for sh in std::iter::once(&meta).chain(&first.shards) {
         // The replica that leads in the highest term has the freshest view.
         let mut lead: Option<(&dmkv_common::proto::ReplicaState, u64)> = None;
         let mut applied = Vec::new();
@@ -524,21 +530,35 @@ fn cluster_status(seed: &Client, cfg: &ClientConfig) -> Result<String, String> {
             replicas = r.voters.iter().map(|&v| replica_name(v)).collect();
             replicas.extend(r.learners.iter().map(|&l| format!("~{}", replica_name(l))));
         }
-        let (leader, term, commit, lag) = match lead {
+        let (items, bytes) = match lead {
+            Some((r, _)) => (r.items.to_string(), dmkv_client::top::bytes(r.bytes)),
+            None => ("-".to_string(), "-".to_string()),
+        };
+        let (leader, term, parts, commit, lag) = match lead {
             Some((r, node)) => {
                 let mut lag: Vec<_> = r.lag.iter().map(|(n, l)| format!("{}:{l}", replica_name(*n))).collect();
                 lag.sort();
-                (node.to_string(), r.term.to_string(), r.commit.to_string(), lag.join(" "))
+                // What the shard owns as its leader applied it, and the
+                // map version of its last change.
+                let parts = match sh.id == meta.id {
+                    true => "-".to_string(),
+                    false => format!("{}@v{}", r.partitions, r.placement_version),
+                };
+                (node.to_string(), r.term.to_string(), parts, r.commit.to_string(), lag.join(" "))
             }
-            None => ("none".into(), "-".into(), "-".into(), String::new()),
+            None => ("none".into(), "-".into(), "-".into(), "-".into(), String::new()),
         };
+        let id = if sh.id == meta.id { "meta".to_string() } else { sh.id.to_string() };
         let _ = writeln!(
             out,
-            "{:<7}{:<32}{:<8}{:<7}{:<8}{:<24}{}",
-            sh.id,
+            "{:<7}{:<32}{:<8}{:<7}{:<12}{:<10}{:<10}{:<8}{:<24}{}",
+            id,
             replicas.join(","),
             leader,
             term,
+            parts,
+            items,
+            bytes,
             commit,
             applied.join(" "),
             lag

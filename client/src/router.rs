@@ -32,6 +32,7 @@ use crate::config::ClientConfig;
 use crate::error::{ClientError, ConnectReason};
 use crate::onesided::ReadCounters;
 use crate::read_path::ReadPath;
+use crate::route_view::RouteView;
 use crate::session::Session;
 use crate::value::Versioned;
 
@@ -180,9 +181,13 @@ impl Routes {
     }
 
     /// Takes what a node's map says of leaders (newer terms win); a map
-    /// with another placement replaces ours.
+    /// with a newer placement replaces ours, one with an older is ignored.
     pub fn merge(&mut self, theirs: &ClusterMap) {
-        if theirs.shards().len() != self.map.shards().len()
+        if theirs.version < self.map.version {
+            return;
+        }
+        if theirs.version > self.map.version
+            || theirs.shards().len() != self.map.shards().len()
             || theirs.shards().iter().zip(self.map.shards()).any(|(a, b)| a.replicas != b.replicas)
         {
             self.map = theirs.clone();
@@ -216,6 +221,8 @@ pub struct Router {
     next_seq: std::sync::atomic::AtomicU64,
     counters: std::sync::Arc<ReadCounters>,
     routes: std::sync::Mutex<Routes>,
+    /// The newest map, as shard paths check their batches against it.
+    view: std::sync::Arc<RouteView>,
     sessions: tokio::sync::Mutex<HashMap<NodeId, Session>>,
 }
 
@@ -316,6 +323,7 @@ impl Router {
             client_id: random_client_id(),
             next_seq: std::sync::atomic::AtomicU64::new(1),
             counters,
+            view: std::sync::Arc::new(RouteView::new(map.clone())),
             routes: std::sync::Mutex::new(Routes::new(map)),
             sessions: Default::default(),
         }
@@ -349,6 +357,7 @@ impl Router {
             Ok(s) => s?,
             Err(_) => return Err(ClientError::Connect { addr, reason: ConnectReason::TimedOut(connect) }),
         };
+        s.set_routes(std::sync::Arc::clone(&self.view));
         Ok(self.sessions.lock().await.entry(node).or_insert(s).clone())
     }
 
@@ -364,7 +373,9 @@ impl Router {
             match self.session(n, self.cfg.connect_timeout).await {
                 Ok(s) => match s.cluster_map().await {
                     Ok(m) => {
-                        self.routes.lock().expect("routes lock poisoned").merge(&m);
+                        let mut routes = self.routes.lock().expect("routes lock poisoned");
+                        routes.merge(&m);
+                        self.view.update(routes.map());
                         return Ok(());
                     }
                     Err(e) => last = Some(e),
@@ -373,6 +384,14 @@ impl Router {
             }
         }
         Err(last.unwrap_or(ClientError::ConnectionClosed))
+    }
+
+    /// Asks for the map again if a shard's lease block showed it stale
+    /// (rate-limited: `RouteView::refresh_due`).
+    async fn refresh_if_stale(&self) {
+        if self.view.refresh_due(std::time::Instant::now()) {
+            let _ = self.refresh().await;
+        }
     }
 
     /// Runs `op` against the node that should serve `key`, following
@@ -426,6 +445,19 @@ impl Router {
                             }
                             e
                         }
+                        // The key's partition moved: nothing changed. The
+                        // map is asked for again, and the next try goes
+                        // where it says.
+                        Err(e) if e.code() == Some(ErrorCode::WrongShard) => {
+                            let _ = self.refresh().await;
+                            match attempts.after_redirect(Instant::now()) {
+                                Next::Now => {}
+                                Next::After(p) => tokio::time::sleep(p).await,
+                                Next::GiveUp => return Err(report(&resend, e)),
+                            }
+                            last = Some(e);
+                            continue;
+                        }
                         Err(e) if e.code() == Some(ErrorCode::Busy) => e,
                         // The write may or may not have committed: sent
                         // again with its id, it applies at most once.
@@ -472,8 +504,13 @@ impl Router {
     }
 
     async fn get_via(&self, key: &[u8], one_sided: bool) -> Result<Option<Versioned>, ClientError> {
-        let shard = self.routes().map().shard_of(key).id;
-        self.run(key, RetryPolicy::Always, |s| async move { s.shard_get(shard, key, one_sided).await }).await
+        self.refresh_if_stale().await;
+        // The shard as the map says on each try (a partition may move).
+        self.run(key, RetryPolicy::Always, |s| async move {
+            let shard = self.routes().map().shard_of(key).id;
+            s.shard_get(shard, key, one_sided).await
+        })
+        .await
     }
 
     /// The id of a new write: the same on every try of it, so the shard
@@ -531,6 +568,7 @@ impl Router {
         keys: &[K],
         one_sided: bool,
     ) -> Result<Vec<Option<Bytes>>, ClientError> {
+        self.refresh_if_stale().await;
         let split = self.routes().map().split_by_shard(keys);
         let parts = split.into_iter().map(|(shard, idx)| async move {
             let first = keys[idx[0]].as_ref();

@@ -54,6 +54,9 @@ struct Inner {
     shard_paths: ShardPaths,
     /// The RDMA queue pairs those shard paths share.
     node_rdma: Arc<onesided::NodeRdma>,
+    /// The cluster router's map, which shard paths check batches against
+    /// (set once by the router that opened the session).
+    routes: std::sync::OnceLock<Arc<crate::route_view::RouteView>>,
 }
 
 /// Which of a session's regions a GET reads: the node's own (a single
@@ -275,6 +278,12 @@ impl Session {
         Ok(session)
     }
 
+    /// Gives a cluster session the router's map, for its shard paths to
+    /// check their batches against (once; a later call changes nothing).
+    pub(crate) fn set_routes(&self, routes: Arc<crate::route_view::RouteView>) {
+        let _ = self.inner.routes.set(routes);
+    }
+
     /// A session with no connection yet (the first request opens one).
     fn unconnected(addr: String, cfg: ClientConfig, counters: Arc<ReadCounters>) -> Result<Session, ClientError> {
         let pool = Arc::new(RpcPool::new(addr, cfg.clone())?);
@@ -293,6 +302,7 @@ impl Session {
             engine_repaths: Arc::default(),
             shard_paths: Default::default(),
             node_rdma: Arc::default(),
+            routes: std::sync::OnceLock::new(),
         };
         Ok(Session { inner: Arc::new(inner) })
     }
@@ -389,6 +399,7 @@ impl Session {
                 clock: None,
                 check_leases: cfg.check_leases,
                 node_rdma: Arc::default(),
+                routes: None,
             };
             tries += 1;
             match onesided::attach(&self.inner.pool, &info, opts).await {
@@ -1149,6 +1160,7 @@ impl Session {
             clock: Some(sample),
             check_leases: cfg.check_leases,
             node_rdma: Arc::clone(&self.inner.node_rdma),
+            routes: self.inner.routes.get().cloned(),
         };
         onesided::attach(self.pool(), &info, opts).await
     }

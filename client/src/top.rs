@@ -145,7 +145,7 @@ fn rate(v: f64) -> String {
 }
 
 /// A byte count in binary units.
-fn bytes(v: u64) -> String {
+pub fn bytes(v: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut x = v as f64;
     let mut u = 0;

@@ -45,7 +45,7 @@ use crate::limits::{
 /// "DMKVREG1" read as a little-endian u64.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"DMKVREG1");
 /// Version of this layout. A reader refuses any other.
-pub const LAYOUT_VERSION: u32 = 4;
+pub const LAYOUT_VERSION: u32 = 5;
 /// Bytes reserved for the header at the start of a region (one page, so the
 /// directory starts page-aligned).
 pub const HEADER_LEN: usize = 4096;
@@ -530,11 +530,11 @@ pub const CLOCK_OFFSET: u64 = LEASE_OFFSET + LEASE_LEN as u64;
 const _: () = assert!(CLOCK_OFFSET.is_multiple_of(8) && CLOCK_OFFSET as usize + 8 <= HEADER_LEN);
 
 /// Byte offset of the lease block in the header page (cluster shards):
-/// past the encoded header, on its own 40 bytes.
+/// past the encoded header, on its own 48 bytes.
 pub const LEASE_OFFSET: u64 = 128;
-/// Length of the lease block: term, start, expiry, applied index, check
-/// word.
-pub const LEASE_LEN: usize = 40;
+/// Length of the lease block: term, start, expiry, applied index,
+/// placement version, check word.
+pub const LEASE_LEN: usize = 48;
 const _: () = assert!(HEADER_ENCODED_LEN as u64 <= LEASE_OFFSET && LEASE_OFFSET as usize + LEASE_LEN <= HEADER_LEN);
 // The lease block and the clock word share one cache line: a reader's
 // last read of a batch costs one line, not two.
@@ -559,6 +559,10 @@ pub struct LeaseBlock {
     pub expiry_ns: u64,
     /// The index the leader had applied when it published this.
     pub applied: u64,
+    /// The map version at which the shard's set of partitions last changed,
+    /// as of `applied`: a reader that routed by an older map distrusts the
+    /// batch (docs/elasticity.md).
+    pub placement: u64,
 }
 
 impl LeaseBlock {
@@ -571,8 +575,9 @@ impl LeaseBlock {
         b[8..16].copy_from_slice(&self.start_ns.to_le_bytes());
         b[16..24].copy_from_slice(&self.expiry_ns.to_le_bytes());
         b[24..32].copy_from_slice(&self.applied.to_le_bytes());
-        let check = lease_check(&b[..32], hash_seed);
-        b[32..40].copy_from_slice(&check.to_le_bytes());
+        b[32..40].copy_from_slice(&self.placement.to_le_bytes());
+        let check = lease_check(&b[..40], hash_seed);
+        b[40..48].copy_from_slice(&check.to_le_bytes());
         b
     }
 
@@ -581,10 +586,16 @@ impl LeaseBlock {
     pub fn decode(b: &[u8], hash_seed: u64) -> Option<LeaseBlock> {
         let b: &[u8; LEASE_LEN] = b.get(..LEASE_LEN)?.try_into().ok()?;
         let word = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
-        if word(32) != lease_check(&b[..32], hash_seed) || word(0) == 0 {
+        if word(40) != lease_check(&b[..40], hash_seed) || word(0) == 0 {
             return None;
         }
-        Some(LeaseBlock { term: word(0), start_ns: word(8), expiry_ns: word(16), applied: word(24) })
+        Some(LeaseBlock {
+            term: word(0),
+            start_ns: word(8),
+            expiry_ns: word(16),
+            applied: word(24),
+            placement: word(32),
+        })
     }
 }
 
@@ -610,14 +621,14 @@ mod tests {
 
     #[test]
     fn lease_blocks_round_trip_and_torn_ones_never_decode() {
-        let l = LeaseBlock { term: 7, start_ns: 1_000_000_000, expiry_ns: 1_120_000_000, applied: 42 };
+        let l = LeaseBlock { term: 7, start_ns: 1_000_000_000, expiry_ns: 1_120_000_000, applied: 42, placement: 3 };
         let b = l.encode(99);
         assert_eq!(LeaseBlock::decode(&b, 99), Some(l));
         assert_eq!(LeaseBlock::decode(&b, 98), None, "another region's block");
         assert_eq!(LeaseBlock::decode(&[0u8; LEASE_LEN], 99), None, "no lease");
         assert_eq!(LeaseBlock::decode(&b[..LEASE_LEN - 1], 99), None, "short read");
         // Any one torn byte (from a later write with a longer lease).
-        let later = LeaseBlock { expiry_ns: l.expiry_ns + 60_000_000, applied: 43, ..l }.encode(99);
+        let later = LeaseBlock { expiry_ns: l.expiry_ns + 60_000_000, applied: 43, placement: 4, ..l }.encode(99);
         for i in 0..LEASE_LEN {
             let mut mixed = b;
             mixed[i] = later[i];
@@ -626,9 +637,9 @@ mod tests {
             }
         }
         // Any mix of whole words of the two.
-        for mask in 1u32..31 {
+        for mask in 1u32..63 {
             let mut mixed = b;
-            for w in 0..5 {
+            for w in 0..6 {
                 if mask & (1 << w) != 0 {
                     mixed[w * 8..w * 8 + 8].copy_from_slice(&later[w * 8..w * 8 + 8]);
                 }

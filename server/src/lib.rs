@@ -118,6 +118,8 @@ impl Server {
                 let node = cluster::node::ClusterNode::start(setup, params, stop.1.clone())
                     .map_err(|e| invalid(format!("cluster node {}: {e}", setup.node_id)))?;
                 let node = Arc::new(node);
+                // The placement as the metadata group has it.
+                cluster::meta::spawn_map_refresh(&node, stop.1.clone());
                 if cfg.evict == config::Evict::Lru {
                     // Leaders choose, the log removes (docs/eviction.md).
                     cluster::node::start_eviction(&node, stop.1.clone());

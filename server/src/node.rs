@@ -353,6 +353,12 @@ impl Node {
         Ok(self.cluster_only()?.map_reply())
     }
 
+    /// The map as the metadata group holds it (this node must lead it).
+    pub async fn meta_map(&self) -> Result<proto::ClusterMapReply, NodeError> {
+        let (map, _) = self.cluster_only()?.meta_map().await?;
+        Ok(map.to_proto())
+    }
+
     pub async fn join_shard(&self, shard: ShardId, replica_id: u64) -> Result<JoinStep, NodeError> {
         Ok(self.cluster_only()?.join_shard(shard, replica_id).await?)
     }

@@ -417,7 +417,8 @@ fn needed_role(op: &Op) -> Role {
 /// else. Checked before roles: no role's secret makes raft traffic right.
 fn misplaced(shared: &Shared, conn: &ConnState, op: &Op) -> Option<String> {
     let cluster_traffic =
-        matches!(op, Op::Raft(_) | Op::GetMap(_) | Op::JoinShard(_) | Op::SnapshotChunk(_)) || forwarded(op);
+        matches!(op, Op::Raft(_) | Op::GetMap(_) | Op::MetaMap(_) | Op::JoinShard(_) | Op::SnapshotChunk(_))
+            || forwarded(op);
     if !conn.peer_port {
         return matches!(op, Op::Raft(_) | Op::JoinShard(_) | Op::SnapshotChunk(_) | Op::FlushAll(_)).then(|| {
             "raft traffic and joins are taken on a cluster node's peer port only (the cluster file's `peer` \
@@ -698,6 +699,7 @@ pub(crate) async fn node_op(shared: &Shared, op: Op) -> Result<R, proto::Error> 
         Op::RegionInfo(_) => Ok(R::RegionInfo(Box::new(region_info(shared)))),
         Op::Reregister(_) => node.reregister().map(|_| R::Reregister(Box::new(region_info(shared)))),
         Op::GetMap(_) => node.map_reply().map(|m| R::Map(Box::new(m))),
+        Op::MetaMap(_) => node.meta_map().await.map(|m| R::Map(Box::new(m))),
         Op::JoinShard(j) => node.join_shard(j.shard, j.replica_id).await.map(|step| {
             R::JoinShard(proto::JoinShardReply { done: step == JoinStep::Done, step: format!("{step:?}") })
         }),
@@ -754,6 +756,14 @@ fn cluster_refusal(e: ClusterError) -> proto::Error {
                 None => "this node does not lead the key's shard; no leader is known yet".into(),
             },
             leader: leader.unwrap_or(0),
+            map_version,
+        },
+        ClusterError::WrongShard { map_version } => proto::Error {
+            code: ErrorCode::WrongShard as i32,
+            message: format!(
+                "the key's partition has moved off the shard map version {map_version} names: ask for the map again"
+            ),
+            leader: 0,
             map_version,
         },
         ClusterError::Busy => plain(ErrorCode::Busy, "too many requests wait for this shard; retry".into()),

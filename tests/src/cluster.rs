@@ -13,6 +13,8 @@ use std::net::{Ipv4Addr, TcpListener};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
 
+use dmkv_common::cluster::map::{META_REPLICAS, META_SHARD};
+
 use crate::ServerProcess;
 
 /// A running test cluster; its nodes stop when it is dropped.
@@ -150,9 +152,10 @@ impl TestCluster {
         Ok(c)
     }
 
-    /// Waits (up to 20 s) until every shard has a leader whose members are
-    /// `replicas` voters on distinct nodes and no learner: nodes that
-    /// start apart can have one join as a new member first.
+    /// Waits (up to 20 s) until every shard, and the metadata group, has a
+    /// leader whose members are `replicas` voters on distinct nodes (the
+    /// metadata group: the first three) and no learner: nodes that start
+    /// apart can have one join as a new member first.
     fn wait_settled(&self, shards: u32, replicas: usize) -> Result<(), String> {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -166,13 +169,19 @@ impl TestCluster {
                     let Ok(c) = dmkv_client::Client::connect(self.rpc(i)).await else { continue };
                     let Ok(s) = c.cluster_status().await else { continue };
                     for r in s.local.iter().filter(|r| r.role == "leader") {
+                        // The metadata group has its own size: the first
+                        // three nodes.
+                        let want = match r.shard {
+                            META_SHARD => self.rpc.len().min(META_REPLICAS),
+                            _ => replicas,
+                        };
                         let nodes: std::collections::BTreeSet<u64> = r.voters.iter().map(|v| v >> 32).collect();
-                        if r.learners.is_empty() && r.voters.len() == replicas && nodes.len() == replicas {
+                        if r.learners.is_empty() && r.voters.len() == want && nodes.len() == want {
                             ok.insert(r.shard);
                         }
                     }
                 }
-                ok.len() == shards as usize
+                ok.len() == shards as usize + 1
             });
             if settled {
                 return Ok(());

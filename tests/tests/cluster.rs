@@ -82,8 +82,65 @@ fn a_three_node_cluster_serves_every_shard() {
     println!("{text}");
     assert_eq!(text.lines().filter(|l| l.ends_with(" up")).count(), 3, "{text}");
     let shard_lines: Vec<&str> = text.lines().skip_while(|l| !l.starts_with("SHARD")).skip(1).collect();
-    assert_eq!(shard_lines.len(), 6, "{text}");
+    // The metadata group's row, then the data shards'.
+    assert_eq!(shard_lines.len(), 7, "{text}");
+    assert!(shard_lines[0].starts_with("meta "), "{text}");
     assert!(shard_lines.iter().all(|l| !l.contains(" none ")), "a shard without a leader: {text}");
+}
+
+/// The node leading the metadata group (index) and its term, asking every
+/// node but `skip`.
+fn meta_leader(rt: &tokio::runtime::Runtime, c: &TestCluster, skip: Option<usize>) -> Option<(usize, u64)> {
+    rt.block_on(async {
+        for i in (0..c.len()).filter(|&i| Some(i) != skip) {
+            let Ok(client) = Client::connect(c.rpc(i)).await else { continue };
+            let Ok(s) = client.cluster_status().await else { continue };
+            let meta = s.local.iter().find(|r| r.shard == dmkv_common::cluster::map::META_SHARD);
+            if let Some(r) = meta.filter(|r| r.role == "leader") {
+                return Some((i, r.term));
+            }
+        }
+        None
+    })
+}
+
+/// The metadata group (the map's raft group, on the first three nodes)
+/// elects a leader, elects another when that one is killed, takes the
+/// killed node back as a member from its log, and every node keeps the
+/// map's version meanwhile.
+#[test]
+fn the_metadata_group_keeps_a_leader_through_a_kill() {
+    let mut c = TestCluster::start(3, 3, 3, true, &[]);
+    let rt = rt();
+    let mut first = None;
+    assert!(wait_until(Duration::from_secs(10), || {
+        first = meta_leader(&rt, &c, None);
+        first.is_some()
+    }));
+    let (victim, term) = first.expect("a leader");
+    c.kill(victim);
+    let mut next = None;
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            next = meta_leader(&rt, &c, Some(victim)).filter(|&(_, t)| t > term);
+            next.is_some()
+        }),
+        "no new leader of the metadata group after node {} was killed",
+        victim + 1
+    );
+    c.restart(victim);
+    // Back as a member: a follower of the group that applies its entries.
+    assert!(wait_until(Duration::from_secs(10), || {
+        rt.block_on(async {
+            let Ok(client) = Client::connect(c.rpc(victim)).await else { return false };
+            let Ok(s) = client.cluster_status().await else { return false };
+            s.local.iter().any(|r| r.shard == dmkv_common::cluster::map::META_SHARD && r.applied > 0 && r.term > term)
+        })
+    }));
+    for i in 0..3 {
+        let map = rt.block_on(async { Client::connect(c.rpc(i)).await.expect("connect").cluster_map().await });
+        assert_eq!(map.expect("map").version, 1, "node {}'s map", i + 1);
+    }
 }
 
 #[test]
@@ -297,15 +354,20 @@ fn a_node_far_behind_catches_up_by_snapshot_and_restarts_from_it() {
 
 /// Whether every shard's leader lists, as its members, node `node`'s replica
 /// with an incarnation other than 1 and no other replica of that node, and
-/// every node holds the same items.
-async fn rejoined(c: &TestCluster, node: u64) -> Result<(), String> {
+/// every node holds the same items; the metadata group's leader too if
+/// `meta` (the node's whole log went, not only its data shards').
+async fn rejoined(c: &TestCluster, node: u64, meta: bool) -> Result<(), String> {
     let mut leaders = 0;
     let mut items = Vec::new();
     for i in 0..3 {
         let client = Client::connect(c.rpc(i)).await.map_err(|e| e.to_string())?;
         let s = client.cluster_status().await.map_err(|e| e.to_string())?;
         for r in s.local.iter().filter(|r| r.role == "leader") {
-            leaders += 1;
+            let is_meta = r.shard == dmkv_common::cluster::map::META_SHARD;
+            if is_meta && !meta {
+                continue;
+            }
+            leaders += u32::from(!is_meta);
             let mine: Vec<u64> = r.voters.iter().chain(&r.learners).copied().filter(|&v| v >> 32 == node).collect();
             if mine.len() != 1 || mine[0] & 0xffff_ffff == 1 || !r.voters.contains(&mine[0]) {
                 return Err(format!("shard {}: node {node}'s members are {mine:?}", r.shard));
@@ -319,10 +381,10 @@ async fn rejoined(c: &TestCluster, node: u64) -> Result<(), String> {
     Ok(())
 }
 
-async fn wait_rejoined(c: &TestCluster, node: u64) {
+async fn wait_rejoined(c: &TestCluster, node: u64, meta: bool) {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        match rejoined(c, node).await {
+        match rejoined(c, node, meta).await {
             Ok(()) => return,
             Err(e) => assert!(Instant::now() < deadline, "node {node} did not rejoin: {e}"),
         }
@@ -342,7 +404,7 @@ fn a_node_that_may_have_lost_unsynced_entries_rejoins_as_a_new_replica() {
     let rebooted = ["env", "DMKV_TEST_BOOT_ID=after-a-power-cut"];
     c.kill(2);
     c.restart_with(2, &rebooted);
-    rt.block_on(wait_rejoined(&c, 3));
+    rt.block_on(wait_rejoined(&c, 3, true));
     let ids = |c: &TestCluster| {
         rt.block_on(async {
             let client = Client::connect(c.rpc(2)).await.expect("connect");
@@ -377,7 +439,7 @@ fn an_in_memory_node_restarted_rejoins_as_a_new_replica_and_catches_up() {
     // vote or acknowledge as the replica it was.
     c.kill(2);
     c.restart(2);
-    rt.block_on(wait_rejoined(&c, 3));
+    rt.block_on(wait_rejoined(&c, 3, true));
     // Without node 1 every shard needs node 3's new replicas for a quorum.
     c.kill(0);
     rt.block_on(async {
@@ -405,7 +467,7 @@ fn replace_replica_swaps_in_a_new_replica_that_catches_up_and_survives_a_restart
         assert!(out.status.success(), "replace-replica failed: {}", String::from_utf8_lossy(&out.stderr));
         println!("{text}");
     }
-    rt.block_on(wait_rejoined(&c, 2));
+    rt.block_on(wait_rejoined(&c, 2, false));
     // The new replicas' ids are on disk: after a restart node 2 is still
     // their member, and with node 1 down they carry the quorum.
     c.kill(1);

@@ -56,6 +56,9 @@ pub struct AttachOptions {
     /// Check leases of cluster regions. Only tests that show the check
     /// matters turn it off.
     pub check_leases: bool,
+    /// The router's map, which a shard region's batches are checked
+    /// against (docs/elasticity.md).
+    pub routes: Option<std::sync::Arc<crate::route_view::RouteView>>,
     /// The session's RDMA lanes to the node, which its shard regions
     /// share (a single node's path has lanes of its own).
     pub node_rdma: std::sync::Arc<NodeRdma>,
@@ -94,6 +97,7 @@ pub async fn attach(
         clock,
         check_leases,
         node_rdma,
+        routes,
     } = opts;
     let desc = match shard {
         None => info.regions.first().ok_or_else(|| BackendError::Attach("server has no region".into()))?,
@@ -176,6 +180,7 @@ pub async fn attach(
                     clock,
                     enforce_grace,
                     batch_keys: AtomicUsize::new(MAX_BATCH_KEYS),
+                    route: shard.filter(|_| lease.is_some()).map(|s| (s, routes.clone())),
                     lease,
                     accesses: AccessLog::new(desc.evicts),
                     region_id: desc.region_id,

@@ -137,7 +137,7 @@ impl OneSided {
         let mut look = self.lookup_hinted(kh, segment, hint);
         // The attempt's start is read before its first read of the data:
         // the lease check counts from it.
-        let mut lease_start = AttemptStart::at(look.started());
+        let mut lease_start = AttemptStart::at(look.started(), self.routed_by(std::iter::once(key)));
         s.specs.clear();
         look.first_reads(&mut s.specs);
         let clock = self.read_batch(shm, s, &mut lease_start)?;

@@ -80,6 +80,11 @@ pub struct OneSided {
     /// the leader's clock as this bounds it (`lease`). `None`: a single
     /// node's region, no lease.
     pub(super) lease: Option<LeaseClock>,
+    /// A cluster shard's region read under its lease: the shard, and the
+    /// map its batches are checked against (a batch of keys the map gives
+    /// another shard, or one older than the shard's partitions, is not
+    /// believed; with no map, none is).
+    pub(super) route: Option<(u32, Option<std::sync::Arc<crate::route_view::RouteView>>)>,
     /// Reads to report to a server that evicts.
     pub(crate) accesses: AccessLog,
     /// Which region, for access reports.
@@ -303,7 +308,8 @@ impl OneSided {
         results: &mut [Option<OneSidedGet>],
     ) -> Result<(Vec<usize>, u32), BackendError> {
         let mut retry = Vec::new();
-        let mut lease_start = AttemptStart::at(self.attempt_start());
+        let mut lease_start =
+            AttemptStart::at(self.attempt_start(), self.routed_by(todo.iter().map(|&i| keys[i].as_ref())));
         // A key's first GET, or its first after a split, reads its
         // directory entry first: one more round trip.
         let hashes: Vec<KeyHash> = todo.iter().map(|&i| key_hash(keys[i].as_ref(), self.header.hash_seed)).collect();
@@ -411,6 +417,16 @@ impl OneSided {
         Tail { at: specs.len() - 1, leased }
     }
 
+    /// The map version an attempt of `keys` is checked against (see
+    /// `route`); no bound in a single node's region.
+    pub(super) fn routed_by<'a>(&self, keys: impl Iterator<Item = &'a [u8]>) -> u64 {
+        match &self.route {
+            Some((shard, Some(view))) => view.routed_by(*shard, keys),
+            Some((_, None)) => 0,
+            None => u64::MAX,
+        }
+    }
+
     /// Whether a batch's reads may be believed: in a cluster region, only
     /// if the attempt so far (from `start` to the end of this batch) lay
     /// inside one run of the lease whose block the batch read last
@@ -422,7 +438,12 @@ impl OneSided {
         let ended = self.judge_time();
         match lease::check(clock, self.header.hash_seed, tail.lease(reads), reads.stamps, start, ended) {
             Ok(()) => Ok(()),
-            Err(_) => {
+            Err(why) => {
+                if let (dmkv_common::cluster::lease::Distrust::StaleMap, Some((_, Some(view)))) = (why, &self.route) {
+                    // The router asks for the map again (the read goes
+                    // over RPC, which may well succeed and say nothing).
+                    view.mark_stale();
+                }
                 self.counters.unleased.fetch_add(1, Ordering::Relaxed);
                 Err(BackendError::Unleased)
             }

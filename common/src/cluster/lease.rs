@@ -164,11 +164,16 @@ pub enum Distrust {
     NotYet,
     /// The lease may have ended before the batch's last read did.
     Expired,
+    /// The shard's partitions changed at a later map version than the one
+    /// the reader routed by: the key may have left the shard (ask for the
+    /// map again and re-route; docs/elasticity.md).
+    StaleMap,
 }
 
-/// Whether a batch of reads lying in `span` may be believed, given the
-/// lease block read after every other read of the batch (`None`: none
-/// that decodes).
+/// Whether a batch of reads lying in `span`, of a key routed to this
+/// shard by a map of version `routed_by`, may be believed, given the lease
+/// block read after every other read of the batch (`None`: none that
+/// decodes).
 ///
 /// Why that suffices: the block names a run of one lease, of one leader
 /// in one term. While the run lasts no other replica can be elected
@@ -179,8 +184,18 @@ pub enum Distrust {
 /// whose run began before the data's first read and ends after the last,
 /// shows that every data read saw the region of the only leader, holding
 /// every write acknowledged so far.
-pub fn judge(block: Option<LeaseBlock>, span: Span) -> Result<(), Distrust> {
+///
+/// And the key is the shard's: a map version that changes a shard's
+/// partitions is published only once the shard's leader has applied the
+/// change (and published it in the block), so a block whose placement
+/// version is at most `routed_by` shows the shard owned exactly what that
+/// map gives it, the key's partition among them, when the block was read,
+/// and (the set unchanged since) throughout the batch.
+pub fn judge(block: Option<LeaseBlock>, span: Span, routed_by: u64) -> Result<(), Distrust> {
     let b = block.ok_or(Distrust::NoLease)?;
+    if b.placement > routed_by {
+        return Err(Distrust::StaleMap);
+    }
     if span.start < b.start_ns.saturating_add(START_GUARD_NS) {
         return Err(Distrust::NotYet);
     }
@@ -336,8 +351,9 @@ mod tests {
 
     #[test]
     fn a_batch_is_believed_only_inside_one_run_of_a_lease() {
-        let b = LeaseBlock { term: 7, start_ns: 1_000 * MS, expiry_ns: 1_120 * MS, applied: 9 };
+        let b = LeaseBlock { term: 7, start_ns: 1_000 * MS, expiry_ns: 1_120 * MS, applied: 9, placement: 4 };
         let span = |start, end| Span { start, end };
+        let judge = |b, s| judge(b, s, 4);
         assert_eq!(judge(Some(b), span(1_010 * MS, 1_100 * MS)), Ok(()));
         assert_eq!(judge(None, span(1_010 * MS, 1_100 * MS)), Err(Distrust::NoLease));
         // Data read before the run began (the store may have lacked an
@@ -347,6 +363,21 @@ mod tests {
         assert_eq!(judge(Some(b), span(b.start_ns + START_GUARD_NS, 1_100 * MS)), Ok(()));
         assert_eq!(judge(Some(b), span(1_010 * MS, b.expiry_ns)), Err(Distrust::Expired));
         assert_eq!(judge(Some(b), span(1_010 * MS, u64::MAX)), Err(Distrust::Expired));
+    }
+
+    /// A reader that routed the key by a map older than the shard's last
+    /// change of partitions does not believe the batch, however well the
+    /// lease holds; one that routed by that map or a newer one does.
+    #[test]
+    fn a_batch_routed_by_an_older_map_than_the_placement_is_not_believed() {
+        let b = LeaseBlock { term: 7, start_ns: 1_000 * MS, expiry_ns: 1_120 * MS, applied: 9, placement: 4 };
+        let span = Span { start: 1_010 * MS, end: 1_100 * MS };
+        assert_eq!(judge(Some(b), span, 3), Err(Distrust::StaleMap));
+        assert_eq!(judge(Some(b), span, 0), Err(Distrust::StaleMap));
+        assert_eq!(judge(Some(b), span, 4), Ok(()));
+        assert_eq!(judge(Some(b), span, 9), Ok(()));
+        // The lease is judged either way.
+        assert_eq!(judge(None, span, 9), Err(Distrust::NoLease));
     }
 
     #[test]

@@ -125,18 +125,20 @@ impl SampledClock {
 
 /// Where an attempt's reads began: the reader's clock before the first
 /// (early, never late), and the first batch's stamp where batches carry
-/// them.
+/// them; and the version of the map its keys were routed by.
 #[derive(Debug, Clone, Copy)]
 pub struct AttemptStart {
     local: u64,
     stamped: Option<u64>,
+    routed_by: u64,
 }
 
 impl AttemptStart {
     /// An attempt whose first read comes after the reader's clock read
-    /// `local`.
-    pub fn at(local: u64) -> AttemptStart {
-        AttemptStart { local, stamped: None }
+    /// `local`, of keys routed to the shard by a map of version
+    /// `routed_by` (any lower version is safe too, only more cautious).
+    pub fn at(local: u64, routed_by: u64) -> AttemptStart {
+        AttemptStart { local, stamped: None, routed_by }
     }
 }
 
@@ -159,7 +161,7 @@ pub fn check(
         }
         LeaseClock::Sampled(c) => c.span(start.local, local_end).ok_or(Distrust::NoLease)?,
     };
-    judge(block.and_then(|b| LeaseBlock::decode(b, hash_seed)), span)
+    judge(block.and_then(|b| LeaseBlock::decode(b, hash_seed)), span, start.routed_by)
 }
 
 #[cfg(test)]
@@ -169,7 +171,7 @@ mod tests {
     const MS: u64 = 1_000_000;
 
     fn block(start: u64, end: u64) -> Vec<u8> {
-        LeaseBlock { term: 3, start_ns: start, expiry_ns: end, applied: 1 }.encode(5).to_vec()
+        LeaseBlock { term: 3, start_ns: start, expiry_ns: end, applied: 1, placement: 1 }.encode(5).to_vec()
     }
 
     #[test]
@@ -188,19 +190,19 @@ mod tests {
         let c = LeaseClock::Stamped;
         // The first batch began after the run did; the second is judged
         // from the first batch's start, however late it came itself.
-        let mut start = AttemptStart::at(0);
+        let mut start = AttemptStart::at(0, 1);
         assert_eq!(check(&c, 5, Some(&b), Some((110 * MS, 111 * MS)), &mut start, 0), Ok(()));
         assert_eq!(check(&c, 5, Some(&b), Some((200 * MS, 201 * MS)), &mut start, 0), Ok(()));
-        let mut early = AttemptStart::at(0);
+        let mut early = AttemptStart::at(0, 1);
         assert_eq!(check(&c, 5, Some(&b), Some((90 * MS, 120 * MS)), &mut early, 0), Err(Distrust::NotYet));
         assert_eq!(check(&c, 5, Some(&b), Some((200 * MS, 201 * MS)), &mut early, 0), Err(Distrust::NotYet));
-        assert_eq!(check(&c, 5, Some(&b), None, &mut AttemptStart::at(0), 0), Err(Distrust::NoLease));
+        assert_eq!(check(&c, 5, Some(&b), None, &mut AttemptStart::at(0, 1), 0), Err(Distrust::NoLease));
         // The shared clock is the reader's own.
-        assert_eq!(check(&LeaseClock::Shared, 5, Some(&b), None, &mut AttemptStart::at(150 * MS), 160 * MS), Ok(()));
-        let late = check(&LeaseClock::Shared, 5, Some(&b), None, &mut AttemptStart::at(150 * MS), 300 * MS);
+        assert_eq!(check(&LeaseClock::Shared, 5, Some(&b), None, &mut AttemptStart::at(150 * MS, 1), 160 * MS), Ok(()));
+        let late = check(&LeaseClock::Shared, 5, Some(&b), None, &mut AttemptStart::at(150 * MS, 1), 300 * MS);
         assert_eq!(late, Err(Distrust::Expired));
         assert_eq!(
-            check(&LeaseClock::Shared, 6, Some(&b), None, &mut AttemptStart::at(150 * MS), 160 * MS),
+            check(&LeaseClock::Shared, 6, Some(&b), None, &mut AttemptStart::at(150 * MS, 1), 160 * MS),
             Err(Distrust::NoLease),
             "another region's seed"
         );
@@ -214,7 +216,7 @@ mod tests {
         let c = SampledClock::new(sample(10 * MS, off)).unwrap();
         let clock = LeaseClock::Sampled(Arc::clone(&c));
         let b = block(off, off + 500 * MS);
-        let at = |s: u64, e: u64| check(&clock, 5, Some(&b), None, &mut AttemptStart::at(s), e);
+        let at = |s: u64, e: u64| check(&clock, 5, Some(&b), None, &mut AttemptStart::at(s, 1), e);
         assert_eq!(at(100 * MS, 110 * MS), Ok(()));
         assert_eq!(at(5 * MS, 110 * MS), Err(Distrust::NoLease), "began before the sample");
         // A resync in the middle of an attempt: the sample before bounds
@@ -222,7 +224,7 @@ mod tests {
         assert!(c.resample(sample(500 * MS, off)));
         let long = block(off, off + 3_000 * MS);
         assert_eq!(
-            check(&clock, 5, Some(&long), None, &mut AttemptStart::at(450 * MS), 510 * MS),
+            check(&clock, 5, Some(&long), None, &mut AttemptStart::at(450 * MS, 1), 510 * MS),
             Ok(()),
             "began before the new sample, ended after"
         );
@@ -232,7 +234,14 @@ mod tests {
         assert_eq!(at(1_100 * MS, 1_110 * MS), Err(Distrust::NoLease), "refused after a jump");
         assert!(c.resample(sample(2_010 * MS, off - 50 * MS)), "the next agrees");
         assert_eq!(
-            check(&clock, 5, Some(&block(off, off + 3_000 * MS)), None, &mut AttemptStart::at(2_100 * MS), 2_110 * MS),
+            check(
+                &clock,
+                5,
+                Some(&block(off, off + 3_000 * MS)),
+                None,
+                &mut AttemptStart::at(2_100 * MS, 1),
+                2_110 * MS
+            ),
             Ok(())
         );
     }

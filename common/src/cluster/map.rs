@@ -2,8 +2,12 @@
 //!
 //! The key space is cut into [`PARTITIONS`] fixed hash partitions (as
 //! Aerospike does), each assigned to a shard; a shard is a raft group of
-//! replicas on distinct nodes. The map is versioned: every change bumps the
-//! version, and a client that is told of a newer one refreshes.
+//! replicas on distinct nodes. The map is versioned: every change of
+//! placement (partitions, shards, replicas, nodes) bumps the version, and
+//! a client that is told of a newer one refreshes. Leaders are not part of
+//! the version: they change with every election, and are ordered by their
+//! terms instead. A shard checks what it owns itself; the map only routes
+//! (docs/elasticity.md).
 
 use std::collections::BTreeMap;
 
@@ -25,6 +29,22 @@ pub const MAX_SHARDS: u32 = PARTITIONS;
 pub type NodeId = u64;
 /// A shard's id.
 pub type ShardId = u32;
+
+/// The raft group that keeps the map (the metadata group): a shard to
+/// raft and its log, never dealt a partition.
+pub const META_SHARD: ShardId = u32::MAX;
+/// Replicas of the metadata group (fewer in a smaller cluster).
+pub const META_REPLICAS: usize = 3;
+
+/// The nodes the metadata group lives on: the first [`META_REPLICAS`] by
+/// id.
+pub fn meta_nodes(nodes: impl IntoIterator<Item = NodeId>) -> Vec<NodeId> {
+    let mut ids: Vec<NodeId> = nodes.into_iter().collect();
+    ids.sort_unstable();
+    ids.dedup();
+    ids.truncate(META_REPLICAS);
+    ids
+}
 
 /// The raft id of incarnation `incarnation` of `node`'s replica of a shard:
 /// a replica that lost its state comes back under a new incarnation, as a
@@ -79,6 +99,7 @@ pub struct ShardInfo {
 /// The versioned cluster map.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClusterMap {
+    /// The placement's version (leaders aside).
     pub version: u64,
     /// Shard of each partition.
     partitions: Vec<ShardId>,
@@ -159,6 +180,29 @@ impl ClusterMap {
         &self.shards[self.partitions[partition_of(key) as usize] as usize]
     }
 
+    /// The shard partition `p` is dealt to.
+    pub fn shard_of_partition(&self, p: u32) -> Option<ShardId> {
+        self.partitions.get(p as usize).copied()
+    }
+
+    /// Deals partition `p` to shard `to`, as a new version of the map.
+    pub fn move_partition(&mut self, p: u32, to: ShardId) -> Result<(), MapError> {
+        if p >= PARTITIONS {
+            return Err(MapError::PartitionCount(p as usize));
+        }
+        if to as usize >= self.shards.len() {
+            return Err(MapError::UnknownShard { partition: p, shard: to });
+        }
+        self.partitions[p as usize] = to;
+        self.version += 1;
+        Ok(())
+    }
+
+    /// The partitions `shard` holds, in order.
+    pub fn partitions_of(&self, shard: ShardId) -> impl Iterator<Item = u32> + '_ {
+        (0..PARTITIONS).filter(move |&p| self.partitions[p as usize] == shard)
+    }
+
     /// Every shard.
     pub fn shards(&self) -> &[ShardInfo] {
         &self.shards
@@ -166,7 +210,7 @@ impl ClusterMap {
 
     /// Records that `node` leads `shard` in `term`, if that is news (a
     /// higher term, or the same term's first report); returns whether the
-    /// map changed (and its version went up).
+    /// map changed (its version stays: leaders are ordered by terms).
     pub fn set_leader(&mut self, shard: ShardId, node: NodeId, term: u64) -> Result<bool, MapError> {
         let sh = self.shards.get_mut(shard as usize).ok_or(MapError::Shards(shard))?;
         if !sh.replicas.contains(&node) {
@@ -176,7 +220,6 @@ impl ClusterMap {
         if news {
             sh.leader = Some(node);
             sh.term = term;
-            self.version += 1;
         }
         Ok(news)
     }
@@ -188,7 +231,6 @@ impl ClusterMap {
         match self.shards.get_mut(shard as usize) {
             Some(sh) if sh.leader == Some(node) => {
                 sh.leader = None;
-                self.version += 1;
                 true
             }
             _ => false,
@@ -282,6 +324,20 @@ mod tests {
     }
 
     #[test]
+    fn the_metadata_group_lives_on_the_first_three_nodes() {
+        assert_eq!(meta_nodes([5, 2, 9, 1, 7]), vec![1, 2, 5]);
+        assert_eq!(meta_nodes([4, 4]), vec![4]);
+        let mut m = ClusterMap::initial(nodes(3), 4, 3).unwrap();
+        let v = m.version;
+        let p = m.partitions_of(1).next().unwrap();
+        m.move_partition(p, 3).unwrap();
+        assert_eq!((m.shard_of_partition(p), m.version), (Some(3), v + 1));
+        assert_eq!(m.move_partition(p, 4), Err(MapError::UnknownShard { partition: p, shard: 4 }));
+        assert!(m.move_partition(PARTITIONS, 0).is_err());
+        assert_eq!(m.version, v + 1);
+    }
+
+    #[test]
     fn bad_parameters_and_bad_maps_are_refused() {
         assert_eq!(ClusterMap::initial(BTreeMap::new(), 1, 1), Err(MapError::NoNodes));
         assert_eq!(ClusterMap::initial(nodes(2), 0, 1), Err(MapError::Shards(0)));
@@ -302,17 +358,17 @@ mod tests {
     }
 
     #[test]
-    fn leaders_change_only_forward_and_bump_the_version() {
+    fn leaders_change_only_forward_and_leave_the_version() {
         let mut m = ClusterMap::initial(nodes(3), 2, 3).unwrap();
         let v = m.version;
         assert_eq!(m.set_leader(0, 2, 5), Ok(true));
-        assert_eq!(m.version, v + 1);
         assert_eq!(m.set_leader(0, 1, 4), Ok(false), "an older term is old news");
         assert_eq!(m.set_leader(0, 3, 5), Ok(false), "one leader per term");
         assert_eq!(m.set_leader(0, 3, 6), Ok(true));
         assert_eq!(m.shards()[0].leader, Some(3));
         assert_eq!(m.set_leader(0, 9, 7), Err(MapError::Leader { shard: 0, node: 9 }));
-        assert_eq!(m.version, v + 2);
+        assert!(m.forget_leader(0, 3));
+        assert_eq!(m.version, v, "the placement did not change");
     }
 
     #[test]
@@ -339,6 +395,8 @@ mod tests {
         assert_eq!(all, (0..100).collect::<Vec<_>>());
         for (s, idx) in &split {
             assert!(idx.iter().all(|&i| m.shard_of(keys[i].as_bytes()).id == *s));
+            assert!(idx.iter().all(|&i| m.partitions_of(*s).any(|p| p == partition_of(keys[i].as_bytes()))));
         }
+        assert_eq!((0..4).map(|s| m.partitions_of(s).count()).sum::<usize>(), PARTITIONS as usize);
     }
 }

@@ -7,6 +7,7 @@ use dmkv_common::proto::{self, raft_command::Op};
 use prost::Message;
 use thiserror::Error;
 
+use super::placement::Placement;
 use crate::kv::{self, Item};
 use crate::store::Store;
 
@@ -45,6 +46,15 @@ pub enum Applied {
     /// A flush: how many items went.
     Flushed {
         items: u64,
+    },
+    /// A write to a key whose partition the shard does not own: nothing
+    /// changed, on any replica (not remembered: the write belongs to
+    /// another shard, which may take it).
+    WrongShard,
+    /// A placement change: whether it changed what the shard owns (one
+    /// older than the shard's placement changes nothing).
+    Placement {
+        changed: bool,
     },
 }
 
@@ -169,15 +179,21 @@ pub fn encode_touch(mut t: proto::Touch, now_ms: u64) -> Vec<u8> {
     command(Op::Touch(t), now_ms)
 }
 
-/// The log entry data of a flush of the whole shard.
 /// The removal of items the leader chose to evict: `(key, version)`.
 pub fn encode_evict(items: Vec<(Vec<u8>, u64)>, now_ms: u64) -> Vec<u8> {
     let items = items.into_iter().map(|(key, version)| proto::EvictItem { key: key.into(), version }).collect();
     command(Op::Evict(proto::Evict { items }), now_ms)
 }
 
+/// The log entry data of a flush of the whole shard.
 pub fn encode_flush_all(now_ms: u64) -> Vec<u8> {
     command(Op::FlushAll(proto::FlushAll {}), now_ms)
+}
+
+/// The log entry data of a change of the partitions the shard owns, for
+/// map version `version`.
+pub fn encode_placement(version: u64, own: Vec<u32>, release: Vec<u32>, now_ms: u64) -> Vec<u8> {
+    command(Op::Placement(proto::PlacementChange { version, own, release }), now_ms)
 }
 
 fn command(op: Op, now_ms: u64) -> Vec<u8> {
@@ -201,7 +217,8 @@ pub struct RememberedWrite {
     pub expires_ms: u64,
 }
 
-/// A shard's remembered writes as a snapshot carries them.
+/// A shard's remembered writes as a snapshot carries them, and its
+/// placement beside them.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RememberedParts {
     /// The shard's log time: the latest leader clock applied.
@@ -209,6 +226,9 @@ pub struct RememberedParts {
     /// Soonest to expire first (among equal expiries, first remembered
     /// first): the order they are forgotten in.
     pub writes: Vec<RememberedWrite>,
+    /// The partitions the shard owns (`None`: a snapshot from before
+    /// placements, or a test's).
+    pub placement: Option<Placement>,
 }
 
 /// The outcomes of identified writes, each until its window has passed
@@ -259,7 +279,7 @@ impl Remembered {
                 Some(RememberedWrite { client, seq, outcome, expires_ms })
             })
             .collect();
-        RememberedParts { now_ms: self.now_ms, writes }
+        RememberedParts { now_ms: self.now_ms, writes, placement: None }
     }
 
     /// Remembers what a snapshot carried: the same writes, forgotten at the
@@ -328,9 +348,10 @@ pub struct RememberedStats {
     pub dropped_early: std::sync::atomic::AtomicU64,
 }
 
-/// Applies the data of the committed entry at `index` to `store`.
+/// Applies the data of the committed entry at `index` to `store`, for a
+/// shard that owns every partition.
 pub fn apply(store: &Store, index: u64, data: &[u8]) -> Result<Applied, ApplyError> {
-    apply_once(store, &mut Remembered::default(), index, data)
+    apply_once(store, &mut Remembered::default(), &mut Placement::all(), index, data)
 }
 
 /// [`apply`], except that a write whose id `seen` remembers is not
@@ -349,7 +370,17 @@ pub fn apply(store: &Store, index: u64, data: &[u8]) -> Result<Applied, ApplyErr
 /// condition is judged here, at its place in the log, not by the leader
 /// when it proposed: another write to the key may be ahead of it in the
 /// log, not applied yet when it was proposed.
-pub fn apply_once(store: &Store, seen: &mut Remembered, index: u64, data: &[u8]) -> Result<Applied, ApplyError> {
+///
+/// So is ownership: a write to a partition `placement` does not hold is
+/// refused here (after a remembered outcome, which stands: the write was
+/// applied while the shard owned the key, and went with the partition).
+pub fn apply_once(
+    store: &Store,
+    seen: &mut Remembered,
+    placement: &mut Placement,
+    index: u64,
+    data: &[u8],
+) -> Result<Applied, ApplyError> {
     if data.is_empty() {
         return Ok(Applied::Nothing);
     }
@@ -364,6 +395,9 @@ pub fn apply_once(store: &Store, seen: &mut Remembered, index: u64, data: &[u8])
             if let Some(a) = seen.get(p.write_id.as_ref()) {
                 return Ok(a);
             }
+            if !placement.owns_key(&p.key) {
+                return Ok(Applied::WrongShard);
+            }
             let w = kv::write_of(&p, now);
             (p.write_id, store.write_versioned(&p.key, &w, now, version).map(|m| Applied::Put { version: m.version }))
         }
@@ -371,11 +405,17 @@ pub fn apply_once(store: &Store, seen: &mut Remembered, index: u64, data: &[u8])
             if let Some(a) = seen.get(d.write_id.as_ref()) {
                 return Ok(a);
             }
+            if !placement.owns_key(&d.key) {
+                return Ok(Applied::WrongShard);
+            }
             (d.write_id, store.delete_if(&d.key, d.cas, now).map(|existed| Applied::Delete { existed }))
         }
         Some(Op::Arith(a)) => {
             if let Some(done) = seen.get(a.write_id.as_ref()) {
                 return Ok(done);
+            }
+            if !placement.owns_key(&a.key) {
+                return Ok(Applied::WrongShard);
             }
             let r = store
                 .arith_versioned(&a.key, &kv::arith_of(&a, now), now, version)
@@ -384,6 +424,7 @@ pub fn apply_once(store: &Store, seen: &mut Remembered, index: u64, data: &[u8])
         }
         // Not remembered (its reply carries the item): a touch sent again
         // is timed again by the leader it reaches.
+        Some(Op::Touch(t)) if !placement.owns_key(&t.key) => return Ok(Applied::WrongShard),
         Some(Op::Touch(t)) => {
             (None, store.touch(&t.key, t.expires_at, now).map(|item| Applied::Touched { item: item.map(Box::new) }))
         }
@@ -401,6 +442,16 @@ pub fn apply_once(store: &Store, seen: &mut Remembered, index: u64, data: &[u8])
             store.counters.evictions.fetch_add(items, std::sync::atomic::Ordering::Relaxed);
             (None, Ok(Applied::Evicted { items }))
         }
+        // A change naming what cannot be changes nothing, alike on every
+        // replica (stopping here would stop the followers and not the
+        // leader that proposed it); the leader checks what it proposes.
+        Some(Op::Placement(c)) => match placement.apply(&c) {
+            Ok(changed) => return Ok(Applied::Placement { changed }),
+            Err(e) => {
+                tracing::warn!("placement change at {index} refused: {e}");
+                return Ok(Applied::Placement { changed: false });
+            }
+        },
         None => return Err(ApplyError::Malformed("no operation".into())),
     };
     let applied = match result {
@@ -455,6 +506,38 @@ mod tests {
         assert_eq!(s.counters.evictions.load(std::sync::atomic::Ordering::Relaxed), 1);
     }
 
+    /// Once a partition is given up, every write to it is refused alike
+    /// and changes nothing, except one applied before (its remembered
+    /// outcome stands); reads are the node's to refuse. Taking it back
+    /// lets writes in again; a change older than the placement, or one
+    /// naming no partition there is, changes nothing.
+    #[test]
+    fn writes_to_a_partition_the_shard_gave_up_are_refused_alike() {
+        use dmkv_common::cluster::map::partition_of;
+        let s = store("moved");
+        let (mut seen, mut placement) = (Remembered::default(), Placement::all());
+        let mut run = |data: &[u8]| apply_once(&s, &mut seen, &mut placement, next(), data).unwrap();
+        let put = encode_put_with(b"k", b"1", id(3, 1, 0), 0);
+        assert!(matches!(run(&put), Applied::Put { .. }));
+        let p = partition_of(b"k");
+        assert_eq!(run(&encode_placement(2, vec![], vec![p], 0)), Applied::Placement { changed: true });
+        assert_eq!(run(&encode_put(b"k", b"2")), Applied::WrongShard);
+        assert_eq!(run(&encode_delete(b"k")), Applied::WrongShard);
+        let arith = proto::Arith { key: b"k".to_vec().into(), delta: 1, ..Default::default() };
+        assert_eq!(run(&encode_arith(arith, 0)), Applied::WrongShard);
+        let touch = proto::Touch { key: b"k".to_vec().into(), ttl_secs: 5, ..Default::default() };
+        assert_eq!(run(&encode_touch(touch, 0)), Applied::WrongShard);
+        assert!(matches!(run(&put), Applied::Put { .. }), "a retry of a write applied before is answered as then");
+        assert_eq!(run(&encode_placement(2, vec![p], vec![], 0)), Applied::Placement { changed: false });
+        assert_eq!(run(&encode_put(b"k", b"3")), Applied::WrongShard);
+        assert_eq!(run(&encode_placement(3, vec![p], vec![], 0)), Applied::Placement { changed: true });
+        assert!(matches!(run(&encode_put(b"k", b"3")), Applied::Put { .. }));
+        let bad = apply_once(&s, &mut seen, &mut placement, next(), &encode_placement(4, vec![1 << 20], vec![], 0));
+        assert_eq!(bad.unwrap(), Applied::Placement { changed: false }, "changes nothing, on every replica");
+        assert_eq!(placement.version(), 3);
+        assert_eq!(s.get(b"k").unwrap().unwrap().0, bytes::Bytes::from_static(b"3"));
+    }
+
     thread_local!(static INDEX: std::cell::Cell<u64> = const { std::cell::Cell::new(0) });
 
     /// The next log index, as raft hands them out.
@@ -478,23 +561,43 @@ mod tests {
         let s = store("apply");
         let mut seen = Remembered::default();
         let put = encode_put_with(b"k", b"v", id(7, 1, 0), 0);
-        let first = apply_once(&s, &mut seen, next(), &put).unwrap();
+        let first = apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &put).unwrap();
         // Another client's write in between, then the first one again.
-        apply_once(&s, &mut seen, next(), &encode_put_with(b"k", b"w", id(8, 1, 0), 0)).unwrap();
-        assert_eq!(apply_once(&s, &mut seen, next(), &put).unwrap(), first, "answered as the first time");
+        apply_once(
+            &s,
+            &mut seen,
+            &mut crate::cluster::placement::Placement::all(),
+            next(),
+            &encode_put_with(b"k", b"w", id(8, 1, 0), 0),
+        )
+        .unwrap();
+        assert_eq!(
+            apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &put).unwrap(),
+            first,
+            "answered as the first time"
+        );
         assert_eq!(s.get(b"k").unwrap().unwrap().0, bytes::Bytes::from_static(b"w"), "and not applied again");
         let del = encode_delete_with(b"k", id(7, 2, 0), 0);
-        assert_eq!(apply_once(&s, &mut seen, next(), &del).unwrap(), Applied::Delete { existed: true });
         assert_eq!(
-            apply_once(&s, &mut seen, next(), &del).unwrap(),
+            apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &del).unwrap(),
+            Applied::Delete { existed: true }
+        );
+        assert_eq!(
+            apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &del).unwrap(),
             Applied::Delete { existed: true },
             "a retried DELETE"
         );
         // Without an id every copy applies.
-        apply_once(&s, &mut seen, next(), &encode_put(b"n", b"1")).unwrap();
-        assert_eq!(apply_once(&s, &mut seen, next(), &encode_delete(b"n")).unwrap(), Applied::Delete { existed: true });
+        apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &encode_put(b"n", b"1"))
+            .unwrap();
         assert_eq!(
-            apply_once(&s, &mut seen, next(), &encode_delete(b"n")).unwrap(),
+            apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &encode_delete(b"n"))
+                .unwrap(),
+            Applied::Delete { existed: true }
+        );
+        assert_eq!(
+            apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &encode_delete(b"n"))
+                .unwrap(),
             Applied::Delete { existed: false }
         );
     }
@@ -552,9 +655,13 @@ mod tests {
         let (mut ra, mut rb) = (Remembered::default(), Remembered::default());
         for (i, (e, want)) in log.iter().enumerate() {
             let index = i as u64 + 1;
-            let got = apply_once(&a, &mut ra, index, e).unwrap();
+            let got = apply_once(&a, &mut ra, &mut crate::cluster::placement::Placement::all(), index, e).unwrap();
             assert_eq!(&got, want, "entry {index}");
-            assert_eq!(apply_once(&b, &mut rb, index, e).unwrap(), got, "entry {index} on the other replica");
+            assert_eq!(
+                apply_once(&b, &mut rb, &mut crate::cluster::placement::Placement::all(), index, e).unwrap(),
+                got,
+                "entry {index} on the other replica"
+            );
             assert_eq!(a.digest(), b.digest(), "after entry {index}");
         }
         let item = |s: &Store, k: &str| s.get_item(k.as_bytes(), t + 10_000).unwrap().map(|(it, _)| it);
@@ -568,10 +675,27 @@ mod tests {
         assert_eq!((&n.value[..], n.meta.version, n.meta.expires_at), (&b"new"[..], 15, 0));
         assert!(item(&a, "a").is_none());
         // A touch keeps the version and moves the expiry; a flush empties.
-        let touched = apply_once(&a, &mut ra, 17, &encode_touch(touch("e", 5), t + 10_000)).unwrap();
+        let touched = apply_once(
+            &a,
+            &mut ra,
+            &mut crate::cluster::placement::Placement::all(),
+            17,
+            &encode_touch(touch("e", 5), t + 10_000),
+        )
+        .unwrap();
         let Applied::Touched { item: Some(it) } = touched else { panic!("{touched:?}") };
         assert_eq!((it.meta.version, it.meta.expires_at, &it.value[..]), (13, secs + 15, &b"y"[..]));
-        assert_eq!(apply_once(&a, &mut ra, 18, &encode_flush_all(t + 10_000)).unwrap(), Applied::Flushed { items: 2 });
+        assert_eq!(
+            apply_once(
+                &a,
+                &mut ra,
+                &mut crate::cluster::placement::Placement::all(),
+                18,
+                &encode_flush_all(t + 10_000)
+            )
+            .unwrap(),
+            Applied::Flushed { items: 2 }
+        );
         assert_eq!(a.digest(), (0, 0));
     }
 
@@ -591,9 +715,13 @@ mod tests {
             },
             t,
         );
-        let first = apply_once(&s, &mut seen, next(), &incr).unwrap();
+        let first = apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &incr).unwrap();
         assert!(matches!(first, Applied::Counter { value: 10, .. }), "{first:?}");
-        assert_eq!(apply_once(&s, &mut seen, next(), &incr).unwrap(), first, "answered as the first time");
+        assert_eq!(
+            apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &incr).unwrap(),
+            first,
+            "answered as the first time"
+        );
         assert_eq!(s.get(b"n").unwrap().unwrap().0, bytes::Bytes::from_static(b"10"), "not incremented again");
         // An add whose reply was lost: sent again, it is not NOT_STORED.
         let add = encode_write(
@@ -603,9 +731,12 @@ mod tests {
             }),
             t,
         );
-        let first = apply_once(&s, &mut seen, next(), &add).unwrap();
+        let first = apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &add).unwrap();
         assert!(matches!(first, Applied::Put { .. }));
-        assert_eq!(apply_once(&s, &mut seen, next(), &add).unwrap(), first);
+        assert_eq!(
+            apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &add).unwrap(),
+            first
+        );
         // A CAS that lost is remembered as lost.
         let cas = encode_write(
             put("k", "w", |p| {
@@ -614,8 +745,14 @@ mod tests {
             }),
             t,
         );
-        assert_eq!(apply_once(&s, &mut seen, next(), &cas).unwrap(), Applied::Refused(Error::Exists));
-        assert_eq!(apply_once(&s, &mut seen, next(), &cas).unwrap(), Applied::Refused(Error::Exists));
+        assert_eq!(
+            apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &cas).unwrap(),
+            Applied::Refused(Error::Exists)
+        );
+        assert_eq!(
+            apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &cas).unwrap(),
+            Applied::Refused(Error::Exists)
+        );
         // A refusal is remembered, not judged again: an add refused, the
         // key deleted meanwhile, the add sent again is still refused (and
         // stores nothing), though now it would be stored.
@@ -626,9 +763,22 @@ mod tests {
             }),
             t,
         );
-        assert_eq!(apply_once(&s, &mut seen, next(), &add_lost).unwrap(), Applied::Refused(Error::NotStored));
-        apply_once(&s, &mut seen, next(), &encode_delete_with(b"k", id(4, 5, 0), t)).unwrap();
-        assert_eq!(apply_once(&s, &mut seen, next(), &add_lost).unwrap(), Applied::Refused(Error::NotStored));
+        assert_eq!(
+            apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &add_lost).unwrap(),
+            Applied::Refused(Error::NotStored)
+        );
+        apply_once(
+            &s,
+            &mut seen,
+            &mut crate::cluster::placement::Placement::all(),
+            next(),
+            &encode_delete_with(b"k", id(4, 5, 0), t),
+        )
+        .unwrap();
+        assert_eq!(
+            apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &add_lost).unwrap(),
+            Applied::Refused(Error::NotStored)
+        );
         assert_eq!(s.get(b"k").unwrap(), None, "the add sent again stored nothing");
     }
 
@@ -640,7 +790,10 @@ mod tests {
         let s = store("apply-numbers");
         let mut seen = Remembered::default();
         let old = command(Op::Put(put("k", "v", |_| {})), 0);
-        assert!(matches!(apply_once(&s, &mut seen, next(), &old).unwrap(), Applied::Put { .. }));
+        assert!(matches!(
+            apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &old).unwrap(),
+            Applied::Put { .. }
+        ));
         assert_eq!(s.get(b"k").unwrap().unwrap().0, bytes::Bytes::from_static(b"v"));
         let op = |data: Vec<u8>| proto::RaftCommand::decode(&data[..]).unwrap().op;
         assert!(matches!(op(encode_write(put("k", "w", |p| p.flags = 3), 0)), Some(Op::Write(_))));
@@ -657,17 +810,22 @@ mod tests {
         let mut seen = Remembered::default();
         let t0 = 1_700_000_000_000;
         let first = encode_put_with(b"k", b"old", id(1, 1, 5000), t0);
-        let answer = apply_once(&s, &mut seen, next(), &first).unwrap();
+        let answer =
+            apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &first).unwrap();
         for seq in 0..70_000u64 {
             let del = encode_delete_with(b"gone", id(2, seq, 5000), t0 + seq * 4500 / 70_000);
-            apply_once(&s, &mut seen, next(), &del).unwrap();
+            apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &del).unwrap();
         }
         let newer = encode_put_with(b"k", b"new", id(3, 1, 5000), t0 + 4600);
-        apply_once(&s, &mut seen, next(), &newer).unwrap();
+        apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &newer).unwrap();
         // The first write's reply was lost: its client sends it again
         // within its window.
         let retry = encode_put_with(b"k", b"old", id(1, 1, 5000), t0 + 4800);
-        assert_eq!(apply_once(&s, &mut seen, next(), &retry).unwrap(), answer, "answered as the first time");
+        assert_eq!(
+            apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &retry).unwrap(),
+            answer,
+            "answered as the first time"
+        );
         assert_eq!(s.get(b"k").unwrap().unwrap().0, bytes::Bytes::from_static(b"new"), "the newer value stands");
     }
 
@@ -692,7 +850,10 @@ mod tests {
         let (mut ra, mut rb) = (Remembered::default(), Remembered::default());
         for e in &entries {
             let i = next();
-            assert_eq!(apply_once(&a, &mut ra, i, e).unwrap(), apply_once(&b, &mut rb, i, e).unwrap());
+            assert_eq!(
+                apply_once(&a, &mut ra, &mut crate::cluster::placement::Placement::all(), i, e).unwrap(),
+                apply_once(&b, &mut rb, &mut crate::cluster::placement::Placement::all(), i, e).unwrap()
+            );
             assert_eq!(ra.to_parts(), rb.to_parts());
         }
         let expiries: Vec<_> = ra.to_parts().writes.iter().map(|w| ((w.client, w.seq), w.expires_ms - t)).collect();
@@ -704,12 +865,18 @@ mod tests {
         assert_eq!(ra.now_ms(), t + 1999);
         // Still remembered one millisecond before: answered as the first time.
         let again = encode_put_with(b"a", b"2", id(1, 1, 1000), t + 1999);
-        assert_eq!(apply_once(&a, &mut ra, next(), &again).unwrap(), Applied::Put { version: 1 });
+        assert_eq!(
+            apply_once(&a, &mut ra, &mut crate::cluster::placement::Placement::all(), next(), &again).unwrap(),
+            Applied::Put { version: 1 }
+        );
         // At two windows of log time the short ones are forgotten, on both
         // replicas alike: the same write now applies (anew) on each.
         let late = encode_put_with(b"a", b"3", id(1, 1, 1000), t + 2000);
         let i = next();
-        let (x, y) = (apply_once(&a, &mut ra, i, &late).unwrap(), apply_once(&b, &mut rb, i, &late).unwrap());
+        let (x, y) = (
+            apply_once(&a, &mut ra, &mut crate::cluster::placement::Placement::all(), i, &late).unwrap(),
+            apply_once(&b, &mut rb, &mut crate::cluster::placement::Placement::all(), i, &late).unwrap(),
+        );
         assert!(matches!(x, Applied::Put { version } if version > 1), "{x:?}");
         assert_eq!(x, y);
         assert_eq!(a.get(b"a").unwrap(), b.get(b"a").unwrap());

@@ -264,8 +264,9 @@ pub struct LeasePublisher {
     region: Arc<Region>,
     reg: Arc<Registration>,
     hash_seed: u64,
-    /// What is published: (term, end on the node's monotonic clock).
-    pub(crate) last: Option<(u64, u64)>,
+    /// What is published: (term, end on the node's monotonic clock,
+    /// placement version).
+    pub(crate) last: Option<(u64, u64, u64)>,
     /// The run of the lease published since the last fence: (term, when
     /// it began). Every block of a run carries its start; a fence ends it.
     run: Option<(u64, u64)>,
@@ -288,18 +289,29 @@ impl LeasePublisher {
         info!(epoch, "lease lapsed or leadership lost: region fenced");
     }
 
-    /// Publishes `lease` (term, end on the node's monotonic clock) if it is
-    /// new. A lease published after a fence starts a run, stamped with
-    /// `clock` read now: after the store applied what the lease needs
-    /// (`LeaseKeeper::published`) and after a full fence, so every write
-    /// the store made before is visible to a reader that read its own
-    /// clock later. Readers believe only batches that began after a run's
-    /// start (`dmkv_common::cluster::lease::judge`).
-    pub(crate) fn publish(&mut self, lease: Option<(u64, u64)>, applied: u64, clock: impl FnOnce() -> u64) {
-        // A lease waiting for its round's index to apply keeps the last
-        // one published: that one is still held, and its index applied.
-        let Some((term, end)) = lease else { return };
-        if self.last == Some((term, end)) {
+    /// Publishes `lease` (term, end on the node's monotonic clock) and the
+    /// shard's placement version if either is new. A lease published after
+    /// a fence starts a run, stamped with `clock` read now: after the store
+    /// applied what the lease needs (`LeaseKeeper::published`) and after a
+    /// full fence, so every write the store made before is visible to a
+    /// reader that read its own clock later. Readers believe only batches
+    /// that began after a run's start (`dmkv_common::cluster::lease::judge`).
+    ///
+    /// A lease waiting for its round's index to apply (`None`) keeps the
+    /// last one published: that one is still held, and its index applied.
+    /// A new placement is published at once all the same, under that lease:
+    /// it must be in the block before the change is answered (the mover
+    /// goes on only then; docs/elasticity.md).
+    pub(crate) fn publish(
+        &mut self,
+        lease: Option<(u64, u64)>,
+        applied: u64,
+        placement: u64,
+        clock: impl FnOnce() -> u64,
+    ) {
+        let kept = self.last.filter(|&(_, _, p)| p != placement).map(|(t, e, _)| (t, e));
+        let Some((term, end)) = lease.or(kept) else { return };
+        if self.last == Some((term, end, placement)) {
             return;
         }
         let start = match self.run {
@@ -315,9 +327,9 @@ impl LeasePublisher {
                 start
             }
         };
-        let block = LeaseBlock { term, start_ns: start, expiry_ns: end, applied };
+        let block = LeaseBlock { term, start_ns: start, expiry_ns: end, applied, placement };
         self.region.write(LEASE_OFFSET, &block.encode(self.hash_seed));
-        self.last = Some((term, end));
+        self.last = Some((term, end, placement));
     }
 }
 
@@ -667,7 +679,7 @@ fn run<S: LogStore>(
                     if p.fence {
                         l.fence();
                     }
-                    l.publish(core.lease(), core.applied(), mono_ns);
+                    l.publish(core.lease(), core.applied(), core.placement().version(), mono_ns);
                 }
                 if !p.messages.is_empty() {
                     send(p.messages);
@@ -697,6 +709,39 @@ mod tests {
     use std::time::Instant;
 
     type Inboxes = Arc<Mutex<Vec<Option<Box<dyn Fn(Message) + Send + Sync>>>>>;
+
+    /// A change of the shard's partitions is in the block at once, under
+    /// the lease published last when the next one waits for its index;
+    /// a fenced region publishes nothing until a lease comes again.
+    #[test]
+    fn a_new_placement_is_published_at_once_under_the_lease_held() {
+        let store = Store::format(Arc::new(Region::create("pub", 2 << 20).unwrap()), 64, 5, 1, Duration::ZERO).unwrap();
+        let seed = store.header().hash_seed;
+        let region = Arc::clone(store.region());
+        let reg = Arc::new(Registration::new(*store.header()));
+        let mut p = LeasePublisher::new(Arc::clone(&region), reg, seed);
+        let block = || {
+            let mut b = [0u8; LEASE_LEN];
+            region.read(LEASE_OFFSET, &mut b);
+            LeaseBlock::decode(&b, seed)
+        };
+        p.publish(Some((3, 500)), 10, 1, || 100);
+        assert_eq!(block().map(|b| (b.term, b.start_ns, b.expiry_ns, b.placement)), Some((3, 100, 500, 1)));
+        // The next lease waits for its round's index: the block keeps the
+        // last one, and takes the new placement.
+        p.publish(None, 12, 2, || 200);
+        assert_eq!(
+            block().map(|b| (b.term, b.start_ns, b.expiry_ns, b.applied, b.placement)),
+            Some((3, 100, 500, 12, 2))
+        );
+        p.publish(Some((3, 700)), 13, 2, || 300);
+        assert_eq!(block().map(|b| (b.start_ns, b.expiry_ns, b.placement)), Some((100, 700, 2)), "the same run");
+        p.fence();
+        p.publish(None, 14, 3, || 400);
+        assert_eq!(block(), None, "no lease, nothing to publish under");
+        p.publish(Some((4, 900)), 15, 3, || 450);
+        assert_eq!(block().map(|b| (b.term, b.start_ns, b.placement)), Some((4, 450, 3)));
+    }
 
     fn start(id: u64, inboxes: &Inboxes) -> (ShardThread, Arc<Store>) {
         let conf = ConfState { voters: vec![1, 2, 3], ..Default::default() };

@@ -14,9 +14,11 @@ pub mod last_run;
 pub mod leasing;
 pub mod local;
 pub mod log;
+pub mod meta;
 pub mod node;
 pub mod peer;
 pub mod peer_tls;
+pub mod placement;
 pub mod replica;
 pub mod shard;
 #[cfg(test)]

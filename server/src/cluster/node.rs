@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use dmkv_common::cluster::map::{ClusterMap, NodeId, ShardId, node_of, replica_id};
+use dmkv_common::cluster::map::{ClusterMap, META_SHARD, NodeId, ShardId, ShardInfo, meta_nodes, node_of, replica_id};
 use dmkv_common::error::{Error as StoreError, check_key, check_value};
 use dmkv_common::proto;
 use raft::prelude::ConfState;
@@ -122,6 +122,11 @@ pub enum ClusterError {
         leader: Option<NodeId>,
         map_version: u64,
     },
+    /// The key's partition is not on the shard this node's map (of
+    /// `map_version`) names: it moved. Nothing was changed.
+    WrongShard {
+        map_version: u64,
+    },
     Busy,
     /// The write may or may not have taken effect.
     Uncertain,
@@ -130,8 +135,8 @@ pub enum ClusterError {
 }
 
 /// One shard replica on this node.
-struct LocalReplica {
-    thread: ShardThread,
+pub(super) struct LocalReplica {
+    pub(super) thread: ShardThread,
     store: Arc<Store>,
     /// Its own compactor: each replica's free space is its own.
     compactor: Arc<Compactor>,
@@ -145,8 +150,10 @@ struct LocalReplica {
     /// would remove the same want again).
     evicting: Mutex<Option<(Instant, EvictAnswer)>>,
     reg: Arc<Registration>,
-    status: Arc<ReplicaStatus>,
+    pub(super) status: Arc<ReplicaStatus>,
     remembered: Arc<RememberedStats>,
+    /// The partitions it owns, as its thread applied them.
+    placement: Arc<super::placement::SharedPlacement>,
     /// Its snapshots (the receiver hands them chunks).
     desk: Arc<Desk>,
     /// Its region's registration for RDMA reads, for the node's life: a
@@ -178,8 +185,24 @@ pub struct ReplicaRegion {
 /// This node's part of the cluster.
 pub struct ClusterNode {
     pub id: NodeId,
+    /// The map as this node knows it: the placement the metadata group
+    /// last told it (`refresh_map`), and the leaders its replicas know.
     map: Mutex<ClusterMap>,
+    /// The cluster file's map: the metadata group's state before any
+    /// change was written.
+    first_map: ClusterMap,
+    /// The data shards' replicas on this node.
     replicas: HashMap<ShardId, LocalReplica>,
+    /// This node's replica of the metadata group, if it is one of its
+    /// nodes.
+    meta: Option<LocalReplica>,
+    /// The metadata group's nodes and their peer addresses.
+    meta_nodes: Vec<(NodeId, std::net::SocketAddr)>,
+    /// The node last found leading the metadata group (0: none known).
+    pub(super) meta_leader: AtomicU64,
+    /// Wakes the map's refresh (a shard refused a key that moved).
+    map_wake: Arc<tokio::sync::Notify>,
+    dialer: Dialer,
     sink: Arc<LocalShards>,
     /// The raft log's engine, with `--data-dir` (its size is a metric).
     log: Option<Arc<raft_engine::Engine>>,
@@ -214,7 +237,14 @@ impl ClusterNode {
         let cfg = &setup.config;
         let me = cfg.node(setup.node_id)?.id;
         let map = cfg.initial_map().map_err(|e| e.to_string())?;
-        let local: Vec<_> = map.shards().iter().filter(|s| s.replicas.contains(&me)).cloned().collect();
+        let mut local: Vec<_> = map.shards().iter().filter(|s| s.replicas.contains(&me)).cloned().collect();
+        let data_shards = local.len();
+        // The metadata group, on the first nodes: a shard like the others
+        // to raft, its log and its snapshots, that holds the map.
+        let meta_nodes = meta_nodes(cfg.nodes.iter().map(|n| n.id));
+        if meta_nodes.contains(&me) {
+            local.push(ShardInfo { id: META_SHARD, replicas: meta_nodes.clone(), leader: None, term: 0 });
+        }
         let peers: Vec<_> = cfg.nodes.iter().filter(|n| n.id != me).map(|n| (n.id, n.peer)).collect();
         let peer_tls = match &setup.peer_tls {
             Some(files) => {
@@ -277,12 +307,15 @@ impl ClusterNode {
             }
             None => None,
         };
-        // Whole pages: the region is mapped and read in words.
-        let per_shard = (p.memory / local.len().max(1) as u64 / 4096 * 4096).max(MIN_SHARD_MEMORY);
+        // Whole pages: the region is mapped and read in words. The
+        // metadata group's replica takes the smallest region beside.
+        let per_shard = (p.memory / data_shards.max(1) as u64 / 4096 * 4096).max(MIN_SHARD_MEMORY);
         let logger = slog::Logger::root(slog::Discard, slog::o!());
         let mut replicas = HashMap::new();
+        let mut meta = None;
         let mut sink = LocalShards::default();
         for sh in local {
+            let per_shard = if sh.id == META_SHARD { MIN_SHARD_MEMORY } else { per_shard };
             let region = Region::create(&format!("dmkv-shard-{}", sh.id), per_shard as usize)
                 .map_err(|e| format!("shard {}: cannot create its region: {e}", sh.id))?;
             let epoch = rand::random::<u32>() as u64 + 1;
@@ -311,6 +344,11 @@ impl ClusterNode {
                 ConfState { voters: sh.replicas.iter().map(|&n| replica_id(n, 1)).collect(), ..Default::default() };
             let status = Arc::new(ReplicaStatus::for_shard(sh.id));
             let remembered = Arc::new(RememberedStats::default());
+            let first_placement = match sh.id {
+                META_SHARD => super::placement::Placement::all(),
+                id => super::placement::Placement::of_map(&map, id),
+            };
+            let placement = Arc::new(super::placement::SharedPlacement::new(&first_placement));
             let send = {
                 let (peers, shard) = (Arc::clone(&peers), sh.id);
                 move |msgs: Vec<raft::prelude::Message>| {
@@ -348,6 +386,8 @@ impl ClusterNode {
                 logger: logger.clone(),
                 distrust: Mutex::new(distrust.clone().filter(|_| sh.replicas.len() > 1)),
                 remembered: Arc::clone(&remembered),
+                placement: first_placement.clone(),
+                shared_placement: Arc::clone(&placement),
             });
             if let (Some(why), 1) = (&distrust, sh.replicas.len()) {
                 tracing::error!(
@@ -410,23 +450,27 @@ impl ClusterNode {
             }));
             sink.insert(sh.id, Box::new(thread.inbox()));
             peers.snapshots.register(sh.id, Link { desk: Arc::clone(&desk), failed: thread.snapshot_failer() });
-            replicas.insert(
-                sh.id,
-                LocalReplica {
-                    thread,
-                    store,
-                    compactor,
-                    in_flight: AtomicU64::new(0),
-                    waiting: AtomicU64::new(0),
-                    evicting: Mutex::new(None),
-                    reg,
-                    status,
-                    remembered,
-                    desk,
-                    #[cfg(feature = "rdma")]
-                    rdma,
-                },
-            );
+            let replica = LocalReplica {
+                thread,
+                store,
+                compactor,
+                in_flight: AtomicU64::new(0),
+                waiting: AtomicU64::new(0),
+                evicting: Mutex::new(None),
+                reg,
+                status,
+                remembered,
+                placement,
+                desk,
+                #[cfg(feature = "rdma")]
+                rdma,
+            };
+            match sh.id {
+                META_SHARD => meta = Some(replica),
+                id => {
+                    replicas.insert(id, replica);
+                }
+            }
         }
         if let (Some(why), Some(dir)) = (&distrust, &setup.data_dir) {
             // Every replica that could drop the distrusted log has, durably.
@@ -435,8 +479,17 @@ impl ClusterNode {
         }
         Ok(ClusterNode {
             id: me,
-            map: Mutex::new(map),
+            map: Mutex::new(map.clone()),
+            first_map: map,
             replicas,
+            meta,
+            meta_nodes: meta_nodes
+                .iter()
+                .filter_map(|&n| cfg.nodes.iter().find(|e| e.id == n).map(|e| (n, e.peer)))
+                .collect(),
+            meta_leader: AtomicU64::new(0),
+            map_wake: Arc::default(),
+            dialer,
             sink: Arc::new(sink),
             log: engine,
             data_dir: setup.data_dir.clone(),
@@ -462,7 +515,8 @@ impl ClusterNode {
         use super::shard::NoHandOver;
         let deadline = std::time::Instant::now() + MAX_HAND_OVER_WAIT;
         // Every shard led now but not alone: asked until it leads no more.
-        let mut waiting: Vec<&LocalReplica> = self.replicas.values().filter(|r| r.status.is_leader()).collect();
+        let mut waiting: Vec<&LocalReplica> =
+            self.replicas.values().chain(&self.meta).filter(|r| r.status.is_leader()).collect();
         loop {
             // All asked at once, then the answers collected against the
             // one deadline (a shard thread busy with a long apply answers
@@ -497,7 +551,7 @@ impl ClusterNode {
     /// Stops every replica (each fences first), forces the log to disk and
     /// records that this run stopped cleanly (`last_run`). Blocks.
     pub fn shut_down(&self) {
-        for r in self.replicas.values() {
+        for r in self.replicas.values().chain(&self.meta) {
             r.thread.halt();
         }
         if let (Some(engine), Some(dir)) = (&self.log, &self.data_dir) {
@@ -543,6 +597,7 @@ impl ClusterNode {
         let mut local: Vec<_> = self
             .replicas
             .iter()
+            .chain(self.meta.as_ref().map(|m| (&META_SHARD, m)))
             .map(|(&shard, r)| {
                 let (voters, learners) = r.status.members();
                 proto::ReplicaState {
@@ -556,6 +611,10 @@ impl ClusterNode {
                     replica_id: r.status.id.load(Relaxed),
                     voters,
                     learners,
+                    partitions: r.placement.count(),
+                    placement_version: r.placement.version(),
+                    items: r.store.counters.items.load(Relaxed),
+                    bytes: r.store.live_bytes(),
                 }
             })
             .collect();
@@ -578,7 +637,63 @@ impl ClusterNode {
         crate::lock::lock(&self.map).version
     }
 
-    fn cluster_error(&self, e: ProposeError) -> ClusterError {
+    /// A shard refused a key that moved: this node's map is behind.
+    fn wrong_shard(&self) -> ClusterError {
+        self.map_wake.notify_one();
+        ClusterError::WrongShard { map_version: self.map_version() }
+    }
+
+    /// This node's replica of `shard` (a data shard or the metadata group).
+    fn replica(&self, shard: ShardId) -> Option<&LocalReplica> {
+        match shard {
+            META_SHARD => self.meta.as_ref(),
+            _ => self.replicas.get(&shard),
+        }
+    }
+
+    /// This node's replica of the metadata group, if it has one.
+    pub(super) fn meta_replica(&self) -> Option<&LocalReplica> {
+        self.meta.as_ref()
+    }
+
+    /// The metadata group's nodes and their peer addresses.
+    pub(super) fn meta_nodes(&self) -> &[(NodeId, std::net::SocketAddr)] {
+        &self.meta_nodes
+    }
+
+    /// The cluster file's map.
+    pub(super) fn first_map(&self) -> &ClusterMap {
+        &self.first_map
+    }
+
+    /// How this node dials its peers.
+    pub(super) fn dialer(&self) -> &Dialer {
+        &self.dialer
+    }
+
+    /// What wakes the map's refresh.
+    pub(super) fn map_wake(&self) -> Arc<tokio::sync::Notify> {
+        Arc::clone(&self.map_wake)
+    }
+
+    /// Takes `theirs` (the metadata group's) if its placement is newer than
+    /// this node's map's; the leaders this node knows stay, for shards
+    /// whose replicas are the same. Whether the map changed.
+    pub fn adopt_map(&self, mut theirs: ClusterMap) -> bool {
+        let mut map = crate::lock::lock(&self.map);
+        if theirs.version <= map.version {
+            return false;
+        }
+        for sh in map.shards() {
+            if let Some(l) = sh.leader {
+                let _ = theirs.set_leader(sh.id, l, sh.term);
+            }
+        }
+        *map = theirs;
+        true
+    }
+
+    pub(super) fn cluster_error(&self, e: ProposeError) -> ClusterError {
         match e {
             ProposeError::NotLeader { leader } => {
                 ClusterError::NotLeader { leader: leader.map(node_of), map_version: self.map_version() }
@@ -595,6 +710,7 @@ impl ClusterNode {
         match self.propose_raw(key, data).await? {
             // A condition that did not hold, on every replica alike.
             Applied::Refused(e) => Err(ClusterError::Store(e)),
+            Applied::WrongShard => Err(self.wrong_shard()),
             a => Ok(a),
         }
     }
@@ -733,14 +849,29 @@ impl ClusterNode {
     /// since the permission (its generation), else it is asked again. The
     /// retries are bounded by the request's own deadline (the caller's
     /// timeout drops this future).
+    ///
+    /// And only if the shard still owns what was read (`owned`, asked after
+    /// the read): a partition given up before the read may have taken
+    /// writes on its new shard since (docs/elasticity.md).
     async fn read_linearizably<T>(
         &self,
         key: &[u8],
         read: impl Fn(&Store) -> Result<T, StoreError>,
+        owned: impl Fn(&super::placement::SharedPlacement) -> bool,
     ) -> Result<T, ClusterError> {
-        let r = self.replica_of(key)?;
+        self.read_replica(self.replica_of(key)?, read, owned).await
+    }
+
+    /// [`ClusterNode::read_linearizably`] of replica `r`'s store.
+    pub(super) async fn read_replica<T>(
+        &self,
+        r: &LocalReplica,
+        read: impl Fn(&Store) -> Result<T, StoreError>,
+        owned: impl Fn(&super::placement::SharedPlacement) -> bool,
+    ) -> Result<T, ClusterError> {
         let mut lease_ok = true;
         for _ in 0..MAX_READ_TRIES {
+            let placement = r.placement.version();
             let grant = match r.thread.read(lease_ok).await {
                 Ok(Ok(g)) => g,
                 Ok(Err(e)) => return Err(self.cluster_error(e)),
@@ -756,6 +887,14 @@ impl ClusterNode {
                 continue;
             }
             let got = got?;
+            if !owned(&r.placement) {
+                return Err(self.wrong_shard());
+            }
+            if r.placement.version() != placement {
+                // Given up and taken back under the read: what it saw may
+                // be from a time the shard did not own it. Asked again.
+                continue;
+            }
             match grant.lease_until {
                 Some(until) if crate::clock::mono_ns() >= until => {
                     r.status.lease_read_retries.fetch_add(1, Ordering::Relaxed);
@@ -771,7 +910,7 @@ impl ClusterNode {
     /// node's clock, the one its region publishes to one-sided readers)
     /// and where its slot is.
     pub async fn get(&self, key: &[u8]) -> Result<Option<(Item, Location)>, ClusterError> {
-        self.read_linearizably(key, |s| s.get_item(key, crate::clock::now_ms())).await
+        self.read_linearizably(key, |s| s.get_item(key, crate::clock::now_ms()), |p| p.owns_key(key)).await
     }
 
     /// Linearizable GETs of many keys: one read permission per shard
@@ -788,10 +927,14 @@ impl ClusterNode {
         for idx in by_shard.values() {
             let first = &keys[idx[0]];
             let got = self
-                .read_linearizably(first, |s| {
-                    let now = crate::clock::now_ms();
-                    idx.iter().map(|&i| s.get_item(&keys[i], now)).collect::<Result<Vec<_>, _>>()
-                })
+                .read_linearizably(
+                    first,
+                    |s| {
+                        let now = crate::clock::now_ms();
+                        idx.iter().map(|&i| s.get_item(&keys[i], now)).collect::<Result<Vec<_>, _>>()
+                    },
+                    |p| idx.iter().all(|&i| p.owns_key(&keys[i])),
+                )
                 .await?;
             for (&i, v) in idx.iter().zip(got) {
                 out[i] = v;
@@ -804,7 +947,7 @@ impl ClusterNode {
     /// this node's replica of `c.shard`. The last one, once the whole
     /// stream checked out, hands raft the MsgSnapshot it carries.
     pub async fn receive_snapshot(&self, c: proto::SnapshotChunk) -> Result<proto::SnapshotChunkReply, ClusterError> {
-        let Some(r) = self.replicas.get(&c.shard) else {
+        let Some(r) = self.replica(c.shard) else {
             return Err(ClusterError::Failed(format!("shard {} has no replica on node {}", c.shard, self.id)));
         };
         let desk = Arc::clone(&r.desk);
@@ -855,14 +998,18 @@ impl ClusterNode {
     /// A new replica of `shard` (raft id `replica`) asks to be made a
     /// member: the next step, if this node's replica leads.
     pub async fn join_shard(&self, shard: ShardId, replica: u64) -> Result<JoinStep, ClusterError> {
-        let Some(r) = self.replicas.get(&shard) else {
+        let Some(r) = self.replica(shard) else {
             return Err(ClusterError::Failed(format!("shard {shard} has no replica on node {}", self.id)));
         };
-        // Only the nodes the cluster file places the shard on hold it.
-        let placed = crate::lock::lock(&self.map)
-            .shards()
-            .iter()
-            .any(|s| s.id == shard && s.replicas.contains(&node_of(replica)));
+        // Only the nodes the map places the shard on hold it (the
+        // metadata group: its first three).
+        let placed = match shard {
+            META_SHARD => self.meta_nodes.iter().any(|&(n, _)| n == node_of(replica)),
+            _ => crate::lock::lock(&self.map)
+                .shards()
+                .iter()
+                .any(|s| s.id == shard && s.replicas.contains(&node_of(replica))),
+        };
         if !placed {
             return Err(ClusterError::Failed(format!(
                 "replica {replica} is on node {}, which does not hold shard {shard}",
@@ -881,7 +1028,7 @@ impl ClusterNode {
     /// leader; the old one is removed from the shard's members. Returns the
     /// new raft id.
     pub async fn replace_replica(&self, shard: ShardId) -> Result<u64, ClusterError> {
-        let Some(r) = self.replicas.get(&shard) else {
+        let Some(r) = self.replica(shard) else {
             return Err(ClusterError::Failed(format!("shard {shard} has no replica on node {}", self.id)));
         };
         let id = replica_id(self.id, rand::random_range(2..=u32::MAX));
@@ -1109,6 +1256,10 @@ struct ShardParts {
     /// Counts of the replica's remembered write ids (every build shares
     /// them, so the metrics follow the replica across restarts).
     remembered: Arc<RememberedStats>,
+    /// The partitions the shard owns before anything applied.
+    placement: super::placement::Placement,
+    /// What it owns as its thread applies changes (every build shares it).
+    shared_placement: Arc<super::placement::SharedPlacement>,
 }
 
 type Core<S> = ShardCore<S, super::driver::Answer, super::driver::ReadAnswer>;
@@ -1127,7 +1278,8 @@ impl ShardParts {
             .with_leases(keeper, ELECTION_TICKS as u64)
             .with_room(room)
             .with_snapshots(self.limits, Arc::clone(&self.slot), Arc::clone(&self.desk))
-            .with_remembered_stats(Arc::clone(&self.remembered)))
+            .with_remembered_stats(Arc::clone(&self.remembered))
+            .with_placement(self.placement.clone(), Arc::clone(&self.shared_placement)))
     }
 
     /// A replica over a durable log: the store restored from the saved
@@ -1142,8 +1294,8 @@ impl ShardParts {
             tracing::warn!(shard = self.shard, id, "{why}: the replica rejoins the shard as a new incarnation");
             log.reset(id, &self.conf).map_err(|e| e.to_string())?;
         }
-        let (applied, remembered) = match recover(log, &self.desk, &self.store) {
-            Ok(r) => r,
+        let (applied, remembered, placement) = match recover(log, &self.desk, &self.store) {
+            Ok(r) => (r.at.index, r.remembered, r.placement),
             // Where the shard has other replicas to catch up from, a
             // replica whose saved state is damaged starts over (a new
             // incarnation, as a distrusted log does): a node always starts.
@@ -1152,7 +1304,7 @@ impl ShardParts {
                 tracing::error!(shard = self.shard, id, "{e}: the replica rejoins the shard as a new incarnation");
                 log.reset(id, &self.conf).map_err(|e| e.to_string())?;
                 self.store.clear(1).map_err(|e| format!("emptying the store: {e}"))?;
-                (0, Remembered::default())
+                (0, Remembered::default(), None)
             }
             Err(Unrecovered::Damaged(e) | Unrecovered::Other(e)) => return Err(format!("shard {}: {e}", self.shard)),
         };
@@ -1160,7 +1312,7 @@ impl ShardParts {
         let id = known.unwrap_or_else(|| fresh_incarnation(self.me));
         let replica =
             Replica::new_at(id, log.clone(), ELECTION_TICKS, applied, &self.logger).map_err(self.raft_err())?;
-        let mut core = self.core(replica)?.restored(applied, remembered);
+        let mut core = self.core(replica)?.restored(applied, remembered, placement);
         let (fresh_log, fresh_logger, fresh_conf) = (log.clone(), self.logger.clone(), self.conf.clone());
         core = core.with_fresh(Box::new(move |id| {
             fresh_log.reset(id, &fresh_conf).map_err(|e| raft::Error::Store(raft::StorageError::Other(e.into())))?;
@@ -1286,9 +1438,10 @@ async fn membership(mut m: Membership) {
 /// read whole first (a damaged one changes nothing, and is named). A
 /// snapshot saved while the log was being replaced by it (a crash in
 /// between) is installed in the log now.
-fn recover(log: &RaftLog, desk: &Desk, store: &Store) -> Result<(u64, Remembered), Unrecovered> {
+fn recover(log: &RaftLog, desk: &Desk, store: &Store) -> Result<snap::Restored, Unrecovered> {
     let other = Unrecovered::Other;
-    let Some((file, f)) = desk.saved().map_err(other)? else { return Ok((0, Remembered::default())) };
+    let none = || snap::Restored { at: snap::Point::default(), remembered: Remembered::default(), placement: None };
+    let Some((file, f)) = desk.saved().map_err(other)? else { return Ok(none()) };
     let named = |e: snap::SnapshotError| {
         let why = format!("{}: {e}", file.display());
         match e {
@@ -1298,12 +1451,12 @@ fn recover(log: &RaftLog, desk: &Desk, store: &Store) -> Result<(u64, Remembered
     };
     snap::validate(std::io::BufReader::with_capacity(1 << 20, f)).map_err(named)?;
     let f = std::fs::File::open(&file).map_err(|e| other(format!("{}: {e}", file.display())))?;
-    let (at, remembered) = snap::restore(store, std::io::BufReader::with_capacity(1 << 20, f)).map_err(named)?;
+    let got = snap::restore(store, std::io::BufReader::with_capacity(1 << 20, f)).map_err(named)?;
     let commit = raft::Storage::initial_state(log).map_err(|e| other(e.to_string()))?.hard_state.commit;
-    if at.index > commit {
-        log.finish_install(at).map_err(|e| other(e.to_string()))?;
+    if got.at.index > commit {
+        log.finish_install(got.at).map_err(|e| other(e.to_string()))?;
     }
-    Ok((at.index, remembered))
+    Ok(got)
 }
 
 /// Why a replica's saved state could not be restored.
@@ -1464,12 +1617,12 @@ mod tests {
     #[test]
     fn a_saved_snapshot_restores_and_a_damaged_one_is_named() {
         let (_dir, desk, log) = durable(4);
-        assert_eq!(recover(&log, &desk, &store()).unwrap().0, 0, "nothing saved: from the start");
+        assert_eq!(recover(&log, &desk, &store()).unwrap().at.index, 0, "nothing saved: from the start");
         let from = Arc::new(store());
         from.put(b"k", b"v").unwrap();
         take_snapshot(&desk, &log, &from, 9);
         let to = store();
-        assert_eq!(recover(&log, &desk, &to).unwrap().0, 42);
+        assert_eq!(recover(&log, &desk, &to).unwrap().at.index, 42);
         assert_eq!(to.get(b"k").unwrap().unwrap().0, bytes::Bytes::from_static(b"v"));
         assert_eq!(raft::Storage::first_index(&log).unwrap(), 43);
         // A store too small for what was saved is no damage: the replica

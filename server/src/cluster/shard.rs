@@ -26,6 +26,7 @@ use dmkv_common::cluster::map::node_of;
 use super::apply::{Applied, ApplyError, Remembered, RememberedStats, apply_once};
 use super::desk::{Descriptor, Desk};
 use super::leasing::LeaseKeeper;
+use super::placement::{Placement, SharedPlacement};
 use super::replica::{LogStore, Replica};
 use super::snapshot::{self as snap, Point, SnapshotSlot};
 use crate::store::Store;
@@ -147,6 +148,12 @@ pub struct ShardCore<S: LogStore, P, R = P> {
     lease_reads: u64,
     /// Outcomes of identified writes, so a retried one applies once.
     remembered: Remembered,
+    /// The partitions the shard owns, as of `applied`.
+    placement: Placement,
+    /// What it owns with nothing applied (a replica that starts over).
+    first_placement: Placement,
+    /// Where the node's request handlers see it; `None`: nowhere.
+    shared_placement: Option<Arc<SharedPlacement>>,
     /// Writes forgotten early, over every remembered set this replica had.
     dropped_early: u64,
     /// Where the remembered writes are reported; `None`: nowhere.
@@ -265,12 +272,45 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
             store_full: false,
             lease_reads: 0,
             remembered: Remembered::default(),
+            placement: Placement::all(),
+            first_placement: Placement::all(),
+            shared_placement: None,
             dropped_early: 0,
             remembered_stats: None,
             snapshots: None,
             first_member: None,
             fresh: None,
         }
+    }
+
+    /// The partitions the shard owns before anything is applied (what its
+    /// first map gives it), and where to show the node what it owns.
+    pub fn with_placement(mut self, first: Placement, shared: Arc<SharedPlacement>) -> Self {
+        shared.set(&first);
+        self.placement = first.clone();
+        self.first_placement = first;
+        self.shared_placement = Some(shared);
+        self
+    }
+
+    /// The partitions the shard owns, as of the last entry applied.
+    pub fn placement(&self) -> &Placement {
+        &self.placement
+    }
+
+    /// Takes `p` as what the shard owns, and shows it to the node.
+    fn set_placement(&mut self, p: Placement) {
+        if let Some(s) = &self.shared_placement {
+            s.set(&p);
+        }
+        self.placement = p;
+    }
+
+    /// The state a snapshot carries beside the items.
+    fn state_parts(&self) -> super::apply::RememberedParts {
+        let mut parts = self.remembered.to_parts();
+        parts.placement = Some(self.placement.clone());
+        parts
     }
 
     /// How to build a replica with no state (for [`ShardCore::replace`]).
@@ -294,6 +334,7 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
             .map_err(|e| raft::Error::Store(raft::StorageError::Other(format!("emptying the store: {e}").into())))?;
         self.applied = 0;
         self.remembered = Remembered::default();
+        self.set_placement(self.first_placement.clone());
         self.to_apply.clear();
         self.first_member = None;
         if let Some(s) = self.snapshots.as_mut() {
@@ -369,10 +410,12 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
     }
 
     /// Starts from a state machine restored from a snapshot at `applied`
-    /// (with its remembered writes).
-    pub fn restored(mut self, applied: u64, remembered: Remembered) -> Self {
+    /// (with its remembered writes, and its placement: `None` for a
+    /// snapshot from before placements, which the first placement holds).
+    pub fn restored(mut self, applied: u64, remembered: Remembered, placement: Option<Placement>) -> Self {
         self.applied = applied;
         self.remembered = remembered;
+        self.set_placement(placement.unwrap_or_else(|| self.first_placement.clone()));
         self
     }
 
@@ -595,7 +638,14 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
                 self.apply_retry_tick = self.ticks + 1;
                 break;
             }
-            let result = apply_once(&self.store, &mut self.remembered, e.index, &e.data);
+            let result = apply_once(&self.store, &mut self.remembered, &mut self.placement, e.index, &e.data);
+            if let Ok(Applied::Placement { changed: true }) = &result {
+                // Before any answer goes out (the mover waits for one).
+                if let Some(shared) = &self.shared_placement {
+                    shared.set(&self.placement);
+                }
+                tracing::info!(placement = ?self.placement, "the shard's partitions changed");
+            }
             if let Err(ApplyError::Store(dmkv_common::error::Error::OutOfMemory)) = &result {
                 // The leader admits a write only while it fits every
                 // replica's guarantee (`Store::live_within`): room comes
@@ -694,12 +744,13 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
         let desc = Descriptor::decode(sn.get_data()).ok_or_else(|| fail("not a snapshot descriptor".into()))?;
         let data = s.desk.take(&desc).ok_or_else(|| fail(format!("snapshot at {} is not here", desc.at.index)))?;
         let reader = data.reader().map_err(|e| fail(e.to_string()))?;
-        let (at, remembered) = snap::restore(&self.store, reader).map_err(|e| fail(e.to_string()))?;
+        let got = snap::restore(&self.store, reader).map_err(|e| fail(e.to_string()))?;
         let index = sn.get_metadata().index;
-        if at.index != index {
-            return Err(fail(snap::SnapshotError::WrongPoint { got: at.index, want: index }.to_string()));
+        if got.at.index != index {
+            return Err(fail(snap::SnapshotError::WrongPoint { got: got.at.index, want: index }.to_string()));
         }
-        self.remembered = remembered;
+        self.remembered = got.remembered;
+        self.set_placement(got.placement.unwrap_or_else(|| self.first_placement.clone()));
         self.applied = index;
         // Entries the snapshot already holds.
         while self.to_apply.front().is_some_and(|e| e.index <= index) {
@@ -737,7 +788,7 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
         {
             let r = &self.replica.raft().raft;
             let s = self.snapshots.as_ref().expect("checked");
-            let desc = s.desk.offer(view, self.remembered.to_parts(), at);
+            let desc = s.desk.offer(view, self.state_parts(), at);
             let mut sn = raft::prelude::Snapshot { data: desc.encode().into(), ..Default::default() };
             let meta = sn.mut_metadata();
             meta.index = at.index;
@@ -819,8 +870,9 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
         }
         if self.replica.raft().store().durable() {
             if let Some((at, view)) = self.view_now()? {
+                let parts = self.state_parts();
                 let s = self.snapshots.as_mut().expect("checked");
-                let rx = s.desk.save(view, self.remembered.to_parts(), at);
+                let rx = s.desk.save(view, parts, at);
                 s.saving = Some((to, rx));
             }
         } else {
@@ -1073,6 +1125,58 @@ mod tests {
 
     fn leader(cores: &[ShardCore<MemStorage, u32>], down: Option<usize>) -> Option<usize> {
         (0..cores.len()).find(|&i| Some(i) != down && cores[i].replica().raft().raft.state == StateRole::Leader)
+    }
+
+    /// A partition given up is given up by every replica at the same entry,
+    /// shown to the node before the change is answered, and refused to
+    /// writes alike; a replica started over goes back to its first
+    /// placement and replays to the same one.
+    #[test]
+    fn a_placement_change_applies_on_every_replica_before_its_answer() {
+        use super::super::apply::encode_placement;
+        use dmkv_common::cluster::map::partition_of;
+        let shared: Vec<Arc<SharedPlacement>> =
+            (0..3).map(|_| Arc::new(SharedPlacement::new(&Placement::all()))).collect();
+        let mut cores: Vec<_> =
+            (1..=3).map(|i| core(i).with_placement(Placement::all(), Arc::clone(&shared[i as usize - 1]))).collect();
+        drive(&mut cores, 100, None);
+        let l = leader(&cores, None).expect("a leader");
+        cores[l].propose(encode_put(b"k", b"v"), 1).unwrap();
+        let p = partition_of(b"k");
+        cores[l].propose(encode_placement(7, vec![], vec![p], 0), 2).unwrap();
+        cores[l].propose(encode_put(b"k", b"w"), 3).unwrap();
+        let mut answers = Vec::new();
+        for _ in 0..20 {
+            let mut net = Vec::new();
+            for (i, c) in cores.iter_mut().enumerate() {
+                c.tick();
+                let polled = c.poll().unwrap();
+                if polled.answers.iter().any(|(id, _)| *id == 2) {
+                    assert!(!shared[i].owns_key(b"k") && shared[i].version() == 7, "shown no later than answered");
+                }
+                answers.extend(polled.answers);
+                net.extend(polled.messages);
+            }
+            for m in net {
+                let _ = cores[(m.to - 1) as usize].step(m);
+            }
+        }
+        assert!(answers.contains(&(2, Ok(Applied::Placement { changed: true }))), "{answers:?}");
+        assert!(answers.contains(&(3, Ok(Applied::WrongShard))), "{answers:?}");
+        for (c, sh) in cores.iter().zip(&shared) {
+            assert_eq!(c.placement().version(), 7);
+            assert!(!c.placement().owns(p) && !sh.owns_key(b"k"));
+            assert_eq!(c.store().get(b"k").unwrap().unwrap().0, bytes::Bytes::from_static(b"v"), "the refused write");
+        }
+        let f = (l + 1) % 3;
+        let restarted = core(f as u64 + 1).with_placement(Placement::all(), Arc::clone(&shared[f]));
+        assert!(
+            restarted.placement().owns(p) && shared[f].owns_key(b"k"),
+            "a replica starting over starts at the first"
+        );
+        let snap = cores[l].state_parts();
+        let back = restarted.restored(cores[l].applied(), Remembered::default(), snap.placement);
+        assert!(!back.placement().owns(p) && !shared[f].owns_key(b"k"), "and a snapshot's holds after");
     }
 
     #[test]

@@ -9,9 +9,10 @@
 //! replica that made it.
 //!
 //! ```text
-//! magic "DMKVSNP4" | index u64 | term u64 | next_version u64
+//! magic "DMKVSNP5" | index u64 | term u64 | next_version u64
 //! | remembered_len u32 | remembered: log_now_ms u64, count u32,
 //!   (client u64, seq u64, kind u8, a u64, b u64, expires_ms u64)*
+//! | placement: 0 u8, or 1 u8 | version u64 | 64 words of the partition bit set
 //! | (1 u8 | key_len u32 | value_len u32 | version u64 | flags u32 | expires u32 | key | value)*
 //! | 0 u8 | items u64 | xxh3-64 of everything before, u64
 //! ```
@@ -26,6 +27,9 @@
 //! The remembered writes carry their expiry (log time) and the shard's log
 //! time, soonest to expire first, so a replica restored from a snapshot
 //! forgets the same writes at the same entries as the one that made it.
+//! The placement (the partitions the shard owns, `placement.rs`) is part
+//! of the state machine too; a snapshot from before placements
+//! (`DMKVSNP4`, `DMKVSNP3`) carries none, and the shard's first one holds.
 
 use std::io::{Read, Write};
 
@@ -37,7 +41,9 @@ use super::apply::{Applied, MAX_REMEMBERED_WRITES, Remembered, RememberedParts, 
 use crate::store::Store;
 use crate::store::view::StoreView;
 
-const MAGIC: &[u8; 8] = b"DMKVSNP4";
+const MAGIC: &[u8; 8] = b"DMKVSNP5";
+/// The format before placements: the same with no placement. Still read.
+const MAGIC_V4: &[u8; 8] = b"DMKVSNP4";
 /// The format before counters and refusals were remembered: the same but
 /// for one value per remembered write. Still read (a node's own saved
 /// snapshot from before an upgrade).
@@ -128,6 +134,13 @@ impl<W: Write> Encoder<W> {
         let section = encode_remembered(remembered);
         w.put(&(section.len() as u32).to_le_bytes())?;
         w.put(&section)?;
+        match &remembered.placement {
+            Some(p) => {
+                w.put(&[1])?;
+                w.put(&p.encode())?;
+            }
+            None => w.put(&[0])?,
+        }
         Ok(Encoder { w, at, items: 0 })
     }
 
@@ -207,7 +220,8 @@ impl<R: Read> Decoder<R> {
             ));
         }
         let v3 = &magic == MAGIC_V3;
-        if &magic != MAGIC && !v3 && magic.starts_with(b"DMKVSNP") {
+        let v4 = &magic == MAGIC_V4;
+        if &magic != MAGIC && !v3 && !v4 && magic.starts_with(b"DMKVSNP") {
             // A newer dmkv's, after a downgrade: no damage, and the
             // replica must not throw away what may be the only copy.
             return Err(SnapshotError::OldFormat(
@@ -215,7 +229,7 @@ impl<R: Read> Decoder<R> {
                 "a format this version does not know (a newer dmkv's)",
             ));
         }
-        if &magic != MAGIC && !v3 {
+        if &magic != MAGIC && !v3 && !v4 {
             return Err(SnapshotError::Damaged("not a dmkv snapshot".into()));
         }
         d.at = Point { index: d.u64("header")?, term: d.u64("header")? };
@@ -227,6 +241,19 @@ impl<R: Read> Decoder<R> {
         let mut section = vec![0u8; len];
         d.take(&mut section, "remembered writes")?;
         d.remembered = decode_remembered(&mut Reader(&section), v3)?;
+        if !v3 && !v4 {
+            let mut flag = [0u8; 1];
+            d.take(&mut flag, "placement")?;
+            d.remembered.placement = match flag[0] {
+                0 => None,
+                1 => {
+                    let mut b = [0u8; super::placement::ENCODED_LEN];
+                    d.take(&mut b, "placement")?;
+                    Some(super::placement::Placement::decode(&b).expect("a whole placement"))
+                }
+                f => return Err(SnapshotError::Damaged(format!("placement flag {f}"))),
+            };
+        }
         Ok(d)
     }
 
@@ -313,11 +340,12 @@ pub fn validate<R: Read>(r: R) -> Result<Summary, SnapshotError> {
     Ok(d.summary())
 }
 
-/// Replaces `store`'s items with a snapshot's; where it was taken and the
-/// remembered writes it carried. Read [`validate`]d snapshots only: a
-/// damage found midway leaves the store half restored (the error says
-/// so, and the replica must not go on from it).
-pub fn restore<R: Read>(store: &Store, r: R) -> Result<(Point, Remembered), SnapshotError> {
+/// Replaces `store`'s items with a snapshot's; where it was taken, the
+/// remembered writes it carried, and the placement (`None`: a snapshot
+/// from before placements). Read [`validate`]d snapshots only: a damage
+/// found midway leaves the store half restored (the error says so, and the
+/// replica must not go on from it).
+pub fn restore<R: Read>(store: &Store, r: R) -> Result<Restored, SnapshotError> {
     let mut d = Decoder::new(r)?;
     store.clear(d.next_version).map_err(SnapshotError::Store)?;
     let mut waited = std::time::Duration::ZERO;
@@ -328,7 +356,15 @@ pub fn restore<R: Read>(store: &Store, r: R) -> Result<(Point, Remembered), Snap
         }
         restore_item(store, &it, &mut waited)?;
     }
-    Ok((d.at, Remembered::from_parts(&d.remembered)))
+    Ok(Restored { at: d.at, remembered: Remembered::from_parts(&d.remembered), placement: d.remembered.placement })
+}
+
+/// What a restored snapshot leaves beside the store's items.
+#[derive(Debug)]
+pub struct Restored {
+    pub at: Point,
+    pub remembered: Remembered,
+    pub placement: Option<super::placement::Placement>,
 }
 
 /// How long a restore waits, in all, for space still in its grace period
@@ -391,12 +427,18 @@ fn encode_remembered(parts: &RememberedParts) -> Vec<u8> {
     out
 }
 
-/// A remembered outcome as (kind, a, b). Touches and flushes are never
-/// remembered (`apply_once` gives them no id).
+/// A remembered outcome as (kind, a, b). Touches, flushes, evictions,
+/// placement changes and writes to a partition the shard does not own are
+/// never remembered (`apply_once` gives them no id, or returns first).
 fn outcome_fields(a: &Applied) -> (u8, u64, u64) {
     use dmkv_common::error::Error;
     match *a {
-        Applied::Nothing | Applied::Touched { .. } | Applied::Flushed { .. } | Applied::Evicted { .. } => (0, 0, 0),
+        Applied::Nothing
+        | Applied::Touched { .. }
+        | Applied::Flushed { .. }
+        | Applied::Evicted { .. }
+        | Applied::WrongShard
+        | Applied::Placement { .. } => (0, 0, 0),
         Applied::Put { version } => (1, version, 0),
         Applied::Delete { existed } => (2, u64::from(existed), 0),
         Applied::Counter { value, version } => (3, value, version),
@@ -456,7 +498,7 @@ fn decode_remembered(r: &mut Reader<'_>, v3: bool) -> Result<RememberedParts, Sn
     if !r.0.is_empty() {
         return Err(SnapshotError::Damaged(format!("{} bytes after the remembered writes", r.0.len())));
     }
-    Ok(RememberedParts { now_ms, writes })
+    Ok(RememberedParts { now_ms, writes, placement: None })
 }
 
 /// A shard's whole state as bytes in memory (tests, and in-memory
@@ -486,7 +528,14 @@ mod tests {
             let id = Some(WriteId { client: 1, seq: u64::from(i), retry_window_ms: 1000 * (1 + i % 4) });
             let now = 1_000_000 + u64::from(i) * 10;
             let put = super::super::apply::encode_put_with(format!("k{i}").as_bytes(), &i.to_le_bytes(), id, now);
-            super::super::apply::apply_once(&s, &mut seen, u64::from(i) + 1, &put).unwrap();
+            super::super::apply::apply_once(
+                &s,
+                &mut seen,
+                &mut crate::cluster::placement::Placement::all(),
+                u64::from(i) + 1,
+                &put,
+            )
+            .unwrap();
         }
         s.delete(b"k7").unwrap();
         (s, seen)
@@ -515,7 +564,7 @@ mod tests {
         assert_eq!((sum.at, sum.items, sum.bytes), (at, 199, bytes.len() as u64));
         let b = store();
         b.put(b"k7", b"stale").unwrap();
-        let (got_at, back) = restore(&b, &bytes[..]).unwrap();
+        let Restored { at: got_at, remembered: back, .. } = restore(&b, &bytes[..]).unwrap();
         assert_eq!(got_at, at);
         assert_eq!(b.get(b"k7").unwrap(), None);
         assert_eq!(b.get(b"k9").unwrap(), a.get(b"k9").unwrap());
@@ -552,15 +601,17 @@ mod tests {
         assert!(w.windows(2).all(|p| p[0].expires_ms <= p[1].expires_ms), "soonest to expire first");
         assert_eq!((w[0].seq, w[0].expires_ms), (0, 1_000_000 + 2000));
         let b = store();
-        let (_, mut back) = restore(&b, &bytes[..]).unwrap();
+        let Restored { remembered: mut back, .. } = restore(&b, &bytes[..]).unwrap();
         // The same entries forget the same writes on both, and answer alike.
         for step in 0..10u64 {
             let now = 1_000_000 + 1990 + step * 700;
             let retry =
                 encode_put_with(b"k3", b"again", Some(WriteId { client: 1, seq: 3, retry_window_ms: 4000 }), now);
             assert_eq!(
-                apply_once(&a, &mut seen, 300 + step, &retry).unwrap(),
-                apply_once(&b, &mut back, 300 + step, &retry).unwrap()
+                apply_once(&a, &mut seen, &mut crate::cluster::placement::Placement::all(), 300 + step, &retry)
+                    .unwrap(),
+                apply_once(&b, &mut back, &mut crate::cluster::placement::Placement::all(), 300 + step, &retry)
+                    .unwrap()
             );
             assert_eq!(back.to_parts(), seen.to_parts(), "at {now}");
         }
@@ -579,20 +630,58 @@ mod tests {
         let add = Put { mode: PutMode::Add as i32, write_id: id(2), ..set.clone() };
         let incr = Arith { key: "n".into(), delta: 1, write_id: id(3), ..Default::default() };
         let entries = [encode_write(set, now), encode_write(add, now), encode_arith(incr, now)];
-        let first: Vec<_> =
-            entries.iter().enumerate().map(|(i, e)| apply_once(&a, &mut seen, i as u64 + 1, e).unwrap()).collect();
+        let first: Vec<_> = entries
+            .iter()
+            .enumerate()
+            .map(|(i, e)| {
+                apply_once(&a, &mut seen, &mut crate::cluster::placement::Placement::all(), i as u64 + 1, e).unwrap()
+            })
+            .collect();
         assert_eq!(first[1], Applied::Refused(dmkv_common::error::Error::NotStored));
         assert_eq!(first[2], Applied::Counter { value: 42, version: 3 });
         let bytes = bytes_of(&a, &seen, Point { index: 3, term: 1 });
         let b = store();
-        let (_, mut back) = restore(&b, &bytes[..]).unwrap();
+        let Restored { remembered: mut back, .. } = restore(&b, &bytes[..]).unwrap();
         assert_eq!(back.to_parts(), seen.to_parts());
         // Sent again to the restored replica: answered as the first time,
         // and the counter not incremented twice.
         for (i, e) in entries.iter().enumerate() {
-            assert_eq!(apply_once(&b, &mut back, 10 + i as u64, e).unwrap(), first[i]);
+            assert_eq!(
+                apply_once(&b, &mut back, &mut crate::cluster::placement::Placement::all(), 10 + i as u64, e).unwrap(),
+                first[i]
+            );
         }
         assert_eq!(b.get(b"n").unwrap().unwrap(), (bytes::Bytes::from_static(b"42"), 3));
+    }
+
+    /// The placement travels with the items; a snapshot from before
+    /// placements (DMKVSNP4) carries none, so the first one holds.
+    #[test]
+    fn a_snapshot_carries_the_placement() {
+        use crate::cluster::placement::Placement;
+        let (a, seen) = sample();
+        let mut parts = seen.to_parts();
+        let mut placement = Placement::all();
+        let change = dmkv_common::proto::PlacementChange { version: 9, own: vec![], release: vec![3, 4000] };
+        assert_eq!(placement.apply(&change), Ok(true));
+        parts.placement = Some(placement.clone());
+        let at = Point { index: 250, term: 3 };
+        let bytes = encode(&a.view().unwrap(), &parts, at).unwrap();
+        validate(&bytes[..]).unwrap();
+        let got = restore(&store(), &bytes[..]).unwrap();
+        assert_eq!(got.placement, Some(placement));
+        // The same stream with no placement, as DMKVSNP4 wrote it.
+        let old = bytes_of(&a, &seen, at);
+        let flag = 8 + 24 + 4 + u32::from_le_bytes(old[32..36].try_into().unwrap()) as usize;
+        assert_eq!(old[flag], 0, "no placement");
+        let mut v4 = old[..flag].to_vec();
+        v4[..8].copy_from_slice(b"DMKVSNP4");
+        v4.extend_from_slice(&old[flag + 1..old.len() - 8]);
+        let sum = xxhash_rust::xxh3::xxh3_64(&v4);
+        v4.extend_from_slice(&sum.to_le_bytes());
+        let got = restore(&store(), &v4[..]).unwrap();
+        assert_eq!((got.at, got.placement), (at, None));
+        assert_eq!(got.remembered.to_parts(), seen.to_parts());
     }
 
     #[test]
@@ -625,7 +714,7 @@ mod tests {
         let sum = xxhash_rust::xxh3::xxh3_64(&body);
         body.extend_from_slice(&sum.to_le_bytes());
         let s = store();
-        let (at, back) = restore(&s, &body[..]).unwrap();
+        let Restored { at, remembered: back, .. } = restore(&s, &body[..]).unwrap();
         assert_eq!(at, Point { index: 7, term: 2 });
         let parts = back.to_parts();
         assert_eq!(parts.now_ms, 5000);

@@ -329,7 +329,8 @@ impl McKv<'_> {
                     target = Some(e.leader);
                     continue;
                 }
-                ErrorCode::NotLeader | ErrorCode::Busy | ErrorCode::ShuttingDown
+                // A partition that moved: this node's map catches up.
+                ErrorCode::NotLeader | ErrorCode::WrongShard | ErrorCode::Busy | ErrorCode::ShuttingDown
                     if tokio::time::Instant::now() < deadline =>
                 {
                     tokio::time::sleep(LEADER_POLL).await;

@@ -751,6 +751,7 @@ impl World {
         }
         let lease = if self.rules.publish_unapplied { core.lease_unapplied() } else { core.lease() };
         let applied = core.applied();
+        let placement = core.placement().version();
         if std::env::var("DMKV_SIM_TRACE").is_ok() && lease.is_some() && n.publisher.last.is_none() {
             let committed = core.replica().raft().raft.raft_log.committed;
             println!(
@@ -759,7 +760,7 @@ impl World {
                 i + 1
             );
         }
-        n.publisher.publish(lease, applied, || now);
+        n.publisher.publish(lease, applied, placement, || now);
         if let Some((term, _)) = lease {
             self.lease_terms.insert(term);
         }

@@ -216,7 +216,7 @@ fn start(w: &mut World, c: usize) {
                 node,
                 store,
                 clock,
-                start: AttemptStart::at(local),
+                start: AttemptStart::at(local, 1),
                 phase: Phase::Buckets,
                 at,
                 step: Err(()),
