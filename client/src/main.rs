@@ -523,7 +523,15 @@ fn cluster_status(seed: &Client, cfg: &ClientConfig) -> Result<String, String> {
                 }
             }
         }
-        let mut replicas: Vec<String> = sh.replicas.iter().map(u64::to_string).collect();
+        // The metadata group's nodes are those that hold a replica of it.
+        let placed: Vec<u64> = match sh.id == meta.id {
+            true => views.iter().filter(|v| v.local.iter().any(|r| r.shard == sh.id)).map(|v| v.node_id).collect(),
+            false => sh.replicas.clone(),
+        };
+        let mut replicas: Vec<String> = placed.iter().map(u64::to_string).collect();
+        if replicas.is_empty() {
+            replicas.push("-".into());
+        }
         if let Some((r, _)) = lead {
             // The members as the leader applied them: node.incarnation,
             // learners marked ~.

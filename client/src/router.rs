@@ -156,7 +156,8 @@ impl Routes {
     /// `tried` said it does not lead `shard`, naming `leader` if it knows
     /// one; returns whether the answer helped (else: pause, then go on).
     pub fn on_not_leader(&mut self, shard: ShardId, tried: NodeId, leader: Option<NodeId>) -> bool {
-        let replicas = &self.map.shards()[shard as usize].replicas;
+        // A newer map taken meanwhile may have fewer shards.
+        let Some(replicas) = self.map.shards().get(shard as usize).map(|s| &s.replicas) else { return false };
         match leader {
             Some(l) if l != tried && replicas.contains(&l) => {
                 self.hint.insert(shard, l);
@@ -175,7 +176,7 @@ impl Routes {
     }
 
     fn next_replica(&mut self, shard: ShardId, tried: NodeId) {
-        let replicas = &self.map.shards()[shard as usize].replicas;
+        let Some(replicas) = self.map.shards().get(shard as usize).map(|s| &s.replicas) else { return };
         let at = replicas.iter().position(|&n| n == tried).unwrap_or(0);
         self.hint.insert(shard, replicas[(at + 1) % replicas.len()]);
     }
@@ -231,6 +232,10 @@ pub struct Router {
 pub enum RetryPolicy {
     /// Reads: any failure may be retried.
     Always,
+    /// A read of keys split by shard: as `Always`, but a WRONG_SHARD
+    /// answer is returned (after the map is asked for again), for the
+    /// caller to split the keys anew.
+    Resplit,
     /// Writes with an id: any failure may be retried (the shard applies
     /// the write once), but once a try may have reached the shard, only
     /// within this window of it (see [`Resend`]).
@@ -390,7 +395,9 @@ impl Router {
     /// (rate-limited: `RouteView::refresh_due`).
     async fn refresh_if_stale(&self) {
         if self.view.refresh_due(std::time::Instant::now()) {
-            let _ = self.refresh().await;
+            // Within one try's time: a map that does not come now comes
+            // with a later request.
+            let _ = tokio::time::timeout(self.cfg.request_timeout, self.refresh()).await;
         }
     }
 
@@ -402,7 +409,23 @@ impl Router {
         F: Fn(Session) -> Fut,
         Fut: Future<Output = Result<T, ClientError>>,
     {
-        let mut attempts = Attempts::new(Instant::now(), self.deadline);
+        self.run_within(key, retry, self.deadline, op).await
+    }
+
+    /// [`Router::run`] within `budget` (what is left of a request that
+    /// runs several).
+    async fn run_within<T, F, Fut>(
+        &self,
+        key: &[u8],
+        retry: RetryPolicy,
+        budget: Duration,
+        op: F,
+    ) -> Result<T, ClientError>
+    where
+        F: Fn(Session) -> Fut,
+        Fut: Future<Output = Result<T, ClientError>>,
+    {
+        let mut attempts = Attempts::new(Instant::now(), budget);
         let mut last: Option<ClientError> = None;
         let mut resend = match retry {
             RetryPolicy::Identified(window) => Some(Resend::new(window)),
@@ -449,7 +472,11 @@ impl Router {
                         // map is asked for again, and the next try goes
                         // where it says.
                         Err(e) if e.code() == Some(ErrorCode::WrongShard) => {
-                            let _ = self.refresh().await;
+                            self.view.mark_stale();
+                            self.refresh_if_stale().await;
+                            if retry == RetryPolicy::Resplit {
+                                return Err(e);
+                            }
                             match attempts.after_redirect(Instant::now()) {
                                 Next::Now => {}
                                 Next::After(p) => tokio::time::sleep(p).await,
@@ -569,24 +596,52 @@ impl Router {
         one_sided: bool,
     ) -> Result<Vec<Option<Bytes>>, ClientError> {
         self.refresh_if_stale().await;
-        let split = self.routes().map().split_by_shard(keys);
-        let parts = split.into_iter().map(|(shard, idx)| async move {
-            let first = keys[idx[0]].as_ref();
-            let ks: Vec<&[u8]> = idx.iter().map(|&i| keys[i].as_ref()).collect();
-            let ks = &ks;
-            let values = self
-                .run(first, RetryPolicy::Always, |s| async move { s.shard_multi_get(shard, ks, one_sided).await })
-                .await?;
-            Ok::<_, ClientError>((idx, values))
-        });
         let mut out = vec![None; keys.len()];
-        for r in futures_util::future::join_all(parts).await {
-            let (idx, values) = r?;
-            for (i, v) in idx.into_iter().zip(values) {
-                out[i] = v;
+        let mut todo: Vec<usize> = (0..keys.len()).collect();
+        // Keys whose partition moved are split again by the map asked for
+        // since, until the one deadline of the whole request.
+        let mut attempts = Attempts::new(Instant::now(), self.deadline);
+        loop {
+            let Some(left) = attempts.start(Instant::now(), self.deadline) else {
+                return Err(ClientError::Timeout(self.deadline));
+            };
+            let routes = self.routes();
+            let mut split: std::collections::BTreeMap<ShardId, Vec<usize>> = Default::default();
+            for &i in &todo {
+                split.entry(routes.map().shard_of(keys[i].as_ref()).id).or_default().push(i);
+            }
+            let parts = split.into_iter().map(|(shard, idx)| async move {
+                let first = keys[idx[0]].as_ref();
+                let ks: Vec<&[u8]> = idx.iter().map(|&i| keys[i].as_ref()).collect();
+                let ks = &ks;
+                let got = self.run_within(first, RetryPolicy::Resplit, left, |s| async move {
+                    s.shard_multi_get(shard, ks, one_sided).await
+                });
+                (idx, got.await)
+            });
+            todo = Vec::new();
+            let mut moved = None;
+            for (idx, r) in futures_util::future::join_all(parts).await {
+                match r {
+                    Ok(values) => {
+                        for (i, v) in idx.into_iter().zip(values) {
+                            out[i] = v;
+                        }
+                    }
+                    Err(e) if e.code() == Some(ErrorCode::WrongShard) => {
+                        todo.extend(idx);
+                        moved = Some(e);
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            let Some(moved) = moved else { return Ok(out) };
+            match attempts.after_redirect(Instant::now()) {
+                Next::Now => {}
+                Next::After(p) => tokio::time::sleep(p).await,
+                Next::GiveUp => return Err(moved),
             }
         }
-        Ok(out)
     }
 }
 

@@ -29,6 +29,9 @@ use super::node::{ClusterError, ClusterNode};
 pub const MAP_KEY: &[u8] = b"map";
 /// How often a node asks the group for the map.
 pub const MAP_POLL: Duration = Duration::from_secs(1);
+/// Least time between two asks, however often the refresh is woken (a
+/// stream of refused keys wakes it for each).
+pub const MAP_ASK_GAP: Duration = Duration::from_millis(100);
 
 /// The map as the group stores it: its placement, no leaders.
 pub fn encode_map(map: &ClusterMap) -> Vec<u8> {
@@ -133,6 +136,7 @@ pub fn spawn_map_refresh(node: &Arc<ClusterNode>, mut stop: watch::Receiver<bool
     let weak = Arc::downgrade(node);
     let wake = node.map_wake();
     tokio::spawn(async move {
+        let mut last = tokio::time::Instant::now();
         loop {
             tokio::select! {
                 _ = tokio::time::sleep(MAP_POLL) => {}
@@ -142,6 +146,8 @@ pub fn spawn_map_refresh(node: &Arc<ClusterNode>, mut stop: watch::Receiver<bool
             if *stop.borrow() {
                 return;
             }
+            tokio::time::sleep_until(last + MAP_ASK_GAP).await;
+            last = tokio::time::Instant::now();
             let Some(node) = weak.upgrade() else { return };
             match node.fetch_meta_map().await {
                 Ok(map) => {

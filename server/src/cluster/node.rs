@@ -1028,6 +1028,14 @@ impl ClusterNode {
     /// leader; the old one is removed from the shard's members. Returns the
     /// new raft id.
     pub async fn replace_replica(&self, shard: ShardId) -> Result<u64, ClusterError> {
+        // The group's size was not the user's choice: with fewer than three
+        // members, the old member still counted would leave no quorum.
+        if shard == META_SHARD && self.meta_nodes.len() < 3 {
+            return Err(ClusterError::Failed(format!(
+                "the metadata group has {} members: a replica of it is replaced only in a group of three",
+                self.meta_nodes.len()
+            )));
+        }
         let Some(r) = self.replica(shard) else {
             return Err(ClusterError::Failed(format!("shard {shard} has no replica on node {}", self.id)));
         };
