@@ -450,23 +450,14 @@ impl Router {
                     if let Some(r) = &resend {
                         r.check(started)?;
                     }
-                    let failure = match op(s).await {
+                    // `redirect`: a refusal that changed nothing and says
+                    // where to go (not a try of a write that may have
+                    // applied): followed at once, a few times.
+                    let (redirect, failure) = match op(s).await {
                         Err(ClientError::NotLeader { leader, .. }) => {
                             let helped =
                                 self.routes.lock().expect("routes lock poisoned").on_not_leader(shard, node, leader);
-                            let e = ClientError::NotLeader { leader, map_version: 0 };
-                            if helped {
-                                // A refusal changed nothing: not a try of
-                                // the write that may have applied.
-                                match attempts.after_redirect(Instant::now()) {
-                                    Next::Now => {}
-                                    Next::After(p) => tokio::time::sleep(p).await,
-                                    Next::GiveUp => return Err(report(&resend, e)),
-                                }
-                                last = Some(e);
-                                continue;
-                            }
-                            e
+                            (helped, ClientError::NotLeader { leader, map_version: 0 })
                         }
                         // The key's partition moved: nothing changed. The
                         // map is asked for again, and the next try goes
@@ -477,27 +468,30 @@ impl Router {
                             if retry == RetryPolicy::Resplit {
                                 return Err(e);
                             }
-                            match attempts.after_redirect(Instant::now()) {
-                                Next::Now => {}
-                                Next::After(p) => tokio::time::sleep(p).await,
-                                Next::GiveUp => return Err(report(&resend, e)),
-                            }
-                            last = Some(e);
-                            continue;
+                            (true, e)
                         }
-                        Err(e) if e.code() == Some(ErrorCode::Busy) => e,
+                        Err(e) if e.code() == Some(ErrorCode::Busy) => (false, e),
                         // The write may or may not have committed: sent
                         // again with its id, it applies at most once.
                         // Every request this router sends may be sent again:
                         // reads, and writes with an id.
-                        Err(e) if e.code() == Some(ErrorCode::Uncertain) => e,
+                        Err(e) if e.code() == Some(ErrorCode::Uncertain) => (false, e),
                         Err(e) if e.is_transport() => {
                             self.forget(node).await;
                             self.routes.lock().expect("routes lock poisoned").on_unreachable(shard, node);
-                            e
+                            (false, e)
                         }
                         r => return r.map_err(|e| report(&resend, e)),
                     };
+                    if redirect {
+                        match attempts.after_redirect(Instant::now()) {
+                            Next::Now => {}
+                            Next::After(p) => tokio::time::sleep(p).await,
+                            Next::GiveUp => return Err(report(&resend, failure)),
+                        }
+                        last = Some(failure);
+                        continue;
+                    }
                     if let Some(r) = &mut resend {
                         r.failed(started, &failure);
                     }
@@ -534,7 +528,8 @@ impl Router {
         self.refresh_if_stale().await;
         // The shard as the map says on each try (a partition may move).
         self.run(key, RetryPolicy::Always, |s| async move {
-            let shard = self.routes().map().shard_of(key).id;
+            // Under the lock: a GET need not copy the whole map.
+            let shard = self.routes.lock().expect("routes lock poisoned").map().shard_of(key).id;
             s.shard_get(shard, key, one_sided).await
         })
         .await
