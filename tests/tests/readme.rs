@@ -168,16 +168,26 @@ fn set_flag(args: &mut Vec<String>, flag: &str, value: &str) {
 }
 
 /// A free loopback port to start the local cluster's ports from (clients
-/// on P..P+2, peers on P+100..P+102, memcached on P+200..P+202).
+/// on P..P+2, peers on P+100..P+102, memcached on P+200..P+202), below the
+/// kernel's ephemeral range: a port picked from that range can be handed
+/// to another test's outgoing connection between this check and the
+/// node's bind (two CI runs failed so).
 fn cluster_base_port() -> u16 {
-    for _ in 0..50 {
-        let p = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
-        let free = |q: u16| std::net::TcpListener::bind(("127.0.0.1", q)).is_ok();
-        if p < 60_000 && (0..3).all(|i| free(p + i) && free(p + 100 + i) && free(p + 200 + i)) {
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32_768);
+    let (from, to) = (10_000u16, low.saturating_sub(300).max(10_300));
+    // A start that differs per process, so parallel runs spread out.
+    let mut p = from + (std::process::id() % u32::from(to - from)) as u16;
+    let free = |q: u16| std::net::TcpListener::bind(("127.0.0.1", q)).is_ok();
+    for _ in 0..200 {
+        if (0..3).all(|i| free(p + i) && free(p + 100 + i) && free(p + 200 + i)) {
             return p;
         }
+        p = if p + 311 >= to { from + (p + 311 - to) } else { p + 311 };
     }
-    panic!("no free ports for the local cluster");
+    panic!("no free ports for the local cluster below {low}");
 }
 
 /// Runs the README's cluster script with the test's binaries and ports.
