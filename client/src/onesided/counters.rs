@@ -29,6 +29,15 @@ pub struct ReadCounters {
     pub fallbacks: AtomicU64,
     /// Batches of a cluster shard's region refused for want of a lease.
     pub unleased: AtomicU64,
+    /// Of those, refused because the lease's run began after the batch
+    /// did (a renewal late or just granted).
+    pub lease_not_yet: AtomicU64,
+    /// Of those, refused because the lease may have ended before the
+    /// batch's last read.
+    pub lease_expired: AtomicU64,
+    /// Of those, refused because the shard's partitions changed at a later
+    /// map version than the one the key was routed by.
+    pub stale_map: AtomicU64,
     /// Clock samples of a remote server that did not agree with the one
     /// before (a clock jumped or broke the drift bound): one-sided reads of
     /// its leased regions are refused until two agree again.
@@ -52,6 +61,9 @@ pub struct ReadStats {
     pub directory_reads: u64,
     pub fallbacks: u64,
     pub unleased: u64,
+    pub lease_not_yet: u64,
+    pub lease_expired: u64,
+    pub stale_map: u64,
     pub clock_disagreements: u64,
     pub rpc_gets: u64,
 }
@@ -71,6 +83,9 @@ impl ReadCounters {
             directory_reads: l(&self.directory_reads),
             fallbacks: l(&self.fallbacks),
             unleased: l(&self.unleased),
+            lease_not_yet: l(&self.lease_not_yet),
+            lease_expired: l(&self.lease_expired),
+            stale_map: l(&self.stale_map),
             clock_disagreements: l(&self.clock_disagreements),
             rpc_gets: l(&self.rpc_gets),
         }

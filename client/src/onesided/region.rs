@@ -439,12 +439,23 @@ impl OneSided {
         match lease::check(clock, self.header.hash_seed, tail.lease(reads), reads.stamps, start, ended) {
             Ok(()) => Ok(()),
             Err(why) => {
-                if let (dmkv_common::cluster::lease::Distrust::StaleMap, Some((_, Some(view)))) = (why, &self.route) {
+                use dmkv_common::cluster::lease::Distrust;
+                if let (Distrust::StaleMap, Some((_, Some(view)))) = (why, &self.route) {
                     // The router asks for the map again (the read goes
                     // over RPC, which may well succeed and say nothing).
                     view.mark_stale();
                 }
-                self.counters.unleased.fetch_add(1, Ordering::Relaxed);
+                let c = &self.counters;
+                let why_counter = match why {
+                    Distrust::NoLease => None,
+                    Distrust::NotYet => Some(&c.lease_not_yet),
+                    Distrust::Expired => Some(&c.lease_expired),
+                    Distrust::StaleMap => Some(&c.stale_map),
+                };
+                if let Some(n) = why_counter {
+                    n.fetch_add(1, Ordering::Relaxed);
+                }
+                c.unleased.fetch_add(1, Ordering::Relaxed);
                 Err(BackendError::Unleased)
             }
         }
