@@ -166,6 +166,15 @@ impl Client {
         self.run(self.inner.replace_replica(shard))
     }
 
+    /// See [`AsyncClient::move_partition`].
+    pub fn move_partition(
+        &self,
+        partition: u32,
+        to: u32,
+    ) -> Result<dmkv_common::proto::MovePartitionReply, ClientError> {
+        self.run(self.inner.move_partition(partition, to))
+    }
+
     /// See [`AsyncClient::read_stats`].
     pub fn read_stats(&self) -> crate::ReadStats {
         self.inner.read_stats()

@@ -278,6 +278,11 @@ impl Client {
         self.inner.node.replace_replica(shard).await
     }
 
+    /// See [`crate::session::Session::move_partition`].
+    pub async fn move_partition(&self, partition: u32, to: u32) -> Result<proto::MovePartitionReply, ClientError> {
+        self.inner.node.move_partition(partition, to).await
+    }
+
     /// The cluster map as this node knows it, checked.
     pub async fn cluster_map(&self) -> Result<dmkv_common::cluster::map::ClusterMap, ClientError> {
         self.inner.node.cluster_map().await

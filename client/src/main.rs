@@ -121,6 +121,16 @@ enum ClusterCmd {
         #[arg(long)]
         node: u64,
     },
+    /// Move a partition (0 to 4095) to another shard while clients read
+    /// and write it: copied, caught up, then cut over with its writes
+    /// paused for the last round (docs/elasticity.md). Asked of the node
+    /// leading the metadata group, wherever this command is pointed.
+    MovePartition {
+        partition: u32,
+        /// The shard it moves to.
+        #[arg(long)]
+        to: u32,
+    },
 }
 
 fn main() -> ExitCode {
@@ -372,8 +382,59 @@ fn run(cli: Cli, explicit: Explicit) -> Result<ExitCode, Failure> {
             .map_err(written)?;
             Ok(ExitCode::SUCCESS)
         }
+        Cmd::Cluster { cmd: ClusterCmd::MovePartition { partition, to } } => {
+            let r = move_partition(&client, &cfg, partition, to)?;
+            writeln!(
+                stdout,
+                "partition {partition} moved from shard {} to shard {to} (map version {}): {} keys, {} bytes, {} \
+                 catch-up rounds; writes paused {:.3} ms; {} ms in all",
+                r.from,
+                r.version,
+                r.keys,
+                r.bytes,
+                r.rounds,
+                r.pause_us as f64 / 1000.0,
+                r.total_ms
+            )
+            .map_err(written)?;
+            Ok(ExitCode::SUCCESS)
+        }
         Cmd::Bench { .. } => unreachable!("handled before connecting"),
     }
+}
+
+/// Asks the metadata group's leader to move a partition: the nodes in
+/// turn (the group's are the first by id), following NOT_LEADER.
+fn move_partition(
+    client: &Client,
+    cfg: &ClientConfig,
+    partition: u32,
+    to: u32,
+) -> Result<dmkv_common::proto::MovePartitionReply, String> {
+    let map = client.cluster_status().map_err(|e| format!("{e} (is this server a cluster node?)"))?;
+    let mut nodes: Vec<(u64, String)> = map.nodes.iter().map(|n| (n.id, n.rpc.clone())).collect();
+    nodes.sort();
+    let mut last = String::from("the cluster has no nodes");
+    let mut next = nodes.first().map(|n| n.0);
+    let mut asked = std::collections::BTreeSet::new();
+    while let Some(id) = next.take() {
+        asked.insert(id);
+        let addr = &nodes.iter().find(|n| n.0 == id).ok_or_else(|| format!("node {id} is not in the map"))?.1;
+        let answer = Client::connect_with(addr.clone(), cfg.clone()).and_then(|c| c.move_partition(partition, to));
+        match answer {
+            Ok(r) => return Ok(r),
+            Err(dmkv_client::ClientError::NotLeader { leader, .. }) => {
+                last = format!("node {id} does not lead the metadata group");
+                next = leader.filter(|l| !asked.contains(l));
+            }
+            Err(e) => return Err(format!("node {id}: {e}")),
+        }
+        // No leader named: the next of the group's nodes not asked yet.
+        if next.is_none() {
+            next = nodes.iter().take(3).map(|n| n.0).find(|n| !asked.contains(n));
+        }
+    }
+    Err(last)
 }
 
 /// A node `dmkv top` watches.

@@ -977,6 +977,16 @@ impl Session {
         }
     }
 
+    /// Admin: moves partition `partition` to shard `to` while clients use
+    /// it; the node must lead the cluster's metadata group (else
+    /// NOT_LEADER naming the node that does). Answers once the map flipped.
+    pub async fn move_partition(&self, partition: u32, to: u32) -> Result<proto::MovePartitionReply, ClientError> {
+        match self.inner.pool.call(Op::MovePartition(proto::MovePartition { partition, to })).await? {
+            R::MovePartition(r) => Ok(r),
+            other => Err(unexpected(&other)),
+        }
+    }
+
     /// The cluster map as this node knows it, checked.
     pub async fn cluster_map(&self) -> Result<dmkv_common::cluster::map::ClusterMap, ClientError> {
         let m = self.cluster_status().await?;

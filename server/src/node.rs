@@ -367,6 +367,14 @@ impl Node {
         Ok(self.cluster_only()?.replace_replica(shard).await?)
     }
 
+    pub async fn move_work(&self, w: proto::MoveWork) -> Result<proto::MoveWorkReply, NodeError> {
+        Ok(self.cluster_only()?.move_work(w).await?)
+    }
+
+    pub async fn move_partition(&self, partition: u32, to: ShardId) -> Result<proto::MovePartitionReply, NodeError> {
+        Ok(self.cluster_only()?.move_partition(partition, to).await?)
+    }
+
     pub async fn receive_snapshot(&self, c: proto::SnapshotChunk) -> Result<proto::SnapshotChunkReply, NodeError> {
         Ok(self.cluster_only()?.receive_snapshot(c).await?)
     }

@@ -404,7 +404,7 @@ fn needed_role(op: &Op) -> Role {
         // Never served on the client port (`misplaced`); admin all the
         // same, should that check ever go.
         Op::Raft(_) | Op::JoinShard(_) | Op::SnapshotChunk(_) => Role::Admin,
-        Op::Reregister(_) | Op::ReplaceReplica(_) => Role::Admin,
+        Op::Reregister(_) | Op::ReplaceReplica(_) | Op::MovePartition(_) | Op::MoveWork(_) => Role::Admin,
         // Walks every store under its writer lock: a diagnosis, not data.
         Op::Stats(s) if s.digests => Role::Admin,
         _ => Role::Data,
@@ -416,11 +416,14 @@ fn needed_role(op: &Op) -> Role {
 /// port, from the node it says it is from; the peer port serves nothing
 /// else. Checked before roles: no role's secret makes raft traffic right.
 fn misplaced(shared: &Shared, conn: &ConnState, op: &Op) -> Option<String> {
-    let cluster_traffic =
-        matches!(op, Op::Raft(_) | Op::GetMap(_) | Op::MetaMap(_) | Op::JoinShard(_) | Op::SnapshotChunk(_))
-            || forwarded(op);
+    let cluster_traffic = matches!(
+        op,
+        Op::Raft(_) | Op::GetMap(_) | Op::MetaMap(_) | Op::JoinShard(_) | Op::SnapshotChunk(_) | Op::MoveWork(_)
+    ) || forwarded(op);
     if !conn.peer_port {
-        return matches!(op, Op::Raft(_) | Op::JoinShard(_) | Op::SnapshotChunk(_) | Op::FlushAll(_)).then(|| {
+        let peer_only =
+            matches!(op, Op::Raft(_) | Op::JoinShard(_) | Op::SnapshotChunk(_) | Op::FlushAll(_) | Op::MoveWork(_));
+        return peer_only.then(|| {
             "raft traffic and joins are taken on a cluster node's peer port only (the cluster file's `peer` \
              address), from a node proving its own node secret"
                 .into()
@@ -708,6 +711,8 @@ pub(crate) async fn node_op(shared: &Shared, op: Op) -> Result<R, proto::Error> 
             .await
             .map(|replica_id| R::ReplaceReplica(proto::ReplaceReplicaReply { replica_id })),
         Op::SnapshotChunk(c) => node.receive_snapshot(c).await.map(R::SnapshotChunk),
+        Op::MoveWork(w) => node.move_work(w).await.map(R::MoveWork),
+        Op::MovePartition(m) => node.move_partition(m.partition, m.to).await.map(R::MovePartition),
         Op::FlushAll(_) => node.flush_led().await.map(|items| R::FlushAll(proto::FlushAllReply { items })),
         Op::Raft(batch) => {
             return match &shared.raft {

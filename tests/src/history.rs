@@ -111,6 +111,25 @@ impl Clients {
         Clients { keys, writer, readers }
     }
 
+    /// [`Clients::connect`] for the keys given (of any shards).
+    pub async fn connect_keys(
+        c: &TestCluster,
+        via: usize,
+        keys: Vec<String>,
+        check_leases: bool,
+        paths: &[(ReadPath, Option<Transport>)],
+    ) -> Clients {
+        let writer =
+            Client::connect_with(c.rpc(via), client_config(ReadPath::Rpc, None, check_leases)).await.expect("connect");
+        for k in &keys {
+            put_surely(&writer, k, "0").await;
+        }
+        let readers = connect_readers(c.rpc(via).to_string(), keys.clone(), check_leases, paths.to_vec()).await;
+        let runtime = tokio::runtime::Handle::current();
+        let readers = readers.into_iter().map(|client| Reader { client, runtime: runtime.clone() }).collect();
+        Clients { keys, writer, readers }
+    }
+
     /// Adds readers of `paths` connected through node index `via`, made,
     /// attached and run on `rt`'s worker threads (not the caller's).
     pub fn add_readers(

@@ -82,6 +82,8 @@ pub enum MapError {
     Replicas(ShardId),
     #[error("shard {shard}: leader {node} is not one of its replicas")]
     Leader { shard: ShardId, node: NodeId },
+    #[error("the move under way is not valid: {0}")]
+    Moving(&'static str),
 }
 
 /// One shard: its replicas and what is known of its leader.
@@ -106,6 +108,19 @@ pub struct ClusterMap {
     shards: Vec<ShardInfo>,
     /// Node ids and their RPC addresses.
     pub nodes: BTreeMap<NodeId, String>,
+    /// A partition move under way: no other change of the placement is
+    /// made until it flips or is abandoned (docs/elasticity.md).
+    pub moving: Option<Moving>,
+}
+
+/// A partition move recorded in the map at its plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Moving {
+    pub partition: u32,
+    pub from: ShardId,
+    pub to: ShardId,
+    /// The map version the move flips to.
+    pub version: u64,
 }
 
 impl ClusterMap {
@@ -131,7 +146,13 @@ impl ClusterMap {
             })
             .collect::<Vec<_>>();
         let n = shards.len() as u32;
-        let map = ClusterMap { version: 1, partitions: (0..PARTITIONS).map(|p| p % n).collect(), shards, nodes };
+        let map = ClusterMap {
+            version: 1,
+            partitions: (0..PARTITIONS).map(|p| p % n).collect(),
+            shards,
+            nodes,
+            moving: None,
+        };
         map.validate()?;
         Ok(map)
     }
@@ -151,6 +172,17 @@ impl ClusterMap {
         for (p, &s) in self.partitions.iter().enumerate() {
             if s as usize >= self.shards.len() {
                 return Err(MapError::UnknownShard { partition: p as u32, shard: s });
+            }
+        }
+        if let Some(m) = self.moving {
+            if m.partition >= PARTITIONS || m.to as usize >= self.shards.len() || m.from == m.to {
+                return Err(MapError::Moving("a partition or shard that does not exist, or a move to where it is"));
+            }
+            if self.partitions[m.partition as usize] != m.from {
+                return Err(MapError::Moving("the partition is not on the shard it moves from"));
+            }
+            if m.version <= self.version {
+                return Err(MapError::Moving("it flips to a version not past the map's"));
             }
         }
         for (i, sh) in self.shards.iter().enumerate() {
@@ -253,6 +285,12 @@ impl ClusterMap {
                 })
                 .collect(),
             nodes: self.nodes.iter().map(|(&id, rpc)| crate::proto::NodeAddr { id, rpc: rpc.clone() }).collect(),
+            moving: self.moving.map(|m| crate::proto::MapMove {
+                partition: m.partition,
+                from: m.from,
+                to: m.to,
+                version: m.version,
+            }),
             ..Default::default()
         }
     }
@@ -276,6 +314,12 @@ impl ClusterMap {
                 })
                 .collect(),
             nodes: m.nodes.iter().map(|n| (n.id, n.rpc.clone())).collect(),
+            moving: m.moving.as_ref().map(|m| Moving {
+                partition: m.partition,
+                from: m.from,
+                to: m.to,
+                version: m.version,
+            }),
         };
         map.validate()?;
         Ok(map)

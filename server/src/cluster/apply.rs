@@ -2,14 +2,16 @@
 //! applies the same commands in the same order, so their stores hold the
 //! same keys, values and versions.
 
-use dmkv_common::error::Error;
+use dmkv_common::error::{Error, check_key, check_value};
 use dmkv_common::proto::{self, raft_command::Op};
 use prost::Message;
 use thiserror::Error;
 
-use super::placement::Placement;
+use super::noted::Noted;
+use super::placement::{MAX_VERSION, Placement};
 use crate::kv::{self, Item};
 use crate::store::Store;
+use dmkv_common::cluster::map::partition_of;
 
 /// What applying one entry did: the same on every replica, since each
 /// decides it from the log alone (the entry, the store the earlier
@@ -55,6 +57,18 @@ pub enum Applied {
     /// older than the shard's placement changes nothing).
     Placement {
         changed: bool,
+    },
+    /// A copy of items of an incoming partition: how many changed the
+    /// store, and how many were skipped (ones no source could hold, or all
+    /// of them when the shard takes no copy for that move).
+    Ingested {
+        items: u64,
+        skipped: u64,
+    },
+    /// A move step: whether the shard records the move after it (a
+    /// WATCH or TAKE asked again still does; a FORGET leaves none).
+    Moving {
+        recorded: bool,
     },
 }
 
@@ -188,6 +202,21 @@ pub fn encode_evict(items: Vec<(Vec<u8>, u64)>, now_ms: u64) -> Vec<u8> {
 /// The log entry data of a flush of the whole shard.
 pub fn encode_flush_all(now_ms: u64) -> Vec<u8> {
     command(Op::FlushAll(proto::FlushAll {}), now_ms)
+}
+
+/// The log entry data of a copy of items of `partition` from the shard it
+/// leaves, for the move at map version `move_version` (each key as the
+/// source held it when its next version was `source_version`, or its
+/// absence).
+pub fn encode_ingest(partition: u32, move_version: u64, source_version: u64, items: Vec<proto::IngestItem>) -> Vec<u8> {
+    // No clock: a copy judges nothing by time.
+    command(Op::Ingest(proto::Ingest { partition, items, move_version, source_version }), 0)
+}
+
+/// The log entry data of a step of the move of `partition` at map version
+/// `version`.
+pub fn encode_move_step(partition: u32, version: u64, kind: proto::move_step::Kind) -> Vec<u8> {
+    command(Op::MoveStep(proto::MoveStep { partition, version, kind: kind as i32 }), 0)
 }
 
 /// The log entry data of a change of the partitions the shard owns, for
@@ -351,14 +380,15 @@ pub struct RememberedStats {
 /// Applies the data of the committed entry at `index` to `store`, for a
 /// shard that owns every partition.
 pub fn apply(store: &Store, index: u64, data: &[u8]) -> Result<Applied, ApplyError> {
-    apply_once(store, &mut Remembered::default(), &mut Placement::all(), index, data)
+    apply_once(store, &mut Remembered::default(), &mut Placement::all(), &mut Noted::default(), index, data)
 }
 
 /// [`apply`], except that a write whose id `seen` remembers is not
 /// applied again: it is answered as the first time.
 ///
-/// A write's version is its entry's index: the same on every replica, in
-/// log order, whatever else a store did (an emptied store replaying its
+/// A write's version is its entry's index (plus the shard's version skew,
+/// after a copy from another shard): the same on every replica,
+/// in log order, whatever else a store did (an emptied store replaying its
 /// log, or writes refused for want of room and retried), so a version a
 /// client saw on one leader means the same on the next, and a CAS names
 /// the same item on every replica.
@@ -378,6 +408,7 @@ pub fn apply_once(
     store: &Store,
     seen: &mut Remembered,
     placement: &mut Placement,
+    noted: &mut Noted,
     index: u64,
     data: &[u8],
 ) -> Result<Applied, ApplyError> {
@@ -389,7 +420,13 @@ pub fn apply_once(
     // the same writes here, and judges expiry alike.
     seen.advance(cmd.now_ms);
     let now = seen.now_ms;
-    let version = Some(index);
+    // The entry's index plus the shard's version skew: zero until the
+    // shard took items from another whose versions ran ahead of this log
+    // (an Ingest raises it past them), so a key's versions only go up and
+    // a version names one item of it. The skew is raised from what the
+    // entries carry, never from what a replica's store did, so it is the
+    // same on every replica.
+    let version = Some(index.saturating_add(placement.version_skew()));
     let (id, result) = match cmd.op {
         Some(Op::Put(p) | Op::Write(p)) => {
             if let Some(a) = seen.get(p.write_id.as_ref()) {
@@ -398,6 +435,7 @@ pub fn apply_once(
             if !placement.owns_key(&p.key) {
                 return Ok(Applied::WrongShard);
             }
+            noted.note(placement, &p.key);
             let w = kv::write_of(&p, now);
             (p.write_id, store.write_versioned(&p.key, &w, now, version).map(|m| Applied::Put { version: m.version }))
         }
@@ -408,6 +446,7 @@ pub fn apply_once(
             if !placement.owns_key(&d.key) {
                 return Ok(Applied::WrongShard);
             }
+            noted.note(placement, &d.key);
             (d.write_id, store.delete_if(&d.key, d.cas, now).map(|existed| Applied::Delete { existed }))
         }
         Some(Op::Arith(a)) => {
@@ -417,6 +456,7 @@ pub fn apply_once(
             if !placement.owns_key(&a.key) {
                 return Ok(Applied::WrongShard);
             }
+            noted.note(placement, &a.key);
             let r = store
                 .arith_versioned(&a.key, &kv::arith_of(&a, now), now, version)
                 .map(|(value, m)| Applied::Counter { value, version: m.version });
@@ -426,21 +466,42 @@ pub fn apply_once(
         // is timed again by the leader it reaches.
         Some(Op::Touch(t)) if !placement.owns_key(&t.key) => return Ok(Applied::WrongShard),
         Some(Op::Touch(t)) => {
+            noted.note(placement, &t.key);
             (None, store.touch(&t.key, t.expires_at, now).map(|item| Applied::Touched { item: item.map(Box::new) }))
         }
-        Some(Op::FlushAll(_)) => (None, Ok(Applied::Flushed { items: store.clear_all() })),
+        Some(Op::FlushAll(_)) => {
+            noted.all_whole(placement);
+            (None, Ok(Applied::Flushed { items: store.clear_all() }))
+        }
         // Each item only if it is still the version the leader chose (a
         // write since made a new one, which stays); a key already gone is
         // nothing to do. Every replica removes the same items.
         Some(Op::Evict(e)) => {
             let mut items = 0;
             for it in &e.items {
+                noted.note(placement, &it.key);
                 if it.version != 0 && matches!(store.delete_if(&it.key, it.version, now), Ok(true)) {
                     items += 1;
                 }
             }
             store.counters.evictions.fetch_add(items, std::sync::atomic::Ordering::Relaxed);
             (None, Ok(Applied::Evicted { items }))
+        }
+        // A copy is taken only for the move this shard records as its
+        // target, while it does not own the partition: once it owns it, its
+        // own writes are newer than anything a copy could carry, and a copy
+        // of an abandoned move comes too late.
+        Some(Op::Ingest(g)) if !placement.takes(g.partition, g.move_version) => {
+            return Ok(Applied::Ingested { items: 0, skipped: g.items.len() as u64 });
+        }
+        Some(Op::Ingest(g)) => return ingest(store, placement, index, &g),
+        Some(Op::MoveStep(m)) => {
+            if let Err(e) = placement.apply_step(&m) {
+                tracing::warn!("move step at {index} refused: {e:?}");
+            }
+            noted.retain_watched(placement);
+            let recorded = placement.moves().iter().any(|r| r.partition == m.partition && r.version == m.version);
+            return Ok(Applied::Moving { recorded });
         }
         // A change naming what cannot be changes nothing, alike on every
         // replica (stopping here would stop the followers and not the
@@ -460,6 +521,42 @@ pub fn apply_once(
     };
     seen.insert(id.as_ref(), &applied);
     Ok(applied)
+}
+
+/// Applies a copy of items of a partition moving here (see `Op::Ingest`).
+/// What no source could hold is skipped, alike on every replica (a key of
+/// another partition or past the limits, a version of 0 or past
+/// [`MAX_VERSION`]), and counted: the mover fails the move on any. Applied
+/// again whole after a stall for room, which changes nothing: an item
+/// replaces only an older one, an absence removes only an older one.
+fn ingest(store: &Store, placement: &mut Placement, index: u64, g: &proto::Ingest) -> Result<Applied, ApplyError> {
+    let fits = |it: &&proto::IngestItem| {
+        partition_of(&it.key) == g.partition
+            && check_key(&it.key).is_ok()
+            && (1..=MAX_VERSION).contains(&it.version)
+            && (!it.present || check_value(&it.value).is_ok())
+    };
+    let above = g.source_version.min(MAX_VERSION);
+    let mut highest = above;
+    for it in g.items.iter().filter(fits) {
+        highest = highest.max(it.version.saturating_add(1).min(MAX_VERSION));
+    }
+    // Before the store changes: an entry stalled for room and applied again
+    // raises it to the same value.
+    placement.raise_version_skew(index, highest);
+    let (mut items, mut skipped) = (0, 0);
+    for it in &g.items {
+        if !fits(&it) {
+            skipped += 1;
+            continue;
+        }
+        let changed = match it.present {
+            true => store.ingest(&it.key, &it.value, it.version, it.flags, it.expires_at)?,
+            false => store.ingest_absence(&it.key, it.version)?,
+        };
+        items += u64::from(changed);
+    }
+    Ok(Applied::Ingested { items, skipped })
 }
 
 #[cfg(test)]
@@ -516,7 +613,8 @@ mod tests {
         use dmkv_common::cluster::map::partition_of;
         let s = store("moved");
         let (mut seen, mut placement) = (Remembered::default(), Placement::all());
-        let mut run = |data: &[u8]| apply_once(&s, &mut seen, &mut placement, next(), data).unwrap();
+        let mut run =
+            |data: &[u8]| apply_once(&s, &mut seen, &mut placement, &mut Default::default(), next(), data).unwrap();
         let put = encode_put_with(b"k", b"1", id(3, 1, 0), 0);
         assert!(matches!(run(&put), Applied::Put { .. }));
         let p = partition_of(b"k");
@@ -532,10 +630,133 @@ mod tests {
         assert_eq!(run(&encode_put(b"k", b"3")), Applied::WrongShard);
         assert_eq!(run(&encode_placement(3, vec![p], vec![], 0)), Applied::Placement { changed: true });
         assert!(matches!(run(&encode_put(b"k", b"3")), Applied::Put { .. }));
-        let bad = apply_once(&s, &mut seen, &mut placement, next(), &encode_placement(4, vec![1 << 20], vec![], 0));
+        let bad = apply_once(
+            &s,
+            &mut seen,
+            &mut placement,
+            &mut Default::default(),
+            next(),
+            &encode_placement(4, vec![1 << 20], vec![], 0),
+        );
         assert_eq!(bad.unwrap(), Applied::Placement { changed: false }, "changes nothing, on every replica");
         assert_eq!(placement.version(), 3);
         assert_eq!(s.get(b"k").unwrap().unwrap().0, bytes::Bytes::from_static(b"3"));
+    }
+
+    /// A copy of an incoming partition keeps the source's versions, takes
+    /// only keys of that partition and only for the move the shard records
+    /// as its target, replaces only older items (so a copy applied again,
+    /// or out of order, changes nothing), removes what the source no longer
+    /// had, and comes too late once the partition is owned; writes after it
+    /// get versions above every version the source gave, on every replica
+    /// alike.
+    #[test]
+    fn an_incoming_partition_keeps_its_versions_and_later_writes_go_above_them() {
+        use proto::move_step::Kind;
+        let key_in = |p: u32, n: usize| -> Vec<Vec<u8>> {
+            (0..).map(|i| format!("key{i}").into_bytes()).filter(|k| partition_of(k) == p).take(n).collect()
+        };
+        let p = partition_of(b"incoming");
+        let other = (p + 1) % dmkv_common::cluster::map::PARTITIONS;
+        let [a, b, c, d, e]: [Vec<u8>; 5] = key_in(p, 5).try_into().unwrap();
+        let stranger = key_in(other, 1).remove(0);
+        let (s1, s2) = (store("ingest-a"), store("ingest-b"));
+        let mut outcomes = Vec::new();
+        for s in [&s1, &s2] {
+            let (mut seen, mut placement, mut noted) = (Remembered::default(), Placement::all(), Noted::default());
+            let mut run =
+                |index: u64, data: &[u8]| apply_once(s, &mut seen, &mut placement, &mut noted, index, data).unwrap();
+            assert_eq!(run(1, &encode_placement(2, vec![], vec![p], 0)), Applied::Placement { changed: true });
+            assert!(matches!(run(2, &encode_put(&c, b"old")), Applied::WrongShard));
+            let item = |key: &[u8], value: &[u8], version| proto::IngestItem {
+                key: key.to_vec().into(),
+                present: true,
+                value: value.to_vec().into(),
+                version,
+                flags: 7,
+                expires_at: 0,
+            };
+            let gone =
+                |key: &[u8], version| proto::IngestItem { key: key.to_vec().into(), version, ..Default::default() };
+            // No record of the move yet: nothing is taken.
+            let early = encode_ingest(p, 3, 1200, vec![item(&e, b"early", 10)]);
+            assert_eq!(run(3, &early), Applied::Ingested { items: 0, skipped: 1 });
+            assert_eq!(run(4, &encode_move_step(p, 3, Kind::Take)), Applied::Moving { recorded: true });
+            // What no shard could hold is skipped: a version of 0 or past
+            // the bound, an oversized value, another partition's key.
+            let huge = vec![0u8; dmkv_common::limits::MAX_VALUE_LEN + 1];
+            let copy = vec![
+                item(&a, b"va", 1000),
+                item(&b, b"vb", 900),
+                item(&stranger, b"no", 5),
+                item(&d, b"zero", 0),
+                item(&d, b"max", u64::MAX),
+                item(&d, &huge, 7),
+            ];
+            assert_eq!(run(5, &encode_ingest(p, 3, 1200, copy.clone())), Applied::Ingested { items: 2, skipped: 4 });
+            assert_eq!(run(6, &encode_ingest(p, 3, 1200, copy)), Applied::Ingested { items: 0, skipped: 4 }, "again");
+            // A catch-up round: b went at the source, a changed; an older
+            // copy of a arriving after it changes nothing.
+            let round = vec![gone(&b, 1300), item(&a, b"va2", 1250)];
+            assert_eq!(run(7, &encode_ingest(p, 3, 1300, round)), Applied::Ingested { items: 2, skipped: 0 });
+            let older = vec![item(&a, b"va", 1000), gone(&a, 1100)];
+            assert_eq!(run(8, &encode_ingest(p, 3, 1200, older)), Applied::Ingested { items: 0, skipped: 0 });
+            // Another move's copy is not this one's.
+            let stray = encode_ingest(p, 4, 1300, vec![item(&e, b"stray", 10)]);
+            assert_eq!(run(9, &stray), Applied::Ingested { items: 0, skipped: 1 });
+            assert_eq!(run(10, &encode_placement(3, vec![p], vec![], 0)), Applied::Placement { changed: true });
+            let late = encode_ingest(p, 3, 1300, vec![item(&a, b"stale", 1290)]);
+            assert_eq!(run(11, &late), Applied::Ingested { items: 0, skipped: 1 });
+            let Applied::Put { version } = run(12, &encode_put(&a, b"new")) else { panic!("a write of an owned key") };
+            let Applied::Put { version: next } = run(13, &encode_put(&c, b"c")) else { panic!("a write") };
+            outcomes.push((version, next));
+        }
+        assert_eq!(outcomes[0], outcomes[1], "the same versions on every replica");
+        let (version, next) = outcomes[0];
+        assert!(version >= 1300 && next > version, "versions go up past the source's: {version}, {next}");
+        assert!(version < 1400, "the skew is raised from what the copies carried: {version}");
+        let (value, meta) = s1.get(&a).unwrap().unwrap();
+        assert_eq!((value, meta), (bytes::Bytes::from_static(b"new"), version));
+        assert!(s1.get(&b).unwrap().is_none(), "removed as the source had it");
+        assert!(s1.get(&stranger).unwrap().is_none(), "another partition's key is not taken");
+        assert!(s1.get(&d).unwrap().is_none(), "nothing a shard could not hold is taken");
+        assert!(s1.get(&e).unwrap().is_none(), "nothing taken before the move's record or for another move");
+    }
+
+    /// A source notes the keys its log writes in a partition it watches,
+    /// every kind of write and eviction alike; a flush makes the partition
+    /// whole; a released partition's writes are refused, not noted.
+    #[test]
+    fn a_watched_partition_notes_every_key_its_log_writes() {
+        use proto::move_step::Kind;
+        let p = partition_of(b"watched");
+        let keys: Vec<Vec<u8>> =
+            (0..).map(|i| format!("w{i}").into_bytes()).filter(|k| partition_of(k) == p).take(6).collect();
+        let outside = (0..).map(|i| format!("o{i}").into_bytes()).find(|k| partition_of(k) != p).unwrap();
+        let s = store("noting");
+        let (mut seen, mut placement, mut noted) = (Remembered::default(), Placement::all(), Noted::default());
+        let mut run = |noted: &mut Noted, index: u64, data: &[u8]| {
+            apply_once(&s, &mut seen, &mut placement, noted, index, data).unwrap()
+        };
+        run(&mut noted, 1, &encode_put(&keys[0], b"before the watch"));
+        assert_eq!(run(&mut noted, 2, &encode_move_step(p, 5, Kind::Watch)), Applied::Moving { recorded: true });
+        run(&mut noted, 3, &encode_put(&keys[1], b"1"));
+        run(&mut noted, 4, &encode_put(&outside, b"1"));
+        run(&mut noted, 5, &encode_delete(&keys[2]));
+        let incr = proto::Arith { key: keys[3].clone().into(), delta: 1, vivify: true, ..Default::default() };
+        run(&mut noted, 6, &encode_arith(incr, 0));
+        run(&mut noted, 7, &encode_touch(proto::Touch { key: keys[4].clone().into(), ..Default::default() }, 0));
+        let evict = proto::Evict { items: vec![proto::EvictItem { key: keys[0].clone().into(), version: 1 }] };
+        run(&mut noted, 8, &command(Op::Evict(evict), 0));
+        let got = noted.take(p);
+        let want: std::collections::HashSet<bytes::Bytes> =
+            [0, 1, 2, 3, 4].iter().map(|&i| bytes::Bytes::from(keys[i].clone())).collect();
+        assert_eq!((got.keys, got.whole), (want, false));
+        run(&mut noted, 9, &encode_flush_all(0));
+        assert!(noted.take(p).whole, "a flush names no keys");
+        assert_eq!(run(&mut noted, 10, &encode_placement(5, vec![], vec![p], 0)), Applied::Placement { changed: true });
+        assert_eq!(run(&mut noted, 11, &encode_put(&keys[5], b"after")), Applied::WrongShard);
+        assert!(noted.take(p).keys.is_empty(), "refused, not noted");
     }
 
     thread_local!(static INDEX: std::cell::Cell<u64> = const { std::cell::Cell::new(0) });
@@ -561,43 +782,97 @@ mod tests {
         let s = store("apply");
         let mut seen = Remembered::default();
         let put = encode_put_with(b"k", b"v", id(7, 1, 0), 0);
-        let first = apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &put).unwrap();
+        let first = apply_once(
+            &s,
+            &mut seen,
+            &mut crate::cluster::placement::Placement::all(),
+            &mut Default::default(),
+            next(),
+            &put,
+        )
+        .unwrap();
         // Another client's write in between, then the first one again.
         apply_once(
             &s,
             &mut seen,
             &mut crate::cluster::placement::Placement::all(),
+            &mut Default::default(),
             next(),
             &encode_put_with(b"k", b"w", id(8, 1, 0), 0),
         )
         .unwrap();
         assert_eq!(
-            apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &put).unwrap(),
+            apply_once(
+                &s,
+                &mut seen,
+                &mut crate::cluster::placement::Placement::all(),
+                &mut Default::default(),
+                next(),
+                &put
+            )
+            .unwrap(),
             first,
             "answered as the first time"
         );
         assert_eq!(s.get(b"k").unwrap().unwrap().0, bytes::Bytes::from_static(b"w"), "and not applied again");
         let del = encode_delete_with(b"k", id(7, 2, 0), 0);
         assert_eq!(
-            apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &del).unwrap(),
+            apply_once(
+                &s,
+                &mut seen,
+                &mut crate::cluster::placement::Placement::all(),
+                &mut Default::default(),
+                next(),
+                &del
+            )
+            .unwrap(),
             Applied::Delete { existed: true }
         );
         assert_eq!(
-            apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &del).unwrap(),
+            apply_once(
+                &s,
+                &mut seen,
+                &mut crate::cluster::placement::Placement::all(),
+                &mut Default::default(),
+                next(),
+                &del
+            )
+            .unwrap(),
             Applied::Delete { existed: true },
             "a retried DELETE"
         );
         // Without an id every copy applies.
-        apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &encode_put(b"n", b"1"))
-            .unwrap();
+        apply_once(
+            &s,
+            &mut seen,
+            &mut crate::cluster::placement::Placement::all(),
+            &mut Default::default(),
+            next(),
+            &encode_put(b"n", b"1"),
+        )
+        .unwrap();
         assert_eq!(
-            apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &encode_delete(b"n"))
-                .unwrap(),
+            apply_once(
+                &s,
+                &mut seen,
+                &mut crate::cluster::placement::Placement::all(),
+                &mut Default::default(),
+                next(),
+                &encode_delete(b"n")
+            )
+            .unwrap(),
             Applied::Delete { existed: true }
         );
         assert_eq!(
-            apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &encode_delete(b"n"))
-                .unwrap(),
+            apply_once(
+                &s,
+                &mut seen,
+                &mut crate::cluster::placement::Placement::all(),
+                &mut Default::default(),
+                next(),
+                &encode_delete(b"n")
+            )
+            .unwrap(),
             Applied::Delete { existed: false }
         );
     }
@@ -655,10 +930,26 @@ mod tests {
         let (mut ra, mut rb) = (Remembered::default(), Remembered::default());
         for (i, (e, want)) in log.iter().enumerate() {
             let index = i as u64 + 1;
-            let got = apply_once(&a, &mut ra, &mut crate::cluster::placement::Placement::all(), index, e).unwrap();
+            let got = apply_once(
+                &a,
+                &mut ra,
+                &mut crate::cluster::placement::Placement::all(),
+                &mut Default::default(),
+                index,
+                e,
+            )
+            .unwrap();
             assert_eq!(&got, want, "entry {index}");
             assert_eq!(
-                apply_once(&b, &mut rb, &mut crate::cluster::placement::Placement::all(), index, e).unwrap(),
+                apply_once(
+                    &b,
+                    &mut rb,
+                    &mut crate::cluster::placement::Placement::all(),
+                    &mut Default::default(),
+                    index,
+                    e
+                )
+                .unwrap(),
                 got,
                 "entry {index} on the other replica"
             );
@@ -679,6 +970,7 @@ mod tests {
             &a,
             &mut ra,
             &mut crate::cluster::placement::Placement::all(),
+            &mut Default::default(),
             17,
             &encode_touch(touch("e", 5), t + 10_000),
         )
@@ -690,6 +982,7 @@ mod tests {
                 &a,
                 &mut ra,
                 &mut crate::cluster::placement::Placement::all(),
+                &mut Default::default(),
                 18,
                 &encode_flush_all(t + 10_000)
             )
@@ -715,10 +1008,26 @@ mod tests {
             },
             t,
         );
-        let first = apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &incr).unwrap();
+        let first = apply_once(
+            &s,
+            &mut seen,
+            &mut crate::cluster::placement::Placement::all(),
+            &mut Default::default(),
+            next(),
+            &incr,
+        )
+        .unwrap();
         assert!(matches!(first, Applied::Counter { value: 10, .. }), "{first:?}");
         assert_eq!(
-            apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &incr).unwrap(),
+            apply_once(
+                &s,
+                &mut seen,
+                &mut crate::cluster::placement::Placement::all(),
+                &mut Default::default(),
+                next(),
+                &incr
+            )
+            .unwrap(),
             first,
             "answered as the first time"
         );
@@ -731,10 +1040,26 @@ mod tests {
             }),
             t,
         );
-        let first = apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &add).unwrap();
+        let first = apply_once(
+            &s,
+            &mut seen,
+            &mut crate::cluster::placement::Placement::all(),
+            &mut Default::default(),
+            next(),
+            &add,
+        )
+        .unwrap();
         assert!(matches!(first, Applied::Put { .. }));
         assert_eq!(
-            apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &add).unwrap(),
+            apply_once(
+                &s,
+                &mut seen,
+                &mut crate::cluster::placement::Placement::all(),
+                &mut Default::default(),
+                next(),
+                &add
+            )
+            .unwrap(),
             first
         );
         // A CAS that lost is remembered as lost.
@@ -746,11 +1071,27 @@ mod tests {
             t,
         );
         assert_eq!(
-            apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &cas).unwrap(),
+            apply_once(
+                &s,
+                &mut seen,
+                &mut crate::cluster::placement::Placement::all(),
+                &mut Default::default(),
+                next(),
+                &cas
+            )
+            .unwrap(),
             Applied::Refused(Error::Exists)
         );
         assert_eq!(
-            apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &cas).unwrap(),
+            apply_once(
+                &s,
+                &mut seen,
+                &mut crate::cluster::placement::Placement::all(),
+                &mut Default::default(),
+                next(),
+                &cas
+            )
+            .unwrap(),
             Applied::Refused(Error::Exists)
         );
         // A refusal is remembered, not judged again: an add refused, the
@@ -764,19 +1105,36 @@ mod tests {
             t,
         );
         assert_eq!(
-            apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &add_lost).unwrap(),
+            apply_once(
+                &s,
+                &mut seen,
+                &mut crate::cluster::placement::Placement::all(),
+                &mut Default::default(),
+                next(),
+                &add_lost
+            )
+            .unwrap(),
             Applied::Refused(Error::NotStored)
         );
         apply_once(
             &s,
             &mut seen,
             &mut crate::cluster::placement::Placement::all(),
+            &mut Default::default(),
             next(),
             &encode_delete_with(b"k", id(4, 5, 0), t),
         )
         .unwrap();
         assert_eq!(
-            apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &add_lost).unwrap(),
+            apply_once(
+                &s,
+                &mut seen,
+                &mut crate::cluster::placement::Placement::all(),
+                &mut Default::default(),
+                next(),
+                &add_lost
+            )
+            .unwrap(),
             Applied::Refused(Error::NotStored)
         );
         assert_eq!(s.get(b"k").unwrap(), None, "the add sent again stored nothing");
@@ -791,7 +1149,15 @@ mod tests {
         let mut seen = Remembered::default();
         let old = command(Op::Put(put("k", "v", |_| {})), 0);
         assert!(matches!(
-            apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &old).unwrap(),
+            apply_once(
+                &s,
+                &mut seen,
+                &mut crate::cluster::placement::Placement::all(),
+                &mut Default::default(),
+                next(),
+                &old
+            )
+            .unwrap(),
             Applied::Put { .. }
         ));
         assert_eq!(s.get(b"k").unwrap().unwrap().0, bytes::Bytes::from_static(b"v"));
@@ -810,19 +1176,50 @@ mod tests {
         let mut seen = Remembered::default();
         let t0 = 1_700_000_000_000;
         let first = encode_put_with(b"k", b"old", id(1, 1, 5000), t0);
-        let answer =
-            apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &first).unwrap();
+        let answer = apply_once(
+            &s,
+            &mut seen,
+            &mut crate::cluster::placement::Placement::all(),
+            &mut Default::default(),
+            next(),
+            &first,
+        )
+        .unwrap();
         for seq in 0..70_000u64 {
             let del = encode_delete_with(b"gone", id(2, seq, 5000), t0 + seq * 4500 / 70_000);
-            apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &del).unwrap();
+            apply_once(
+                &s,
+                &mut seen,
+                &mut crate::cluster::placement::Placement::all(),
+                &mut Default::default(),
+                next(),
+                &del,
+            )
+            .unwrap();
         }
         let newer = encode_put_with(b"k", b"new", id(3, 1, 5000), t0 + 4600);
-        apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &newer).unwrap();
+        apply_once(
+            &s,
+            &mut seen,
+            &mut crate::cluster::placement::Placement::all(),
+            &mut Default::default(),
+            next(),
+            &newer,
+        )
+        .unwrap();
         // The first write's reply was lost: its client sends it again
         // within its window.
         let retry = encode_put_with(b"k", b"old", id(1, 1, 5000), t0 + 4800);
         assert_eq!(
-            apply_once(&s, &mut seen, &mut crate::cluster::placement::Placement::all(), next(), &retry).unwrap(),
+            apply_once(
+                &s,
+                &mut seen,
+                &mut crate::cluster::placement::Placement::all(),
+                &mut Default::default(),
+                next(),
+                &retry
+            )
+            .unwrap(),
             answer,
             "answered as the first time"
         );
@@ -851,8 +1248,24 @@ mod tests {
         for e in &entries {
             let i = next();
             assert_eq!(
-                apply_once(&a, &mut ra, &mut crate::cluster::placement::Placement::all(), i, e).unwrap(),
-                apply_once(&b, &mut rb, &mut crate::cluster::placement::Placement::all(), i, e).unwrap()
+                apply_once(
+                    &a,
+                    &mut ra,
+                    &mut crate::cluster::placement::Placement::all(),
+                    &mut Default::default(),
+                    i,
+                    e
+                )
+                .unwrap(),
+                apply_once(
+                    &b,
+                    &mut rb,
+                    &mut crate::cluster::placement::Placement::all(),
+                    &mut Default::default(),
+                    i,
+                    e
+                )
+                .unwrap()
             );
             assert_eq!(ra.to_parts(), rb.to_parts());
         }
@@ -866,7 +1279,15 @@ mod tests {
         // Still remembered one millisecond before: answered as the first time.
         let again = encode_put_with(b"a", b"2", id(1, 1, 1000), t + 1999);
         assert_eq!(
-            apply_once(&a, &mut ra, &mut crate::cluster::placement::Placement::all(), next(), &again).unwrap(),
+            apply_once(
+                &a,
+                &mut ra,
+                &mut crate::cluster::placement::Placement::all(),
+                &mut Default::default(),
+                next(),
+                &again
+            )
+            .unwrap(),
             Applied::Put { version: 1 }
         );
         // At two windows of log time the short ones are forgotten, on both
@@ -874,8 +1295,24 @@ mod tests {
         let late = encode_put_with(b"a", b"3", id(1, 1, 1000), t + 2000);
         let i = next();
         let (x, y) = (
-            apply_once(&a, &mut ra, &mut crate::cluster::placement::Placement::all(), i, &late).unwrap(),
-            apply_once(&b, &mut rb, &mut crate::cluster::placement::Placement::all(), i, &late).unwrap(),
+            apply_once(
+                &a,
+                &mut ra,
+                &mut crate::cluster::placement::Placement::all(),
+                &mut Default::default(),
+                i,
+                &late,
+            )
+            .unwrap(),
+            apply_once(
+                &b,
+                &mut rb,
+                &mut crate::cluster::placement::Placement::all(),
+                &mut Default::default(),
+                i,
+                &late,
+            )
+            .unwrap(),
         );
         assert!(matches!(x, Applied::Put { version } if version > 1), "{x:?}");
         assert_eq!(x, y);

@@ -96,12 +96,17 @@ async fn connect_from(source: Option<IpAddr>, addr: SocketAddr) -> Result<TcpStr
 /// Sends one request to node `to`'s peer port (authenticated as this
 /// node) and returns its answer; bounded by [`DIAL_TIMEOUT`] in all.
 pub async fn ask(d: &Dialer, to: NodeId, addr: SocketAddr, op: Op) -> Result<R, String> {
+    ask_within(d, to, addr, op, DIAL_TIMEOUT).await
+}
+
+/// [`ask`], for a request that may take up to `limit` in all.
+pub async fn ask_within(d: &Dialer, to: NodeId, addr: SocketAddr, op: Op, limit: Duration) -> Result<R, String> {
     let once = async {
         let mut s = dial(d, to, addr).await?;
         let mut buf = BytesMut::new();
         call(&mut s, &mut buf, d.max_frame, 3, op).await
     };
-    tokio::time::timeout(DIAL_TIMEOUT, once).await.unwrap_or_else(|_| Err("timed out".into()))
+    tokio::time::timeout(limit, once).await.unwrap_or_else(|_| Err("timed out".into()))
 }
 
 async fn call(s: &mut PeerStream, buf: &mut BytesMut, max_frame: usize, id: u64, op: Op) -> Result<R, String> {

@@ -121,7 +121,25 @@ enum Input {
     /// Hand leadership over (see `ShardCore::transfer_leadership`);
     /// answered with the voter chosen, or why none.
     HandOver(std::sync::mpsc::SyncSender<HandOverAnswer>),
+    /// What a partition move needs of the leader's store (see [`MoveAsk`]).
+    Moving(MoveAsk, oneshot::Sender<Result<MoveAnswer, ProposeError>>),
     Stop,
+}
+
+/// What a partition move asks of a shard's leader.
+#[derive(Debug, Clone, Copy)]
+pub enum MoveAsk {
+    /// The keys of this partition its log wrote since the last ask.
+    Notes(u32),
+    /// A consistent view of its store.
+    View,
+}
+
+/// The leader's answer, with its `horizon`: the version its next write
+/// gets (every version it gave is below) as of the answer.
+pub enum MoveAnswer {
+    Notes { notes: super::noted::Notes, horizon: u64 },
+    View { view: crate::store::view::StoreView, horizon: u64 },
 }
 
 /// A replica's raft state as last published by its thread (every tick),
@@ -383,6 +401,18 @@ impl ShardThread {
         rx
     }
 
+    /// Asks the replica, if it leads, for what a partition move needs.
+    pub fn moving(&self, ask: MoveAsk) -> oneshot::Receiver<Result<MoveAnswer, ProposeError>> {
+        let (answer, rx) = oneshot::channel();
+        if let Err(e) = self.tx.try_send(Input::Moving(ask, answer)) {
+            let (TrySendError::Full(input) | TrySendError::Disconnected(input)) = e;
+            if let Input::Moving(_, a) = input {
+                let _ = a.send(Err(ProposeError::Busy));
+            }
+        }
+        rx
+    }
+
     /// Proposes a command; the answer comes on the returned channel.
     pub fn propose(&self, data: Vec<u8>) -> oneshot::Receiver<Result<Applied, ProposeError>> {
         let (answer, rx) = oneshot::channel();
@@ -565,6 +595,7 @@ fn refuse_until(rx: &Receiver<Input>, until: std::time::Instant, bootstrap: &mut
             Ok(Input::Replace(_, a)) => drop(a.send(Err("the shard's replica is starting again".into()))),
             Ok(Input::Bootstrap) => *bootstrap = true,
             Ok(Input::HandOver(answer)) => drop(answer.try_send(Err(super::shard::NoHandOver::NotLeader))),
+            Ok(Input::Moving(_, a)) => drop(a.send(Err(down()))),
             Ok(Input::Raft(_) | Input::SnapshotFailed(..)) => {}
             Ok(Input::Stop) | Err(RecvTimeoutError::Disconnected) => return false,
             Err(RecvTimeoutError::Timeout) => return true,
@@ -627,6 +658,9 @@ fn run<S: LogStore>(
                     let _ = answer.send(core.join(replica));
                 }
                 Ok(Input::SnapshotFailed(to, index)) => core.snapshot_failed(to, index),
+                Ok(Input::Moving(ask, answer)) => {
+                    let _ = answer.send(core.moving(ask));
+                }
                 Ok(Input::HandOver(answer)) => {
                     let to = core.transfer_leadership();
                     if let Ok(to) = to {

@@ -76,6 +76,11 @@ impl Forwarder {
         }
     }
 
+    /// Node `to`'s peer address.
+    pub fn addr(&self, to: NodeId) -> Option<SocketAddr> {
+        self.addrs.get(&to).copied()
+    }
+
     /// Sends `op` to node `to` and waits for its answer (an error reply is
     /// an answer: `R::Error`).
     pub async fn call(&self, to: NodeId, op: Op) -> Result<R, ForwardError> {

@@ -137,12 +137,12 @@ pub enum ClusterError {
 /// One shard replica on this node.
 pub(super) struct LocalReplica {
     pub(super) thread: ShardThread,
-    store: Arc<Store>,
+    pub(super) store: Arc<Store>,
     /// Its own compactor: each replica's free space is its own.
     compactor: Arc<Compactor>,
     /// Bytes of writes proposed here and not answered yet: admitted
     /// against the guarantee before they are applied.
-    in_flight: AtomicU64,
+    pub(super) in_flight: AtomicU64,
     /// Bytes of writes waiting for eviction to make room for them.
     waiting: AtomicU64,
     /// An eviction entry whose round stopped waiting for it, and when it
@@ -164,6 +164,11 @@ pub(super) struct LocalReplica {
 }
 
 impl LocalReplica {
+    /// The version of its placement's last change applied.
+    pub(super) fn placement_version(&self) -> u64 {
+        self.placement.version()
+    }
+
     fn rdma_rkey(&self) -> u32 {
         #[cfg(feature = "rdma")]
         if let Some(Ok(r)) = self.rdma.as_ref().map(|r| r.remote()) {
@@ -644,7 +649,7 @@ impl ClusterNode {
     }
 
     /// This node's replica of `shard` (a data shard or the metadata group).
-    fn replica(&self, shard: ShardId) -> Option<&LocalReplica> {
+    pub(super) fn replica(&self, shard: ShardId) -> Option<&LocalReplica> {
         match shard {
             META_SHARD => self.meta.as_ref(),
             _ => self.replicas.get(&shard),
@@ -1530,7 +1535,7 @@ fn spawn_log_purge(engine: Arc<raft_engine::Engine>, stop: watch::Receiver<bool>
 }
 
 /// Bytes proposed and not yet answered, released when the answer comes.
-struct InFlight<'a>(&'a AtomicU64, u64);
+pub(super) struct InFlight<'a>(pub(super) &'a AtomicU64, pub(super) u64);
 
 impl<'a> InFlight<'a> {
     /// Counts `bytes` in `counter` until dropped.
@@ -1544,7 +1549,7 @@ impl<'a> InFlight<'a> {
 /// admission bound with what is already on its way (the caller then owns
 /// an [`InFlight`] for it); a compare-and-swap, so that two writes never
 /// both take the last room.
-fn admit(r: &LocalReplica, bytes: u64) -> bool {
+pub(super) fn admit(r: &LocalReplica, bytes: u64) -> bool {
     let mut ahead = r.in_flight.load(Ordering::Relaxed);
     loop {
         if !r.store.live_within(ahead + bytes, ADMIT_PERCENT) {

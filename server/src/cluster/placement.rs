@@ -14,20 +14,76 @@ use dmkv_common::proto;
 /// Words of the partition bit set.
 const WORDS: usize = PARTITIONS as usize / 64;
 const _: () = assert!(PARTITIONS.is_multiple_of(64));
-/// Bytes of a placement in a snapshot: its version and the bit set.
-pub const ENCODED_LEN: usize = 8 + WORDS * 8;
+/// Bytes of a placement as the first DMKVSNP5 snapshots hold it: its
+/// version and the bit set (no version skew, no moves).
+pub const ENCODED_LEN_V1: usize = 8 + WORDS * 8;
+/// Most moves one shard takes part in at once (as source or target): the
+/// mover runs one per node at a time; the rest is slack for records an
+/// abandoned move left until they are forgotten.
+pub const MAX_MOVES: usize = 8;
+/// Bytes of one move record: partition u32, version u64, role u8.
+const MOVE_LEN: usize = 13;
+/// Most bytes a placement takes in a snapshot (see [`Placement::encode`]).
+pub const MAX_ENCODED_LEN: usize = ENCODED_LEN_V1 + 8 + 1 + MAX_MOVES * MOVE_LEN;
+/// Highest version an item may carry into a shard, and highest version
+/// skew: far above any log index a shard reaches, far below overflow.
+pub const MAX_VERSION: u64 = 1 << 62;
 
-/// The partitions a shard owns, as of its applied log index.
+/// A shard's part in a move of a partition (docs/elasticity.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MoveRole {
+    /// The source: its log's writes to the partition are noted.
+    Out,
+    /// The target: it takes copies of the partition for this move.
+    In,
+}
+
+/// A move the shard takes part in, as its log recorded it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoveRecord {
+    pub partition: u32,
+    /// The map version the move flips to.
+    pub version: u64,
+    pub role: MoveRole,
+}
+
+/// The partitions a shard owns, as of its applied log index, and what a
+/// move of partitions adds to that replicated state.
 #[derive(Clone, PartialEq, Eq)]
 pub struct Placement {
     version: u64,
     owned: [u64; WORDS],
+    /// Added to a write's log index to make its version: raised past the
+    /// versions a copy from another shard carried in (`Ingest`), so a
+    /// key's versions only go up across a move.
+    version_skew: u64,
+    /// At most [`MAX_MOVES`], one per partition.
+    moves: Vec<MoveRecord>,
 }
 
 impl std::fmt::Debug for Placement {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Placement").field("version", &self.version).field("partitions", &self.count()).finish()
+        f.debug_struct("Placement")
+            .field("version", &self.version)
+            .field("partitions", &self.count())
+            .field("version_skew", &self.version_skew)
+            .field("moves", &self.moves)
+            .finish()
     }
+}
+
+/// Why a move step was not recorded (every replica alike; nothing changed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BadStep {
+    /// A partition past [`PARTITIONS`], or a step of no known kind.
+    Malformed,
+    /// The step's version is not past the shard's placement version (the
+    /// move's flip would not be newer than what the shard applied).
+    Stale,
+    /// WATCH of a partition the shard does not own, or TAKE of one it owns.
+    WrongOwner,
+    /// [`MAX_MOVES`] moves are recorded already.
+    Full,
 }
 
 /// Why a placement change entry was not applied (every replica alike).
@@ -56,12 +112,12 @@ impl Placement {
         for p in map.partitions_of(shard) {
             owned[p as usize / 64] |= 1 << (p % 64);
         }
-        Placement { version: map.version, owned }
+        Placement { version: map.version, owned, version_skew: 0, moves: Vec::new() }
     }
 
     /// Every partition, at version 1: a shard that is the whole key space.
     pub fn all() -> Placement {
-        Placement { version: 1, owned: [u64::MAX; WORDS] }
+        Placement { version: 1, owned: [u64::MAX; WORDS], version_skew: 0, moves: Vec::new() }
     }
 
     /// The map version of the last change.
@@ -77,6 +133,84 @@ impl Placement {
     /// Whether `key`'s partition is owned.
     pub fn owns_key(&self, key: &[u8]) -> bool {
         self.owns(partition_of(key))
+    }
+
+    /// What a write's log index is raised by to make its version.
+    pub fn version_skew(&self) -> u64 {
+        self.version_skew
+    }
+
+    /// A copy applied at log index `index` carried versions below `above`:
+    /// every later write's version (a later index plus the skew) is at
+    /// least `above`. `above` is at most [`MAX_VERSION`] (the caller
+    /// checks), so the skew stays below it too.
+    pub fn raise_version_skew(&mut self, index: u64, above: u64) {
+        debug_assert!(above <= MAX_VERSION, "a copy's versions pass the bound");
+        self.version_skew = self.version_skew.max(above.saturating_sub(index));
+    }
+
+    /// The moves the shard takes part in.
+    pub fn moves(&self) -> &[MoveRecord] {
+        &self.moves
+    }
+
+    /// The move of `partition` this shard records, if any.
+    pub fn move_of(&self, partition: u32) -> Option<MoveRecord> {
+        self.moves.iter().copied().find(|m| m.partition == partition)
+    }
+
+    /// Whether writes to `partition` are noted for a move out of the shard.
+    pub fn watched(&self, partition: u32) -> bool {
+        self.move_of(partition).is_some_and(|m| m.role == MoveRole::Out)
+    }
+
+    /// Whether a copy of `partition` for the move at `version` is taken:
+    /// the shard records that move and does not own the partition (the
+    /// target before it owns it; the source after its release, whose copy
+    /// goes by the same entries).
+    pub fn takes(&self, partition: u32, version: u64) -> bool {
+        !self.owns(partition) && self.move_of(partition).is_some_and(|m| m.version == version)
+    }
+
+    /// Records a step of a move; returns whether anything changed (the
+    /// same step again changes nothing). A move's record replaces an older
+    /// one of the same partition (an abandoned move's).
+    pub fn apply_step(&mut self, step: &proto::MoveStep) -> Result<bool, BadStep> {
+        use proto::move_step::Kind;
+        let (p, v) = (step.partition, step.version);
+        if p >= PARTITIONS {
+            return Err(BadStep::Malformed);
+        }
+        let role = match Kind::try_from(step.kind) {
+            Ok(Kind::Watch) => MoveRole::Out,
+            Ok(Kind::Take) => MoveRole::In,
+            Ok(Kind::Forget) => {
+                let before = self.moves.len();
+                self.moves.retain(|m| !(m.partition == p && m.version == v));
+                return Ok(self.moves.len() != before);
+            }
+            _ => return Err(BadStep::Malformed),
+        };
+        if v <= self.version {
+            return Err(BadStep::Stale);
+        }
+        if self.owns(p) != (role == MoveRole::Out) {
+            return Err(BadStep::WrongOwner);
+        }
+        let record = MoveRecord { partition: p, version: v, role };
+        match self.moves.iter().position(|m| m.partition == p) {
+            Some(i) if self.moves[i] == record => Ok(false),
+            Some(i) if self.moves[i].version < v => {
+                self.moves[i] = record;
+                Ok(true)
+            }
+            Some(_) => Err(BadStep::Stale),
+            None if self.moves.len() >= MAX_MOVES => Err(BadStep::Full),
+            None => {
+                self.moves.push(record);
+                Ok(true)
+            }
+        }
     }
 
     /// Partitions owned.
@@ -108,30 +242,67 @@ impl Placement {
             self.owned[p as usize / 64] &= !(1 << (p % 64));
         }
         self.version = c.version;
+        // A target that owns the partition now takes no more copies: its
+        // own writes are newer than any copy.
+        self.moves.retain(|m| !(m.role == MoveRole::In && c.own.contains(&m.partition)));
         Ok(true)
     }
 
-    /// The placement's bytes in a snapshot.
-    pub fn encode(&self) -> [u8; ENCODED_LEN] {
-        let mut b = [0u8; ENCODED_LEN];
-        b[..8].copy_from_slice(&self.version.to_le_bytes());
-        for (i, w) in self.owned.iter().enumerate() {
-            b[8 + i * 8..16 + i * 8].copy_from_slice(&w.to_le_bytes());
+    /// The placement's bytes in a snapshot: version u64, the bit set's
+    /// words, version skew u64, count u8, then per move partition u32,
+    /// version u64, role u8 (0 out, 1 in). At most [`MAX_ENCODED_LEN`].
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(MAX_ENCODED_LEN);
+        b.extend_from_slice(&self.version.to_le_bytes());
+        for w in &self.owned {
+            b.extend_from_slice(&w.to_le_bytes());
+        }
+        b.extend_from_slice(&self.version_skew.to_le_bytes());
+        debug_assert!(self.moves.len() <= MAX_MOVES);
+        b.push(self.moves.len() as u8);
+        for m in &self.moves {
+            b.extend_from_slice(&m.partition.to_le_bytes());
+            b.extend_from_slice(&m.version.to_le_bytes());
+            b.push(u8::from(m.role == MoveRole::In));
         }
         b
     }
 
-    /// A placement from a snapshot's bytes (`None`: not [`ENCODED_LEN`]).
-    pub fn decode(b: &[u8]) -> Option<Placement> {
-        if b.len() != ENCODED_LEN {
-            return None;
-        }
-        let word = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+    /// A placement from a snapshot's bytes: [`Placement::encode`]'s form,
+    /// or (`v1`) the first DMKVSNP5 form of [`ENCODED_LEN_V1`] bytes.
+    /// `None` for anything else, a skew past [`MAX_VERSION`] or a move
+    /// record that could not have been made.
+    pub fn decode(b: &[u8], v1: bool) -> Option<Placement> {
+        let word = |i: usize| b.get(i..i + 8).map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")));
         let mut owned = [0u64; WORDS];
         for (i, w) in owned.iter_mut().enumerate() {
-            *w = word(8 + i * 8);
+            *w = word(8 + i * 8)?;
         }
-        Some(Placement { version: word(0), owned })
+        let mut p = Placement { version: word(0)?, owned, version_skew: 0, moves: Vec::new() };
+        if v1 {
+            return (b.len() == ENCODED_LEN_V1).then_some(p);
+        }
+        p.version_skew = word(ENCODED_LEN_V1).filter(|&s| s <= MAX_VERSION)?;
+        let count = *b.get(ENCODED_LEN_V1 + 8)? as usize;
+        let records = &b[ENCODED_LEN_V1 + 9..];
+        if count > MAX_MOVES || records.len() != count * MOVE_LEN {
+            return None;
+        }
+        for r in records.chunks_exact(MOVE_LEN) {
+            let partition = u32::from_le_bytes(r[..4].try_into().expect("4 bytes"));
+            let version = u64::from_le_bytes(r[4..12].try_into().expect("8 bytes"));
+            let role = match r[12] {
+                0 => MoveRole::Out,
+                1 => MoveRole::In,
+                _ => return None,
+            };
+            let fresh = !p.moves.iter().any(|m| m.partition == partition);
+            if partition >= PARTITIONS || version <= p.version || !fresh {
+                return None;
+            }
+            p.moves.push(MoveRecord { partition, version, role });
+        }
+        Some(p)
     }
 }
 
@@ -221,12 +392,75 @@ mod tests {
         assert!(p.owns(other) && !p.owns(owned) && p.version() == 5);
         assert_eq!(p.apply(&change(5, &[owned], &[])), Ok(false), "the same version again");
         assert!(!p.owns(owned));
-        assert_eq!(Placement::decode(&p.encode()), Some(p.clone()));
-        assert_eq!(Placement::decode(&p.encode()[1..]), None);
+        assert_eq!(Placement::decode(&p.encode(), false), Some(p.clone()));
+        assert_eq!(Placement::decode(&p.encode()[1..], false), None);
+        let v1 = Placement::decode(&p.encode()[..ENCODED_LEN_V1], true).expect("the first DMKVSNP5 form");
+        assert_eq!((v1.version(), v1.version_skew(), v1.moves().len()), (5, 0, 0));
+        assert_eq!(Placement::decode(&p.encode()[..ENCODED_LEN_V1], false), None);
         let shared = SharedPlacement::new(&before);
         shared.set(&p);
         assert_eq!(shared.version(), 5);
         let key = (0..).map(|i| format!("k{i}")).find(|k| partition_of(k.as_bytes()) == other).unwrap();
         assert!(shared.owns_key(key.as_bytes()));
+    }
+
+    fn step(partition: u32, version: u64, kind: proto::move_step::Kind) -> proto::MoveStep {
+        proto::MoveStep { partition, version, kind: kind as i32 }
+    }
+
+    /// A source watches only what it owns, a target takes only what it
+    /// does not, for a move newer than its placement; a newer move replaces
+    /// an abandoned one's record; owning the partition ends the taking;
+    /// records and skew survive a snapshot, and a damaged one is refused.
+    #[test]
+    fn move_records_follow_the_rules_and_survive_a_snapshot() {
+        use proto::move_step::Kind::{Forget, Take, Watch};
+        let mut p = Placement::of_map(&map(), 0);
+        let v = p.version();
+        let owned = (0..PARTITIONS).find(|&q| p.owns(q)).unwrap();
+        let other = (0..PARTITIONS).find(|&q| !p.owns(q)).unwrap();
+        assert_eq!(p.apply_step(&step(owned, v + 2, Take)), Err(BadStep::WrongOwner));
+        assert_eq!(p.apply_step(&step(other, v + 2, Watch)), Err(BadStep::WrongOwner));
+        assert_eq!(p.apply_step(&step(other, v, Take)), Err(BadStep::Stale));
+        assert_eq!(p.apply_step(&step(PARTITIONS, v + 2, Take)), Err(BadStep::Malformed));
+        assert_eq!(
+            p.apply_step(&proto::MoveStep { partition: other, version: v + 2, kind: 0 }),
+            Err(BadStep::Malformed)
+        );
+        assert_eq!(p.apply_step(&step(owned, v + 2, Watch)), Ok(true));
+        assert_eq!(p.apply_step(&step(owned, v + 2, Watch)), Ok(false), "the same step again");
+        assert!(p.watched(owned) && !p.watched(other));
+        assert_eq!(p.apply_step(&step(other, v + 2, Take)), Ok(true));
+        assert!(p.takes(other, v + 2) && !p.takes(other, v + 3) && !p.takes(owned, v + 2));
+        assert_eq!(p.apply_step(&step(other, v + 4, Take)), Ok(true), "a newer move replaces the record");
+        assert_eq!(p.apply_step(&step(other, v + 2, Take)), Err(BadStep::Stale), "an older move's step comes late");
+        assert!(p.takes(other, v + 4) && !p.takes(other, v + 2));
+        p.raise_version_skew(10, 1000);
+        p.raise_version_skew(500, 900);
+        assert_eq!(p.version_skew(), 990, "raised only");
+        let back = Placement::decode(&p.encode(), false).expect("decodes");
+        assert_eq!(back, p);
+        let mut damaged = p.encode();
+        let last = damaged.len() - 1;
+        damaged[last] = 7;
+        assert_eq!(Placement::decode(&damaged, false), None, "a role that does not exist");
+        let mut skewed = p.encode();
+        skewed[ENCODED_LEN_V1..ENCODED_LEN_V1 + 8].copy_from_slice(&(MAX_VERSION + 1).to_le_bytes());
+        assert_eq!(Placement::decode(&skewed, false), None, "a skew past the bound");
+        // Owning the partition ends the taking; the source's watch stays
+        // until forgotten.
+        assert_eq!(p.apply(&change(v + 4, &[other], &[owned])), Ok(true));
+        assert!(!p.takes(other, v + 4) && p.move_of(other).is_none());
+        assert_eq!(p.apply_step(&step(owned, v + 2, Forget)), Ok(true));
+        assert_eq!(p.apply_step(&step(owned, v + 2, Forget)), Ok(false));
+        assert!(p.moves().is_empty());
+        let mut full = Placement::of_map(&map(), 0);
+        let free: Vec<u32> = (0..PARTITIONS).filter(|&q| !full.owns(q)).take(MAX_MOVES + 1).collect();
+        for &q in &free[..MAX_MOVES] {
+            assert_eq!(full.apply_step(&step(q, v + 1, Take)), Ok(true));
+        }
+        assert_eq!(full.apply_step(&step(free[MAX_MOVES], v + 1, Take)), Err(BadStep::Full));
+        assert_eq!(Placement::decode(&full.encode(), false).map(|f| f.moves().len()), Some(MAX_MOVES));
+        assert!(full.encode().len() <= MAX_ENCODED_LEN);
     }
 }

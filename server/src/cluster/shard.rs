@@ -26,6 +26,7 @@ use dmkv_common::cluster::map::node_of;
 use super::apply::{Applied, ApplyError, Remembered, RememberedStats, apply_once};
 use super::desk::{Descriptor, Desk};
 use super::leasing::LeaseKeeper;
+use super::noted::{Noted, Notes};
 use super::placement::{Placement, SharedPlacement};
 use super::replica::{LogStore, Replica};
 use super::snapshot::{self as snap, Point, SnapshotSlot};
@@ -150,6 +151,9 @@ pub struct ShardCore<S: LogStore, P, R = P> {
     remembered: Remembered,
     /// The partitions the shard owns, as of `applied`.
     placement: Placement,
+    /// Keys written in partitions moving out since the mover last took
+    /// them (not replicated: see `noted`).
+    noted: Noted,
     /// What it owns with nothing applied (a replica that starts over).
     first_placement: Placement,
     /// Where the node's request handlers see it; `None`: nowhere.
@@ -273,6 +277,7 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
             lease_reads: 0,
             remembered: Remembered::default(),
             placement: Placement::all(),
+            noted: Noted::default(),
             first_placement: Placement::all(),
             shared_placement: None,
             dropped_early: 0,
@@ -298,12 +303,53 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
         &self.placement
     }
 
-    /// Takes `p` as what the shard owns, and shows it to the node.
+    /// Takes `p` as what the shard owns, and shows it to the node. The
+    /// store came from elsewhere (a snapshot, or emptied): writes to
+    /// partitions moving out were not all noted here, so each is to be
+    /// copied whole.
     fn set_placement(&mut self, p: Placement) {
         if let Some(s) = &self.shared_placement {
             s.set(&p);
         }
+        self.noted = Noted::default();
+        self.noted.all_whole(&p);
         self.placement = p;
+    }
+
+    /// The keys of `partition` written since the last take, for a mover's
+    /// catch-up round (empty but for a partition moving out).
+    pub fn take_noted(&mut self, partition: u32) -> Notes {
+        self.noted.take(partition)
+    }
+
+    /// The version the next write gets: every version the shard gave is
+    /// below it (a later index plus the skew is at least this).
+    pub fn horizon(&self) -> u64 {
+        self.applied.saturating_add(1).saturating_add(self.placement.version_skew())
+    }
+
+    /// What a partition move asks of this replica, which must lead: the
+    /// answer is of the store as applied now, which is everything a leader
+    /// acknowledged (it answers only what it applied).
+    pub fn moving(&mut self, ask: super::driver::MoveAsk) -> Result<super::driver::MoveAnswer, ProposeError> {
+        use super::driver::{MoveAnswer, MoveAsk};
+        let r = &self.replica.raft().raft;
+        if r.state != StateRole::Leader {
+            return Err(ProposeError::NotLeader { leader: (r.leader_id != 0).then_some(r.leader_id) });
+        }
+        // Every acknowledged write applied here: a new leader may not have
+        // applied what the last one committed (and acknowledged) yet.
+        if !r.commit_to_current_term() || self.applied < r.raft_log.committed {
+            return Err(ProposeError::Busy);
+        }
+        let horizon = self.horizon();
+        match ask {
+            MoveAsk::Notes(p) => Ok(MoveAnswer::Notes { notes: self.take_noted(p), horizon }),
+            MoveAsk::View => match self.store.view() {
+                Ok(view) => Ok(MoveAnswer::View { view, horizon }),
+                Err(e) => Err(ProposeError::Store(e.to_string())),
+            },
+        }
     }
 
     /// The state a snapshot carries beside the items.
@@ -638,7 +684,8 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
                 self.apply_retry_tick = self.ticks + 1;
                 break;
             }
-            let result = apply_once(&self.store, &mut self.remembered, &mut self.placement, e.index, &e.data);
+            let result =
+                apply_once(&self.store, &mut self.remembered, &mut self.placement, &mut self.noted, e.index, &e.data);
             if let Ok(Applied::Placement { changed: true }) = &result {
                 // Before any answer goes out (the mover waits for one).
                 if let Some(shared) = &self.shared_placement {

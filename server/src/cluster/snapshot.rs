@@ -9,10 +9,11 @@
 //! replica that made it.
 //!
 //! ```text
-//! magic "DMKVSNP5" | index u64 | term u64 | next_version u64
+//! magic "DMKVSNP6" | index u64 | term u64 | next_version u64
 //! | remembered_len u32 | remembered: log_now_ms u64, count u32,
 //!   (client u64, seq u64, kind u8, a u64, b u64, expires_ms u64)*
-//! | placement: 0 u8, or 1 u8 | version u64 | 64 words of the partition bit set
+//! | placement: 0 u8, or 1 u8 | len u16 | `Placement::encode` (version, the
+//!   partition bit set, version skew, the moves recorded)
 //! | (1 u8 | key_len u32 | value_len u32 | version u64 | flags u32 | expires u32 | key | value)*
 //! | 0 u8 | items u64 | xxh3-64 of everything before, u64
 //! ```
@@ -29,7 +30,9 @@
 //! forgets the same writes at the same entries as the one that made it.
 //! The placement (the partitions the shard owns, `placement.rs`) is part
 //! of the state machine too; a snapshot from before placements
-//! (`DMKVSNP4`, `DMKVSNP3`) carries none, and the shard's first one holds.
+//! (`DMKVSNP4`, `DMKVSNP3`) carries none, and the shard's first one holds;
+//! one from before moves (`DMKVSNP5`) holds only the version and the bit
+//! set, no length.
 
 use std::io::{Read, Write};
 
@@ -41,7 +44,10 @@ use super::apply::{Applied, MAX_REMEMBERED_WRITES, Remembered, RememberedParts, 
 use crate::store::Store;
 use crate::store::view::StoreView;
 
-const MAGIC: &[u8; 8] = b"DMKVSNP5";
+const MAGIC: &[u8; 8] = b"DMKVSNP6";
+/// The format before moves: the placement without skew or moves, and no
+/// length before it. Still read.
+const MAGIC_V5: &[u8; 8] = b"DMKVSNP5";
 /// The format before placements: the same with no placement. Still read.
 const MAGIC_V4: &[u8; 8] = b"DMKVSNP4";
 /// The format before counters and refusals were remembered: the same but
@@ -136,8 +142,10 @@ impl<W: Write> Encoder<W> {
         w.put(&section)?;
         match &remembered.placement {
             Some(p) => {
+                let b = p.encode();
                 w.put(&[1])?;
-                w.put(&p.encode())?;
+                w.put(&(b.len() as u16).to_le_bytes())?;
+                w.put(&b)?;
             }
             None => w.put(&[0])?,
         }
@@ -221,7 +229,8 @@ impl<R: Read> Decoder<R> {
         }
         let v3 = &magic == MAGIC_V3;
         let v4 = &magic == MAGIC_V4;
-        if &magic != MAGIC && !v3 && !v4 && magic.starts_with(b"DMKVSNP") {
+        let v5 = &magic == MAGIC_V5;
+        if &magic != MAGIC && !v3 && !v4 && !v5 && magic.starts_with(b"DMKVSNP") {
             // A newer dmkv's, after a downgrade: no damage, and the
             // replica must not throw away what may be the only copy.
             return Err(SnapshotError::OldFormat(
@@ -229,7 +238,7 @@ impl<R: Read> Decoder<R> {
                 "a format this version does not know (a newer dmkv's)",
             ));
         }
-        if &magic != MAGIC && !v3 && !v4 {
+        if &magic != MAGIC && !v3 && !v4 && !v5 {
             return Err(SnapshotError::Damaged("not a dmkv snapshot".into()));
         }
         d.at = Point { index: d.u64("header")?, term: d.u64("header")? };
@@ -247,9 +256,22 @@ impl<R: Read> Decoder<R> {
             d.remembered.placement = match flag[0] {
                 0 => None,
                 1 => {
-                    let mut b = [0u8; super::placement::ENCODED_LEN];
+                    let len = match v5 {
+                        true => super::placement::ENCODED_LEN_V1,
+                        false => {
+                            let mut l = [0u8; 2];
+                            d.take(&mut l, "placement")?;
+                            u16::from_le_bytes(l) as usize
+                        }
+                    };
+                    if len > super::placement::MAX_ENCODED_LEN {
+                        return Err(SnapshotError::Damaged(format!("a placement of {len} bytes")));
+                    }
+                    let mut b = vec![0u8; len];
                     d.take(&mut b, "placement")?;
-                    Some(super::placement::Placement::decode(&b).expect("a whole placement"))
+                    let p = super::placement::Placement::decode(&b, v5)
+                        .ok_or_else(|| SnapshotError::Damaged("a placement that does not decode".into()))?;
+                    Some(p)
                 }
                 f => return Err(SnapshotError::Damaged(format!("placement flag {f}"))),
             };
@@ -438,7 +460,9 @@ fn outcome_fields(a: &Applied) -> (u8, u64, u64) {
         | Applied::Flushed { .. }
         | Applied::Evicted { .. }
         | Applied::WrongShard
-        | Applied::Placement { .. } => (0, 0, 0),
+        | Applied::Placement { .. }
+        | Applied::Ingested { .. }
+        | Applied::Moving { .. } => (0, 0, 0),
         Applied::Put { version } => (1, version, 0),
         Applied::Delete { existed } => (2, u64::from(existed), 0),
         Applied::Counter { value, version } => (3, value, version),
@@ -532,6 +556,7 @@ mod tests {
                 &s,
                 &mut seen,
                 &mut crate::cluster::placement::Placement::all(),
+                &mut Default::default(),
                 u64::from(i) + 1,
                 &put,
             )
@@ -608,10 +633,24 @@ mod tests {
             let retry =
                 encode_put_with(b"k3", b"again", Some(WriteId { client: 1, seq: 3, retry_window_ms: 4000 }), now);
             assert_eq!(
-                apply_once(&a, &mut seen, &mut crate::cluster::placement::Placement::all(), 300 + step, &retry)
-                    .unwrap(),
-                apply_once(&b, &mut back, &mut crate::cluster::placement::Placement::all(), 300 + step, &retry)
-                    .unwrap()
+                apply_once(
+                    &a,
+                    &mut seen,
+                    &mut crate::cluster::placement::Placement::all(),
+                    &mut Default::default(),
+                    300 + step,
+                    &retry
+                )
+                .unwrap(),
+                apply_once(
+                    &b,
+                    &mut back,
+                    &mut crate::cluster::placement::Placement::all(),
+                    &mut Default::default(),
+                    300 + step,
+                    &retry
+                )
+                .unwrap()
             );
             assert_eq!(back.to_parts(), seen.to_parts(), "at {now}");
         }
@@ -634,7 +673,15 @@ mod tests {
             .iter()
             .enumerate()
             .map(|(i, e)| {
-                apply_once(&a, &mut seen, &mut crate::cluster::placement::Placement::all(), i as u64 + 1, e).unwrap()
+                apply_once(
+                    &a,
+                    &mut seen,
+                    &mut crate::cluster::placement::Placement::all(),
+                    &mut Default::default(),
+                    i as u64 + 1,
+                    e,
+                )
+                .unwrap()
             })
             .collect();
         assert_eq!(first[1], Applied::Refused(dmkv_common::error::Error::NotStored));
@@ -647,7 +694,15 @@ mod tests {
         // and the counter not incremented twice.
         for (i, e) in entries.iter().enumerate() {
             assert_eq!(
-                apply_once(&b, &mut back, &mut crate::cluster::placement::Placement::all(), 10 + i as u64, e).unwrap(),
+                apply_once(
+                    &b,
+                    &mut back,
+                    &mut crate::cluster::placement::Placement::all(),
+                    &mut Default::default(),
+                    10 + i as u64,
+                    e
+                )
+                .unwrap(),
                 first[i]
             );
         }
@@ -664,12 +719,36 @@ mod tests {
         let mut placement = Placement::all();
         let change = dmkv_common::proto::PlacementChange { version: 9, own: vec![], release: vec![3, 4000] };
         assert_eq!(placement.apply(&change), Ok(true));
+        let take = dmkv_common::proto::MoveStep { partition: 3, version: 11, kind: 2 };
+        let watch = dmkv_common::proto::MoveStep { partition: 7, version: 12, kind: 1 };
+        assert_eq!((placement.apply_step(&take), placement.apply_step(&watch)), (Ok(true), Ok(true)));
+        placement.raise_version_skew(40, 7000);
         parts.placement = Some(placement.clone());
         let at = Point { index: 250, term: 3 };
         let bytes = encode(&a.view().unwrap(), &parts, at).unwrap();
         validate(&bytes[..]).unwrap();
         let got = restore(&store(), &bytes[..]).unwrap();
-        assert_eq!(got.placement, Some(placement));
+        assert_eq!(got.placement, Some(placement.clone()));
+        // As DMKVSNP5 wrote it: the version and bit set, with no length.
+        let flag = 8 + 24 + 4 + u32::from_le_bytes(bytes[32..36].try_into().unwrap()) as usize;
+        assert_eq!(bytes[flag], 1, "a placement");
+        let len = u16::from_le_bytes(bytes[flag + 1..flag + 3].try_into().unwrap()) as usize;
+        let mut v5 = bytes[..flag + 1].to_vec();
+        v5[..8].copy_from_slice(b"DMKVSNP5");
+        v5.extend_from_slice(&bytes[flag + 3..flag + 3 + crate::cluster::placement::ENCODED_LEN_V1]);
+        v5.extend_from_slice(&bytes[flag + 3 + len..bytes.len() - 8]);
+        let sum = xxhash_rust::xxh3::xxh3_64(&v5);
+        v5.extend_from_slice(&sum.to_le_bytes());
+        let got = restore(&store(), &v5[..]).unwrap().placement.expect("a placement");
+        assert_eq!((got.version(), got.version_skew(), got.moves().len()), (9, 0, 0));
+        assert!(!got.owns(3) && got.owns(5));
+        // A length past the bound is damage, not an allocation.
+        let mut long = bytes.clone();
+        long[flag + 1..flag + 3].copy_from_slice(&u16::MAX.to_le_bytes());
+        let n = long.len();
+        let sum = xxhash_rust::xxh3::xxh3_64(&long[..n - 8]);
+        long[n - 8..].copy_from_slice(&sum.to_le_bytes());
+        assert!(matches!(validate(&long[..]), Err(SnapshotError::Damaged(_))));
         // The same stream with no placement, as DMKVSNP4 wrote it.
         let old = bytes_of(&a, &seen, at);
         let flag = 8 + 24 + 4 + u32::from_le_bytes(old[32..36].try_into().unwrap()) as usize;

@@ -118,6 +118,45 @@ impl Store {
         };
         self.write_item(key, false, plan).map(|_| ())
     }
+
+    /// Stores an item copied from another store (a partition moving here)
+    /// with the version, flags and expiry it had there, unless the item
+    /// held is newer, or the same (a copy applied again). Returns whether
+    /// it was stored. An expired item held is still compared by version:
+    /// what decides is which write came later, not what a clock says.
+    pub fn ingest(&self, key: &[u8], value: &[u8], version: u64, flags: u32, expires_at: u32) -> Result<bool, Error> {
+        let plan = |cur: Option<super::Current<'_>>| match cur.map(|c| c.meta()) {
+            Some(m)
+                if m.version > version || (m.version == version && (m.flags, m.expires_at) == (flags, expires_at)) =>
+            {
+                Err(Error::Exists)
+            }
+            _ => Ok(super::Plan { value: value.into(), flags, expires_at, version: Some(version) }),
+        };
+        match self.write_item(key, true, plan) {
+            Ok(_) => Ok(true),
+            Err(Error::Exists) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Removes `key`'s item if its version is below `below` (the source of
+    /// a copy no longer had the key when its versions reached `below`).
+    /// Returns whether an item went.
+    pub fn ingest_absence(&self, key: &[u8], below: u64) -> Result<bool, Error> {
+        let judge = |slot, buf: &mut Vec<u8>| {
+            let held = if self.read_verified(slot, buf) { decode_item(buf).ok().map(|it| it.version) } else { None };
+            match held {
+                Some(v) if v >= below => Err(Error::Exists),
+                _ => Ok(true),
+            }
+        };
+        match self.delete_where(key, judge) {
+            Ok(went) => Ok(went),
+            Err(Error::Exists) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,227 @@
+//! The mover: moves one partition from its shard to another while
+//! clients read and write it (docs/elasticity.md, "The move protocol").
+//! It runs on the node whose replica leads the metadata group, which
+//! records the move in the map at its plan, and asks the shards' leaders
+//! for each step (`moving.rs`).
+//!
+//! Order, and why: the map records the move (a new version; routing
+//! unchanged) and no other change is made until it flips. The source
+//! notes the partition's writes from its WATCH entry on, then the target
+//! takes a copy from a view of the source and catch-up rounds of the
+//! noted keys until a round is small. The cut-over: the source releases
+//! the partition at the flip's version (its writes refused, retryable),
+//! the last noted keys are copied (none can be written meanwhile), the
+//! target owns the partition at that version; only then the map flips.
+//! A failure before the cut-over abandons the move (the target drops what
+//! it took); from the release on the move is carried to its end.
+
+use std::time::{Duration, Instant};
+
+use dmkv_common::cluster::map::{Moving, PARTITIONS, ShardId};
+use dmkv_common::proto::{self, move_step::Kind, move_work::Work};
+
+use super::apply::{encode_move_step, encode_placement};
+use super::node::{ClusterError, ClusterNode};
+use super::placement::MAX_VERSION;
+
+/// Catch-up rounds before the cut-over, at most.
+pub const MAX_ROUNDS: u32 = 8;
+/// A round that copied at most this many keys is small enough: the next
+/// (at the cut-over, with writes refused) copies about as many.
+pub const SMALL_ROUND: u64 = 64;
+/// Tries of one step whose shard is between leaders or busy.
+const STEP_TRIES: u32 = 50;
+/// Pause between two tries of a step.
+const STEP_PAUSE: Duration = Duration::from_millis(100);
+
+impl ClusterNode {
+    /// Moves partition `p` to shard `to`; this node's replica must lead
+    /// the metadata group. One move at a time per cluster: the map holds
+    /// the move under way, and a second is refused until it ends.
+    pub async fn move_partition(&self, p: u32, to: ShardId) -> Result<proto::MovePartitionReply, ClusterError> {
+        let started = Instant::now();
+        let (map, stored) = self.meta_map().await?;
+        if p >= PARTITIONS {
+            return Err(ClusterError::Failed(format!("partition {p} does not exist: there are {PARTITIONS}")));
+        }
+        if to as usize >= map.shards().len() {
+            return Err(ClusterError::Failed(format!("shard {to} does not exist: there are {}", map.shards().len())));
+        }
+        let from = map.shard_of_partition(p).expect("a partition below PARTITIONS");
+        if from == to {
+            return Err(ClusterError::Failed(format!("partition {p} is on shard {to} already")));
+        }
+        if let Some(m) = map.moving {
+            return Err(ClusterError::Failed(format!(
+                "partition {} is moving from shard {} to {} (to map version {}): one move at a time",
+                m.partition, m.from, m.to, m.version
+            )));
+        }
+        // The plan takes version + 1; the flip is version + 2, and nothing
+        // else is written in between (the record refuses other moves).
+        let version = map.version + 2;
+        if version >= MAX_VERSION {
+            return Err(ClusterError::Failed("the map's version is past the bound".into()));
+        }
+        let mut plan = map.clone();
+        plan.version += 1;
+        plan.moving = Some(Moving { partition: p, from, to, version });
+        let planned = self.meta_write(stored, &plan).await?;
+        tracing::info!(partition = p, from, to, version, "moving a partition");
+        let copied = match self.copy_phase(p, from, to, version).await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(partition = p, from, to, "the move is abandoned: {e:?}");
+                self.abandon(&plan, planned).await;
+                return Err(e);
+            }
+        };
+        // The cut-over: from the release on the move is carried through.
+        let pause = Instant::now();
+        let now = crate::clock::now_ms();
+        self.placement_step(from, version, encode_placement(version, vec![], vec![p], now)).await?;
+        let last = self.copy_round(from, copy(p, to, version, false)).await?;
+        self.placement_step(to, version, encode_placement(version, vec![p], vec![], now)).await?;
+        let pause_us = pause.elapsed().as_micros() as u64;
+        let mut flipped = plan.clone();
+        flipped.moving = None;
+        flipped.move_partition(p, to).map_err(|e| ClusterError::Failed(e.to_string()))?;
+        debug_assert_eq!(flipped.version, version);
+        self.meta_write(planned, &flipped).await?;
+        self.adopt_map(flipped);
+        tracing::info!(partition = p, from, to, version, pause_us, "partition moved");
+        // Clean-up: the source's copy goes, and both forget the move. A
+        // failure here leaves items no one serves, and is only logged.
+        let purge = proto::MovePurge { partition: p, version, below: MAX_VERSION };
+        if let Err(e) = self.step(from, Work::Purge(purge)).await {
+            tracing::warn!(partition = p, shard = from, "the moved partition's items stay on the source: {e:?}");
+        }
+        for shard in [from, to] {
+            let forget = encode_move_step(p, version, Kind::Forget);
+            if let Err(e) = self.step(shard, Work::Propose(forget.into())).await {
+                tracing::warn!(partition = p, shard, "the shard keeps the move's record: {e:?}");
+            }
+        }
+        Ok(proto::MovePartitionReply {
+            version,
+            from,
+            keys: copied.keys + last.keys,
+            bytes: copied.bytes + last.bytes,
+            rounds: copied.rounds,
+            pause_us,
+            total_ms: started.elapsed().as_millis() as u64,
+        })
+    }
+
+    /// The source watches, the target takes, the whole partition is
+    /// copied, then rounds of noted keys until one is small.
+    async fn copy_phase(&self, p: u32, from: ShardId, to: ShardId, version: u64) -> Result<Copied, ClusterError> {
+        self.move_step(from, p, version, Kind::Watch).await?;
+        self.move_step(to, p, version, Kind::Take).await?;
+        let first = self.copy_round(from, copy(p, to, version, true)).await?;
+        let mut copied = Copied { keys: first.keys, bytes: first.bytes, rounds: 0 };
+        while copied.rounds < MAX_ROUNDS {
+            let round = self.copy_round(from, copy(p, to, version, false)).await?;
+            copied.rounds += 1;
+            copied.keys += round.keys;
+            copied.bytes += round.bytes;
+            if round.keys <= SMALL_ROUND && !round.whole {
+                break;
+            }
+        }
+        Ok(copied)
+    }
+
+    /// Records a step of the move on `shard`: the shard must record the
+    /// move after it (asked again, it still does).
+    async fn move_step(&self, shard: ShardId, p: u32, version: u64, kind: Kind) -> Result<(), ClusterError> {
+        let got = self.step(shard, Work::Propose(encode_move_step(p, version, kind).into())).await?;
+        if !got.changed {
+            return Err(ClusterError::Failed(format!(
+                "shard {shard} refused the move's {kind:?} step ({}): see its log",
+                got.applied
+            )));
+        }
+        Ok(())
+    }
+
+    /// A placement change at `version` on `shard`: it must apply there
+    /// (the shard's placement reaches `version`, which only this move
+    /// proposes: the map holds it reserved).
+    async fn placement_step(&self, shard: ShardId, version: u64, data: Vec<u8>) -> Result<(), ClusterError> {
+        let got = self.step(shard, Work::Propose(data.into())).await?;
+        if got.placement_version != version {
+            return Err(ClusterError::Failed(format!(
+                "shard {shard}'s placement is at version {}, not the move's {version}: {}",
+                got.placement_version, got.applied
+            )));
+        }
+        Ok(())
+    }
+
+    /// A copy round, tried again as [`ClusterNode::step`] does; but a round
+    /// that failed may have taken the notes it did not copy, so every try
+    /// after the first copies the whole partition.
+    async fn copy_round(&self, from: ShardId, mut c: proto::MoveCopy) -> Result<proto::MoveWorkReply, ClusterError> {
+        let mut last = ClusterError::Busy;
+        for _ in 0..STEP_TRIES {
+            match self.work_at(from, Work::Copy(c)).await {
+                Ok(r) => return Ok(r),
+                Err(e @ (ClusterError::NotLeader { .. } | ClusterError::Busy | ClusterError::Uncertain)) => last = e,
+                Err(e) => return Err(e),
+            }
+            c.whole = true;
+            tokio::time::sleep(STEP_PAUSE).await;
+        }
+        Err(last)
+    }
+
+    /// A step at `shard`'s leader, tried again while the shard is between
+    /// leaders, busy, or the outcome unknown (every step may be asked
+    /// again).
+    async fn step(&self, shard: ShardId, work: Work) -> Result<proto::MoveWorkReply, ClusterError> {
+        let mut last = ClusterError::Busy;
+        for _ in 0..STEP_TRIES {
+            match self.work_at(shard, work.clone()).await {
+                Ok(r) => return Ok(r),
+                Err(e @ (ClusterError::NotLeader { .. } | ClusterError::Busy | ClusterError::Uncertain)) => last = e,
+                Err(e) => return Err(e),
+            }
+            tokio::time::sleep(STEP_PAUSE).await;
+        }
+        Err(last)
+    }
+
+    /// Undoes what a move did before its cut-over: the target drops what
+    /// it took, both forget the move, and the map drops its record.
+    async fn abandon(&self, plan: &dmkv_common::cluster::map::ClusterMap, planned: u64) {
+        let Some(m) = plan.moving else { return };
+        let purge = proto::MovePurge { partition: m.partition, version: m.version, below: MAX_VERSION };
+        if let Err(e) = self.step(m.to, Work::Purge(purge)).await {
+            tracing::warn!(partition = m.partition, shard = m.to, "an abandoned move's copy stays: {e:?}");
+        }
+        for shard in [m.from, m.to] {
+            let forget = encode_move_step(m.partition, m.version, Kind::Forget);
+            if let Err(e) = self.step(shard, Work::Propose(forget.into())).await {
+                tracing::warn!(partition = m.partition, shard, "the shard keeps the move's record: {e:?}");
+            }
+        }
+        let mut back = plan.clone();
+        back.moving = None;
+        back.version = m.version;
+        if let Err(e) = self.meta_write(planned, &back).await {
+            tracing::warn!(partition = m.partition, "the map keeps the abandoned move's record: {e:?}");
+        }
+    }
+}
+
+/// What the copy before the cut-over took.
+struct Copied {
+    keys: u64,
+    bytes: u64,
+    rounds: u32,
+}
+
+fn copy(partition: u32, to: ShardId, version: u64, whole: bool) -> proto::MoveCopy {
+    proto::MoveCopy { partition, to, version, whole }
+}

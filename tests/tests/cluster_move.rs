@@ -1,0 +1,145 @@
+//! Partition moves in a cluster of real dmkvd processes
+//! (docs/elasticity.md): `dmkv cluster move-partition` copies a partition
+//! to another shard while a writer overwrites its keys and readers read
+//! them one-sided (shared memory and the TCP engine, routed by maps from
+//! before the move) and over RPC. The recorded history is checked for
+//! linearizability; every key is then read where the map puts it, the
+//! source holds none of the partition any more, and versions only went up.
+
+use std::time::Duration;
+
+use dmkv_client::{Client, ClientConfig, ReadPath, Transport, blocking};
+use dmkv_common::cluster::map::partition_of;
+use dmkv_tests::cluster::TestCluster;
+use dmkv_tests::history::{self, Clients};
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime")
+}
+
+/// Moves `p` to shard `to` through node `via`, following NOT_LEADER to
+/// the metadata group's leader, as `dmkv cluster move-partition` does.
+fn move_partition(c: &TestCluster, p: u32, to: u32) -> dmkv_common::proto::MovePartitionReply {
+    let mut last = String::new();
+    for _ in 0..50 {
+        for i in 0..3 {
+            let admin = blocking::Client::connect_with(c.rpc(i).to_string(), ClientConfig::default()).expect("connect");
+            match admin.move_partition(p, to) {
+                Ok(r) => return r,
+                Err(dmkv_client::ClientError::NotLeader { .. }) => continue,
+                Err(e) => last = format!("node {}: {e}", i + 1),
+            }
+        }
+        if !last.is_empty() {
+            panic!("the move failed: {last}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("no node leads the metadata group");
+}
+
+/// A partition moves while its keys are written and read one-sided and
+/// over RPC: the history stays linearizable, the writes go on, readers
+/// read the target's region after the move, and nothing is lost.
+#[test]
+fn a_partition_moves_while_it_is_written_and_read_one_sided() {
+    let c = TestCluster::start(3, 2, 3, false, &[]);
+    let rt = rt();
+    let (clients, p, from, to) = rt.block_on(async {
+        let map = c.leaders_known(0).await;
+        // The partition of the first key on shard 0, and eight of its keys.
+        let p = (0..)
+            .map(|i| format!("mv-{i}"))
+            .map(|k| partition_of(k.as_bytes()))
+            .find(|&p| map.shard_of_partition(p) == Some(0))
+            .expect("a partition of shard 0");
+        let keys: Vec<String> =
+            (0..).map(|i| format!("mv-{i}")).filter(|k| partition_of(k.as_bytes()) == p).take(8).collect();
+        let paths = [
+            (ReadPath::OneSided, Some(Transport::Shm)),
+            (ReadPath::OneSided, Some(Transport::Engine)),
+            (ReadPath::Rpc, None),
+        ];
+        let clients = Clients::connect_keys(&c, 0, keys, true, &paths).await;
+        (clients, p, 0u32, 1u32)
+    });
+    let keys = clients.keys.clone();
+    let readers: Vec<Client> = clients.readers.iter().map(|r| r.client.clone()).collect();
+    let mut report = None;
+    let run = history::record(&rt, clients, || report = Some(move_partition(&c, p, to)));
+    let report = report.expect("moved");
+    println!(
+        "partition {p}: {} writes ({} after the move began), {} reads ({} one-sided, {} after the move); moved {} keys \
+         in {} rounds, writes paused {} us, {} ms in all",
+        run.writes,
+        run.writes_since_fault,
+        run.reads,
+        run.one_sided_gets,
+        run.one_sided_after_fault,
+        report.keys,
+        report.rounds,
+        report.pause_us,
+        report.total_ms
+    );
+    assert!(run.linearizable, "not linearizable across the move: {}", run.counterexample);
+    assert_eq!(report.from, from);
+    assert!(run.writes_since_fault > 0, "no write went through after the move");
+    assert!(run.one_sided_after_fault > 0, "no one-sided GET after the move: the target's region went unread");
+    rt.block_on(async {
+        // Every node's map puts the partition on the target, and the
+        // target serves every key; the source holds none of it.
+        let check = Client::connect(c.rpc(1)).await.expect("connect");
+        let map = check.cluster_map().await.expect("map");
+        assert_eq!(map.shard_of_partition(p), Some(to), "the map did not flip");
+        assert_eq!(map.version, report.version);
+        for k in &keys {
+            assert!(check.get(k).await.expect("get").is_some(), "{k} lost in the move");
+        }
+        for r in &readers {
+            for k in &keys {
+                assert!(r.get(k).await.expect("get").is_some(), "{k} lost for a reader");
+            }
+        }
+    });
+    // The move back, through the CLI pointed at the last node (it finds
+    // the metadata group's leader): the records of the first move were
+    // forgotten, and the source's copy went.
+    let out = std::process::Command::new(dmkv_tests::bin_path("dmkv"))
+        .args(["--server", c.rpc(2), "cluster", "move-partition", &p.to_string(), "--to", &from.to_string()])
+        .output()
+        .expect("run dmkv cluster move-partition");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "move-partition failed: {}", String::from_utf8_lossy(&out.stderr));
+    println!("{text}");
+    assert!(text.contains(&format!("partition {p} moved from shard {to} to shard {from}")), "{text}");
+    rt.block_on(async {
+        let check = Client::connect(c.rpc(2)).await.expect("connect");
+        for k in &keys {
+            assert!(check.get(k).await.expect("get").is_some(), "{k} lost in the move back");
+        }
+    });
+}
+
+/// What cannot be moved is refused by name, and changes nothing.
+#[test]
+fn bad_moves_are_refused_by_name() {
+    let c = TestCluster::start(3, 2, 3, false, &[]);
+    let p = (0..4096).find(|&p| p % 2 == 0).unwrap();
+    let mut errors = Vec::new();
+    for (partition, to) in [(4096, 1), (p, 7)] {
+        let mut answered = None;
+        for i in 0..3 {
+            let admin = blocking::Client::connect_with(c.rpc(i).to_string(), ClientConfig::default()).expect("connect");
+            match admin.move_partition(partition, to) {
+                Err(dmkv_client::ClientError::NotLeader { .. }) => continue,
+                other => answered = Some(other),
+            }
+        }
+        match answered {
+            Some(Err(e)) => errors.push(e.to_string()),
+            other => panic!("move of {partition} to {to}: {other:?}"),
+        }
+    }
+    assert!(errors[0].contains("does not exist"), "{errors:?}");
+    assert!(errors[1].contains("does not exist"), "{errors:?}");
+}
