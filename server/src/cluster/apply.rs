@@ -8,7 +8,7 @@ use prost::Message;
 use thiserror::Error;
 
 use super::noted::Noted;
-use super::placement::{MAX_VERSION, Placement};
+use super::placement::{MAX_VERSION, MoveRole, Placement};
 use crate::kv::{self, Item};
 use crate::store::Store;
 use dmkv_common::cluster::map::partition_of;
@@ -210,7 +210,12 @@ pub fn encode_flush_all(now_ms: u64) -> Vec<u8> {
 /// absence).
 pub fn encode_ingest(partition: u32, move_version: u64, source_version: u64, items: Vec<proto::IngestItem>) -> Vec<u8> {
     // No clock: a copy judges nothing by time.
-    command(Op::Ingest(proto::Ingest { partition, items, move_version, source_version }), 0)
+    command(Op::Ingest(proto::Ingest { partition, items, move_version, source_version, remembered: Vec::new() }), 0)
+}
+
+/// The log entry data of a copy as given.
+pub fn encode_ingest_entry(g: proto::Ingest) -> Vec<u8> {
+    command(Op::Ingest(g), 0)
 }
 
 /// The log entry data of a step of the move of `partition` at map version
@@ -244,7 +249,13 @@ pub struct RememberedWrite {
     pub outcome: Applied,
     /// Log time (ms) at which it is forgotten.
     pub expires_ms: u64,
+    /// The partition of the key written ([`NO_PARTITION`]: not known, in
+    /// a snapshot from before partitions were kept).
+    pub partition: u32,
 }
+
+/// A remembered write's partition, not known.
+pub const NO_PARTITION: u32 = u32::MAX;
 
 /// A shard's remembered writes as a snapshot carries them, and its
 /// placement beside them.
@@ -260,6 +271,51 @@ pub struct RememberedParts {
     pub placement: Option<Placement>,
 }
 
+/// A remembered outcome as (kind, a, b). Touches, flushes, evictions,
+/// placement changes and writes to a partition the shard does not own are
+/// never remembered (`apply_once` gives them no id, or returns first).
+pub fn outcome_fields(a: &Applied) -> (u8, u64, u64) {
+    match *a {
+        Applied::Nothing
+        | Applied::Touched { .. }
+        | Applied::Flushed { .. }
+        | Applied::Evicted { .. }
+        | Applied::WrongShard
+        | Applied::Placement { .. }
+        | Applied::Ingested { .. }
+        | Applied::Moving { .. } => (0, 0, 0),
+        Applied::Put { version } => (1, version, 0),
+        Applied::Delete { existed } => (2, u64::from(existed), 0),
+        Applied::Counter { value, version } => (3, value, version),
+        Applied::Refused(ref e) => match e {
+            Error::NotStored => (4, 1, 0),
+            Error::Exists => (4, 2, 0),
+            Error::NotFound => (4, 3, 0),
+            Error::NotNumeric => (4, 4, 0),
+            Error::ValueTooLarge(n) => (4, 5, *n as u64),
+            // `Applied::Refused` holds only what `apply::refusal` takes.
+            _ => (0, 0, 0),
+        },
+    }
+}
+
+/// The outcome [`outcome_fields`] gave as (kind, a, b); `None` for a
+/// kind that is not one.
+pub fn outcome_of(kind: u8, a: u64, b: u64) -> Option<Applied> {
+    Some(match (kind, a) {
+        (0, _) => Applied::Nothing,
+        (1, _) => Applied::Put { version: a },
+        (2, _) => Applied::Delete { existed: a != 0 },
+        (3, _) => Applied::Counter { value: a, version: b },
+        (4, 1) => Applied::Refused(Error::NotStored),
+        (4, 2) => Applied::Refused(Error::Exists),
+        (4, 3) => Applied::Refused(Error::NotFound),
+        (4, 4) => Applied::Refused(Error::NotNumeric),
+        (4, 5) => Applied::Refused(Error::ValueTooLarge(usize::try_from(b).unwrap_or(usize::MAX))),
+        _ => return None,
+    })
+}
+
 /// The outcomes of identified writes, each until its window has passed
 /// twice by the log's time (part of the state machine: every replica
 /// remembers and forgets the same writes at the same entries, since both
@@ -271,7 +327,8 @@ pub struct RememberedParts {
 /// entry's (a leader behind would have it forgotten early).
 #[derive(Debug, Default)]
 pub struct Remembered {
-    outcomes: std::collections::HashMap<(u64, u64), Applied>,
+    /// Each write's outcome, and the partition of its key.
+    outcomes: std::collections::HashMap<(u64, u64), (Applied, u32)>,
     /// Soonest to expire on top: (expires at, order remembered in, client,
     /// seq). The order makes ties fall the same way on every replica.
     queue: std::collections::BinaryHeap<std::cmp::Reverse<(u64, u64, u64, u64)>>,
@@ -304,11 +361,20 @@ impl Remembered {
         let writes = queue
             .into_iter()
             .filter_map(|(expires_ms, _, client, seq)| {
-                let outcome = self.outcomes.get(&(client, seq))?.clone();
-                Some(RememberedWrite { client, seq, outcome, expires_ms })
+                let (outcome, partition) = self.outcomes.get(&(client, seq))?.clone();
+                Some(RememberedWrite { client, seq, outcome, expires_ms, partition })
             })
             .collect();
         RememberedParts { now_ms: self.now_ms, writes, placement: None }
+    }
+
+    /// The remembered writes to keys of `partition` (and those whose
+    /// partition is not known), in the order they are forgotten: what
+    /// goes with a partition that moves to another shard.
+    pub fn of_partition(&self, partition: u32) -> Vec<RememberedWrite> {
+        let mut parts = self.to_parts();
+        parts.writes.retain(|w| w.partition == partition || w.partition == NO_PARTITION);
+        parts.writes
     }
 
     /// Remembers what a snapshot carried: the same writes, forgotten at the
@@ -316,7 +382,7 @@ impl Remembered {
     pub fn from_parts(parts: &RememberedParts) -> Remembered {
         let mut r = Remembered::default();
         for w in &parts.writes {
-            r.remember((w.client, w.seq), w.outcome.clone(), w.expires_ms);
+            r.remember((w.client, w.seq), w.outcome.clone(), w.expires_ms, w.partition);
         }
         r.advance(parts.now_ms);
         r
@@ -341,21 +407,22 @@ impl Remembered {
     }
 
     fn get(&self, id: Option<&proto::WriteId>) -> Option<Applied> {
-        id.and_then(|w| self.outcomes.get(&(w.client, w.seq)).cloned())
+        id.and_then(|w| self.outcomes.get(&(w.client, w.seq)).map(|(a, _)| a.clone()))
     }
 
-    fn insert(&mut self, id: Option<&proto::WriteId>, a: &Applied) {
+    fn insert(&mut self, id: Option<&proto::WriteId>, a: &Applied, partition: u32) {
         let Some(w) = id else { return };
         let window = u64::from(retry_window_ms(w.retry_window_ms));
-        self.remember((w.client, w.seq), a.clone(), self.now_ms.saturating_add(REMEMBER_WINDOWS * window));
+        self.remember((w.client, w.seq), a.clone(), self.now_ms.saturating_add(REMEMBER_WINDOWS * window), partition);
     }
 
-    fn remember(&mut self, id: (u64, u64), a: Applied, expires_ms: u64) {
-        // The first outcome stands (a snapshot naming a write twice).
+    fn remember(&mut self, id: (u64, u64), a: Applied, expires_ms: u64, partition: u32) {
+        // The first outcome stands (a snapshot naming a write twice, or a
+        // moved partition's writes the shard had remembered itself).
         if self.outcomes.contains_key(&id) {
             return;
         }
-        self.outcomes.insert(id, a);
+        self.outcomes.insert(id, (a, partition));
         self.queue.push(std::cmp::Reverse((expires_ms, self.next_order, id.0, id.1)));
         self.next_order += 1;
         while self.outcomes.len() > MAX_REMEMBERED_WRITES {
@@ -427,6 +494,12 @@ pub fn apply_once(
     // entries carry, never from what a replica's store did, so it is the
     // same on every replica.
     let version = Some(index.saturating_add(placement.version_skew()));
+    let partition = match &cmd.op {
+        Some(Op::Put(p) | Op::Write(p)) => partition_of(&p.key),
+        Some(Op::Delete(d) | Op::DeleteCas(d)) => partition_of(&d.key),
+        Some(Op::Arith(a)) => partition_of(&a.key),
+        _ => NO_PARTITION,
+    };
     let (id, result) = match cmd.op {
         Some(Op::Put(p) | Op::Write(p)) => {
             if let Some(a) = seen.get(p.write_id.as_ref()) {
@@ -471,7 +544,15 @@ pub fn apply_once(
         }
         Some(Op::FlushAll(_)) => {
             noted.all_whole(placement);
-            (None, Ok(Applied::Flushed { items: store.clear_all() }))
+            // Copies of a partition on its way here are the source's items,
+            // not this shard's: the source's flush decides for them (its
+            // notes go whole, and the next copy says what is left).
+            let incoming = |key: &[u8]| {
+                let p = partition_of(key);
+                placement.moves().iter().any(|m| m.partition == p && m.role == MoveRole::In)
+            };
+            let items = if placement.moves().is_empty() { store.clear_all() } else { store.clear_unless(incoming) };
+            (None, Ok(Applied::Flushed { items }))
         }
         // Each item only if it is still the version the leader chose (a
         // write since made a new one, which stays); a key already gone is
@@ -494,7 +575,7 @@ pub fn apply_once(
         Some(Op::Ingest(g)) if !placement.takes(g.partition, g.move_version) => {
             return Ok(Applied::Ingested { items: 0, skipped: g.items.len() as u64 });
         }
-        Some(Op::Ingest(g)) => return ingest(store, placement, index, &g),
+        Some(Op::Ingest(g)) => return ingest(store, seen, placement, index, &g),
         Some(Op::MoveStep(m)) => {
             if let Err(e) = placement.apply_step(&m) {
                 tracing::warn!("move step at {index} refused: {e:?}");
@@ -519,7 +600,7 @@ pub fn apply_once(
         Err(e) if refusal(&e) => Applied::Refused(e),
         r => r?,
     };
-    seen.insert(id.as_ref(), &applied);
+    seen.insert(id.as_ref(), &applied, partition);
     Ok(applied)
 }
 
@@ -529,16 +610,24 @@ pub fn apply_once(
 /// [`MAX_VERSION`]), and counted: the mover fails the move on any. Applied
 /// again whole after a stall for room, which changes nothing: an item
 /// replaces only an older one, an absence removes only an older one.
-fn ingest(store: &Store, placement: &mut Placement, index: u64, g: &proto::Ingest) -> Result<Applied, ApplyError> {
+fn ingest(
+    store: &Store,
+    seen: &mut Remembered,
+    placement: &mut Placement,
+    index: u64,
+    g: &proto::Ingest,
+) -> Result<Applied, ApplyError> {
     let fits = |it: &&proto::IngestItem| {
         partition_of(&it.key) == g.partition
             && check_key(&it.key).is_ok()
             && (1..=MAX_VERSION).contains(&it.version)
             && (!it.present || check_value(&it.value).is_ok())
     };
+    // From what the source gave: its horizon and the items' versions. An
+    // absence's version only bounds what it removes.
     let above = g.source_version.min(MAX_VERSION);
     let mut highest = above;
-    for it in g.items.iter().filter(fits) {
+    for it in g.items.iter().filter(fits).filter(|it| it.present) {
         highest = highest.max(it.version.saturating_add(1).min(MAX_VERSION));
     }
     // Before the store changes: an entry stalled for room and applied again
@@ -551,10 +640,27 @@ fn ingest(store: &Store, placement: &mut Placement, index: u64, g: &proto::Inges
             continue;
         }
         let changed = match it.present {
-            true => store.ingest(&it.key, &it.value, it.version, it.flags, it.expires_at)?,
-            false => store.ingest_absence(&it.key, it.version)?,
+            true => store.ingest(&it.key, &it.value, it.version, it.flags, it.expires_at),
+            false => store.ingest_absence(&it.key, it.version),
         };
-        items += u64::from(changed);
+        match changed {
+            Ok(changed) => items += u64::from(changed),
+            // Stalled and applied again whole once there is room.
+            Err(Error::OutOfMemory) => return Err(ApplyError::Store(Error::OutOfMemory)),
+            // Counted, never half an entry: the mover fails the move.
+            Err(_) => skipped += 1,
+        }
+    }
+    // The outcomes the source remembered for the partition's writes: a
+    // write it applied, sent again to this shard, is answered as the
+    // first time, not applied again. Remembered as there (same expiry by
+    // the log's time, which both shards take from their leaders' clocks).
+    for r in &g.remembered {
+        let outcome = u8::try_from(r.kind).ok().and_then(|k| outcome_of(k, r.a, r.b));
+        match outcome {
+            Some(a) => seen.remember((r.client, r.seq), a, r.expires_ms, g.partition),
+            None => skipped += 1,
+        }
     }
     Ok(Applied::Ingested { items, skipped })
 }
@@ -699,7 +805,8 @@ mod tests {
             // copy of a arriving after it changes nothing.
             let round = vec![gone(&b, 1300), item(&a, b"va2", 1250)];
             assert_eq!(run(7, &encode_ingest(p, 3, 1300, round)), Applied::Ingested { items: 2, skipped: 0 });
-            let older = vec![item(&a, b"va", 1000), gone(&a, 1100)];
+            // A removal past every version (a purge's) raises no skew.
+            let older = vec![item(&a, b"va", 1000), gone(&a, 1100), gone(&e, MAX_VERSION)];
             assert_eq!(run(8, &encode_ingest(p, 3, 1200, older)), Applied::Ingested { items: 0, skipped: 0 });
             // Another move's copy is not this one's.
             let stray = encode_ingest(p, 4, 1300, vec![item(&e, b"stray", 10)]);
@@ -721,6 +828,75 @@ mod tests {
         assert!(s1.get(&stranger).unwrap().is_none(), "another partition's key is not taken");
         assert!(s1.get(&d).unwrap().is_none(), "nothing a shard could not hold is taken");
         assert!(s1.get(&e).unwrap().is_none(), "nothing taken before the move's record or for another move");
+    }
+
+    /// A flush on a target mid-move keeps the copies of the partition on
+    /// its way (the source's items: its own flush decides for them) and
+    /// removes the shard's own.
+    #[test]
+    fn a_flush_on_a_target_keeps_the_incoming_copies() {
+        use proto::move_step::Kind;
+        let p = partition_of(b"incoming-flush");
+        let key = (0..).map(|i| format!("f{i}").into_bytes()).find(|k| partition_of(k) == p).unwrap();
+        let own = (0..).map(|i| format!("g{i}").into_bytes()).find(|k| partition_of(k) != p).unwrap();
+        let s = store("flush-target");
+        let (mut seen, mut placement) = (Remembered::default(), Placement::all());
+        let mut run = |index: u64, data: &[u8]| {
+            apply_once(&s, &mut seen, &mut placement, &mut Default::default(), index, data).unwrap()
+        };
+        run(1, &encode_placement(2, vec![], vec![p], 0));
+        run(2, &encode_move_step(p, 3, Kind::Take));
+        run(3, &encode_put(&own, b"mine"));
+        let copy = proto::IngestItem {
+            key: key.clone().into(),
+            present: true,
+            value: bytes::Bytes::from_static(b"theirs"),
+            version: 9,
+            ..Default::default()
+        };
+        assert_eq!(run(4, &encode_ingest(p, 3, 10, vec![copy])), Applied::Ingested { items: 1, skipped: 0 });
+        assert_eq!(run(5, &encode_flush_all(0)), Applied::Flushed { items: 1 });
+        assert!(s.get(&own).unwrap().is_none());
+        assert!(s.get(&key).unwrap().is_some(), "the incoming copy went with the flush");
+    }
+
+    /// The outcomes a source remembered go with the partition: a write it
+    /// applied, sent again to the target, is answered as the first time
+    /// and not applied again; a bad outcome is skipped and counted.
+    #[test]
+    fn remembered_writes_move_with_their_partition() {
+        use proto::move_step::Kind;
+        let p = partition_of(b"remembered");
+        let key = (0..).map(|i| format!("r{i}").into_bytes()).find(|k| partition_of(k) == p).unwrap();
+        let (src, dst) = (store("remember-src"), store("remember-dst"));
+        let (mut seen_s, mut place_s) = (Remembered::default(), Placement::all());
+        let put = encode_put_with(&key, b"once", id(9, 1, 5000), 1_000);
+        let Applied::Put { version } =
+            apply_once(&src, &mut seen_s, &mut place_s, &mut Default::default(), 1, &put).unwrap()
+        else {
+            panic!("a put")
+        };
+        let writes = seen_s.of_partition(p);
+        assert_eq!(writes.len(), 1);
+        assert!(seen_s.of_partition((p + 1) % dmkv_common::cluster::map::PARTITIONS).is_empty());
+        let (mut seen_t, mut place_t) = (Remembered::default(), Placement::all());
+        let mut run = |index: u64, data: &[u8]| {
+            apply_once(&dst, &mut seen_t, &mut place_t, &mut Default::default(), index, data).unwrap()
+        };
+        assert_eq!(run(1, &encode_placement(2, vec![], vec![p], 1_000)), Applied::Placement { changed: true });
+        assert_eq!(run(2, &encode_move_step(p, 3, Kind::Take)), Applied::Moving { recorded: true });
+        let outcome = |w: &RememberedWrite| {
+            let (kind, a, b) = outcome_fields(&w.outcome);
+            proto::RememberedOutcome { client: w.client, seq: w.seq, kind: kind.into(), a, b, expires_ms: w.expires_ms }
+        };
+        let mut remembered: Vec<_> = writes.iter().map(outcome).collect();
+        remembered.push(proto::RememberedOutcome { client: 9, seq: 2, kind: 77, ..Default::default() });
+        let g = proto::Ingest { partition: p, move_version: 3, remembered, ..Default::default() };
+        assert_eq!(run(3, &encode_ingest_entry(g)), Applied::Ingested { items: 0, skipped: 1 });
+        assert_eq!(run(4, &encode_placement(3, vec![p], vec![], 1_000)), Applied::Placement { changed: true });
+        // The retry reaches the target: answered, not applied.
+        assert_eq!(run(5, &put), Applied::Put { version });
+        assert!(dst.get(&key).unwrap().is_none(), "applied again on the target");
     }
 
     /// A source notes the keys its log writes in a partition it watches,
@@ -1331,9 +1507,9 @@ mod tests {
         let mut seen = Remembered::default();
         let put = Applied::Put { version: 1 };
         // One with a long window first, then short ones: these expire first.
-        seen.insert(id(1, 0, 60_000).as_ref(), &put);
+        seen.insert(id(1, 0, 60_000).as_ref(), &put, 0);
         for seq in 0..MAX_REMEMBERED_WRITES as u64 + 9 {
-            seen.insert(id(2, seq, 1000).as_ref(), &put);
+            seen.insert(id(2, seq, 1000).as_ref(), &put, 0);
         }
         assert_eq!(seen.len(), MAX_REMEMBERED_WRITES);
         assert_eq!(seen.take_dropped_early(), 10);

@@ -133,6 +133,8 @@ pub enum MoveAsk {
     Notes(u32),
     /// A consistent view of its store.
     View,
+    /// The outcomes it remembers of writes to keys of this partition.
+    Remembered(u32),
 }
 
 /// The leader's answer, with its `horizon`: the version its next write
@@ -140,6 +142,7 @@ pub enum MoveAsk {
 pub enum MoveAnswer {
     Notes { notes: super::noted::Notes, horizon: u64 },
     View { view: crate::store::view::StoreView, horizon: u64 },
+    Remembered(Vec<super::apply::RememberedWrite>),
 }
 
 /// A replica's raft state as last published by its thread (every tick),

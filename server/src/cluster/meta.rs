@@ -137,9 +137,13 @@ pub fn spawn_map_refresh(node: &Arc<ClusterNode>, mut stop: watch::Receiver<bool
     let wake = node.map_wake();
     tokio::spawn(async move {
         let mut last = tokio::time::Instant::now();
+        let mut behind = false;
         loop {
+            // A replica here applied a placement the map does not have yet
+            // (a move's release or own, before its flip): asked again soon.
+            let wait = if behind { MAP_ASK_GAP } else { MAP_POLL };
             tokio::select! {
-                _ = tokio::time::sleep(MAP_POLL) => {}
+                _ = tokio::time::sleep(wait) => {}
                 _ = wake.notified() => {}
                 _ = stop.changed() => return,
             }
@@ -157,6 +161,7 @@ pub fn spawn_map_refresh(node: &Arc<ClusterNode>, mut stop: watch::Receiver<bool
                 }
                 Err(e) => tracing::debug!("the metadata group's map could not be read: {e}"),
             }
+            behind = node.map_behind();
         }
     });
 }

@@ -17,7 +17,7 @@
 
 use std::time::{Duration, Instant};
 
-use dmkv_common::cluster::map::{Moving, PARTITIONS, ShardId};
+use dmkv_common::cluster::map::{ClusterMap, Moving, PARTITIONS, ShardId};
 use dmkv_common::proto::{self, move_step::Kind, move_work::Work};
 
 use super::apply::{encode_move_step, encode_placement};
@@ -29,15 +29,20 @@ pub const MAX_ROUNDS: u32 = 8;
 /// A round that copied at most this many keys is small enough: the next
 /// (at the cut-over, with writes refused) copies about as many.
 pub const SMALL_ROUND: u64 = 64;
-/// Tries of one step whose shard is between leaders or busy.
+/// Tries of one step whose shard is between leaders or busy (5 s).
 const STEP_TRIES: u32 = 50;
+/// Tries of a step of the cut-over, which must go through (60 s): past it
+/// the move is left for the same move asked again.
+const CUT_OVER_TRIES: u32 = 600;
 /// Pause between two tries of a step.
 const STEP_PAUSE: Duration = Duration::from_millis(100);
 
 impl ClusterNode {
     /// Moves partition `p` to shard `to`; this node's replica must lead
     /// the metadata group. One move at a time per cluster: the map holds
-    /// the move under way, and a second is refused until it ends.
+    /// the move under way, and another is refused until it ends; the same
+    /// move asked again carries it on from where its shards are (its
+    /// mover stopped, or failed after the cut-over began).
     pub async fn move_partition(&self, p: u32, to: ShardId) -> Result<proto::MovePartitionReply, ClusterError> {
         let started = Instant::now();
         let (map, stored) = self.meta_map().await?;
@@ -47,70 +52,131 @@ impl ClusterNode {
         if to as usize >= map.shards().len() {
             return Err(ClusterError::Failed(format!("shard {to} does not exist: there are {}", map.shards().len())));
         }
-        let from = map.shard_of_partition(p).expect("a partition below PARTITIONS");
-        if from == to {
-            return Err(ClusterError::Failed(format!("partition {p} is on shard {to} already")));
-        }
-        if let Some(m) = map.moving {
-            return Err(ClusterError::Failed(format!(
-                "partition {} is moving from shard {} to {} (to map version {}): one move at a time",
-                m.partition, m.from, m.to, m.version
-            )));
-        }
-        // The plan takes version + 1; the flip is version + 2, and nothing
-        // else is written in between (the record refuses other moves).
-        let version = map.version + 2;
-        if version >= MAX_VERSION {
-            return Err(ClusterError::Failed("the map's version is past the bound".into()));
-        }
-        let mut plan = map.clone();
-        plan.version += 1;
-        plan.moving = Some(Moving { partition: p, from, to, version });
-        let planned = self.meta_write(stored, &plan).await?;
-        tracing::info!(partition = p, from, to, version, "moving a partition");
-        let copied = match self.copy_phase(p, from, to, version).await {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::warn!(partition = p, from, to, "the move is abandoned: {e:?}");
-                self.abandon(&plan, planned).await;
-                return Err(e);
+        let (plan, planned, resumed) = match map.moving {
+            Some(m) if m.partition == p && m.to == to => (map.clone(), stored, true),
+            Some(m) => {
+                return Err(ClusterError::Failed(format!(
+                    "partition {} is moving from shard {} to {} (to map version {}): one move at a time",
+                    m.partition, m.from, m.to, m.version
+                )));
+            }
+            None => {
+                let from = map.shard_of_partition(p).expect("a partition below PARTITIONS");
+                if from == to {
+                    return Err(ClusterError::Failed(format!("partition {p} is on shard {to} already")));
+                }
+                // The plan takes version + 1; the flip is version + 2, and
+                // nothing else is written in between (the record refuses
+                // other moves).
+                let version = map.version + 2;
+                if version >= MAX_VERSION {
+                    return Err(ClusterError::Failed("the map's version is past the bound".into()));
+                }
+                let mut plan = map.clone();
+                plan.version += 1;
+                plan.moving = Some(Moving { partition: p, from, to, version });
+                let planned = self.meta_write(stored, &plan).await?;
+                (plan, planned, false)
             }
         };
-        // The cut-over: from the release on the move is carried through.
-        let pause = Instant::now();
-        let now = crate::clock::now_ms();
-        self.placement_step(from, version, encode_placement(version, vec![], vec![p], now)).await?;
-        let last = self.copy_round(from, copy(p, to, version, false)).await?;
-        self.placement_step(to, version, encode_placement(version, vec![p], vec![], now)).await?;
-        let pause_us = pause.elapsed().as_micros() as u64;
+        let m = plan.moving.expect("a planned move");
+        let (from, version) = (m.from, m.version);
+        tracing::info!(partition = p, from, to, version, resumed, "moving a partition");
+        // Where a stopped move's shards are: the target owns the partition
+        // (only the flip is left), or the source released it (its items
+        // are frozen: copied whole again), or neither (from the start).
+        let (owned, released) = match resumed {
+            true => {
+                let owned = self.placement_of(to).await? >= version;
+                (owned, owned || self.placement_of(from).await? >= version)
+            }
+            false => (false, false),
+        };
+        let mut copied = Copied { keys: 0, bytes: 0, rounds: 0 };
+        let mut pause_us = 0;
+        if !owned {
+            copied = match self.copy_phase(p, from, to, version).await {
+                Ok(c) => c,
+                // Before any release, the move can be undone.
+                Err(e) if !released => {
+                    tracing::warn!(partition = p, from, to, "the move is abandoned: {e:?}");
+                    self.abandon(&plan, planned).await;
+                    return Err(e);
+                }
+                Err(e) => return Err(e),
+            };
+            // The cut-over: from the release on the move is carried
+            // through, or left for the same move asked again.
+            let pause = Instant::now();
+            let now = crate::clock::now_ms();
+            self.placement_step(from, version, encode_placement(version, vec![], vec![p], now)).await?;
+            let mut final_copy = copy(p, to, version, false);
+            final_copy.last = true;
+            let last = self.copy_round(from, final_copy, CUT_OVER_TRIES).await?;
+            self.placement_step(to, version, encode_placement(version, vec![p], vec![], now)).await?;
+            pause_us = pause.elapsed().as_micros() as u64;
+            copied.keys += last.keys;
+            copied.bytes += last.bytes;
+        }
         let mut flipped = plan.clone();
         flipped.moving = None;
         flipped.move_partition(p, to).map_err(|e| ClusterError::Failed(e.to_string()))?;
         debug_assert_eq!(flipped.version, version);
-        self.meta_write(planned, &flipped).await?;
-        self.adopt_map(flipped);
+        self.flip(planned, &flipped, p, to).await?;
         tracing::info!(partition = p, from, to, version, pause_us, "partition moved");
         // Clean-up: the source's copy goes, and both forget the move. A
         // failure here leaves items no one serves, and is only logged.
         let purge = proto::MovePurge { partition: p, version, below: MAX_VERSION };
-        if let Err(e) = self.step(from, Work::Purge(purge)).await {
+        if let Err(e) = self.step(from, Work::Purge(purge), STEP_TRIES).await {
             tracing::warn!(partition = p, shard = from, "the moved partition's items stay on the source: {e:?}");
         }
         for shard in [from, to] {
             let forget = encode_move_step(p, version, Kind::Forget);
-            if let Err(e) = self.step(shard, Work::Propose(forget.into())).await {
+            if let Err(e) = self.step(shard, Work::Propose(forget.into()), STEP_TRIES).await {
                 tracing::warn!(partition = p, shard, "the shard keeps the move's record: {e:?}");
             }
         }
         Ok(proto::MovePartitionReply {
             version,
             from,
-            keys: copied.keys + last.keys,
-            bytes: copied.bytes + last.bytes,
+            keys: copied.keys,
+            bytes: copied.bytes,
             rounds: copied.rounds,
             pause_us,
             total_ms: started.elapsed().as_millis() as u64,
         })
+    }
+
+    /// Writes the flipped map, conditionally on the plan's; an unknown
+    /// outcome is read back.
+    async fn flip(&self, planned: u64, flipped: &ClusterMap, p: u32, to: ShardId) -> Result<(), ClusterError> {
+        let mut last = ClusterError::Busy;
+        for _ in 0..CUT_OVER_TRIES {
+            match self.meta_write(planned, flipped).await {
+                Ok(_) => {
+                    self.adopt_map(flipped.clone());
+                    return Ok(());
+                }
+                Err(e @ (ClusterError::Busy | ClusterError::Uncertain)) => last = e,
+                Err(e) => return Err(e),
+            }
+            tokio::time::sleep(STEP_PAUSE).await;
+            if let Ok((now, _)) = self.meta_map().await
+                && now.version >= flipped.version
+                && now.shard_of_partition(p) == Some(to)
+            {
+                self.adopt_map(now);
+                return Ok(());
+            }
+        }
+        Err(last)
+    }
+
+    /// The placement version of `shard` as its leader applied it (a
+    /// step that changes nothing: forgetting a move that never was).
+    async fn placement_of(&self, shard: ShardId) -> Result<u64, ClusterError> {
+        let probe = encode_move_step(0, 0, Kind::Forget);
+        Ok(self.step(shard, Work::Propose(probe.into()), CUT_OVER_TRIES).await?.placement_version)
     }
 
     /// The source watches, the target takes, the whole partition is
@@ -118,10 +184,10 @@ impl ClusterNode {
     async fn copy_phase(&self, p: u32, from: ShardId, to: ShardId, version: u64) -> Result<Copied, ClusterError> {
         self.move_step(from, p, version, Kind::Watch).await?;
         self.move_step(to, p, version, Kind::Take).await?;
-        let first = self.copy_round(from, copy(p, to, version, true)).await?;
+        let first = self.copy_round(from, copy(p, to, version, true), STEP_TRIES).await?;
         let mut copied = Copied { keys: first.keys, bytes: first.bytes, rounds: 0 };
         while copied.rounds < MAX_ROUNDS {
-            let round = self.copy_round(from, copy(p, to, version, false)).await?;
+            let round = self.copy_round(from, copy(p, to, version, false), STEP_TRIES).await?;
             copied.rounds += 1;
             copied.keys += round.keys;
             copied.bytes += round.bytes;
@@ -135,7 +201,7 @@ impl ClusterNode {
     /// Records a step of the move on `shard`: the shard must record the
     /// move after it (asked again, it still does).
     async fn move_step(&self, shard: ShardId, p: u32, version: u64, kind: Kind) -> Result<(), ClusterError> {
-        let got = self.step(shard, Work::Propose(encode_move_step(p, version, kind).into())).await?;
+        let got = self.step(shard, Work::Propose(encode_move_step(p, version, kind).into()), STEP_TRIES).await?;
         if !got.changed {
             return Err(ClusterError::Failed(format!(
                 "shard {shard} refused the move's {kind:?} step ({}): see its log",
@@ -149,7 +215,7 @@ impl ClusterNode {
     /// (the shard's placement reaches `version`, which only this move
     /// proposes: the map holds it reserved).
     async fn placement_step(&self, shard: ShardId, version: u64, data: Vec<u8>) -> Result<(), ClusterError> {
-        let got = self.step(shard, Work::Propose(data.into())).await?;
+        let got = self.step(shard, Work::Propose(data.into()), CUT_OVER_TRIES).await?;
         if got.placement_version != version {
             return Err(ClusterError::Failed(format!(
                 "shard {shard}'s placement is at version {}, not the move's {version}: {}",
@@ -162,9 +228,14 @@ impl ClusterNode {
     /// A copy round, tried again as [`ClusterNode::step`] does; but a round
     /// that failed may have taken the notes it did not copy, so every try
     /// after the first copies the whole partition.
-    async fn copy_round(&self, from: ShardId, mut c: proto::MoveCopy) -> Result<proto::MoveWorkReply, ClusterError> {
+    async fn copy_round(
+        &self,
+        from: ShardId,
+        mut c: proto::MoveCopy,
+        tries: u32,
+    ) -> Result<proto::MoveWorkReply, ClusterError> {
         let mut last = ClusterError::Busy;
-        for _ in 0..STEP_TRIES {
+        for _ in 0..tries {
             match self.work_at(from, Work::Copy(c)).await {
                 Ok(r) => return Ok(r),
                 Err(e @ (ClusterError::NotLeader { .. } | ClusterError::Busy | ClusterError::Uncertain)) => last = e,
@@ -179,9 +250,9 @@ impl ClusterNode {
     /// A step at `shard`'s leader, tried again while the shard is between
     /// leaders, busy, or the outcome unknown (every step may be asked
     /// again).
-    async fn step(&self, shard: ShardId, work: Work) -> Result<proto::MoveWorkReply, ClusterError> {
+    async fn step(&self, shard: ShardId, work: Work, tries: u32) -> Result<proto::MoveWorkReply, ClusterError> {
         let mut last = ClusterError::Busy;
-        for _ in 0..STEP_TRIES {
+        for _ in 0..tries {
             match self.work_at(shard, work.clone()).await {
                 Ok(r) => return Ok(r),
                 Err(e @ (ClusterError::NotLeader { .. } | ClusterError::Busy | ClusterError::Uncertain)) => last = e,
@@ -197,12 +268,12 @@ impl ClusterNode {
     async fn abandon(&self, plan: &dmkv_common::cluster::map::ClusterMap, planned: u64) {
         let Some(m) = plan.moving else { return };
         let purge = proto::MovePurge { partition: m.partition, version: m.version, below: MAX_VERSION };
-        if let Err(e) = self.step(m.to, Work::Purge(purge)).await {
+        if let Err(e) = self.step(m.to, Work::Purge(purge), STEP_TRIES).await {
             tracing::warn!(partition = m.partition, shard = m.to, "an abandoned move's copy stays: {e:?}");
         }
         for shard in [m.from, m.to] {
             let forget = encode_move_step(m.partition, m.version, Kind::Forget);
-            if let Err(e) = self.step(shard, Work::Propose(forget.into())).await {
+            if let Err(e) = self.step(shard, Work::Propose(forget.into()), STEP_TRIES).await {
                 tracing::warn!(partition = m.partition, shard, "the shard keeps the move's record: {e:?}");
             }
         }
@@ -223,5 +294,5 @@ struct Copied {
 }
 
 fn copy(partition: u32, to: ShardId, version: u64, whole: bool) -> proto::MoveCopy {
-    proto::MoveCopy { partition, to, version, whole }
+    proto::MoveCopy { partition, to, version, whole, last: false }
 }

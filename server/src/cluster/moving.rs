@@ -9,11 +9,11 @@ use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use dmkv_common::cluster::map::{NodeId, ShardId, node_of, partition_of};
+use dmkv_common::cluster::map::{META_SHARD, NodeId, ShardId, node_of, partition_of};
 use dmkv_common::error::Error as StoreError;
 use dmkv_common::proto::{self, move_work::Work, request::Op, response::Result as R};
 
-use super::apply::{Applied, encode_ingest};
+use super::apply::{Applied, encode_ingest, encode_ingest_entry, outcome_fields};
 use super::driver::{MoveAnswer, MoveAsk};
 use super::node::{ClusterError, ClusterNode, InFlight, LocalReplica, admit};
 use super::placement::MAX_VERSION;
@@ -26,6 +26,8 @@ pub const MAX_INGEST_BYTES: usize = 1 << 20;
 pub const MAX_INGEST_KEYS: usize = 4096;
 /// Chunks a view's walker may have ready ahead of the proposals.
 const WALK_AHEAD: usize = 2;
+/// Most partitions one placement change a mover proposes may name.
+pub const MAX_PLACEMENT_CHANGE: usize = 64;
 /// Most one step at a peer may take, the copy of a big partition included.
 pub const MOVE_STEP_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -62,12 +64,25 @@ impl ClusterNode {
         let cmd = proto::RaftCommand::decode(&data[..])
             .map_err(|e| ClusterError::Failed(format!("a move's command does not decode: {e}")))?;
         use proto::raft_command::Op as C;
-        if !matches!(cmd.op, Some(C::MoveStep(_) | C::Ingest(_) | C::Placement(_))) {
-            return Err(ClusterError::Failed("only a move's commands are proposed for a mover".into()));
+        let ingest = match &cmd.op {
+            Some(C::Ingest(_)) => true,
+            Some(C::MoveStep(_)) => false,
+            Some(C::Placement(c)) if c.own.len() + c.release.len() <= MAX_PLACEMENT_CHANGE => false,
+            Some(C::Placement(_)) => {
+                return Err(ClusterError::Failed(format!(
+                    "a placement change of more than {MAX_PLACEMENT_CHANGE} partitions"
+                )));
+            }
+            _ => return Err(ClusterError::Failed("only a move's commands are proposed for a mover".into())),
+        };
+        if shard == META_SHARD {
+            return Err(ClusterError::Failed("the metadata group holds no partitions".into()));
         }
         let r = self.leading(shard)?;
-        let bytes = (data.len() + dmkv_common::layout::ITEM_HEADER_LEN) as u64;
-        if !admit(r, bytes) {
+        // Only copies take room: a move's steps must go through on a full
+        // shard (a release or an own refused would stall the cut-over).
+        let bytes = if ingest { (data.len() + dmkv_common::layout::ITEM_HEADER_LEN) as u64 } else { 0 };
+        if ingest && !admit(r, bytes) {
             return Err(ClusterError::Store(StoreError::OutOfMemory));
         }
         let _done = InFlight(&r.in_flight, bytes);
@@ -134,6 +149,9 @@ impl ClusterNode {
             if let Some(chunk) = out.flush() {
                 self.ingest(c, chunk, &mut reply).await?;
             }
+            if c.last {
+                self.copy_remembered(r, c, horizon).await?;
+            }
             return Ok(reply);
         }
         reply.whole = true;
@@ -143,7 +161,7 @@ impl ClusterNode {
         // Everything the target holds of the partition is older than the
         // view's horizon: it goes, and the view brings back what is here.
         let purge = proto::MovePurge { partition: c.partition, version: c.version, below: horizon };
-        self.work_at(c.to, Work::Purge(purge)).await?;
+        self.work_at(c.to, Work::Purge(purge)).await.map_err(of_target)?;
         let (tx, mut rx) = tokio::sync::mpsc::channel(WALK_AHEAD);
         let p = c.partition;
         let walker = tokio::task::spawn_blocking(move || {
@@ -170,10 +188,56 @@ impl ClusterNode {
             }
         }
         match walker.await {
-            Ok(Ok(())) => Ok(reply),
-            Ok(Err(e)) => Err(ClusterError::Failed(format!("walking the partition: {e}"))),
-            Err(e) => Err(ClusterError::Failed(format!("walking the partition: {e}"))),
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(ClusterError::Failed(format!("walking the partition: {e}"))),
+            Err(e) => return Err(ClusterError::Failed(format!("walking the partition: {e}"))),
         }
+        if c.last {
+            self.copy_remembered(r, c, horizon).await?;
+        }
+        Ok(reply)
+    }
+
+    /// Sends the outcomes the source remembers of the partition's writes
+    /// to the target (at the cut-over, when no more can be written).
+    async fn copy_remembered(&self, r: &LocalReplica, c: &proto::MoveCopy, horizon: u64) -> Result<(), ClusterError> {
+        let MoveAnswer::Remembered(writes) = self.ask_leader(r, MoveAsk::Remembered(c.partition)).await? else {
+            return Err(ClusterError::Failed("the shard answered something else for its remembered writes".into()));
+        };
+        // At least one entry, carrying the horizon as of the release: the
+        // target's later versions go above every one the source gave, even
+        // for a partition with no items left (a deleted key's CAS token).
+        let empty: [super::apply::RememberedWrite; 0] = [];
+        let parts: Vec<&[super::apply::RememberedWrite]> =
+            if writes.is_empty() { vec![&empty[..]] } else { writes.chunks(MAX_INGEST_KEYS).collect() };
+        for part in parts {
+            let remembered = part
+                .iter()
+                .map(|w| {
+                    let (kind, a, b) = outcome_fields(&w.outcome);
+                    proto::RememberedOutcome {
+                        client: w.client,
+                        seq: w.seq,
+                        kind: kind.into(),
+                        a,
+                        b,
+                        expires_ms: w.expires_ms,
+                    }
+                })
+                .collect();
+            let mut data = proto::Ingest {
+                partition: c.partition,
+                move_version: c.version,
+                source_version: horizon,
+                ..Default::default()
+            };
+            data.remembered = remembered;
+            let got = self.work_at(c.to, Work::Propose(encode_ingest_entry(data).into())).await.map_err(of_target)?;
+            if got.skipped > 0 {
+                return Err(ClusterError::Failed(format!("shard {} skipped remembered writes: {}", c.to, got.applied)));
+            }
+        }
+        Ok(())
     }
 
     /// Proposes one chunk of a copy to the target shard.
@@ -184,7 +248,7 @@ impl ClusterNode {
         reply: &mut proto::MoveWorkReply,
     ) -> Result<(), ClusterError> {
         let data = encode_ingest(c.partition, c.version, chunk.horizon, chunk.items);
-        let got = self.work_at(c.to, Work::Propose(data.into())).await?;
+        let got = self.work_at(c.to, Work::Propose(data.into())).await.map_err(of_target)?;
         if got.skipped > 0 {
             return Err(ClusterError::Failed(format!(
                 "shard {} skipped {} items of a copy ({}): it takes no copy of partition {} for this move, or an item \
@@ -275,6 +339,16 @@ impl ClusterNode {
             Ok(other) => Err(ClusterError::Failed(format!("node {to} answered a move step with {other:?}"))),
             Err(e) => Err(peer_error(to, &e)),
         }
+    }
+}
+
+/// An error of the target's, as the source's step answers it: who leads
+/// the target is no answer to who leads the source (the mover would ask
+/// the wrong node), so NOT_LEADER becomes "busy, ask again".
+fn of_target(e: ClusterError) -> ClusterError {
+    match e {
+        ClusterError::NotLeader { .. } => ClusterError::Busy,
+        e => e,
     }
 }
 

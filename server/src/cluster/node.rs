@@ -318,6 +318,9 @@ impl ClusterNode {
         let logger = slog::Logger::root(slog::Discard, slog::o!());
         let mut replicas = HashMap::new();
         let mut meta = None;
+        // Woken when a replica here applies a placement change too: the
+        // map that goes with it is asked for at once, not at the next poll.
+        let map_wake: Arc<tokio::sync::Notify> = Arc::default();
         let mut sink = LocalShards::default();
         for sh in local {
             let per_shard = if sh.id == META_SHARD { MIN_SHARD_MEMORY } else { per_shard };
@@ -353,7 +356,8 @@ impl ClusterNode {
                 META_SHARD => super::placement::Placement::all(),
                 id => super::placement::Placement::of_map(&map, id),
             };
-            let placement = Arc::new(super::placement::SharedPlacement::new(&first_placement));
+            let placement =
+                Arc::new(super::placement::SharedPlacement::new(&first_placement).with_wake(Arc::clone(&map_wake)));
             let send = {
                 let (peers, shard) = (Arc::clone(&peers), sh.id);
                 move |msgs: Vec<raft::prelude::Message>| {
@@ -493,7 +497,7 @@ impl ClusterNode {
                 .filter_map(|&n| cfg.nodes.iter().find(|e| e.id == n).map(|e| (n, e.peer)))
                 .collect(),
             meta_leader: AtomicU64::new(0),
-            map_wake: Arc::default(),
+            map_wake,
             dialer,
             sink: Arc::new(sink),
             log: engine,
@@ -679,6 +683,13 @@ impl ClusterNode {
     /// What wakes the map's refresh.
     pub(super) fn map_wake(&self) -> Arc<tokio::sync::Notify> {
         Arc::clone(&self.map_wake)
+    }
+
+    /// Whether a replica here applied a placement change newer than this
+    /// node's map: the map that goes with it is on its way.
+    pub(super) fn map_behind(&self) -> bool {
+        let v = self.map_version();
+        self.replicas.values().any(|r| r.placement.version() > v)
     }
 
     /// Takes `theirs` (the metadata group's) if its placement is newer than

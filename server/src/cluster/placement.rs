@@ -296,8 +296,11 @@ impl Placement {
                 1 => MoveRole::In,
                 _ => return None,
             };
+            // A source's record outlives its release at the move's version
+            // (until the move is forgotten): no order with the placement's
+            // version is checked here.
             let fresh = !p.moves.iter().any(|m| m.partition == partition);
-            if partition >= PARTITIONS || version <= p.version || !fresh {
+            if partition >= PARTITIONS || !fresh {
                 return None;
             }
             p.moves.push(MoveRecord { partition, version, role });
@@ -313,13 +316,25 @@ impl Placement {
 pub struct SharedPlacement {
     version: AtomicU64,
     owned: [AtomicU64; WORDS],
+    /// Told of each new version (the node's map refresh).
+    wake: Option<std::sync::Arc<tokio::sync::Notify>>,
 }
 
 impl SharedPlacement {
     pub fn new(p: &Placement) -> SharedPlacement {
-        let s = SharedPlacement { version: AtomicU64::new(0), owned: std::array::from_fn(|_| AtomicU64::new(0)) };
+        let s = SharedPlacement {
+            version: AtomicU64::new(0),
+            owned: std::array::from_fn(|_| AtomicU64::new(0)),
+            wake: None,
+        };
         s.set(p);
         s
+    }
+
+    /// Tells `wake` of every new version from now on.
+    pub fn with_wake(mut self, wake: std::sync::Arc<tokio::sync::Notify>) -> SharedPlacement {
+        self.wake = Some(wake);
+        self
     }
 
     /// Takes the replica's placement as it is now.
@@ -327,7 +342,12 @@ impl SharedPlacement {
         for (w, &v) in self.owned.iter().zip(&p.owned) {
             w.store(v, Ordering::Release);
         }
-        self.version.store(p.version, Ordering::Release);
+        let before = self.version.swap(p.version, Ordering::AcqRel);
+        if before != p.version
+            && let Some(w) = &self.wake
+        {
+            w.notify_one();
+        }
     }
 
     /// Whether `key`'s partition is owned (as of the last change applied).
@@ -448,9 +468,13 @@ mod tests {
         skewed[ENCODED_LEN_V1..ENCODED_LEN_V1 + 8].copy_from_slice(&(MAX_VERSION + 1).to_le_bytes());
         assert_eq!(Placement::decode(&skewed, false), None, "a skew past the bound");
         // Owning the partition ends the taking; the source's watch stays
-        // until forgotten.
+        // until forgotten, and a snapshot holds it meanwhile.
         assert_eq!(p.apply(&change(v + 4, &[other], &[owned])), Ok(true));
         assert!(!p.takes(other, v + 4) && p.move_of(other).is_none());
+        let mut released = p.clone();
+        assert_eq!(released.apply(&change(v + 5, &[], &[owned])), Ok(true));
+        assert!(released.watched(owned) && released.version() >= v + 2);
+        assert_eq!(Placement::decode(&released.encode(), false), Some(released.clone()), "between release and forget");
         assert_eq!(p.apply_step(&step(owned, v + 2, Forget)), Ok(true));
         assert_eq!(p.apply_step(&step(owned, v + 2, Forget)), Ok(false));
         assert!(p.moves().is_empty());

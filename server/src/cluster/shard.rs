@@ -345,6 +345,7 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
         let horizon = self.horizon();
         match ask {
             MoveAsk::Notes(p) => Ok(MoveAnswer::Notes { notes: self.take_noted(p), horizon }),
+            MoveAsk::Remembered(p) => Ok(MoveAnswer::Remembered(self.remembered.of_partition(p))),
             MoveAsk::View => match self.store.view() {
                 Ok(view) => Ok(MoveAnswer::View { view, horizon }),
                 Err(e) => Err(ProposeError::Store(e.to_string())),

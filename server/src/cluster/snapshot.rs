@@ -11,7 +11,7 @@
 //! ```text
 //! magic "DMKVSNP6" | index u64 | term u64 | next_version u64
 //! | remembered_len u32 | remembered: log_now_ms u64, count u32,
-//!   (client u64, seq u64, kind u8, a u64, b u64, expires_ms u64)*
+//!   (client u64, seq u64, kind u8, a u64, b u64, expires_ms u64, partition u32)*
 //! | placement: 0 u8, or 1 u8 | len u16 | `Placement::encode` (version, the
 //!   partition bit set, version skew, the moves recorded)
 //! | (1 u8 | key_len u32 | value_len u32 | version u64 | flags u32 | expires u32 | key | value)*
@@ -40,7 +40,9 @@ use dmkv_common::limits::{MAX_KEY_LEN, MAX_VALUE_LEN};
 use thiserror::Error;
 use xxhash_rust::xxh3::Xxh3Default;
 
-use super::apply::{Applied, MAX_REMEMBERED_WRITES, Remembered, RememberedParts, RememberedWrite};
+use super::apply::{
+    MAX_REMEMBERED_WRITES, NO_PARTITION, Remembered, RememberedParts, RememberedWrite, outcome_fields, outcome_of,
+};
 use crate::store::Store;
 use crate::store::view::StoreView;
 
@@ -59,7 +61,9 @@ const OLD_MAGICS: [&[u8; 8]; 2] = [b"DMKVSNP1", b"DMKVSNP2"];
 const ITEM: u8 = 1;
 const END: u8 = 0;
 /// Bytes of one remembered write in the stream.
-const REMEMBERED_BYTES: usize = 41;
+const REMEMBERED_BYTES: usize = 45;
+/// Bytes of one before partitions were kept (DMKVSNP4 and DMKVSNP5).
+const REMEMBERED_BYTES_V5: usize = 41;
 /// Bytes of one in the DMKVSNP3 format.
 const REMEMBERED_BYTES_V3: usize = 33;
 /// Largest remembered section a reader takes.
@@ -249,7 +253,8 @@ impl<R: Read> Decoder<R> {
         }
         let mut section = vec![0u8; len];
         d.take(&mut section, "remembered writes")?;
-        d.remembered = decode_remembered(&mut Reader(&section), v3)?;
+        // DMKVSNP4's remembered writes are as DMKVSNP5's.
+        d.remembered = decode_remembered(&mut Reader(&section), v3, v4 || v5)?;
         if !v3 && !v4 {
             let mut flag = [0u8; 1];
             d.take(&mut flag, "placement")?;
@@ -445,59 +450,15 @@ fn encode_remembered(parts: &RememberedParts) -> Vec<u8> {
         out.extend_from_slice(&a.to_le_bytes());
         out.extend_from_slice(&b.to_le_bytes());
         out.extend_from_slice(&w.expires_ms.to_le_bytes());
+        out.extend_from_slice(&w.partition.to_le_bytes());
     }
     out
-}
-
-/// A remembered outcome as (kind, a, b). Touches, flushes, evictions,
-/// placement changes and writes to a partition the shard does not own are
-/// never remembered (`apply_once` gives them no id, or returns first).
-fn outcome_fields(a: &Applied) -> (u8, u64, u64) {
-    use dmkv_common::error::Error;
-    match *a {
-        Applied::Nothing
-        | Applied::Touched { .. }
-        | Applied::Flushed { .. }
-        | Applied::Evicted { .. }
-        | Applied::WrongShard
-        | Applied::Placement { .. }
-        | Applied::Ingested { .. }
-        | Applied::Moving { .. } => (0, 0, 0),
-        Applied::Put { version } => (1, version, 0),
-        Applied::Delete { existed } => (2, u64::from(existed), 0),
-        Applied::Counter { value, version } => (3, value, version),
-        Applied::Refused(ref e) => match e {
-            Error::NotStored => (4, 1, 0),
-            Error::Exists => (4, 2, 0),
-            Error::NotFound => (4, 3, 0),
-            Error::NotNumeric => (4, 4, 0),
-            Error::ValueTooLarge(n) => (4, 5, *n as u64),
-            // `Applied::Refused` holds only what `apply::refusal` takes.
-            _ => (0, 0, 0),
-        },
-    }
-}
-
-fn outcome_of(kind: u8, a: u64, b: u64) -> Result<Applied, SnapshotError> {
-    use dmkv_common::error::Error;
-    Ok(match (kind, a) {
-        (0, _) => Applied::Nothing,
-        (1, _) => Applied::Put { version: a },
-        (2, _) => Applied::Delete { existed: a != 0 },
-        (3, _) => Applied::Counter { value: a, version: b },
-        (4, 1) => Applied::Refused(Error::NotStored),
-        (4, 2) => Applied::Refused(Error::Exists),
-        (4, 3) => Applied::Refused(Error::NotFound),
-        (4, 4) => Applied::Refused(Error::NotNumeric),
-        (4, 5) => Applied::Refused(Error::ValueTooLarge(usize::try_from(b).unwrap_or(usize::MAX))),
-        (k, a) => return Err(SnapshotError::Damaged(format!("unknown outcome kind {k} ({a})"))),
-    })
 }
 
 /// Reads what [`encode_remembered`] wrote (`v3`: in the DMKVSNP3 format).
 /// More writes than a shard keeps are refused: restored, the bound would
 /// drop some, which the replica that made the snapshot remembers.
-fn decode_remembered(r: &mut Reader<'_>, v3: bool) -> Result<RememberedParts, SnapshotError> {
+fn decode_remembered(r: &mut Reader<'_>, v3: bool, v5: bool) -> Result<RememberedParts, SnapshotError> {
     const WHAT: &str = "remembered writes";
     let now_ms = r.u64(WHAT)?;
     let n = r.u32(WHAT)? as usize;
@@ -506,7 +467,11 @@ fn decode_remembered(r: &mut Reader<'_>, v3: bool) -> Result<RememberedParts, Sn
             "{n} remembered writes, more than the {MAX_REMEMBERED_WRITES} a shard keeps"
         )));
     }
-    let each = if v3 { REMEMBERED_BYTES_V3 } else { REMEMBERED_BYTES };
+    let each = match (v3, v5) {
+        (true, _) => REMEMBERED_BYTES_V3,
+        (false, true) => REMEMBERED_BYTES_V5,
+        (false, false) => REMEMBERED_BYTES,
+    };
     let mut writes = Vec::with_capacity(n.min(r.0.len() / each));
     for _ in 0..n {
         let (client, seq) = (r.u64(WHAT)?, r.u64(WHAT)?);
@@ -516,8 +481,11 @@ fn decode_remembered(r: &mut Reader<'_>, v3: bool) -> Result<RememberedParts, Sn
         if v3 && kind > 2 {
             return Err(SnapshotError::Damaged(format!("unknown outcome kind {kind}")));
         }
-        let outcome = outcome_of(kind, a, b)?;
-        writes.push(RememberedWrite { client, seq, outcome, expires_ms: r.u64(WHAT)? });
+        let outcome = outcome_of(kind, a, b)
+            .ok_or_else(|| SnapshotError::Damaged(format!("unknown outcome kind {kind} ({a})")))?;
+        let expires_ms = r.u64(WHAT)?;
+        let partition = if v3 || v5 { NO_PARTITION } else { r.u32(WHAT)? };
+        writes.push(RememberedWrite { client, seq, outcome, expires_ms, partition });
     }
     if !r.0.is_empty() {
         return Err(SnapshotError::Damaged(format!("{} bytes after the remembered writes", r.0.len())));
@@ -534,6 +502,7 @@ pub fn encode(view: &StoreView, remembered: &RememberedParts, at: Point) -> Resu
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cluster::apply::Applied;
     use crate::region::Region;
     use dmkv_common::proto::WriteId;
     use proptest::prelude::*;
@@ -729,17 +698,24 @@ mod tests {
         validate(&bytes[..]).unwrap();
         let got = restore(&store(), &bytes[..]).unwrap();
         assert_eq!(got.placement, Some(placement.clone()));
-        // As DMKVSNP5 wrote it: the version and bit set, with no length.
+        // As DMKVSNP5 wrote it: remembered writes without partitions, the
+        // placement's version and bit set with no length.
         let flag = 8 + 24 + 4 + u32::from_le_bytes(bytes[32..36].try_into().unwrap()) as usize;
         assert_eq!(bytes[flag], 1, "a placement");
         let len = u16::from_le_bytes(bytes[flag + 1..flag + 3].try_into().unwrap()) as usize;
-        let mut v5 = bytes[..flag + 1].to_vec();
-        v5[..8].copy_from_slice(b"DMKVSNP5");
+        let mut v5 = before_partitions(&bytes, b"DMKVSNP5");
+        v5.push(1);
         v5.extend_from_slice(&bytes[flag + 3..flag + 3 + crate::cluster::placement::ENCODED_LEN_V1]);
         v5.extend_from_slice(&bytes[flag + 3 + len..bytes.len() - 8]);
         let sum = xxhash_rust::xxh3::xxh3_64(&v5);
         v5.extend_from_slice(&sum.to_le_bytes());
-        let got = restore(&store(), &v5[..]).unwrap().placement.expect("a placement");
+        let got = restore(&store(), &v5[..]).unwrap();
+        let unknown = |mut p: RememberedParts| {
+            p.writes.iter_mut().for_each(|w| w.partition = NO_PARTITION);
+            p
+        };
+        assert_eq!(got.remembered.to_parts(), unknown(seen.to_parts()), "remembered, partitions not known");
+        let got = got.placement.expect("a placement");
         assert_eq!((got.version(), got.version_skew(), got.moves().len()), (9, 0, 0));
         assert!(!got.owns(3) && got.owns(5));
         // A length past the bound is damage, not an allocation.
@@ -753,14 +729,38 @@ mod tests {
         let old = bytes_of(&a, &seen, at);
         let flag = 8 + 24 + 4 + u32::from_le_bytes(old[32..36].try_into().unwrap()) as usize;
         assert_eq!(old[flag], 0, "no placement");
-        let mut v4 = old[..flag].to_vec();
-        v4[..8].copy_from_slice(b"DMKVSNP4");
+        let mut v4 = before_partitions(&old, b"DMKVSNP4");
         v4.extend_from_slice(&old[flag + 1..old.len() - 8]);
         let sum = xxhash_rust::xxh3::xxh3_64(&v4);
         v4.extend_from_slice(&sum.to_le_bytes());
         let got = restore(&store(), &v4[..]).unwrap();
         assert_eq!((got.at, got.placement), (at, None));
-        assert_eq!(got.remembered.to_parts(), seen.to_parts());
+        assert_eq!(got.remembered.to_parts(), unknown(seen.to_parts()));
+        // Remembered writes keep their partitions, which a moving
+        // partition takes along.
+        let back = restore(&store(), &bytes[..]).unwrap().remembered;
+        assert_eq!(back.to_parts(), seen.to_parts());
+        let p0 = seen.to_parts().writes[0].partition;
+        assert!(p0 != NO_PARTITION && back.of_partition(p0).iter().all(|w| w.partition == p0));
+        assert!(!back.of_partition(p0).is_empty());
+    }
+
+    /// `bytes`' header and remembered writes as `magic`'s format (before
+    /// partitions were kept) wrote them: up to the placement flag.
+    fn before_partitions(bytes: &[u8], magic: &[u8; 8]) -> Vec<u8> {
+        let len = u32::from_le_bytes(bytes[32..36].try_into().unwrap()) as usize;
+        let section = &bytes[36..36 + len];
+        let n = u32::from_le_bytes(section[8..12].try_into().unwrap()) as usize;
+        assert_eq!(section.len(), 12 + n * REMEMBERED_BYTES);
+        let mut old = section[..12].to_vec();
+        for r in section[12..].chunks_exact(REMEMBERED_BYTES) {
+            old.extend_from_slice(&r[..REMEMBERED_BYTES_V5]);
+        }
+        let mut out = magic.to_vec();
+        out.extend_from_slice(&bytes[8..32]);
+        out.extend_from_slice(&(old.len() as u32).to_le_bytes());
+        out.extend_from_slice(&old);
+        out
     }
 
     #[test]
@@ -799,7 +799,13 @@ mod tests {
         assert_eq!(parts.now_ms, 5000);
         assert_eq!(
             parts.writes,
-            [RememberedWrite { client: 4, seq: 1, outcome: Applied::Put { version: 6 }, expires_ms: 9000 }]
+            [RememberedWrite {
+                client: 4,
+                seq: 1,
+                outcome: Applied::Put { version: 6 },
+                expires_ms: 9000,
+                partition: NO_PARTITION
+            }]
         );
         assert_eq!(s.get(b"k").unwrap().unwrap(), (bytes::Bytes::from_static(b"vv"), 6));
     }

@@ -204,11 +204,21 @@ impl Store {
 
     /// Removes every item (memcached's flush_all); returns how many.
     pub fn clear_all(&self) -> u64 {
+        self.clear_unless(|_| false)
+    }
+
+    /// Removes every item but those whose key `keep` names; returns how
+    /// many went. An item that does not verify goes.
+    pub fn clear_unless(&self, keep: impl Fn(&[u8]) -> bool) -> u64 {
         let guard = epoch::pin();
         let _w = lock(&self.writer);
         let mut n = 0;
         let slots: Vec<_> = self.live_slots().collect();
+        let mut buf = Vec::new();
         for (id, pos, _, slot) in slots {
+            if self.read_verified(slot, &mut buf) && decode_item(&buf).is_ok_and(|it| keep(it.key)) {
+                continue;
+            }
             let seg = self.index.seg(id);
             let (b, w) = (pos / dmkv_common::limits::WORDS_PER_BUCKET, pos % dmkv_common::limits::WORDS_PER_BUCKET);
             self.set_slot(seg, b, w - 1, Slot::EMPTY);
