@@ -403,6 +403,9 @@ fn run(cli: Cli, explicit: Explicit) -> Result<ExitCode, Failure> {
     }
 }
 
+/// Most `dmkv cluster move-partition` waits for the move's answer.
+const MOVE_TIMEOUT: Duration = Duration::from_secs(600);
+
 /// Asks the metadata group's leader to move a partition: the nodes in
 /// turn (the group's are the first by id), following NOT_LEADER.
 fn move_partition(
@@ -420,7 +423,9 @@ fn move_partition(
     while let Some(id) = next.take() {
         asked.insert(id);
         let addr = &nodes.iter().find(|n| n.0 == id).ok_or_else(|| format!("node {id} is not in the map"))?.1;
-        let answer = Client::connect_with(addr.clone(), cfg.clone()).and_then(|c| c.move_partition(partition, to));
+        // A big partition takes a while: the reply comes once the map flipped.
+        let patient = cfg.clone().request_timeout(MOVE_TIMEOUT);
+        let answer = Client::connect_with(addr.clone(), patient).and_then(|c| c.move_partition(partition, to));
         match answer {
             Ok(r) => return Ok(r),
             Err(dmkv_client::ClientError::NotLeader { leader, .. }) => {
@@ -554,6 +559,14 @@ fn cluster_status(seed: &Client, cfg: &ClientConfig) -> Result<String, String> {
         first.partitions.len(),
         first.version
     );
+    if let Some(m) = &first.moving {
+        let _ = writeln!(
+            out,
+            "moving: partition {} from shard {} to shard {} (flips to map version {}; `dmkv cluster move-partition {} \
+             --to {}` carries it on if its mover stopped)",
+            m.partition, m.from, m.to, m.version, m.partition, m.to
+        );
+    }
     let _ = writeln!(out, "{:<6}{:<24}STATE", "NODE", "RPC");
     for n in &first.nodes {
         let state = match Client::connect_with(n.rpc.clone(), cfg.clone()).and_then(|c| c.cluster_status()) {

@@ -371,8 +371,14 @@ impl Node {
         Ok(self.cluster_only()?.move_work(w).await?)
     }
 
+    /// Runs apart from the connection that asked: a client that stops
+    /// waiting (or a connection lost) must not stop a move mid-way.
     pub async fn move_partition(&self, partition: u32, to: ShardId) -> Result<proto::MovePartitionReply, NodeError> {
-        Ok(self.cluster_only()?.move_partition(partition, to).await?)
+        let c = self.cluster().cloned().ok_or_else(|| NodeError::BadRequest(NOT_IN_CLUSTER.into()))?;
+        match tokio::spawn(async move { c.move_partition(partition, to).await }).await {
+            Ok(r) => Ok(r?),
+            Err(e) => Err(NodeError::Internal(format!("the mover failed: {e}"))),
+        }
     }
 
     pub async fn receive_snapshot(&self, c: proto::SnapshotChunk) -> Result<proto::SnapshotChunkReply, NodeError> {

@@ -573,7 +573,10 @@ pub fn apply_once(
         // own writes are newer than anything a copy could carry, and a copy
         // of an abandoned move comes too late.
         Some(Op::Ingest(g)) if !placement.takes(g.partition, g.move_version) => {
-            return Ok(Applied::Ingested { items: 0, skipped: g.items.len() as u64 });
+            // At least one, so a copy of nothing but the horizon that is not
+            // taken fails the move too.
+            let skipped = (g.items.len() + g.remembered.len()).max(1) as u64;
+            return Ok(Applied::Ingested { items: 0, skipped });
         }
         Some(Op::Ingest(g)) => return ingest(store, seen, placement, index, &g),
         Some(Op::MoveStep(m)) => {

@@ -44,6 +44,19 @@ impl ClusterNode {
     /// move asked again carries it on from where its shards are (its
     /// mover stopped, or failed after the cut-over began).
     pub async fn move_partition(&self, p: u32, to: ShardId) -> Result<proto::MovePartitionReply, ClusterError> {
+        // One mover per node: a move asked again while its mover still
+        // runs here must not run beside it (one of them could abandon what
+        // the other carries through).
+        struct Running<'a>(&'a std::sync::atomic::AtomicBool);
+        impl Drop for Running<'_> {
+            fn drop(&mut self) {
+                self.0.store(false, std::sync::atomic::Ordering::Release);
+            }
+        }
+        if self.mover_running.swap(true, std::sync::atomic::Ordering::AcqRel) {
+            return Err(ClusterError::Failed("a move is running on this node: ask again once it ended".into()));
+        }
+        let _running = Running(&self.mover_running);
         let started = Instant::now();
         let (map, stored) = self.meta_map().await?;
         if p >= PARTITIONS {
@@ -147,20 +160,23 @@ impl ClusterNode {
         })
     }
 
-    /// Writes the flipped map, conditionally on the plan's; an unknown
-    /// outcome is read back.
+    /// Writes the flipped map, conditionally on the plan's; after any
+    /// failure the map is read back (a write whose outcome was unknown may
+    /// have applied, and one asked again is then refused as a changed map).
     async fn flip(&self, planned: u64, flipped: &ClusterMap, p: u32, to: ShardId) -> Result<(), ClusterError> {
         let mut last = ClusterError::Busy;
         for _ in 0..CUT_OVER_TRIES {
-            match self.meta_write(planned, flipped).await {
+            let retry = match self.meta_write(planned, flipped).await {
                 Ok(_) => {
                     self.adopt_map(flipped.clone());
                     return Ok(());
                 }
-                Err(e @ (ClusterError::Busy | ClusterError::Uncertain)) => last = e,
-                Err(e) => return Err(e),
-            }
-            tokio::time::sleep(STEP_PAUSE).await;
+                Err(e) => {
+                    let retry = matches!(e, ClusterError::Busy | ClusterError::Uncertain);
+                    last = e;
+                    retry
+                }
+            };
             if let Ok((now, _)) = self.meta_map().await
                 && now.version >= flipped.version
                 && now.shard_of_partition(p) == Some(to)
@@ -168,6 +184,10 @@ impl ClusterNode {
                 self.adopt_map(now);
                 return Ok(());
             }
+            if !retry {
+                break;
+            }
+            tokio::time::sleep(STEP_PAUSE).await;
         }
         Err(last)
     }

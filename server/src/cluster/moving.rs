@@ -49,6 +49,9 @@ impl ClusterNode {
 
     /// Serves a peer mover's step (or this node's own).
     pub async fn move_work(&self, w: proto::MoveWork) -> Result<proto::MoveWorkReply, ClusterError> {
+        if w.shard == META_SHARD {
+            return Err(ClusterError::Failed("the metadata group holds no partitions".into()));
+        }
         match w.work {
             Some(Work::Propose(data)) => self.propose_move(w.shard, data.to_vec()).await,
             Some(Work::Copy(c)) => self.copy_out(w.shard, &c).await,
@@ -64,10 +67,9 @@ impl ClusterNode {
         let cmd = proto::RaftCommand::decode(&data[..])
             .map_err(|e| ClusterError::Failed(format!("a move's command does not decode: {e}")))?;
         use proto::raft_command::Op as C;
-        let ingest = match &cmd.op {
-            Some(C::Ingest(_)) => true,
-            Some(C::MoveStep(_)) => false,
-            Some(C::Placement(c)) if c.own.len() + c.release.len() <= MAX_PLACEMENT_CHANGE => false,
+        match &cmd.op {
+            Some(C::Ingest(_) | C::MoveStep(_)) => {}
+            Some(C::Placement(c)) if c.own.len() + c.release.len() <= MAX_PLACEMENT_CHANGE => {}
             Some(C::Placement(_)) => {
                 return Err(ClusterError::Failed(format!(
                     "a placement change of more than {MAX_PLACEMENT_CHANGE} partitions"
@@ -79,10 +81,12 @@ impl ClusterNode {
             return Err(ClusterError::Failed("the metadata group holds no partitions".into()));
         }
         let r = self.leading(shard)?;
-        // Only copies take room: a move's steps must go through on a full
-        // shard (a release or an own refused would stall the cut-over).
-        let bytes = if ingest { (data.len() + dmkv_common::layout::ITEM_HEADER_LEN) as u64 } else { 0 };
-        if ingest && !admit(r, bytes) {
+        // Only copies of items take room: a move's steps, removals and
+        // remembered outcomes must go through on a full shard (a release,
+        // an own or a purge refused would stall the move or leak items).
+        let takes_room = matches!(&cmd.op, Some(C::Ingest(g)) if g.items.iter().any(|it| it.present));
+        let bytes = if takes_room { (data.len() + dmkv_common::layout::ITEM_HEADER_LEN) as u64 } else { 0 };
+        if takes_room && !admit(r, bytes) {
             return Err(ClusterError::Store(StoreError::OutOfMemory));
         }
         let _done = InFlight(&r.in_flight, bytes);
@@ -355,15 +359,21 @@ fn of_target(e: ClusterError) -> ClusterError {
 /// A peer's error reply as the error it names, where that matters to the
 /// mover (who leads, or to try again); anything else fails the step.
 fn peer_error(to: NodeId, e: &str) -> ClusterError {
-    if e.starts_with("NotLeader") {
-        // The reply names the leader in its text: "… leader N …" is not
-        // parsed; the mover asks again where its map points.
-        return ClusterError::NotLeader { leader: None, map_version: 0 };
+    // A reply is "Code: message"; anything else is the connection's.
+    match e.split_once(": ").map(|(code, _)| code) {
+        // The reply names the leader in its text, which is not parsed: the
+        // mover asks again where its map points.
+        Some("NotLeader") => ClusterError::NotLeader { leader: None, map_version: 0 },
+        Some("Busy") => ClusterError::Busy,
+        // What the peer decided: the step failed.
+        Some(
+            "Internal" | "BadRequest" | "PermissionDenied" | "Unauthenticated" | "UnknownOp" | "UnsupportedVersion"
+            | "OutOfMemory" | "IndexFull" | "WrongShard",
+        ) => ClusterError::Failed(format!("node {to}: {e}")),
+        // Timed out, a connection lost or refused, an unknown outcome: the
+        // step may or may not have been done, and is safe to ask again.
+        _ => ClusterError::Uncertain,
     }
-    if e.starts_with("Busy") {
-        return ClusterError::Busy;
-    }
-    ClusterError::Failed(format!("node {to}: {e}"))
 }
 
 fn present(key: &[u8], value: &[u8], version: u64, flags: u32, expires_at: u32) -> proto::IngestItem {

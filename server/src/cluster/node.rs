@@ -207,6 +207,8 @@ pub struct ClusterNode {
     pub(super) meta_leader: AtomicU64,
     /// Wakes the map's refresh (a shard refused a key that moved).
     map_wake: Arc<tokio::sync::Notify>,
+    /// A partition move runs on this node (`mover.rs`).
+    pub(super) mover_running: std::sync::atomic::AtomicBool,
     dialer: Dialer,
     sink: Arc<LocalShards>,
     /// The raft log's engine, with `--data-dir` (its size is a metric).
@@ -498,6 +500,7 @@ impl ClusterNode {
                 .collect(),
             meta_leader: AtomicU64::new(0),
             map_wake,
+            mover_running: Default::default(),
             dialer,
             sink: Arc::new(sink),
             log: engine,

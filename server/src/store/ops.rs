@@ -204,19 +204,27 @@ impl Store {
 
     /// Removes every item (memcached's flush_all); returns how many.
     pub fn clear_all(&self) -> u64 {
-        self.clear_unless(|_| false)
+        self.clear_where(None::<fn(&[u8]) -> bool>)
     }
 
     /// Removes every item but those whose key `keep` names; returns how
     /// many went. An item that does not verify goes.
     pub fn clear_unless(&self, keep: impl Fn(&[u8]) -> bool) -> u64 {
+        self.clear_where(Some(keep))
+    }
+
+    /// Without `keep`, no item is read: a flush costs a pass over slots.
+    fn clear_where(&self, keep: Option<impl Fn(&[u8]) -> bool>) -> u64 {
         let guard = epoch::pin();
         let _w = lock(&self.writer);
         let mut n = 0;
         let slots: Vec<_> = self.live_slots().collect();
         let mut buf = Vec::new();
         for (id, pos, _, slot) in slots {
-            if self.read_verified(slot, &mut buf) && decode_item(&buf).is_ok_and(|it| keep(it.key)) {
+            if let Some(keep) = &keep
+                && self.read_verified(slot, &mut buf)
+                && decode_item(&buf).is_ok_and(|it| keep(it.key))
+            {
                 continue;
             }
             let seg = self.index.seg(id);
