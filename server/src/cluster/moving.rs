@@ -170,7 +170,7 @@ impl ClusterNode {
         let p = c.partition;
         let walker = tokio::task::spawn_blocking(move || {
             let mut out = Chunks::new(horizon);
-            view.walk(|it| {
+            let walked = view.walk(|it| {
                 if partition_of(it.key) != p {
                     return Ok(());
                 }
@@ -178,11 +178,12 @@ impl ClusterNode {
                     Some(chunk) => tx.blocking_send(chunk).map_err(|_| "the copy stopped".to_string()),
                     None => Ok(()),
                 }
-            })?;
-            match out.flush() {
+            });
+            let flushed = walked.and_then(|()| match out.flush() {
                 Some(chunk) => tx.blocking_send(chunk).map_err(|_| "the copy stopped".to_string()),
                 None => Ok(()),
-            }
+            });
+            flushed.map_err(|e| (e, view.aborted()))
         });
         while let Some(chunk) = rx.recv().await {
             if let Err(e) = self.ingest(c, chunk, &mut reply).await {
@@ -193,7 +194,13 @@ impl ClusterNode {
         }
         match walker.await {
             Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(ClusterError::Failed(format!("walking the partition: {e}"))),
+            // Writes outran the view (it holds what they replace): the
+            // mover asks again, and a new view starts from what they left.
+            Ok(Err((e, true))) => {
+                tracing::info!(partition = p, "a move's copy is taken again: {e}");
+                return Err(ClusterError::Busy);
+            }
+            Ok(Err((e, false))) => return Err(ClusterError::Failed(format!("walking the partition: {e}"))),
             Err(e) => return Err(ClusterError::Failed(format!("walking the partition: {e}"))),
         }
         if c.last {

@@ -88,6 +88,12 @@ impl StoreView {
         self.next_version
     }
 
+    /// Whether the view was aborted ([`ViewError::Aborted`]): a walk that
+    /// failed for that may succeed with a new view, once writes slow.
+    pub fn aborted(&self) -> bool {
+        self.held.aborted.load(Ordering::Acquire)
+    }
+
     /// Calls `f` with every item of the view (perhaps twice, see the
     /// module's comment). Items that do not verify (scribbled over) are
     /// left out, as a dump leaves them out.
