@@ -15,6 +15,12 @@
 //! - `rss`: an in-memory 3-node cluster takes `--puts` PUTs of
 //!   `--value-size` over a key set that fits; each node's resident and
 //!   peak memory against `--memory`.
+//! - `move`: a partition holding `--mib` MiB moves to another shard of an
+//!   in-memory 3-node cluster while a foreground client GETs (one-sided)
+//!   and PUTs across the cluster and a writer overwrites the partition's
+//!   keys: the move's time, copy rate and write pause, the foreground
+//!   latency beside the same load idle, and the longest wait of a write
+//!   to the moving partition.
 //!
 //! Needs dmkvd built (release: `cargo build --release --bin dmkvd`).
 
@@ -82,6 +88,14 @@ enum Cmd {
         #[arg(long, default_value_t = 65536)]
         value_size: usize,
     },
+    /// Move a full partition to another shard under load.
+    Move {
+        /// Live data in the partition moved (MiB).
+        #[arg(long, default_value_t = 100)]
+        mib: u64,
+        #[arg(long, default_value_t = MAX_VALUE_LEN)]
+        value_size: usize,
+    },
     /// Resident memory of an in-memory cluster after many large PUTs.
     Rss {
         #[arg(long, default_value_t = 100_000)]
@@ -118,6 +132,7 @@ fn run(cli: Cli) -> Result<(), String> {
         }
         Cmd::CatchUp { mib, value_size } => rt.block_on(catch_up(mib, value_size)),
         Cmd::Rss { puts, value_size, memory_mib } => rt.block_on(rss(puts, value_size, memory_mib)),
+        Cmd::Move { mib, value_size } => rt.block_on(move_partition(mib, value_size)),
     }
 }
 
@@ -129,6 +144,10 @@ fn check(cmd: &Cmd) -> Result<(), String> {
         _ => Err(format!("--value-size {n}: expected 1 to {MAX_VALUE_LEN} bytes")),
     };
     match cmd {
+        Cmd::Move { mib, value_size } => {
+            at_least_one("--mib", *mib)?;
+            value(*value_size)
+        }
         Cmd::Failover { kills, shards, .. } => {
             at_least_one("--kills", *kills as u64)?;
             at_least_one("--shards", u64::from(*shards))
@@ -572,6 +591,121 @@ async fn rss(puts: usize, value_size: usize, memory_mib: u64) -> Result<(), Stri
         );
     }
     Ok(())
+}
+
+/// How long the foreground load runs idle before a move.
+const MOVE_IDLE: Duration = Duration::from_secs(5);
+/// Keys of the moving partition its writer cycles over.
+const WRITER_KEYS: usize = 64;
+
+async fn move_partition(mib: u64, value_size: usize) -> Result<(), String> {
+    use dmkv_common::cluster::map::partition_of;
+    // Each node holds a replica of both shards: room for the partition on
+    // either, and the foreground keys.
+    let memory = format!("{}MiB", 4 * mib + 256);
+    let c = tokio::task::block_in_place(|| TestCluster::try_start(3, 2, 3, false, &["--memory", &memory]))
+        .map_err(|e| format!("the cluster did not start: {e}"))?;
+    let map = c.try_leaders_known(0).await?;
+    let client = Client::connect(c.rpc(0)).await.map_err(connect_err)?;
+    let p = (0..).map(|i| partition_of(format!("mv-{i}").as_bytes())).find(|&p| map.shard_of_partition(p) == Some(0));
+    let p = p.ok_or("no partition on shard 0")?;
+    let n = ((mib << 20) / value_size as u64).max(1) as usize;
+    // The first n keys hold the partition's data; the writer's small keys
+    // follow (overwriting the big ones would leave nothing to move).
+    let mut keys: Vec<String> =
+        (0..).map(|i| format!("mv-{i}")).filter(|k| partition_of(k.as_bytes()) == p).take(n + WRITER_KEYS).collect();
+    let small: Arc<Vec<String>> = Arc::new(keys.split_off(n));
+    let keys = Arc::new(keys);
+    let value = vec![b'm'; value_size];
+    let started = Instant::now();
+    let k = Arc::clone(&keys);
+    put_all(&client, n, &value, move |i| k[i].clone()).await?;
+    println!("partition {p}: {n} keys of {value_size} B written in {:.1} s", started.elapsed().as_secs_f64());
+    let reader = ClientConfig::default().read_path(ReadPath::OneSided).transport(Some(Transport::Shm));
+    let fg = Client::connect_with(c.rpc(0), reader.clone()).await.map_err(connect_err)?;
+    let idle = Probe::start(fg.clone());
+    tokio::time::sleep(MOVE_IDLE).await;
+    let idle = idle.stop().await;
+    let during = Probe::start(fg);
+    // A writer of the moving partition's keys: the longest a write waited
+    // is the pause as a client sees it.
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (client, stop, keys) = (client.clone(), Arc::clone(&stop), Arc::clone(&small));
+        tokio::spawn(async move {
+            let (mut longest, mut errors, mut i) = (Duration::ZERO, 0u64, 0usize);
+            while !stop.load(Ordering::Relaxed) {
+                let t = Instant::now();
+                if client.put(keys[i % keys.len()].clone(), b"w").await.is_err() {
+                    errors += 1;
+                }
+                longest = longest.max(t.elapsed());
+                i += 1;
+                tokio::time::sleep(PROBE_PACE).await;
+            }
+            (longest, errors, i)
+        })
+    };
+    let t = Instant::now();
+    let r = move_at_meta_leader(&c, p, 1).await?;
+    let took = t.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    let (longest, errors, writes) = writer.await.map_err(|e| format!("writer task: {e}"))?;
+    let during = during.stop().await;
+    idle.print("idle");
+    during.print("during the move");
+    println!(
+        "moved partition {p} ({} keys, {:.1} MiB) from shard {} in {:.3} s: {:.1} MiB/s, {} catch-up rounds, writes \
+         paused {:.2} ms; its writer: {writes} PUTs, longest {:.2} ms, {errors} errors",
+        r.keys,
+        r.bytes as f64 / f64::from(1 << 20),
+        r.from,
+        took.as_secs_f64(),
+        r.bytes as f64 / f64::from(1 << 20) / took.as_secs_f64(),
+        r.rounds,
+        r.pause_us as f64 / 1000.0,
+        longest.as_secs_f64() * 1000.0
+    );
+    // Every key where the map now puts it, read one-sided.
+    let check = Client::connect_with(c.rpc(1), reader).await.map_err(connect_err)?;
+    let mut missing = 0;
+    for k in keys.iter() {
+        if check.get(k).await.map_err(|e| format!("GET {k}: {e}"))?.is_none() {
+            missing += 1;
+        }
+    }
+    for k in small.iter().take(writes) {
+        if check.get(k).await.map_err(|e| format!("GET {k}: {e}"))?.as_deref() != Some(&b"w"[..]) {
+            missing += 1;
+        }
+    }
+    if missing > 0 {
+        return Err(format!("{missing} keys missing after the move"));
+    }
+    println!("all {n} keys read back after the move ({:?})", check.read_stats());
+    Ok(())
+}
+
+/// Asks each node in turn to move `p` to shard `to` until the one leading
+/// the metadata group does it.
+async fn move_at_meta_leader(
+    c: &TestCluster,
+    p: u32,
+    to: u32,
+) -> Result<dmkv_common::proto::MovePartitionReply, String> {
+    let patient = ClientConfig::default().request_timeout(Duration::from_secs(600));
+    for _ in 0..50 {
+        for i in 0..c.len() {
+            let admin = Client::connect_with(c.rpc(i), patient.clone()).await.map_err(connect_err)?;
+            match admin.move_partition(p, to).await {
+                Ok(r) => return Ok(r),
+                Err(dmkv_client::ClientError::NotLeader { .. }) => continue,
+                Err(e) => return Err(format!("the move failed at node {}: {e}", i + 1)),
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Err("no node leads the metadata group".into())
 }
 
 /// Watches the shard's term and leader, and the host's dirty page cache,
