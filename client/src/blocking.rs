@@ -175,6 +175,11 @@ impl Client {
         self.run(self.inner.move_partition(partition, to))
     }
 
+    /// See [`AsyncClient::transfer_leader`].
+    pub fn transfer_leader(&self, shard: u32, to: u64) -> Result<dmkv_common::proto::TransferLeaderReply, ClientError> {
+        self.run(self.inner.transfer_leader(shard, to))
+    }
+
     /// See [`AsyncClient::read_stats`].
     pub fn read_stats(&self) -> crate::ReadStats {
         self.inner.read_stats()

@@ -283,6 +283,11 @@ impl Client {
         self.inner.node.move_partition(partition, to).await
     }
 
+    /// See [`crate::session::Session::transfer_leader`].
+    pub async fn transfer_leader(&self, shard: u32, to: u64) -> Result<proto::TransferLeaderReply, ClientError> {
+        self.inner.node.transfer_leader(shard, to).await
+    }
+
     /// The cluster map as this node knows it, checked.
     pub async fn cluster_map(&self) -> Result<dmkv_common::cluster::map::ClusterMap, ClientError> {
         self.inner.node.cluster_map().await

@@ -131,6 +131,16 @@ enum ClusterCmd {
         #[arg(long)]
         to: u32,
     },
+    /// Hand a shard's leadership to another node's replica (before
+    /// stopping a node by hand, or to spread leaders): the leader gives its
+    /// lease up and hands over once that replica has caught up.
+    TransferLeader {
+        #[arg(long)]
+        shard: u32,
+        /// The node whose replica leads next.
+        #[arg(long)]
+        to: u64,
+    },
 }
 
 fn main() -> ExitCode {
@@ -399,8 +409,62 @@ fn run(cli: Cli, explicit: Explicit) -> Result<ExitCode, Failure> {
             .map_err(written)?;
             Ok(ExitCode::SUCCESS)
         }
+        Cmd::Cluster { cmd: ClusterCmd::TransferLeader { shard, to } } => {
+            let r = transfer_leader(&client, &cfg, shard, to)?;
+            let line = match r.from == r.to {
+                true => format!("shard {shard}: node {to} leads it already (term {})", r.term),
+                false => format!("shard {shard}: leadership moved from node {} to node {to} (term {})", r.from, r.term),
+            };
+            writeln!(stdout, "{line}").map_err(written)?;
+            Ok(ExitCode::SUCCESS)
+        }
         Cmd::Bench { .. } => unreachable!("handled before connecting"),
     }
+}
+
+/// Most `dmkv cluster transfer-leader` waits for one node's answer (the
+/// node waits up to 5 s for the transfer).
+const TRANSFER_TIMEOUT: Duration = Duration::from_secs(15);
+/// Most leaders `dmkv cluster transfer-leader` follows (NOT_LEADER
+/// answers naming another node) before it gives up.
+const MAX_LEADER_HOPS: usize = 5;
+
+/// Asks the leader of `shard` (as the map names it, then as NOT_LEADER
+/// answers do) to hand its leadership to node `to`.
+fn transfer_leader(
+    client: &Client,
+    cfg: &ClientConfig,
+    shard: u32,
+    to: u64,
+) -> Result<dmkv_common::proto::TransferLeaderReply, String> {
+    let map = client.cluster_status().map_err(|e| format!("{e} (is this server a cluster node?)"))?;
+    let info = map
+        .shards
+        .iter()
+        .find(|s| s.id == shard)
+        .ok_or_else(|| format!("shard {shard} does not exist: the cluster has {} shards", map.shards.len()))?;
+    if !map.nodes.iter().any(|n| n.id == to) {
+        return Err(format!("node {to} is not in the cluster"));
+    }
+    let addr_of = |id: u64| map.nodes.iter().find(|n| n.id == id).map(|n| n.rpc.clone());
+    // No leader known: any replica answers with the one it knows.
+    let mut next = (info.leader != 0).then_some(info.leader).or(info.replicas.first().copied());
+    let mut last = format!("shard {shard} has no leader known");
+    for _ in 0..MAX_LEADER_HOPS {
+        let Some(id) = next.take() else { break };
+        let addr = addr_of(id).ok_or_else(|| format!("node {id} is not in the map"))?;
+        // The node waits for the replica to catch up, then for it to take over.
+        let patient = cfg.clone().request_timeout(TRANSFER_TIMEOUT);
+        match Client::connect_with(addr, patient).and_then(|c| c.transfer_leader(shard, to)) {
+            Ok(r) => return Ok(r),
+            Err(dmkv_client::ClientError::NotLeader { leader, .. }) => {
+                last = format!("node {id} does not lead shard {shard}");
+                next = leader;
+            }
+            Err(e) => return Err(format!("node {id}: {e}")),
+        }
+    }
+    Err(last)
 }
 
 /// Most `dmkv cluster move-partition` waits for the move's answer.

@@ -16,7 +16,7 @@ use dmkv_common::cluster::map::{ClusterMap, ShardId};
 
 /// A map found stale by a shard's lease block is asked for again at most
 /// this often (every GET of the shard finds it so until the new one comes).
-pub const STALE_MAP_REFRESH: Duration = Duration::from_millis(100);
+pub const STALE_MAP_REFRESH: Duration = Duration::from_millis(20);
 
 /// The router's current map, shared with its sessions' shard paths.
 #[derive(Debug)]
@@ -31,6 +31,11 @@ pub struct RouteView {
 impl RouteView {
     pub fn new(map: ClusterMap) -> RouteView {
         RouteView { map: Mutex::new(Arc::new(map)), stale: AtomicBool::new(false), asked: Mutex::new(None) }
+    }
+
+    /// The version of the map held.
+    pub fn version(&self) -> u64 {
+        self.map().version
     }
 
     fn map(&self) -> Arc<ClusterMap> {

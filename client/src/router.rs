@@ -372,11 +372,17 @@ impl Router {
 
     /// Asks any reachable node for its map and merges it.
     pub async fn refresh(&self) -> Result<(), ClientError> {
+        self.refresh_past(0).await
+    }
+
+    /// [`Router::refresh`], for a map found stale at `version`: the node
+    /// asks the metadata group first unless its map is newer (0: never).
+    async fn refresh_past(&self, version: u64) -> Result<(), ClientError> {
         let nodes: Vec<NodeId> = self.routes().map().nodes.keys().copied().collect();
         let mut last = None;
         for n in nodes {
             match self.session(n, self.cfg.connect_timeout).await {
-                Ok(s) => match s.cluster_map().await {
+                Ok(s) => match s.cluster_map_past(version).await {
                     Ok(m) => {
                         let mut routes = self.routes.lock().expect("routes lock poisoned");
                         routes.merge(&m);
@@ -397,7 +403,8 @@ impl Router {
         if self.view.refresh_due(std::time::Instant::now()) {
             // Within one try's time: a map that does not come now comes
             // with a later request.
-            let _ = tokio::time::timeout(self.cfg.request_timeout, self.refresh()).await;
+            let stale = self.view.version();
+            let _ = tokio::time::timeout(self.cfg.request_timeout, self.refresh_past(stale)).await;
         }
     }
 

@@ -961,7 +961,13 @@ impl Session {
     /// The cluster map as this node knows it, with its replicas' state
     /// (`BAD_REQUEST` from a server outside a cluster).
     pub async fn cluster_status(&self) -> Result<proto::ClusterMapReply, ClientError> {
-        match self.inner.pool.call(Op::GetMap(proto::GetMap {})).await? {
+        self.cluster_status_past(0).await
+    }
+
+    /// [`Session::cluster_status`], from a node that first asks the
+    /// metadata group if its map is not newer than `version` (0: never).
+    pub async fn cluster_status_past(&self, version: u64) -> Result<proto::ClusterMapReply, ClientError> {
+        match self.inner.pool.call(Op::GetMap(proto::GetMap { newer_than: version })).await? {
             R::Map(m) => Ok(*m),
             other => Err(unexpected(&other)),
         }
@@ -987,9 +993,24 @@ impl Session {
         }
     }
 
+    /// Admin: hands shard `shard`'s leadership to node `to`; this node
+    /// must lead the shard (else NOT_LEADER naming the leader). Answers
+    /// once the leadership moved.
+    pub async fn transfer_leader(&self, shard: u32, to: u64) -> Result<proto::TransferLeaderReply, ClientError> {
+        match self.inner.pool.call(Op::TransferLeader(proto::TransferLeader { shard, to })).await? {
+            R::TransferLeader(r) => Ok(r),
+            other => Err(unexpected(&other)),
+        }
+    }
+
     /// The cluster map as this node knows it, checked.
     pub async fn cluster_map(&self) -> Result<dmkv_common::cluster::map::ClusterMap, ClientError> {
-        let m = self.cluster_status().await?;
+        self.cluster_map_past(0).await
+    }
+
+    /// [`Session::cluster_map`] (see [`Session::cluster_status_past`]).
+    pub async fn cluster_map_past(&self, version: u64) -> Result<dmkv_common::cluster::map::ClusterMap, ClientError> {
+        let m = self.cluster_status_past(version).await?;
         dmkv_common::cluster::map::ClusterMap::from_proto(&m)
             .map_err(|e| ClientError::Protocol(format!("the node sent a bad cluster map: {e}")))
     }

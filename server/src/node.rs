@@ -353,6 +353,14 @@ impl Node {
         Ok(self.cluster_only()?.map_reply())
     }
 
+    /// The map, asked of the metadata group first if this node's is not
+    /// newer than `version` (see `ClusterNode::refresh_past`).
+    pub async fn map_reply_past(&self, version: u64) -> Result<proto::ClusterMapReply, NodeError> {
+        let c = self.cluster_only()?;
+        c.refresh_past(version).await;
+        Ok(c.map_reply())
+    }
+
     /// The map as the metadata group holds it (this node must lead it).
     pub async fn meta_map(&self) -> Result<proto::ClusterMapReply, NodeError> {
         let (map, _) = self.cluster_only()?.meta_map().await?;
@@ -379,6 +387,10 @@ impl Node {
             Ok(r) => Ok(r?),
             Err(e) => Err(NodeError::Internal(format!("the mover failed: {e}"))),
         }
+    }
+
+    pub async fn transfer_leader(&self, shard: ShardId, to: u64) -> Result<proto::TransferLeaderReply, NodeError> {
+        Ok(self.cluster_only()?.transfer_leader(shard, to).await?)
     }
 
     pub async fn receive_snapshot(&self, c: proto::SnapshotChunk) -> Result<proto::SnapshotChunkReply, NodeError> {

@@ -404,7 +404,9 @@ fn needed_role(op: &Op) -> Role {
         // Never served on the client port (`misplaced`); admin all the
         // same, should that check ever go.
         Op::Raft(_) | Op::JoinShard(_) | Op::SnapshotChunk(_) => Role::Admin,
-        Op::Reregister(_) | Op::ReplaceReplica(_) | Op::MovePartition(_) | Op::MoveWork(_) => Role::Admin,
+        Op::Reregister(_) | Op::ReplaceReplica(_) | Op::MovePartition(_) | Op::MoveWork(_) | Op::TransferLeader(_) => {
+            Role::Admin
+        }
         // Walks every store under its writer lock: a diagnosis, not data.
         Op::Stats(s) if s.digests => Role::Admin,
         _ => Role::Data,
@@ -701,7 +703,7 @@ pub(crate) async fn node_op(shared: &Shared, op: Op) -> Result<R, proto::Error> 
         }
         Op::RegionInfo(_) => Ok(R::RegionInfo(Box::new(region_info(shared)))),
         Op::Reregister(_) => node.reregister().map(|_| R::Reregister(Box::new(region_info(shared)))),
-        Op::GetMap(_) => node.map_reply().map(|m| R::Map(Box::new(m))),
+        Op::GetMap(g) => node.map_reply_past(g.newer_than).await.map(|m| R::Map(Box::new(m))),
         Op::MetaMap(_) => node.meta_map().await.map(|m| R::Map(Box::new(m))),
         Op::JoinShard(j) => node.join_shard(j.shard, j.replica_id).await.map(|step| {
             R::JoinShard(proto::JoinShardReply { done: step == JoinStep::Done, step: format!("{step:?}") })
@@ -713,6 +715,7 @@ pub(crate) async fn node_op(shared: &Shared, op: Op) -> Result<R, proto::Error> 
         Op::SnapshotChunk(c) => node.receive_snapshot(c).await.map(R::SnapshotChunk),
         Op::MoveWork(w) => node.move_work(w).await.map(R::MoveWork),
         Op::MovePartition(m) => node.move_partition(m.partition, m.to).await.map(R::MovePartition),
+        Op::TransferLeader(t) => node.transfer_leader(t.shard, t.to).await.map(R::TransferLeader),
         Op::FlushAll(_) => node.flush_led().await.map(|items| R::FlushAll(proto::FlushAllReply { items })),
         Op::Raft(batch) => {
             return match &shared.raft {

@@ -482,3 +482,63 @@ fn replace_replica_swaps_in_a_new_replica_that_catches_up_and_survives_a_restart
         }
     });
 }
+
+/// The leader of `shard` as node index `i` knows it.
+fn leader_at(rt: &tokio::runtime::Runtime, c: &TestCluster, i: usize, shard: u32) -> Option<u64> {
+    rt.block_on(async {
+        let client = Client::connect(c.rpc(i)).await.ok()?;
+        let map = client.cluster_map().await.ok()?;
+        map.shards().iter().find(|s| s.id == shard)?.leader
+    })
+}
+
+#[test]
+fn transfer_leader_hands_a_shard_to_the_node_named_and_refuses_what_cannot_be() {
+    let c = TestCluster::start(3, 2, 3, false, &[]);
+    let rt = rt();
+    rt.block_on(put_keys(&c, 0, "t", 100));
+    let transfer = |args: &[&str]| {
+        let out = std::process::Command::new(bin_path("dmkv"))
+            .args(["--server", c.rpc(0), "cluster", "transfer-leader"])
+            .args(args)
+            .output()
+            .expect("run dmkv cluster transfer-leader");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    for shard in 0..2u32 {
+        let before = leader_at(&rt, &c, 0, shard).expect("a leader known");
+        // To each other node in turn, then to where it is already.
+        let others: Vec<u64> = (1..=3).filter(|&n| n != before).collect();
+        for to in others.iter().copied().chain([others[1]]) {
+            let (ok, out, err) = transfer(&["--shard", &shard.to_string(), "--to", &to.to_string()]);
+            assert!(ok, "transfer of shard {shard} to node {to} failed: {err}");
+            println!("{}", out.trim());
+            assert!(out.contains(&format!("node {to}")), "{out}");
+            // The new leader says so itself.
+            assert_eq!(leader_at(&rt, &c, to as usize - 1, shard), Some(to), "shard {shard} after {out}");
+        }
+    }
+    // Nothing that cannot be done is begun.
+    let now: Vec<Option<u64>> = (0..2).map(|s| leader_at(&rt, &c, 0, s)).collect();
+    for (args, why) in [
+        (["--shard", "0", "--to", "9"], "node 9 is not in the cluster"),
+        (["--shard", "7", "--to", "1"], "shard 7 does not exist"),
+    ] {
+        let (ok, _, err) = transfer(&args);
+        assert!(!ok && err.contains(why), "{args:?}: {err}");
+    }
+    assert_eq!(now, (0..2).map(|s| leader_at(&rt, &c, 0, s)).collect::<Vec<_>>());
+    // Every acknowledged write is there, and writes go on.
+    rt.block_on(async {
+        let client = Client::connect(c.rpc(1)).await.expect("connect");
+        for i in 0..100 {
+            let got = client.get(format!("t{i}")).await.expect("get");
+            assert_eq!(got.as_deref(), Some(format!("v{i}").as_bytes()), "t{i}");
+        }
+        client.put("after-transfers", "1").await.expect("a PUT after the transfers");
+    });
+}

@@ -561,7 +561,7 @@ fn cluster_raft_is_bound_to_the_node_that_proved_its_secret() {
         // The connection stays node 2's: its own batch is taken (and the
         // message handed to shard 0), its map served.
         assert_eq!(accepted(&raw.call(raft_batch(2, 2)).await), Ok(1));
-        let r = raw.call(Op::GetMap(proto::GetMap {})).await;
+        let r = raw.call(Op::GetMap(proto::GetMap::default())).await;
         assert!(matches!(r.and_then(|r| r.result), Some(R::Map(_))), "the map for node 2");
         // Still, a message of node 3's replica in node 2's batch is dropped.
         assert_eq!(accepted(&raw.call(raft_batch(2, 3)).await), Ok(0));

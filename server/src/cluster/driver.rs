@@ -21,12 +21,14 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError, sync
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use dmkv_common::cluster::map::NodeId;
 use dmkv_common::layout::{LEASE_LEN, LEASE_OFFSET, LeaseBlock};
 use raft::prelude::Message;
 use tokio::sync::oneshot;
 use tracing::{error, info, warn};
 
 use super::apply::Applied;
+use super::move_ask::{MoveAnswer, MoveAsk};
 use super::replica::LogStore;
 use super::shard::{JoinStep, ProposeError, ReadGrant, ShardCore};
 use crate::clock::mono_ns;
@@ -120,29 +122,10 @@ enum Input {
     SnapshotFailed(u64, u64),
     /// Hand leadership over (see `ShardCore::transfer_leadership`);
     /// answered with the voter chosen, or why none.
-    HandOver(std::sync::mpsc::SyncSender<HandOverAnswer>),
+    HandOver(Option<NodeId>, std::sync::mpsc::SyncSender<HandOverAnswer>),
     /// What a partition move needs of the leader's store (see [`MoveAsk`]).
     Moving(MoveAsk, oneshot::Sender<Result<MoveAnswer, ProposeError>>),
     Stop,
-}
-
-/// What a partition move asks of a shard's leader.
-#[derive(Debug, Clone, Copy)]
-pub enum MoveAsk {
-    /// The keys of this partition its log wrote since the last ask.
-    Notes(u32),
-    /// A consistent view of its store.
-    View,
-    /// The outcomes it remembers of writes to keys of this partition.
-    Remembered(u32),
-}
-
-/// The leader's answer, with its `horizon`: the version its next write
-/// gets (every version it gave is below) as of the answer.
-pub enum MoveAnswer {
-    Notes { notes: super::noted::Notes, horizon: u64 },
-    View { view: crate::store::view::StoreView, horizon: u64 },
-    Remembered(Vec<super::apply::RememberedWrite>),
 }
 
 /// A replica's raft state as last published by its thread (every tick),
@@ -496,9 +479,11 @@ impl ShardThread {
     /// `None` if the thread takes no input now. Does not wait: the caller
     /// collects the answers of every shard it asked, and the replica's
     /// status says when it no longer leads.
-    pub fn hand_over(&self) -> Option<std::sync::mpsc::Receiver<HandOverAnswer>> {
+    /// With `to`, to that node's voter only (see
+    /// `ShardCore::transfer_leadership`).
+    pub fn hand_over(&self, to: Option<NodeId>) -> Option<std::sync::mpsc::Receiver<HandOverAnswer>> {
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        self.tx.try_send(Input::HandOver(tx)).ok().map(|()| rx)
+        self.tx.try_send(Input::HandOver(to, tx)).ok().map(|()| rx)
     }
 
     /// Stops the thread (its replica fences first) and waits for it.
@@ -597,7 +582,7 @@ fn refuse_until(rx: &Receiver<Input>, until: std::time::Instant, bootstrap: &mut
             Ok(Input::Join(_, a)) => drop(a.send(Err(down()))),
             Ok(Input::Replace(_, a)) => drop(a.send(Err("the shard's replica is starting again".into()))),
             Ok(Input::Bootstrap) => *bootstrap = true,
-            Ok(Input::HandOver(answer)) => drop(answer.try_send(Err(super::shard::NoHandOver::NotLeader))),
+            Ok(Input::HandOver(_, answer)) => drop(answer.try_send(Err(super::shard::NoHandOver::NotLeader))),
             Ok(Input::Moving(_, a)) => drop(a.send(Err(down()))),
             Ok(Input::Raft(_) | Input::SnapshotFailed(..)) => {}
             Ok(Input::Stop) | Err(RecvTimeoutError::Disconnected) => return false,
@@ -664,10 +649,12 @@ fn run<S: LogStore>(
                 Ok(Input::Moving(ask, answer)) => {
                     let _ = answer.send(core.moving(ask));
                 }
-                Ok(Input::HandOver(answer)) => {
-                    let to = core.transfer_leadership();
-                    if let Ok(to) = to {
-                        info!(to, "handing leadership over: the node is stopping");
+                Ok(Input::HandOver(node, answer)) => {
+                    let to = core.transfer_leadership(node);
+                    match (to, node) {
+                        (Ok(to), None) => info!(to, "handing leadership over: the node is stopping"),
+                        (Ok(to), Some(_)) => info!(to, "handing leadership over, as an operator asked"),
+                        _ => {}
                     }
                     let _ = answer.try_send(to);
                 }

@@ -33,6 +33,17 @@ pub const MAP_POLL: Duration = Duration::from_secs(1);
 /// stream of refused keys wakes it for each).
 pub const MAP_ASK_GAP: Duration = Duration::from_millis(100);
 
+/// Least time between two asks of the group made for clients whose map
+/// was stale (`ClusterNode::refresh_past`): however many ask, a node asks
+/// the group at most this often.
+pub const CLIENT_ASK_GAP: Duration = Duration::from_millis(5);
+/// Most a client's map request waits for the group's map.
+pub const CLIENT_ASK_TIMEOUT: Duration = Duration::from_millis(500);
+/// How soon a node whose replica applied a placement newer than its map
+/// (a move between its release and its flip) asks the group again; doubled
+/// up to [`MAP_ASK_GAP`] while it stays behind (a move that stopped).
+pub const BEHIND_ASK_GAP: Duration = Duration::from_millis(10);
+
 /// The map as the group stores it: its placement, no leaders.
 pub fn encode_map(map: &ClusterMap) -> Vec<u8> {
     let mut m = map.to_proto();
@@ -127,6 +138,29 @@ impl ClusterNode {
         }
         Err(last)
     }
+
+    /// Makes this node's map newer than `version` if the group's is: a
+    /// client found its map at `version` stale (a key's partition moved)
+    /// and asks for the map; answered with this node's own, it could wait
+    /// out this node's next poll of the group before it learns the flip.
+    /// One ask at a time, at most every [`CLIENT_ASK_GAP`], each bounded
+    /// by [`CLIENT_ASK_TIMEOUT`]; a failed ask leaves the map as it is.
+    pub async fn refresh_past(&self, version: u64) {
+        if version == 0 || self.map_version() > version {
+            return;
+        }
+        let mut asked = self.asked_for_client.lock().await;
+        // Another client's ask, made meanwhile, may have brought it.
+        if self.map_version() > version || asked.is_some_and(|t| t.elapsed() < CLIENT_ASK_GAP) {
+            return;
+        }
+        *asked = Some(std::time::Instant::now());
+        if let Ok(Ok(map)) = tokio::time::timeout(CLIENT_ASK_TIMEOUT, self.fetch_meta_map()).await
+            && self.adopt_map(map)
+        {
+            tracing::info!(version = self.map_version(), "the cluster map changed (asked for a client)");
+        }
+    }
 }
 
 /// Keeps `node`'s map up to date with the group's: asks every
@@ -137,11 +171,20 @@ pub fn spawn_map_refresh(node: &Arc<ClusterNode>, mut stop: watch::Receiver<bool
     let wake = node.map_wake();
     tokio::spawn(async move {
         let mut last = tokio::time::Instant::now();
-        let mut behind = false;
+        let mut behind_gap = BEHIND_ASK_GAP;
         loop {
             // A replica here applied a placement the map does not have yet
-            // (a move's release or own, before its flip): asked again soon.
-            let wait = if behind { MAP_ASK_GAP } else { MAP_POLL };
+            // (a move's release or own, before its flip): asked again soon,
+            // less often the longer it lasts.
+            let behind = match weak.upgrade() {
+                Some(node) => node.map_behind(),
+                None => return,
+            };
+            let (wait, gap) = match behind {
+                true => (behind_gap, behind_gap),
+                false => (MAP_POLL, MAP_ASK_GAP),
+            };
+            behind_gap = if behind { (behind_gap * 2).min(MAP_ASK_GAP) } else { BEHIND_ASK_GAP };
             tokio::select! {
                 _ = tokio::time::sleep(wait) => {}
                 _ = wake.notified() => {}
@@ -150,7 +193,7 @@ pub fn spawn_map_refresh(node: &Arc<ClusterNode>, mut stop: watch::Receiver<bool
             if *stop.borrow() {
                 return;
             }
-            tokio::time::sleep_until(last + MAP_ASK_GAP).await;
+            tokio::time::sleep_until(last + gap).await;
             last = tokio::time::Instant::now();
             let Some(node) = weak.upgrade() else { return };
             match node.fetch_meta_map().await {
@@ -161,7 +204,6 @@ pub fn spawn_map_refresh(node: &Arc<ClusterNode>, mut stop: watch::Receiver<bool
                 }
                 Err(e) => tracing::debug!("the metadata group's map could not be read: {e}"),
             }
-            behind = node.map_behind();
         }
     });
 }

@@ -14,7 +14,7 @@ use dmkv_common::error::Error as StoreError;
 use dmkv_common::proto::{self, move_work::Work, request::Op, response::Result as R};
 
 use super::apply::{Applied, encode_ingest, encode_ingest_entry, outcome_fields};
-use super::driver::{MoveAnswer, MoveAsk};
+use super::move_ask::{MoveAnswer, MoveAsk};
 use super::node::{ClusterError, ClusterNode, InFlight, LocalReplica, admit};
 use super::placement::MAX_VERSION;
 use super::shard::ProposeError;
@@ -34,7 +34,7 @@ pub const MOVE_STEP_TIMEOUT: Duration = Duration::from_secs(120);
 impl ClusterNode {
     /// This node's replica of `shard` if it leads it; else NOT_LEADER
     /// naming the leader it knows of.
-    fn leading(&self, shard: ShardId) -> Result<&LocalReplica, ClusterError> {
+    pub(super) fn leading(&self, shard: ShardId) -> Result<&LocalReplica, ClusterError> {
         let map_version = self.map().version;
         let r = self.replica(shard).ok_or(ClusterError::NotLeader { leader: None, map_version })?;
         if !r.status.is_leader() {

@@ -209,6 +209,9 @@ pub struct ClusterNode {
     map_wake: Arc<tokio::sync::Notify>,
     /// A partition move runs on this node (`mover.rs`).
     pub(super) mover_running: std::sync::atomic::AtomicBool,
+    /// When a client's stale map last made this node ask the group
+    /// (`refresh_past`); held while asking, so asks do not pile up.
+    pub(super) asked_for_client: tokio::sync::Mutex<Option<std::time::Instant>>,
     dialer: Dialer,
     sink: Arc<LocalShards>,
     /// The raft log's engine, with `--data-dir` (its size is a metric).
@@ -501,6 +504,7 @@ impl ClusterNode {
             meta_leader: AtomicU64::new(0),
             map_wake,
             mover_running: Default::default(),
+            asked_for_client: Default::default(),
             dialer,
             sink: Arc::new(sink),
             log: engine,
@@ -536,7 +540,7 @@ impl ClusterNode {
             let asked: Vec<(*const LocalReplica, _)> = waiting
                 .iter()
                 .filter(|r| r.status.is_leader())
-                .map(|&r| (r as *const _, r.thread.hand_over()))
+                .map(|&r| (r as *const _, r.thread.hand_over(None)))
                 .collect();
             for (asked, rx) in asked {
                 let left = deadline.saturating_duration_since(std::time::Instant::now());
@@ -645,7 +649,7 @@ impl ClusterNode {
         }
     }
 
-    fn map_version(&self) -> u64 {
+    pub(super) fn map_version(&self) -> u64 {
         crate::lock::lock(&self.map).version
     }
 
@@ -1419,7 +1423,9 @@ async fn membership(mut m: Membership) {
         if let Some(record) = &m.undecided {
             let mut terms = Vec::new();
             for &(to, addr) in &m.peers {
-                let term = match peer::ask(&m.dialer, to, addr, proto::request::Op::GetMap(proto::GetMap {})).await {
+                let term = match peer::ask(&m.dialer, to, addr, proto::request::Op::GetMap(proto::GetMap::default()))
+                    .await
+                {
                     Ok(proto::response::Result::Map(r)) => r.local.iter().find(|l| l.shard == m.shard).map(|l| l.term),
                     _ => None,
                 };

@@ -21,7 +21,7 @@ use raft::StateRole;
 use tracing::warn;
 
 use dmkv_common::cluster::lease::LeaseAction;
-use dmkv_common::cluster::map::node_of;
+use dmkv_common::cluster::map::{NodeId, node_of};
 
 use super::apply::{Applied, ApplyError, Remembered, RememberedStats, apply_once};
 use super::desk::{Descriptor, Desk};
@@ -92,6 +92,15 @@ pub struct Poll<P, R = P> {
     pub fence: bool,
 }
 
+/// Whether replica `id` is node `node`'s (ids without a node part, in
+/// unit tests and the simulation, are their own node's).
+fn of_node(id: u64, node: NodeId) -> bool {
+    match node_of(id) {
+        0 => id == node,
+        n => n == node,
+    }
+}
+
 /// Why a replica did not begin handing its leadership over.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum NoHandOver {
@@ -100,6 +109,11 @@ pub enum NoHandOver {
     Alone,
     /// No other voter heard from lately: worth asking again.
     NoVoterHeard,
+    /// The node asked for holds no voter of the shard (or is this one).
+    NotAVoter,
+    /// The voter asked for has not matched the leader's log yet: worth
+    /// asking again (the lease is kept meanwhile).
+    Behind,
 }
 
 /// One replica of a shard, with its store.
@@ -331,8 +345,8 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
     /// What a partition move asks of this replica, which must lead: the
     /// answer is of the store as applied now, which is everything a leader
     /// acknowledged (it answers only what it applied).
-    pub fn moving(&mut self, ask: super::driver::MoveAsk) -> Result<super::driver::MoveAnswer, ProposeError> {
-        use super::driver::{MoveAnswer, MoveAsk};
+    pub fn moving(&mut self, ask: super::move_ask::MoveAsk) -> Result<super::move_ask::MoveAnswer, ProposeError> {
+        use super::move_ask::{MoveAnswer, MoveAsk};
         let r = &self.replica.raft().raft;
         if r.state != StateRole::Leader {
             return Err(ProposeError::NotLeader { leader: (r.leader_id != 0).then_some(r.leader_id) });
@@ -948,10 +962,36 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
     /// messages), then asks raft to transfer, which it does once that
     /// voter's log is complete, or gives up after an election timeout.
     /// Proposals are refused meanwhile. The voter chosen, or why none.
-    pub fn transfer_leadership(&mut self) -> Result<u64, NoHandOver> {
+    ///
+    /// With `to`, the voter is that node's, and only once it heard from it
+    /// lately and its log matches the leader's: a transfer raft would give
+    /// up costs the lease for the rest of the term, so an operator's ask
+    /// that cannot complete now changes nothing ([`NoHandOver::Behind`]).
+    pub fn transfer_leadership(&mut self, to: Option<NodeId>) -> Result<u64, NoHandOver> {
         let raft = &self.replica.raft().raft;
         if raft.state != StateRole::Leader {
             return Err(NoHandOver::NotLeader);
+        }
+        if let Some(node) = to {
+            let voters = raft.prs().conf().voters();
+            let last = raft.raft_log.last_index();
+            let (id, pr) = raft
+                .prs()
+                .iter()
+                .find(|&(&id, _)| id != raft.id && voters.contains(id) && of_node(id, node))
+                .ok_or(NoHandOver::NotAVoter)?;
+            if !pr.recent_active {
+                return Err(NoHandOver::NoVoterHeard);
+            }
+            if pr.matched < last {
+                return Err(NoHandOver::Behind);
+            }
+            let (id, term) = (*id, raft.term);
+            if let Some(k) = self.leases.as_mut() {
+                self.transfer_fence |= k.hand_over(term) == LeaseAction::Fence;
+            }
+            self.replica.transfer_leader(id);
+            return Ok(id);
         }
         let (me, term) = (raft.id, raft.term);
         let voters = raft.prs().conf().voters();
@@ -1456,7 +1496,7 @@ mod tests {
         let l = leader(&cores, None).expect("a leader");
         let term = cores[l].replica().raft().raft.term;
         assert!(cores[l].lease().is_some(), "the leader holds a lease");
-        let to = cores[l].transfer_leadership().expect("a voter to hand to");
+        let to = cores[l].transfer_leadership(None).expect("a voter to hand to");
         assert_ne!(to as usize - 1, l);
         let p = cores[l].poll().unwrap();
         assert!(p.fence, "fenced in the poll that carries the transfer's messages");
@@ -1471,7 +1511,53 @@ mod tests {
         assert!(cores[to as usize - 1].lease().is_some(), "the new leader leases");
         assert_eq!(cores[l].lease(), None);
         // A follower hands nothing over.
-        assert_eq!(cores[l].transfer_leadership(), Err(NoHandOver::NotLeader));
+        assert_eq!(cores[l].transfer_leadership(None), Err(NoHandOver::NotLeader));
+    }
+
+    /// An operator's transfer to a named node begins only once that node's
+    /// voter matched the log: before, the leader keeps its lease and does
+    /// nothing (Behind); a node with no voter, or the leader's own, is
+    /// refused; once caught up, that voter (not the furthest) leads next.
+    #[test]
+    fn a_transfer_to_a_named_node_waits_for_its_log_and_keeps_the_lease_meanwhile() {
+        use dmkv_common::cluster::lease::LeaseConfig;
+        let cfg = LeaseConfig { election_timeout_ns: 90_000_000, max_drift_ppm: 1000, margin_ns: 1_000_000 };
+        let mut cores: Vec<_> = (1..=3).map(|id| core(id).with_leases(LeaseKeeper::new(cfg).unwrap(), 0)).collect();
+        let mut now = 0u64;
+        let mut step = |cores: &mut Vec<ShardCore<MemStorage, u32>>, rounds: usize| {
+            for _ in 0..rounds {
+                now += 10_000_000;
+                for c in cores.iter_mut() {
+                    c.set_clock(now);
+                }
+                drive(cores, 1, None);
+            }
+        };
+        step(&mut cores, 100);
+        let l = leader(&cores, None).expect("a leader");
+        let me = l as u64 + 1;
+        let target = (1..=3u64).find(|&id| id != me).unwrap();
+        assert_eq!(cores[l].transfer_leadership(Some(me)), Err(NoHandOver::NotAVoter));
+        assert_eq!(cores[l].transfer_leadership(Some(9)), Err(NoHandOver::NotAVoter));
+        // Entries the target has not matched yet.
+        cores[l].propose(encode_put(b"k", b"v"), 0).unwrap();
+        drop(cores[l].poll().unwrap());
+        assert_eq!(cores[l].transfer_leadership(Some(target)), Err(NoHandOver::Behind));
+        let p = cores[l].poll().unwrap();
+        assert!(!p.fence, "nothing begun: the lease stays");
+        assert!(cores[l].lease().is_some());
+        drop(p);
+        step(&mut cores, 20);
+        assert_eq!(leader(&cores, None), Some(l));
+        assert_eq!(cores[l].transfer_leadership(Some(target)), Ok(target));
+        let p = cores[l].poll().unwrap();
+        assert!(p.fence, "the lease goes before the transfer's messages");
+        for m in p.messages {
+            let to = (m.to - 1) as usize;
+            let _ = cores[to].step(m);
+        }
+        step(&mut cores, 50);
+        assert_eq!(leader(&cores, None), Some(target as usize - 1), "the node named leads");
     }
 
     /// A voter that lags gets TimeoutNow only in a later poll (after its
@@ -1501,7 +1587,7 @@ mod tests {
         }
         let p = cores[l].poll().unwrap(); // appends dropped
         drop(p);
-        let to = cores[l].transfer_leadership().unwrap();
+        let to = cores[l].transfer_leadership(None).unwrap();
         let p = cores[l].poll().unwrap();
         assert!(p.fence);
         assert!(!p.messages.iter().any(|m| m.get_msg_type() == MessageType::MsgTimeoutNow), "not yet up to date");
@@ -1542,7 +1628,7 @@ mod tests {
         let l = leader(&cores, None).unwrap();
         assert!(cores[l].lease().is_some());
         let t2 = cores[l].replica().raft().raft.term;
-        let target = cores[l].transfer_leadership().unwrap() as usize - 1;
+        let target = cores[l].transfer_leadership(None).unwrap() as usize - 1;
         assert!(cores[l].poll().unwrap().fence);
         let mut reads = Reads::new();
         for _ in 0..60 {

@@ -700,10 +700,10 @@ impl World {
                     }
                 }
                 Input::HandOver if self.rules.hand_over == HandOver::Built => {
-                    let _ = core.transfer_leadership();
+                    let _ = core.transfer_leadership(None);
                 }
                 Input::HandOver if self.rules.hand_over == HandOver::FenceOnly => {
-                    let _ = core.transfer_leadership();
+                    let _ = core.transfer_leadership(None);
                     core.forget_hand_over();
                 }
                 Input::HandOver => {

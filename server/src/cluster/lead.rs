@@ -1,0 +1,107 @@
+//! Leadership moved by an operator (`dmkv cluster transfer-leader`): the
+//! shard's leader gives its lease up and hands over to the node named,
+//! once that node's replica has matched its log (so a transfer that raft
+//! would give up is not begun: it would cost the lease for the rest of the
+//! term); the answer comes once the leadership moved.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use dmkv_common::cluster::map::{NodeId, ShardId, node_of};
+use dmkv_common::proto;
+
+use super::node::{ClusterError, ClusterNode};
+use super::shard::NoHandOver;
+
+/// Most a transfer waits, for the voter to catch up and then for it to
+/// take over (raft gives a begun transfer up after an election timeout).
+pub const MAX_TRANSFER_WAIT: Duration = Duration::from_secs(5);
+/// How often the leader is asked again while the voter catches up, and
+/// how often the replica's leader is looked at once it began.
+const TRANSFER_POLL: Duration = Duration::from_millis(20);
+
+impl ClusterNode {
+    /// Hands shard `shard`'s leadership, led here, to node `to`'s replica.
+    /// NOT_LEADER (naming the leader) if this node does not lead it.
+    pub async fn transfer_leader(
+        &self,
+        shard: ShardId,
+        to: NodeId,
+    ) -> Result<proto::TransferLeaderReply, ClusterError> {
+        let map = self.map();
+        if !map.shards().iter().any(|s| s.id == shard) {
+            return Err(ClusterError::Failed(format!(
+                "shard {shard} does not exist: there are {}",
+                map.shards().len()
+            )));
+        }
+        if !map.nodes.contains_key(&to) {
+            return Err(ClusterError::Failed(format!("node {to} is not in the cluster")));
+        }
+        let r = self.leading(shard)?;
+        let term = || r.status.term.load(Ordering::Relaxed);
+        if to == self.id {
+            return Ok(proto::TransferLeaderReply { from: self.id, to, term: term() });
+        }
+        let deadline = Instant::now() + MAX_TRANSFER_WAIT;
+        let mut last = NoHandOver::Behind;
+        let replica = loop {
+            let answer = match r.thread.hand_over(Some(to)) {
+                Some(rx) => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    tokio::task::spawn_blocking(move || rx.recv_timeout(left).ok())
+                        .await
+                        .map_err(|e| ClusterError::Failed(e.to_string()))?
+                }
+                None => None,
+            };
+            match answer {
+                Some(Ok(replica)) => break replica,
+                Some(Err(NoHandOver::NotLeader)) => {
+                    return Err(self.leading(shard).err().unwrap_or(ClusterError::Busy));
+                }
+                Some(Err(NoHandOver::NotAVoter | NoHandOver::Alone)) => {
+                    return Err(ClusterError::Failed(format!("node {to} holds no voting replica of shard {shard}")));
+                }
+                Some(Err(e @ (NoHandOver::Behind | NoHandOver::NoVoterHeard))) => last = e,
+                // The shard's thread is busy (a full queue, a long apply).
+                None => {}
+            }
+            if Instant::now() >= deadline {
+                let why = match last {
+                    NoHandOver::NoVoterHeard => "has not been heard from lately",
+                    _ => "has not caught up with the leader's log",
+                };
+                return Err(ClusterError::Failed(format!(
+                    "node {to}'s replica of shard {shard} {why} within {MAX_TRANSFER_WAIT:?}: node {} still leads, \
+                     unchanged",
+                    self.id
+                )));
+            }
+            tokio::time::sleep(TRANSFER_POLL).await;
+        };
+        // Begun: this replica gave its lease up. Raft completes it once the
+        // voter campaigns, or gives it up after an election timeout.
+        loop {
+            let leader = r.status.leader.load(Ordering::Relaxed);
+            if leader == replica {
+                return Ok(proto::TransferLeaderReply { from: self.id, to, term: term() });
+            }
+            if leader != 0 && node_of(leader) != self.id && !r.status.is_leader() {
+                return Err(ClusterError::Failed(format!(
+                    "shard {shard} elected node {}, not node {to}, during the transfer",
+                    node_of(leader)
+                )));
+            }
+            if Instant::now() >= deadline {
+                return Err(ClusterError::Failed(format!(
+                    "node {to} did not take shard {shard} over within {MAX_TRANSFER_WAIT:?} (raft gave the transfer \
+                     up): node {} still leads, without a lease for the rest of term {}",
+                    self.id,
+                    term()
+                )));
+            }
+            tokio::time::sleep(TRANSFER_POLL).await;
+        }
+    }
+}
