@@ -171,8 +171,9 @@ impl Client {
         &self,
         partition: u32,
         to: u32,
+        rate_mib: Option<u32>,
     ) -> Result<dmkv_common::proto::MovePartitionReply, ClientError> {
-        self.run(self.inner.move_partition(partition, to))
+        self.run(self.inner.move_partition(partition, to, rate_mib))
     }
 
     /// See [`AsyncClient::transfer_leader`].

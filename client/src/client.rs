@@ -279,8 +279,13 @@ impl Client {
     }
 
     /// See [`crate::session::Session::move_partition`].
-    pub async fn move_partition(&self, partition: u32, to: u32) -> Result<proto::MovePartitionReply, ClientError> {
-        self.inner.node.move_partition(partition, to).await
+    pub async fn move_partition(
+        &self,
+        partition: u32,
+        to: u32,
+        rate_mib: Option<u32>,
+    ) -> Result<proto::MovePartitionReply, ClientError> {
+        self.inner.node.move_partition(partition, to, rate_mib).await
     }
 
     /// See [`crate::session::Session::transfer_leader`].

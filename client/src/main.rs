@@ -130,6 +130,10 @@ enum ClusterCmd {
         /// The shard it moves to.
         #[arg(long)]
         to: u32,
+        /// Most MiB/s the copy before the cut-over sends (default: the
+        /// node's, 48; 0: as fast as the shards take it).
+        #[arg(long, value_name = "MIB")]
+        rate_mib: Option<u32>,
     },
     /// Hand a shard's leadership to another node's replica (before
     /// stopping a node by hand, or to spread leaders): the leader gives its
@@ -392,8 +396,8 @@ fn run(cli: Cli, explicit: Explicit) -> Result<ExitCode, Failure> {
             .map_err(written)?;
             Ok(ExitCode::SUCCESS)
         }
-        Cmd::Cluster { cmd: ClusterCmd::MovePartition { partition, to } } => {
-            let r = move_partition(&client, &cfg, partition, to)?;
+        Cmd::Cluster { cmd: ClusterCmd::MovePartition { partition, to, rate_mib } } => {
+            let r = move_partition(&client, &cfg, partition, to, rate_mib)?;
             writeln!(
                 stdout,
                 "partition {partition} moved from shard {} to shard {to} (map version {}): {} keys, {} bytes, {} \
@@ -477,6 +481,7 @@ fn move_partition(
     cfg: &ClientConfig,
     partition: u32,
     to: u32,
+    rate_mib: Option<u32>,
 ) -> Result<dmkv_common::proto::MovePartitionReply, String> {
     let map = client.cluster_status().map_err(|e| format!("{e} (is this server a cluster node?)"))?;
     let mut nodes: Vec<(u64, String)> = map.nodes.iter().map(|n| (n.id, n.rpc.clone())).collect();
@@ -489,7 +494,8 @@ fn move_partition(
         let addr = &nodes.iter().find(|n| n.0 == id).ok_or_else(|| format!("node {id} is not in the map"))?.1;
         // A big partition takes a while: the reply comes once the map flipped.
         let patient = cfg.clone().request_timeout(MOVE_TIMEOUT);
-        let answer = Client::connect_with(addr.clone(), patient).and_then(|c| c.move_partition(partition, to));
+        let answer =
+            Client::connect_with(addr.clone(), patient).and_then(|c| c.move_partition(partition, to, rate_mib));
         match answer {
             Ok(r) => return Ok(r),
             Err(dmkv_client::ClientError::NotLeader { leader, .. }) => {

@@ -986,8 +986,16 @@ impl Session {
     /// Admin: moves partition `partition` to shard `to` while clients use
     /// it; the node must lead the cluster's metadata group (else
     /// NOT_LEADER naming the node that does). Answers once the map flipped.
-    pub async fn move_partition(&self, partition: u32, to: u32) -> Result<proto::MovePartitionReply, ClientError> {
-        match self.inner.pool.call(Op::MovePartition(proto::MovePartition { partition, to })).await? {
+    /// `rate_mib`: most MiB/s its copy sends before the cut-over (`None`:
+    /// the node's default; `Some(0)`: as fast as it can).
+    pub async fn move_partition(
+        &self,
+        partition: u32,
+        to: u32,
+        rate_mib: Option<u32>,
+    ) -> Result<proto::MovePartitionReply, ClientError> {
+        let m = proto::MovePartition { partition, to, rate_mib: rate_mib.unwrap_or(0), unpaced: rate_mib == Some(0) };
+        match self.inner.pool.call(Op::MovePartition(m)).await? {
             R::MovePartition(r) => Ok(r),
             other => Err(unexpected(&other)),
         }
@@ -995,7 +1003,9 @@ impl Session {
 
     /// Admin: hands shard `shard`'s leadership to node `to`; this node
     /// must lead the shard (else NOT_LEADER naming the leader). Answers
-    /// once the leadership moved.
+    /// once the leadership moved, which may take the node up to 8 s (5 for
+    /// the voter to catch up, 2 for it to take over): give the client a
+    /// `request_timeout` above that, as `dmkv cluster transfer-leader` does.
     pub async fn transfer_leader(&self, shard: u32, to: u64) -> Result<proto::TransferLeaderReply, ClientError> {
         match self.inner.pool.call(Op::TransferLeader(proto::TransferLeader { shard, to })).await? {
             R::TransferLeader(r) => Ok(r),

@@ -381,9 +381,15 @@ impl Node {
 
     /// Runs apart from the connection that asked: a client that stops
     /// waiting (or a connection lost) must not stop a move mid-way.
-    pub async fn move_partition(&self, partition: u32, to: ShardId) -> Result<proto::MovePartitionReply, NodeError> {
+    pub async fn move_partition(&self, m: proto::MovePartition) -> Result<proto::MovePartitionReply, NodeError> {
+        use crate::cluster::mover::DEFAULT_MOVE_RATE_MIB;
         let c = self.cluster().cloned().ok_or_else(|| NodeError::BadRequest(NOT_IN_CLUSTER.into()))?;
-        match tokio::spawn(async move { c.move_partition(partition, to).await }).await {
+        let rate = match (m.unpaced, m.rate_mib) {
+            (true, _) => 0,
+            (false, 0) => u64::from(DEFAULT_MOVE_RATE_MIB) << 20,
+            (false, mib) => u64::from(mib) << 20,
+        };
+        match tokio::spawn(async move { c.move_partition(m.partition, m.to, rate).await }).await {
             Ok(r) => Ok(r?),
             Err(e) => Err(NodeError::Internal(format!("the mover failed: {e}"))),
         }

@@ -293,7 +293,9 @@ impl Requests {
         let data = matches!(
             req.op,
             Some(Op::Put(_) | Op::Delete(_) | Op::Get(_) | Op::MultiGet(_) | Op::Arith(_) | Op::Touch(_))
-        ) || (self.state.peer_port && matches!(req.op, Some(Op::FlushAll(_))));
+        ) || (self.state.peer_port && matches!(req.op, Some(Op::FlushAll(_))))
+            // A stale map's: the node may ask the metadata group first.
+            || matches!(&req.op, Some(Op::GetMap(g)) if g.newer_than > 0);
         // Skips `handle`'s checks: only what they would pass. On the peer
         // port, a node's forwarded requests (`misplaced` takes them from a
         // node only).
@@ -714,7 +716,7 @@ pub(crate) async fn node_op(shared: &Shared, op: Op) -> Result<R, proto::Error> 
             .map(|replica_id| R::ReplaceReplica(proto::ReplaceReplicaReply { replica_id })),
         Op::SnapshotChunk(c) => node.receive_snapshot(c).await.map(R::SnapshotChunk),
         Op::MoveWork(w) => node.move_work(w).await.map(R::MoveWork),
-        Op::MovePartition(m) => node.move_partition(m.partition, m.to).await.map(R::MovePartition),
+        Op::MovePartition(m) => node.move_partition(m).await.map(R::MovePartition),
         Op::TransferLeader(t) => node.transfer_leader(t.shard, t.to).await.map(R::TransferLeader),
         Op::FlushAll(_) => node.flush_led().await.map(|items| R::FlushAll(proto::FlushAllReply { items })),
         Op::Raft(batch) => {

@@ -509,6 +509,21 @@ fn transfer_leader_hands_a_shard_to_the_node_named_and_refuses_what_cannot_be() 
             String::from_utf8_lossy(&out.stderr).into_owned(),
         )
     };
+    // Writes go on throughout: a transfer must not wait for a quiet shard,
+    // and none of them may fail.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let (addr, stop) = (c.rpc(2).to_string(), Arc::clone(&stop));
+        rt.spawn(async move {
+            let client = Client::connect(addr).await.expect("connect");
+            let mut n = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                client.put(format!("w{}", n % 50), n.to_string()).await.map_err(|e| format!("PUT {n}: {e}"))?;
+                n += 1;
+            }
+            Ok::<u64, String>(n)
+        })
+    };
     for shard in 0..2u32 {
         let before = leader_at(&rt, &c, 0, shard).expect("a leader known");
         // To each other node in turn, then to where it is already.
@@ -522,6 +537,9 @@ fn transfer_leader_hands_a_shard_to_the_node_named_and_refuses_what_cannot_be() 
             assert_eq!(leader_at(&rt, &c, to as usize - 1, shard), Some(to), "shard {shard} after {out}");
         }
     }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let writes = rt.block_on(writer).expect("writer task").expect("every PUT during the transfers");
+    println!("{writes} PUTs during the transfers, none failed");
     // Nothing that cannot be done is begun.
     let now: Vec<Option<u64>> = (0..2).map(|s| leader_at(&rt, &c, 0, s)).collect();
     for (args, why) in [

@@ -24,7 +24,7 @@ fn move_partition(c: &TestCluster, p: u32, to: u32) -> dmkv_common::proto::MoveP
     for _ in 0..50 {
         for i in 0..3 {
             let admin = blocking::Client::connect_with(c.rpc(i).to_string(), ClientConfig::default()).expect("connect");
-            match admin.move_partition(p, to) {
+            match admin.move_partition(p, to, None) {
                 Ok(r) => return r,
                 Err(dmkv_client::ClientError::NotLeader { .. }) => continue,
                 Err(e) => last = format!("node {}: {e}", i + 1),
@@ -145,7 +145,7 @@ fn bad_moves_are_refused_by_name() {
         let mut answered = None;
         for i in 0..3 {
             let admin = blocking::Client::connect_with(c.rpc(i).to_string(), ClientConfig::default()).expect("connect");
-            match admin.move_partition(partition, to) {
+            match admin.move_partition(partition, to, None) {
                 Err(dmkv_client::ClientError::NotLeader { .. }) => continue,
                 other => answered = Some(other),
             }

@@ -95,6 +95,10 @@ enum Cmd {
         mib: u64,
         #[arg(long, default_value_t = MAX_VALUE_LEN)]
         value_size: usize,
+        /// Most MiB/s the move's copy sends (default: the node's; 0:
+        /// unpaced).
+        #[arg(long)]
+        rate_mib: Option<u32>,
     },
     /// Resident memory of an in-memory cluster after many large PUTs.
     Rss {
@@ -132,7 +136,7 @@ fn run(cli: Cli) -> Result<(), String> {
         }
         Cmd::CatchUp { mib, value_size } => rt.block_on(catch_up(mib, value_size)),
         Cmd::Rss { puts, value_size, memory_mib } => rt.block_on(rss(puts, value_size, memory_mib)),
-        Cmd::Move { mib, value_size } => rt.block_on(move_partition(mib, value_size)),
+        Cmd::Move { mib, value_size, rate_mib } => rt.block_on(move_partition(mib, value_size, rate_mib)),
     }
 }
 
@@ -144,7 +148,7 @@ fn check(cmd: &Cmd) -> Result<(), String> {
         _ => Err(format!("--value-size {n}: expected 1 to {MAX_VALUE_LEN} bytes")),
     };
     match cmd {
-        Cmd::Move { mib, value_size } => {
+        Cmd::Move { mib, value_size, .. } => {
             at_least_one("--mib", *mib)?;
             value(*value_size)
         }
@@ -598,7 +602,7 @@ const MOVE_IDLE: Duration = Duration::from_secs(5);
 /// Keys of the moving partition its writer cycles over.
 const WRITER_KEYS: usize = 64;
 
-async fn move_partition(mib: u64, value_size: usize) -> Result<(), String> {
+async fn move_partition(mib: u64, value_size: usize, rate_mib: Option<u32>) -> Result<(), String> {
     use dmkv_common::cluster::map::partition_of;
     // Each node holds a replica of both shards: room for the partition on
     // either, and the foreground keys.
@@ -647,7 +651,7 @@ async fn move_partition(mib: u64, value_size: usize) -> Result<(), String> {
         })
     };
     let t = Instant::now();
-    let r = move_at_meta_leader(&c, p, 1).await?;
+    let r = move_at_meta_leader(&c, p, 1, rate_mib).await?;
     let took = t.elapsed();
     stop.store(true, Ordering::Relaxed);
     let (longest, errors, writes) = writer.await.map_err(|e| format!("writer task: {e}"))?;
@@ -692,12 +696,13 @@ async fn move_at_meta_leader(
     c: &TestCluster,
     p: u32,
     to: u32,
+    rate_mib: Option<u32>,
 ) -> Result<dmkv_common::proto::MovePartitionReply, String> {
     let patient = ClientConfig::default().request_timeout(Duration::from_secs(600));
     for _ in 0..50 {
         for i in 0..c.len() {
             let admin = Client::connect_with(c.rpc(i), patient.clone()).await.map_err(connect_err)?;
-            match admin.move_partition(p, to).await {
+            match admin.move_partition(p, to, rate_mib).await {
                 Ok(r) => return Ok(r),
                 Err(dmkv_client::ClientError::NotLeader { .. }) => continue,
                 Err(e) => return Err(format!("the move failed at node {}: {e}", i + 1)),

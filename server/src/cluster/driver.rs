@@ -122,7 +122,9 @@ enum Input {
     SnapshotFailed(u64, u64),
     /// Hand leadership over (see `ShardCore::transfer_leadership`);
     /// answered with the voter chosen, or why none.
-    HandOver(Option<NodeId>, std::sync::mpsc::SyncSender<HandOverAnswer>),
+    /// To that node's voter only, and not after that instant (the asker
+    /// stopped waiting: it must not begin then).
+    HandOver(Option<(NodeId, std::time::Instant)>, std::sync::mpsc::SyncSender<HandOverAnswer>),
     /// What a partition move needs of the leader's store (see [`MoveAsk`]).
     Moving(MoveAsk, oneshot::Sender<Result<MoveAnswer, ProposeError>>),
     Stop,
@@ -480,8 +482,12 @@ impl ShardThread {
     /// collects the answers of every shard it asked, and the replica's
     /// status says when it no longer leads.
     /// With `to`, to that node's voter only (see
-    /// `ShardCore::transfer_leadership`).
-    pub fn hand_over(&self, to: Option<NodeId>) -> Option<std::sync::mpsc::Receiver<HandOverAnswer>> {
+    /// `ShardCore::transfer_leadership`), and only if the thread takes the
+    /// ask before the instant given.
+    pub fn hand_over(
+        &self,
+        to: Option<(NodeId, std::time::Instant)>,
+    ) -> Option<std::sync::mpsc::Receiver<HandOverAnswer>> {
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
         self.tx.try_send(Input::HandOver(to, tx)).ok().map(|()| rx)
     }
@@ -649,7 +655,11 @@ fn run<S: LogStore>(
                 Ok(Input::Moving(ask, answer)) => {
                     let _ = answer.send(core.moving(ask));
                 }
-                Ok(Input::HandOver(node, answer)) => {
+                Ok(Input::HandOver(Some((_, until)), answer)) if std::time::Instant::now() >= until => {
+                    let _ = answer.try_send(Err(super::shard::NoHandOver::Behind));
+                }
+                Ok(Input::HandOver(named, answer)) => {
+                    let node = named.map(|(n, _)| n);
                     let to = core.transfer_leadership(node);
                     match (to, node) {
                         (Ok(to), None) => info!(to, "handing leadership over: the node is stopping"),

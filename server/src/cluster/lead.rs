@@ -5,6 +5,7 @@
 //! term); the answer comes once the leadership moved.
 
 use std::sync::atomic::Ordering;
+use std::sync::mpsc::RecvTimeoutError;
 use std::time::{Duration, Instant};
 
 use dmkv_common::cluster::map::{NodeId, ShardId, node_of};
@@ -13,9 +14,15 @@ use dmkv_common::proto;
 use super::node::{ClusterError, ClusterNode};
 use super::shard::NoHandOver;
 
-/// Most a transfer waits, for the voter to catch up and then for it to
-/// take over (raft gives a begun transfer up after an election timeout).
+/// Most a transfer waits for the voter to catch up before it begins.
 pub const MAX_TRANSFER_WAIT: Duration = Duration::from_secs(5);
+/// Most the shard's thread may take to answer an ask made just before the
+/// deadline (it answers every ask; a late one without beginning it).
+const ANSWER_GRACE: Duration = Duration::from_secs(1);
+/// Most a begun transfer waits for the voter to lead: raft gives it up
+/// after an election timeout (at most 300 ms), and the new leader's status
+/// is published at its next tick.
+pub const MAX_TAKE_OVER_WAIT: Duration = Duration::from_secs(2);
 /// How often the leader is asked again while the voter catches up, and
 /// how often the replica's leader is looked at once it began.
 const TRANSFER_POLL: Duration = Duration::from_millis(20);
@@ -46,13 +53,26 @@ impl ClusterNode {
         let deadline = Instant::now() + MAX_TRANSFER_WAIT;
         let mut last = NoHandOver::Behind;
         let replica = loop {
-            let answer = match r.thread.hand_over(Some(to)) {
+            let answer = match r.thread.hand_over(Some((to, deadline))) {
                 Some(rx) => {
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    tokio::task::spawn_blocking(move || rx.recv_timeout(left).ok())
+                    // The thread answers every ask (one past the deadline
+                    // with Behind, without beginning it).
+                    let left = deadline.saturating_duration_since(Instant::now()) + ANSWER_GRACE;
+                    tokio::task::spawn_blocking(move || rx.recv_timeout(left))
                         .await
                         .map_err(|e| ClusterError::Failed(e.to_string()))?
+                        .map_err(|e| match e {
+                            RecvTimeoutError::Disconnected => ClusterError::Failed(format!(
+                                "shard {shard}'s replica here stopped: ask its next leader"
+                            )),
+                            RecvTimeoutError::Timeout => ClusterError::Failed(format!(
+                                "shard {shard}'s thread did not answer within {MAX_TRANSFER_WAIT:?}: it may still hand \
+                                 over; see `dmkv cluster status`"
+                            )),
+                        })
+                        .map(Some)?
                 }
+                // Its queue is full: asked again.
                 None => None,
             };
             match answer {
@@ -64,13 +84,12 @@ impl ClusterNode {
                     return Err(ClusterError::Failed(format!("node {to} holds no voting replica of shard {shard}")));
                 }
                 Some(Err(e @ (NoHandOver::Behind | NoHandOver::NoVoterHeard))) => last = e,
-                // The shard's thread is busy (a full queue, a long apply).
                 None => {}
             }
             if Instant::now() >= deadline {
                 let why = match last {
                     NoHandOver::NoVoterHeard => "has not been heard from lately",
-                    _ => "has not caught up with the leader's log",
+                    _ => "has not caught up with the shard's committed entries",
                 };
                 return Err(ClusterError::Failed(format!(
                     "node {to}'s replica of shard {shard} {why} within {MAX_TRANSFER_WAIT:?}: node {} still leads, \
@@ -82,6 +101,7 @@ impl ClusterNode {
         };
         // Begun: this replica gave its lease up. Raft completes it once the
         // voter campaigns, or gives it up after an election timeout.
+        let taken_by = Instant::now() + MAX_TAKE_OVER_WAIT;
         loop {
             let leader = r.status.leader.load(Ordering::Relaxed);
             if leader == replica {
@@ -93,10 +113,11 @@ impl ClusterNode {
                     node_of(leader)
                 )));
             }
-            if Instant::now() >= deadline {
+            if Instant::now() >= taken_by {
                 return Err(ClusterError::Failed(format!(
-                    "node {to} did not take shard {shard} over within {MAX_TRANSFER_WAIT:?} (raft gave the transfer \
-                     up): node {} still leads, without a lease for the rest of term {}",
+                    "node {to} did not take shard {shard} over within {MAX_TAKE_OVER_WAIT:?} of the transfer's \
+                     start (raft gives a transfer up after an election timeout): node {} leads on, without a lease \
+                     for the rest of term {}",
                     self.id,
                     term()
                 )));

@@ -143,24 +143,56 @@ impl ClusterNode {
     /// client found its map at `version` stale (a key's partition moved)
     /// and asks for the map; answered with this node's own, it could wait
     /// out this node's next poll of the group before it learns the flip.
-    /// One ask at a time, at most every [`CLIENT_ASK_GAP`], each bounded
-    /// by [`CLIENT_ASK_TIMEOUT`]; a failed ask leaves the map as it is.
+    /// One ask in flight per node: a request that comes meanwhile waits
+    /// for it, never asks itself; asks are at least [`CLIENT_ASK_GAP`]
+    /// apart ([`MAP_ASK_GAP`] after one failed), each bounded by
+    /// [`CLIENT_ASK_TIMEOUT`], and so is every wait. A failed ask leaves
+    /// the map as it is.
     pub async fn refresh_past(&self, version: u64) {
         if version == 0 || self.map_version() > version {
             return;
         }
-        let mut asked = self.asked_for_client.lock().await;
-        // Another client's ask, made meanwhile, may have brought it.
-        if self.map_version() > version || asked.is_some_and(|t| t.elapsed() < CLIENT_ASK_GAP) {
+        let asks = &self.client_asks;
+        let done = asks.done.notified();
+        tokio::pin!(done);
+        done.as_mut().enable();
+        if asks.asking.swap(true, Ordering::AcqRel) {
+            // Whatever that ask brings is as fresh as one of our own.
+            let _ = tokio::time::timeout(CLIENT_ASK_TIMEOUT, done).await;
             return;
         }
-        *asked = Some(std::time::Instant::now());
-        if let Ok(Ok(map)) = tokio::time::timeout(CLIENT_ASK_TIMEOUT, self.fetch_meta_map()).await
+        // Cleared however this ends (a request dropped with its
+        // connection too), and the waiters woken.
+        struct Asking<'a>(&'a ClientAsks);
+        impl Drop for Asking<'_> {
+            fn drop(&mut self) {
+                self.0.asking.store(false, Ordering::Release);
+                self.0.done.notify_waiters();
+            }
+        }
+        let _asking = Asking(asks);
+        let too_soon = crate::lock::lock(&asks.last)
+            .is_some_and(|(at, ok)| at.elapsed() < if ok { CLIENT_ASK_GAP } else { MAP_ASK_GAP });
+        if too_soon || self.map_version() > version {
+            return;
+        }
+        let got = tokio::time::timeout(CLIENT_ASK_TIMEOUT, self.fetch_meta_map()).await;
+        *crate::lock::lock(&asks.last) = Some((std::time::Instant::now(), matches!(got, Ok(Ok(_)))));
+        if let Ok(Ok(map)) = got
             && self.adopt_map(map)
         {
             tracing::info!(version = self.map_version(), "the cluster map changed (asked for a client)");
         }
     }
+}
+
+/// The asks of the group a node makes for clients ([`ClusterNode::refresh_past`]).
+#[derive(Default)]
+pub struct ClientAsks {
+    asking: std::sync::atomic::AtomicBool,
+    done: tokio::sync::Notify,
+    /// When the last ask ended, and whether it brought a map.
+    last: std::sync::Mutex<Option<(std::time::Instant, bool)>>,
 }
 
 /// Keeps `node`'s map up to date with the group's: asks every
@@ -193,6 +225,12 @@ pub fn spawn_map_refresh(node: &Arc<ClusterNode>, mut stop: watch::Receiver<bool
             if *stop.borrow() {
                 return;
             }
+            // Woken by a placement applied meanwhile: the shorter gap.
+            let gap = match weak.upgrade() {
+                Some(node) if node.map_behind() => gap.min(behind_gap),
+                Some(_) => gap,
+                None => return,
+            };
             tokio::time::sleep_until(last + gap).await;
             last = tokio::time::Instant::now();
             let Some(node) = weak.upgrade() else { return };

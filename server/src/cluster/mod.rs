@@ -21,6 +21,7 @@ pub mod mover;
 pub mod moving;
 pub mod node;
 pub mod noted;
+pub mod pace;
 pub mod peer;
 pub mod peer_tls;
 pub mod placement;

@@ -26,6 +26,10 @@ use super::placement::MAX_VERSION;
 
 /// Catch-up rounds before the cut-over, at most.
 pub const MAX_ROUNDS: u32 = 8;
+/// A move's copy rate unless asked otherwise (MiB/s): about a third of
+/// what a move took unpaced on a 2-core host with three nodes
+/// (docs/elasticity.md, "Measured").
+pub const DEFAULT_MOVE_RATE_MIB: u32 = 48;
 /// A round that copied at most this many keys is small enough: the next
 /// (at the cut-over, with writes refused) copies about as many.
 pub const SMALL_ROUND: u64 = 64;
@@ -43,7 +47,15 @@ impl ClusterNode {
     /// the move under way, and another is refused until it ends; the same
     /// move asked again carries it on from where its shards are (its
     /// mover stopped, or failed after the cut-over began).
-    pub async fn move_partition(&self, p: u32, to: ShardId) -> Result<proto::MovePartitionReply, ClusterError> {
+    /// The copy before the cut-over sends at most `rate` bytes a second
+    /// (0: unpaced), so foreground requests keep their share of the
+    /// source's and the target's capacity.
+    pub async fn move_partition(
+        &self,
+        p: u32,
+        to: ShardId,
+        rate: u64,
+    ) -> Result<proto::MovePartitionReply, ClusterError> {
         // One mover per node: a move asked again while its mover still
         // runs here must not run beside it (one of them could abandon what
         // the other carries through).
@@ -108,7 +120,7 @@ impl ClusterNode {
         let mut copied = Copied { keys: 0, bytes: 0, rounds: 0 };
         let mut pause_us = 0;
         if !owned {
-            copied = match self.copy_phase(p, from, to, version).await {
+            copied = match self.copy_phase(p, from, to, version, rate).await {
                 Ok(c) => c,
                 // Before any release, the move can be undone.
                 Err(e) if !released => {
@@ -123,7 +135,8 @@ impl ClusterNode {
             let pause = Instant::now();
             let now = crate::clock::now_ms();
             self.placement_step(from, version, encode_placement(version, vec![], vec![p], now)).await?;
-            let mut final_copy = copy(p, to, version, false);
+            // Unpaced: writes to the partition wait for it.
+            let mut final_copy = copy(p, to, version, false, 0);
             final_copy.last = true;
             let last = self.copy_round(from, final_copy, CUT_OVER_TRIES).await?;
             self.placement_step(to, version, encode_placement(version, vec![p], vec![], now)).await?;
@@ -201,13 +214,20 @@ impl ClusterNode {
 
     /// The source watches, the target takes, the whole partition is
     /// copied, then rounds of noted keys until one is small.
-    async fn copy_phase(&self, p: u32, from: ShardId, to: ShardId, version: u64) -> Result<Copied, ClusterError> {
+    async fn copy_phase(
+        &self,
+        p: u32,
+        from: ShardId,
+        to: ShardId,
+        version: u64,
+        rate: u64,
+    ) -> Result<Copied, ClusterError> {
         self.move_step(from, p, version, Kind::Watch).await?;
         self.move_step(to, p, version, Kind::Take).await?;
-        let first = self.copy_round(from, copy(p, to, version, true), STEP_TRIES).await?;
+        let first = self.copy_round(from, copy(p, to, version, true, rate), STEP_TRIES).await?;
         let mut copied = Copied { keys: first.keys, bytes: first.bytes, rounds: 0 };
         while copied.rounds < MAX_ROUNDS {
-            let round = self.copy_round(from, copy(p, to, version, false), STEP_TRIES).await?;
+            let round = self.copy_round(from, copy(p, to, version, false, rate), STEP_TRIES).await?;
             copied.rounds += 1;
             copied.keys += round.keys;
             copied.bytes += round.bytes;
@@ -313,6 +333,6 @@ struct Copied {
     rounds: u32,
 }
 
-fn copy(partition: u32, to: ShardId, version: u64, whole: bool) -> proto::MoveCopy {
-    proto::MoveCopy { partition, to, version, whole, last: false }
+fn copy(partition: u32, to: ShardId, version: u64, whole: bool, rate_bytes: u64) -> proto::MoveCopy {
+    proto::MoveCopy { partition, to, version, whole, last: false, rate_bytes }
 }

@@ -7,7 +7,7 @@
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use dmkv_common::cluster::map::{META_SHARD, NodeId, ShardId, node_of, partition_of};
 use dmkv_common::error::Error as StoreError;
@@ -16,6 +16,7 @@ use dmkv_common::proto::{self, move_work::Work, request::Op, response::Result as
 use super::apply::{Applied, encode_ingest, encode_ingest_entry, outcome_fields};
 use super::move_ask::{MoveAnswer, MoveAsk};
 use super::node::{ClusterError, ClusterNode, InFlight, LocalReplica, admit};
+use super::pace::Pace;
 use super::placement::MAX_VERSION;
 use super::shard::ProposeError;
 
@@ -135,6 +136,7 @@ impl ClusterNode {
             return Err(ClusterError::Failed("the shard answered a view for notes".into()));
         };
         let mut reply = proto::MoveWorkReply::default();
+        let pace = Pace::new(c.rate_bytes, Instant::now());
         let mut out = Chunks::new(horizon);
         if !c.whole && !notes.whole {
             for key in notes.keys {
@@ -147,11 +149,11 @@ impl ClusterNode {
                     None => absent(&key, horizon),
                 };
                 if let Some(chunk) = out.push(it) {
-                    self.ingest(c, chunk, &mut reply).await?;
+                    self.ingest(c, chunk, &mut reply, &pace).await?;
                 }
             }
             if let Some(chunk) = out.flush() {
-                self.ingest(c, chunk, &mut reply).await?;
+                self.ingest(c, chunk, &mut reply, &pace).await?;
             }
             if c.last {
                 self.copy_remembered(r, c, horizon).await?;
@@ -186,7 +188,7 @@ impl ClusterNode {
             flushed.map_err(|e| (e, view.aborted()))
         });
         while let Some(chunk) = rx.recv().await {
-            if let Err(e) = self.ingest(c, chunk, &mut reply).await {
+            if let Err(e) = self.ingest(c, chunk, &mut reply, &pace).await {
                 drop(rx);
                 let _ = walker.await;
                 return Err(e);
@@ -257,6 +259,7 @@ impl ClusterNode {
         c: &proto::MoveCopy,
         chunk: Chunk,
         reply: &mut proto::MoveWorkReply,
+        pace: &Pace,
     ) -> Result<(), ClusterError> {
         let data = encode_ingest(c.partition, c.version, chunk.horizon, chunk.items);
         let got = self.work_at(c.to, Work::Propose(data.into())).await.map_err(of_target)?;
@@ -269,6 +272,7 @@ impl ClusterNode {
         }
         reply.keys += chunk.keys;
         reply.bytes += chunk.bytes;
+        tokio::time::sleep(pace.delay(reply.bytes, Instant::now())).await;
         Ok(())
     }
 

@@ -209,9 +209,8 @@ pub struct ClusterNode {
     map_wake: Arc<tokio::sync::Notify>,
     /// A partition move runs on this node (`mover.rs`).
     pub(super) mover_running: std::sync::atomic::AtomicBool,
-    /// When a client's stale map last made this node ask the group
-    /// (`refresh_past`); held while asking, so asks do not pile up.
-    pub(super) asked_for_client: tokio::sync::Mutex<Option<std::time::Instant>>,
+    /// The asks of the metadata group made for clients' stale maps.
+    pub(super) client_asks: super::meta::ClientAsks,
     dialer: Dialer,
     sink: Arc<LocalShards>,
     /// The raft log's engine, with `--data-dir` (its size is a metric).
@@ -504,7 +503,7 @@ impl ClusterNode {
             meta_leader: AtomicU64::new(0),
             map_wake,
             mover_running: Default::default(),
-            asked_for_client: Default::default(),
+            client_asks: Default::default(),
             dialer,
             sink: Arc::new(sink),
             log: engine,
