@@ -66,11 +66,18 @@ impl ClusterNode {
                                 "shard {shard}'s replica here stopped: ask its next leader"
                             )),
                             RecvTimeoutError::Timeout => ClusterError::Failed(format!(
-                                "shard {shard}'s thread did not answer within {MAX_TRANSFER_WAIT:?}: it may still hand \
-                                 over; see `dmkv cluster status`"
+                                "shard {shard}'s thread did not answer within {:?} (busy): node {} still leads, \
+                                 unchanged",
+                                MAX_TRANSFER_WAIT + ANSWER_GRACE,
+                                self.id
                             )),
                         })
                         .map(Some)?
+                }
+                None if r.status.role() == "stopped" => {
+                    return Err(ClusterError::Failed(format!(
+                        "shard {shard}'s replica here stopped: ask its next leader"
+                    )));
                 }
                 // Its queue is full: asked again.
                 None => None,

@@ -163,7 +163,7 @@ impl ClusterNode {
         }
         // Cleared however this ends (a request dropped with its
         // connection too), and the waiters woken.
-        struct Asking<'a>(&'a ClientAsks);
+        struct Asking<'a>(&'a super::client_asks::ClientAsks);
         impl Drop for Asking<'_> {
             fn drop(&mut self) {
                 self.0.asking.store(false, Ordering::Release);
@@ -184,15 +184,6 @@ impl ClusterNode {
             tracing::info!(version = self.map_version(), "the cluster map changed (asked for a client)");
         }
     }
-}
-
-/// The asks of the group a node makes for clients ([`ClusterNode::refresh_past`]).
-#[derive(Default)]
-pub struct ClientAsks {
-    asking: std::sync::atomic::AtomicBool,
-    done: tokio::sync::Notify,
-    /// When the last ask ended, and whether it brought a map.
-    last: std::sync::Mutex<Option<(std::time::Instant, bool)>>,
 }
 
 /// Keeps `node`'s map up to date with the group's: asks every

@@ -3,6 +3,7 @@
 //! docs/replication.md has the design, the argument and the failure cases.
 
 pub mod apply;
+pub mod client_asks;
 pub mod config;
 pub mod desk;
 pub mod dial;

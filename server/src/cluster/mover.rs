@@ -120,6 +120,9 @@ impl ClusterNode {
         let mut copied = Copied { keys: 0, bytes: 0, rounds: 0 };
         let mut pause_us = 0;
         if !owned {
+            // Released already (a stopped move resumed): the partition's
+            // writes wait for the copy, which goes unpaced.
+            let rate = if released { 0 } else { rate };
             copied = match self.copy_phase(p, from, to, version, rate).await {
                 Ok(c) => c,
                 // Before any release, the move can be undone.
@@ -282,6 +285,9 @@ impl ClusterNode {
                 Err(e) => return Err(e),
             }
             c.whole = true;
+            // A view aborted (writes outran a paced copy) or a leader lost:
+            // the next try holds its view for less long.
+            c.rate_bytes = c.rate_bytes.saturating_mul(2);
             tokio::time::sleep(STEP_PAUSE).await;
         }
         Err(last)

@@ -272,7 +272,11 @@ impl ClusterNode {
         }
         reply.keys += chunk.keys;
         reply.bytes += chunk.bytes;
-        tokio::time::sleep(pace.delay(reply.bytes, Instant::now())).await;
+        let wait = pace.delay(reply.bytes, Instant::now());
+        // Even a zero sleep waits for the timer's next tick.
+        if !wait.is_zero() {
+            tokio::time::sleep(wait).await;
+        }
         Ok(())
     }
 

@@ -210,7 +210,7 @@ pub struct ClusterNode {
     /// A partition move runs on this node (`mover.rs`).
     pub(super) mover_running: std::sync::atomic::AtomicBool,
     /// The asks of the metadata group made for clients' stale maps.
-    pub(super) client_asks: super::meta::ClientAsks,
+    pub(super) client_asks: super::client_asks::ClientAsks,
     dialer: Dialer,
     sink: Arc<LocalShards>,
     /// The raft log's engine, with `--data-dir` (its size is a metric).

@@ -9,6 +9,11 @@ use std::time::{Duration, Instant};
 /// only from a clock that jumped.
 pub const MAX_PACE_WAIT: Duration = Duration::from_secs(2);
 
+/// A copy paced for this long goes on unpaced: the mover's step (which
+/// the copy is) has `MOVE_STEP_TIMEOUT` (120 s), and one that times out is
+/// asked again while the first may still run.
+pub const MAX_PACED: Duration = Duration::from_secs(60);
+
 /// A copy's pace: `rate` bytes a second from `start` (0: unpaced).
 #[derive(Debug, Clone, Copy)]
 pub struct Pace {
@@ -24,11 +29,12 @@ impl Pace {
     /// How long to wait at `now`, `sent` bytes into the copy, before
     /// sending more: until the rate allows what was sent.
     pub fn delay(&self, sent: u64, now: Instant) -> Duration {
-        if self.rate == 0 {
+        let elapsed = now.saturating_duration_since(self.start);
+        if self.rate == 0 || elapsed >= MAX_PACED {
             return Duration::ZERO;
         }
         let due = Duration::from_secs_f64(sent as f64 / self.rate as f64);
-        due.saturating_sub(now.saturating_duration_since(self.start)).min(MAX_PACE_WAIT)
+        due.saturating_sub(elapsed).min(MAX_PACE_WAIT).min(MAX_PACED - elapsed)
     }
 }
 
@@ -47,5 +53,8 @@ mod tests {
         // A clock that jumped back, or a huge chunk: the wait is bounded.
         assert_eq!(p.delay(100 * mib, t), MAX_PACE_WAIT);
         assert_eq!(Pace::new(0, t).delay(100 * mib, t), Duration::ZERO);
+        // Never past MAX_PACED: then unpaced.
+        assert_eq!(p.delay(100 * mib, t + MAX_PACED - Duration::from_millis(10)), Duration::from_millis(10));
+        assert_eq!(p.delay(100 * mib, t + MAX_PACED), Duration::ZERO);
     }
 }

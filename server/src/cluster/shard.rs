@@ -92,6 +92,10 @@ pub struct Poll<P, R = P> {
     pub fence: bool,
 }
 
+/// Most entries a named voter may lack (all of them uncommitted) for a
+/// transfer to it to begin (`ShardCore::transfer_leadership`).
+pub const MAX_HAND_OVER_GAP: u64 = 16;
+
 /// Whether replica `id` is node `node`'s (ids without a node part, in
 /// unit tests and the simulation, are their own node's).
 fn of_node(id: u64, node: NodeId) -> bool {
@@ -968,9 +972,11 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
     /// every committed one: a transfer raft would give up costs the lease
     /// for the rest of the term, so an operator's ask that cannot complete
     /// now changes nothing ([`NoHandOver::Behind`]). Not its whole log:
-    /// under steady writes it is always a round trip short of that; raft
-    /// refuses proposals while it transfers, and sends TimeoutNow once the
-    /// voter has the rest.
+    /// under steady writes it is always a round trip short of that; but at
+    /// most [`MAX_HAND_OVER_GAP`] entries short (raft must have the voter
+    /// acknowledge the rest within an election timeout, or it gives the
+    /// transfer up); raft refuses proposals while it transfers, and sends
+    /// TimeoutNow once the voter has the rest.
     pub fn transfer_leadership(&mut self, to: Option<NodeId>) -> Result<u64, NoHandOver> {
         let raft = &self.replica.raft().raft;
         if raft.state != StateRole::Leader {
@@ -978,7 +984,7 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
         }
         if let Some(node) = to {
             let voters = raft.prs().conf().voters();
-            let committed = raft.raft_log.committed;
+            let (committed, last) = (raft.raft_log.committed, raft.raft_log.last_index());
             let (id, pr) = raft
                 .prs()
                 .iter()
@@ -987,7 +993,8 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
             if !pr.recent_active {
                 return Err(NoHandOver::NoVoterHeard);
             }
-            if pr.state != raft::ProgressState::Replicate || pr.matched < committed {
+            let caught_up = pr.matched >= committed && last.saturating_sub(pr.matched) <= MAX_HAND_OVER_GAP;
+            if pr.state != raft::ProgressState::Replicate || !caught_up {
                 return Err(NoHandOver::Behind);
             }
             let (id, term) = (*id, raft.term);
@@ -1519,9 +1526,10 @@ mod tests {
     }
 
     /// An operator's transfer to a named node begins only once that node's
-    /// voter matched the log: before, the leader keeps its lease and does
-    /// nothing (Behind); a node with no voter, or the leader's own, is
-    /// refused; once caught up, that voter (not the furthest) leads next.
+    /// voter has every committed entry: before, the leader keeps its lease
+    /// and does nothing (Behind); a node with no voter, or the leader's
+    /// own, is refused; once caught up, that voter (not the furthest) leads
+    /// next.
     #[test]
     fn a_transfer_to_a_named_node_waits_for_its_log_and_keeps_the_lease_meanwhile() {
         use dmkv_common::cluster::lease::LeaseConfig;
@@ -1567,6 +1575,12 @@ mod tests {
         drop(p);
         step(&mut cores, 20);
         assert_eq!(leader(&cores, None), Some(l));
+        // Every committed entry, not the last one (in flight, as under
+        // steady writes): it begins.
+        cores[l].propose(encode_put(b"k2", b"v"), 1).unwrap();
+        drop(cores[l].poll().unwrap());
+        let r = &cores[l].replica().raft().raft;
+        assert!(r.raft_log.last_index() > r.raft_log.committed, "an entry in flight");
         assert_eq!(cores[l].transfer_leadership(Some(target)), Ok(target));
         let p = cores[l].poll().unwrap();
         assert!(p.fence, "the lease goes before the transfer's messages");
