@@ -26,6 +26,8 @@ pub mod conn;
 pub mod error;
 #[cfg(feature = "prometheus")]
 pub mod metrics;
+#[cfg(feature = "cli")]
+pub mod moves;
 pub mod onesided;
 pub mod ops;
 mod outbox;
@@ -37,7 +39,6 @@ pub mod route_view;
 pub mod router;
 pub mod session;
 pub mod tls;
-#[cfg(feature = "cli")]
 pub mod top;
 pub mod value;
 #[cfg(feature = "rdma")]

@@ -716,6 +716,7 @@ fn cluster_status(seed: &Client, cfg: &ClientConfig) -> Result<String, String> {
             lag
         );
     }
+    out.push_str(&dmkv_client::moves::render(&views));
     Ok(out)
 }
 

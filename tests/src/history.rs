@@ -47,6 +47,21 @@ pub async fn put_surely(c: &Client, key: &str, value: &str) {
     }
 }
 
+/// DELETEs `key` until an answer comes, for at most 20 s (as
+/// [`put_surely`]); whether it was there, if the first answer said so (a
+/// try whose answer was lost may have deleted it: the next says absent).
+pub async fn delete_surely(c: &Client, key: &str) -> Option<bool> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut tried = false;
+    loop {
+        match c.delete(key).await {
+            Ok(found) => return (!tried || found).then_some(found),
+            Err(e) => assert!(Instant::now() < deadline, "DELETE {key} failed for 20 s: {e}"),
+        }
+        tried = true;
+    }
+}
+
 /// How long a recorded client waits for a request (every try of it
 /// within; a try per node after a quarter of that) before giving up.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_millis(1500);

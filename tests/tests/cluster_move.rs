@@ -158,3 +158,69 @@ fn bad_moves_are_refused_by_name() {
     assert!(errors[0].contains("does not exist"), "{errors:?}");
     assert!(errors[1].contains("does not exist"), "{errors:?}");
 }
+
+/// `dmkv cluster status` shows a move as it goes (its mover's phase, the
+/// source's copy with a progress bar) and, once ended, in the history.
+#[test]
+fn status_shows_a_move_as_it_goes_and_after() {
+    let c = TestCluster::start(3, 2, 3, false, &["--memory", "64MiB"]);
+    let rt = rt();
+    let p = rt.block_on(async {
+        let map = c.leaders_known(0).await;
+        let p = (0..)
+            .map(|i| partition_of(format!("st-{i}").as_bytes()))
+            .find(|&p| map.shard_of_partition(p) == Some(0))
+            .expect("a partition of shard 0");
+        let client = Client::connect(c.rpc(0)).await.expect("connect");
+        let keys = (0..).map(|i| format!("st-{i}")).filter(|k| partition_of(k.as_bytes()) == p).take(48);
+        for k in keys {
+            client.put(k, vec![7u8; 64 << 10]).await.expect("fill");
+        }
+        p
+    });
+    let dmkv = |args: &[&str]| {
+        let out = std::process::Command::new(dmkv_tests::bin_path("dmkv"))
+            .args(["--server", c.rpc(1)])
+            .args(args)
+            .output()
+            .expect("run dmkv");
+        assert!(out.status.success(), "dmkv {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    // About 3 MiB at 1 MiB/s: seconds to look at it.
+    let (p_arg, mover) = (p.to_string(), c.rpc(2).to_string());
+    let moving = std::thread::spawn(move || {
+        std::process::Command::new(dmkv_tests::bin_path("dmkv"))
+            .args(["--server", &mover, "cluster", "move-partition", &p_arg, "--to", "1", "--rate-mib", "1"])
+            .output()
+            .expect("run dmkv cluster move-partition")
+    });
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let (mut bar, mut phase) = (None, None);
+    while (bar.is_none() || phase.is_none()) && std::time::Instant::now() < deadline {
+        let status = dmkv(&["cluster", "status"]);
+        for line in status.lines() {
+            if line.contains(&format!("partition {p}: shard 0 -> 1: node"))
+                && line.contains("sends the copy ")
+                && !line.contains(" 0B")
+            {
+                bar.get_or_insert_with(|| line.to_string());
+            }
+            if line.contains(&format!("partition {p}: shard 0 -> 1: node")) && line.contains("'s mover, phase copy") {
+                phase.get_or_insert_with(|| line.to_string());
+            }
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let out = moving.join().expect("mover thread");
+    assert!(out.status.success(), "the move failed: {}", String::from_utf8_lossy(&out.stderr));
+    println!("{bar:?}\n{phase:?}");
+    assert!(bar.is_some_and(|l| l.contains("paced at 1 MiB/s")), "no copy progress seen while the copy ran");
+    assert!(phase.is_some(), "no mover phase seen while the copy ran");
+    let status = dmkv(&["cluster", "status"]);
+    println!("{status}");
+    assert!(
+        status.contains(&format!("ended: partition {p}: shard 0 -> 1 (map version")) && status.contains(", done in "),
+        "{status}"
+    );
+}

@@ -18,6 +18,7 @@ pub mod local;
 pub mod log;
 pub mod meta;
 pub mod move_ask;
+pub mod move_book;
 pub mod mover;
 pub mod moving;
 pub mod node;

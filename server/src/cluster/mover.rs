@@ -106,74 +106,88 @@ impl ClusterNode {
         };
         let m = plan.moving.expect("a planned move");
         let (from, version) = (m.from, m.version);
-        tracing::info!(partition = p, from, to, version, resumed, "moving a partition");
-        // Where a stopped move's shards are: the target owns the partition
-        // (only the flip is left), or the source released it (its items
-        // are frozen: copied whole again), or neither (from the start).
-        let (owned, released) = match resumed {
-            true => {
-                let owned = self.placement_of(to).await? >= version;
-                (owned, owned || self.placement_of(from).await? >= version)
-            }
-            false => (false, false),
-        };
-        let mut copied = Copied { keys: 0, bytes: 0, rounds: 0 };
-        let mut pause_us = 0;
-        if !owned {
-            // Released already (a stopped move resumed): the partition's
-            // writes wait for the copy, which goes unpaced.
-            let rate = if released { 0 } else { rate };
-            copied = match self.copy_phase(p, from, to, version, rate).await {
-                Ok(c) => c,
-                // Before any release, the move can be undone.
-                Err(e) if !released => {
-                    tracing::warn!(partition = p, from, to, "the move is abandoned: {e:?}");
-                    self.abandon(&plan, planned).await;
-                    return Err(e);
+        self.move_book.begin(p, from, to, version, rate);
+        let result = async {
+            tracing::info!(partition = p, from, to, version, resumed, "moving a partition");
+            // Where a stopped move's shards are: the target owns the partition
+            // (only the flip is left), or the source released it (its items
+            // are frozen: copied whole again), or neither (from the start).
+            let (owned, released) = match resumed {
+                true => {
+                    let owned = self.placement_of(to).await? >= version;
+                    (owned, owned || self.placement_of(from).await? >= version)
                 }
-                Err(e) => return Err(e),
+                false => (false, false),
             };
-            // The cut-over: from the release on the move is carried
-            // through, or left for the same move asked again.
-            let pause = Instant::now();
-            let now = crate::clock::now_ms();
-            self.placement_step(from, version, encode_placement(version, vec![], vec![p], now)).await?;
-            // Unpaced: writes to the partition wait for it.
-            let mut final_copy = copy(p, to, version, false, 0);
-            final_copy.last = true;
-            let last = self.copy_round(from, final_copy, CUT_OVER_TRIES).await?;
-            self.placement_step(to, version, encode_placement(version, vec![p], vec![], now)).await?;
-            pause_us = pause.elapsed().as_micros() as u64;
-            copied.keys += last.keys;
-            copied.bytes += last.bytes;
-        }
-        let mut flipped = plan.clone();
-        flipped.moving = None;
-        flipped.move_partition(p, to).map_err(|e| ClusterError::Failed(e.to_string()))?;
-        debug_assert_eq!(flipped.version, version);
-        self.flip(planned, &flipped, p, to).await?;
-        tracing::info!(partition = p, from, to, version, pause_us, "partition moved");
-        // Clean-up: the source's copy goes, and both forget the move. A
-        // failure here leaves items no one serves, and is only logged.
-        let purge = proto::MovePurge { partition: p, version, below: MAX_VERSION };
-        if let Err(e) = self.step(from, Work::Purge(purge), STEP_TRIES).await {
-            tracing::warn!(partition = p, shard = from, "the moved partition's items stay on the source: {e:?}");
-        }
-        for shard in [from, to] {
-            let forget = encode_move_step(p, version, Kind::Forget);
-            if let Err(e) = self.step(shard, Work::Propose(forget.into()), STEP_TRIES).await {
-                tracing::warn!(partition = p, shard, "the shard keeps the move's record: {e:?}");
+            let mut copied = Copied { keys: 0, bytes: 0, rounds: 0 };
+            let mut pause_us = 0;
+            if !owned {
+                // Released already (a stopped move resumed): the partition's
+                // writes wait for the copy, which goes unpaced.
+                let rate = if released { 0 } else { rate };
+                copied = match self.copy_phase(p, from, to, version, rate).await {
+                    Ok(c) => c,
+                    // Before any release, the move can be undone.
+                    Err(e) if !released => {
+                        tracing::warn!(partition = p, from, to, "the move is abandoned: {e:?}");
+                        self.move_book.phase("abandoned");
+                        self.abandon(&plan, planned).await;
+                        return Err(e);
+                    }
+                    Err(e) => return Err(e),
+                };
+                // The cut-over: from the release on the move is carried
+                // through, or left for the same move asked again.
+                self.move_book.phase("cut-over");
+                let pause = Instant::now();
+                let now = crate::clock::now_ms();
+                self.placement_step(from, version, encode_placement(version, vec![], vec![p], now)).await?;
+                // Unpaced: writes to the partition wait for it.
+                let mut final_copy = copy(p, to, version, false, 0);
+                final_copy.last = true;
+                let last = self.copy_round(from, final_copy, CUT_OVER_TRIES).await?;
+                self.placement_step(to, version, encode_placement(version, vec![p], vec![], now)).await?;
+                pause_us = pause.elapsed().as_micros() as u64;
+                copied.keys += last.keys;
+                copied.bytes += last.bytes;
+                self.move_book.copied(last.keys, last.bytes);
             }
+            let mut flipped = plan.clone();
+            flipped.moving = None;
+            flipped.move_partition(p, to).map_err(|e| ClusterError::Failed(e.to_string()))?;
+            self.move_book.phase("flip");
+            debug_assert_eq!(flipped.version, version);
+            self.flip(planned, &flipped, p, to).await?;
+            tracing::info!(partition = p, from, to, version, pause_us, "partition moved");
+            self.move_book.phase("clean-up");
+            // Clean-up: the source's copy goes, and both forget the move. A
+            // failure here leaves items no one serves, and is only logged.
+            let purge = proto::MovePurge { partition: p, version, below: MAX_VERSION };
+            if let Err(e) = self.step(from, Work::Purge(purge), STEP_TRIES).await {
+                tracing::warn!(partition = p, shard = from, "the moved partition's items stay on the source: {e:?}");
+            }
+            for shard in [from, to] {
+                let forget = encode_move_step(p, version, Kind::Forget);
+                if let Err(e) = self.step(shard, Work::Propose(forget.into()), STEP_TRIES).await {
+                    tracing::warn!(partition = p, shard, "the shard keeps the move's record: {e:?}");
+                }
+            }
+            Ok::<_, ClusterError>(proto::MovePartitionReply {
+                version,
+                from,
+                keys: copied.keys,
+                bytes: copied.bytes,
+                rounds: copied.rounds,
+                pause_us,
+                total_ms: started.elapsed().as_millis() as u64,
+            })
         }
-        Ok(proto::MovePartitionReply {
-            version,
-            from,
-            keys: copied.keys,
-            bytes: copied.bytes,
-            rounds: copied.rounds,
-            pause_us,
-            total_ms: started.elapsed().as_millis() as u64,
-        })
+        .await;
+        match &result {
+            Ok(r) => self.move_book.end("done".into(), r.pause_us),
+            Err(e) => self.move_book.end_err(e),
+        }
+        result
     }
 
     /// Writes the flipped map, conditionally on the plan's; after any
@@ -228,12 +242,15 @@ impl ClusterNode {
         self.move_step(from, p, version, Kind::Watch).await?;
         self.move_step(to, p, version, Kind::Take).await?;
         let first = self.copy_round(from, copy(p, to, version, true, rate), STEP_TRIES).await?;
+        self.move_book.copied(first.keys, first.bytes);
+        self.move_book.phase("catch-up");
         let mut copied = Copied { keys: first.keys, bytes: first.bytes, rounds: 0 };
         while copied.rounds < MAX_ROUNDS {
             let round = self.copy_round(from, copy(p, to, version, false, rate), STEP_TRIES).await?;
             copied.rounds += 1;
             copied.keys += round.keys;
             copied.bytes += round.bytes;
+            self.move_book.copied(round.keys, round.bytes);
             if round.keys <= SMALL_ROUND && !round.whole {
                 break;
             }

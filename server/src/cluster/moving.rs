@@ -131,6 +131,7 @@ impl ClusterNode {
     /// what it held of it from before the view.
     async fn copy_out(&self, shard: ShardId, c: &proto::MoveCopy) -> Result<proto::MoveWorkReply, ClusterError> {
         let r = self.leading(shard)?;
+        let _sending = self.move_book.sending(c.partition, shard, c.to, c.version, c.rate_bytes);
         // Taken before any view: what is written after it is noted anew.
         let MoveAnswer::Notes { notes, horizon } = self.ask_leader(r, MoveAsk::Notes(c.partition)).await? else {
             return Err(ClusterError::Failed("the shard answered a view for notes".into()));
@@ -272,6 +273,7 @@ impl ClusterNode {
         }
         reply.keys += chunk.keys;
         reply.bytes += chunk.bytes;
+        self.move_book.sent(reply.keys, reply.bytes);
         let wait = pace.delay(reply.bytes, Instant::now());
         // Even a zero sleep waits for the timer's next tick.
         if !wait.is_zero() {

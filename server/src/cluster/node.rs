@@ -211,6 +211,8 @@ pub struct ClusterNode {
     pub(super) mover_running: std::sync::atomic::AtomicBool,
     /// The asks of the metadata group made for clients' stale maps.
     pub(super) client_asks: super::client_asks::ClientAsks,
+    /// The moves this node takes part in, for `dmkv cluster status`.
+    pub(super) move_book: super::move_book::MoveBook,
     dialer: Dialer,
     sink: Arc<LocalShards>,
     /// The raft log's engine, with `--data-dir` (its size is a metric).
@@ -504,6 +506,7 @@ impl ClusterNode {
             map_wake,
             mover_running: Default::default(),
             client_asks: Default::default(),
+            move_book: Default::default(),
             dialer,
             sink: Arc::new(sink),
             log: engine,
@@ -635,6 +638,7 @@ impl ClusterNode {
             .collect();
         local.sort_by_key(|r| r.shard);
         reply.local = local;
+        reply.moves = self.move_book.reports();
         reply
     }
 
