@@ -1485,24 +1485,32 @@ mod tests {
         assert_eq!(cores[l].lease_reads(), 1);
     }
 
+    /// Three replicas holding leases (a 90 ms election timeout).
+    fn leased_cores() -> Vec<ShardCore<MemStorage, u32>> {
+        use dmkv_common::cluster::lease::LeaseConfig;
+        let cfg = LeaseConfig { election_timeout_ns: 90_000_000, max_drift_ppm: 1000, margin_ns: 1_000_000 };
+        (1..=3).map(|id| core(id).with_leases(LeaseKeeper::new(cfg).unwrap(), 0)).collect()
+    }
+
+    /// `rounds` rounds of 10 ms on every replica's clock, messages delivered.
+    fn advance(cores: &mut [ShardCore<MemStorage, u32>], now: &mut u64, rounds: usize) {
+        for _ in 0..rounds {
+            *now += 10_000_000;
+            for c in cores.iter_mut() {
+                c.set_clock(*now);
+            }
+            drive(cores, 1, None);
+        }
+    }
+
     /// A leader that hands over gives its lease up first (the poll that
     /// carries the transfer's messages says fence), never leases again in
     /// its term, and the voter it chose leads next, with a lease of its own.
     #[test]
     fn a_leader_hands_over_after_giving_up_its_lease() {
-        use dmkv_common::cluster::lease::LeaseConfig;
-        let cfg = LeaseConfig { election_timeout_ns: 90_000_000, max_drift_ppm: 1000, margin_ns: 1_000_000 };
-        let mut cores: Vec<_> = (1..=3).map(|id| core(id).with_leases(LeaseKeeper::new(cfg).unwrap(), 0)).collect();
+        let mut cores = leased_cores();
         let mut now = 0u64;
-        let mut step = |cores: &mut Vec<ShardCore<MemStorage, u32>>, rounds: usize| {
-            for _ in 0..rounds {
-                now += 10_000_000;
-                for c in cores.iter_mut() {
-                    c.set_clock(now);
-                }
-                drive(cores, 1, None);
-            }
-        };
+        let mut step = |cores: &mut Vec<ShardCore<MemStorage, u32>>, rounds: usize| advance(cores, &mut now, rounds);
         step(&mut cores, 100);
         let l = leader(&cores, None).expect("a leader");
         let term = cores[l].replica().raft().raft.term;
@@ -1532,19 +1540,9 @@ mod tests {
     /// next.
     #[test]
     fn a_transfer_to_a_named_node_waits_for_its_log_and_keeps_the_lease_meanwhile() {
-        use dmkv_common::cluster::lease::LeaseConfig;
-        let cfg = LeaseConfig { election_timeout_ns: 90_000_000, max_drift_ppm: 1000, margin_ns: 1_000_000 };
-        let mut cores: Vec<_> = (1..=3).map(|id| core(id).with_leases(LeaseKeeper::new(cfg).unwrap(), 0)).collect();
+        let mut cores = leased_cores();
         let mut now = 0u64;
-        let mut step = |cores: &mut Vec<ShardCore<MemStorage, u32>>, rounds: usize| {
-            for _ in 0..rounds {
-                now += 10_000_000;
-                for c in cores.iter_mut() {
-                    c.set_clock(now);
-                }
-                drive(cores, 1, None);
-            }
-        };
+        let mut step = |cores: &mut Vec<ShardCore<MemStorage, u32>>, rounds: usize| advance(cores, &mut now, rounds);
         step(&mut cores, 100);
         let l = leader(&cores, None).expect("a leader");
         let me = l as u64 + 1;
