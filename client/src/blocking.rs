@@ -176,6 +176,24 @@ impl Client {
         self.run(self.inner.move_partition(partition, to, rate_mib))
     }
 
+    /// See [`AsyncClient::rebalance`].
+    pub fn rebalance(
+        &self,
+        dry_run: bool,
+        rate_mib: Option<u32>,
+    ) -> Result<dmkv_common::proto::MovePartitionReply, ClientError> {
+        self.run(self.inner.rebalance(dry_run, rate_mib))
+    }
+
+    /// See [`AsyncClient::control_move`].
+    pub fn control_move(
+        &self,
+        partition: u32,
+        cancel: bool,
+    ) -> Result<dmkv_common::proto::MovePartitionReply, ClientError> {
+        self.run(self.inner.control_move(partition, cancel))
+    }
+
     /// See [`AsyncClient::transfer_leader`].
     pub fn transfer_leader(&self, shard: u32, to: u64) -> Result<dmkv_common::proto::TransferLeaderReply, ClientError> {
         self.run(self.inner.transfer_leader(shard, to))

@@ -288,6 +288,20 @@ impl Client {
         self.inner.node.move_partition(partition, to, rate_mib).await
     }
 
+    /// See [`crate::session::Session::rebalance`].
+    pub async fn rebalance(
+        &self,
+        dry_run: bool,
+        rate_mib: Option<u32>,
+    ) -> Result<proto::MovePartitionReply, ClientError> {
+        self.inner.node.rebalance(dry_run, rate_mib).await
+    }
+
+    /// See [`crate::session::Session::control_move`].
+    pub async fn control_move(&self, partition: u32, cancel: bool) -> Result<proto::MovePartitionReply, ClientError> {
+        self.inner.node.control_move(partition, cancel).await
+    }
+
     /// See [`crate::session::Session::transfer_leader`].
     pub async fn transfer_leader(&self, shard: u32, to: u64) -> Result<proto::TransferLeaderReply, ClientError> {
         self.inner.node.transfer_leader(shard, to).await

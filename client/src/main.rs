@@ -135,6 +135,26 @@ enum ClusterCmd {
         #[arg(long, value_name = "MIB")]
         rate_mib: Option<u32>,
     },
+    /// Even out the cluster: partition moves from the fullest shards to
+    /// the emptiest (to within 1.1 of the mean fill), run one at a time in
+    /// the background by the node leading the metadata group (watch them
+    /// with `cluster status`), and leader transfers so every node leads
+    /// about as many shards.
+    Rebalance {
+        /// Print the plan and change nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// Most MiB/s each move's copy sends (default: the node's, 48).
+        #[arg(long, value_name = "MIB")]
+        rate_mib: Option<u32>,
+    },
+    /// Pause the move of a partition under way (before its cut-over):
+    /// its mover stops after the round it is copying; `move-partition`
+    /// with the same target carries it on.
+    PauseMove { partition: u32 },
+    /// Cancel the move of a partition under way (before its cut-over):
+    /// the target drops what it took and the partition stays where it was.
+    CancelMove { partition: u32 },
     /// Hand a shard's leadership to another node's replica (before
     /// stopping a node by hand, or to spread leaders): the leader gives its
     /// lease up and hands over once that replica has caught up.
@@ -396,8 +416,36 @@ fn run(cli: Cli, explicit: Explicit) -> Result<ExitCode, Failure> {
             .map_err(written)?;
             Ok(ExitCode::SUCCESS)
         }
+        Cmd::Cluster { cmd: ClusterCmd::Rebalance { dry_run, rate_mib } } => {
+            let r = at_meta_leader(&client, &cfg, |c| c.rebalance(dry_run, rate_mib))?;
+            write!(stdout, "{}", dmkv_client::moves::render_plan(&r)).map_err(written)?;
+            if !dry_run {
+                for l in &r.leads {
+                    let done = transfer_leader(&client, &cfg, l.shard, l.to)?;
+                    writeln!(stdout, "shard {}: leadership moved from node {} to node {}", l.shard, done.from, done.to)
+                        .map_err(written)?;
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Cluster { cmd: ClusterCmd::PauseMove { partition } } => {
+            let r = at_meta_leader(&client, &cfg, |c| c.control_move(partition, false))?;
+            writeln!(stdout, "partition {partition}'s move to map version {}: {}", r.version, r.outcome)
+                .map_err(written)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Cluster { cmd: ClusterCmd::CancelMove { partition } } => {
+            let r = at_meta_leader(&client, &cfg, |c| c.control_move(partition, true))?;
+            writeln!(
+                stdout,
+                "partition {partition}'s move to map version {}: {}; it stays on shard {}",
+                r.version, r.outcome, r.from
+            )
+            .map_err(written)?;
+            Ok(ExitCode::SUCCESS)
+        }
         Cmd::Cluster { cmd: ClusterCmd::MovePartition { partition, to, rate_mib } } => {
-            let r = move_partition(&client, &cfg, partition, to, rate_mib)?;
+            let r = at_meta_leader(&client, &cfg, |c| c.move_partition(partition, to, rate_mib))?;
             writeln!(
                 stdout,
                 "partition {partition} moved from shard {} to shard {to} (map version {}): {} keys, {} bytes, {} \
@@ -474,14 +522,13 @@ fn transfer_leader(
 /// Most `dmkv cluster move-partition` waits for the move's answer.
 const MOVE_TIMEOUT: Duration = Duration::from_secs(600);
 
-/// Asks the metadata group's leader to move a partition: the nodes in
-/// turn (the group's are the first by id), following NOT_LEADER.
-fn move_partition(
+/// Asks the metadata group's leader (to move a partition, or pause or
+/// cancel a move): the nodes in turn (the group's are the first by id),
+/// following NOT_LEADER.
+fn at_meta_leader(
     client: &Client,
     cfg: &ClientConfig,
-    partition: u32,
-    to: u32,
-    rate_mib: Option<u32>,
+    ask: impl Fn(&Client) -> Result<dmkv_common::proto::MovePartitionReply, dmkv_client::ClientError>,
 ) -> Result<dmkv_common::proto::MovePartitionReply, String> {
     let map = client.cluster_status().map_err(|e| format!("{e} (is this server a cluster node?)"))?;
     let mut nodes: Vec<(u64, String)> = map.nodes.iter().map(|n| (n.id, n.rpc.clone())).collect();
@@ -494,8 +541,7 @@ fn move_partition(
         let addr = &nodes.iter().find(|n| n.0 == id).ok_or_else(|| format!("node {id} is not in the map"))?.1;
         // A big partition takes a while: the reply comes once the map flipped.
         let patient = cfg.clone().request_timeout(MOVE_TIMEOUT);
-        let answer =
-            Client::connect_with(addr.clone(), patient).and_then(|c| c.move_partition(partition, to, rate_mib));
+        let answer = Client::connect_with(addr.clone(), patient).and_then(|c| ask(&c));
         match answer {
             Ok(r) => return Ok(r),
             Err(dmkv_client::ClientError::NotLeader { leader, .. }) => {
@@ -630,10 +676,11 @@ fn cluster_status(seed: &Client, cfg: &ClientConfig) -> Result<String, String> {
         first.version
     );
     if let Some(m) = &first.moving {
+        let phase = dmkv_common::cluster::map::MovePhase::of_code(m.phase).map_or("?", |p| p.name());
         let _ = writeln!(
             out,
-            "moving: partition {} from shard {} to shard {} (flips to map version {}; `dmkv cluster move-partition {} \
-             --to {}` carries it on if its mover stopped)",
+            "moving: partition {} from shard {} to shard {} ({phase}; flips to map version {}; the node leading the \
+             metadata group carries on a stopped move by itself, `dmkv cluster move-partition {} --to {}` a paused one)",
             m.partition, m.from, m.to, m.version, m.partition, m.to
         );
     }

@@ -1,7 +1,8 @@
 //! The moves section of `dmkv cluster status`: what each node reports of
 //! the partition moves it takes part in (its mover's phase, the copy it
-//! sends as a source's leader, the moves its mover ended), rendered with
-//! a progress bar, rate and ETA. Pure: the nodes' answers in, text out.
+//! sends as a source's leader) rendered with a progress bar, rate and ETA,
+//! and the moves that ended as the map keeps them. Pure: the nodes'
+//! answers in, text out.
 
 use std::fmt::Write as _;
 
@@ -9,14 +10,14 @@ use dmkv_common::proto::{ClusterMapReply, MoveReport};
 
 use crate::top::bytes;
 
-/// Ended moves shown per node (each keeps up to 16).
+/// Ended moves shown (the map keeps up to 16).
 pub const SHOWN_HISTORY: usize = 5;
 /// Characters of a progress bar.
 const BAR: usize = 30;
 
 /// Whether a report is of a move that ended.
 fn ended(r: &MoveReport) -> bool {
-    r.phase == "done" || r.phase.starts_with("failed") || r.phase.starts_with("abandoned")
+    ["done", "failed", "abandoned", "stopped", "cancelled"].iter().any(|p| r.phase.starts_with(p))
 }
 
 /// The bytes of partition `p`'s shard `from` holds, estimated as that
@@ -92,27 +93,67 @@ pub fn render(views: &[ClusterMapReply]) -> String {
             }
         }
     }
+    // Ended moves as the map keeps them (across restarts of the nodes
+    // whose movers ran them): the newest map's.
+    let newest = views.iter().max_by_key(|v| v.version);
+    let history = newest.map_or(&[][..], |v| &v.history[..]);
+    for r in &history[history.len().saturating_sub(SHOWN_HISTORY)..] {
+        let _ = writeln!(
+            out,
+            "  ended: partition {}: shard {} -> {} (map version {}), {} in {:.1} s: {} keys, {}, writes paused {:.1} ms",
+            r.partition,
+            r.from,
+            r.to,
+            r.version,
+            r.phase,
+            r.elapsed_ms as f64 / 1000.0,
+            r.keys,
+            bytes(r.bytes),
+            r.pause_us as f64 / 1000.0,
+        );
+    }
+    // A mover's last run that stopped short (the map keeps only moves
+    // that ended): why, for a move still recorded.
     for v in views {
-        let ended: Vec<&MoveReport> = v.moves.iter().filter(|r| ended(r)).collect();
-        for r in &ended[ended.len().saturating_sub(SHOWN_HISTORY)..] {
-            let _ = writeln!(
-                out,
-                "  ended: partition {}: shard {} -> {} (map version {}), {} in {:.1} s: {} keys, {}, writes paused \
-                 {:.1} ms (node {}'s mover)",
-                r.partition,
-                r.from,
-                r.to,
-                r.version,
-                r.phase,
-                r.elapsed_ms as f64 / 1000.0,
-                r.keys,
-                bytes(r.bytes),
-                r.pause_us as f64 / 1000.0,
-                v.node_id
-            );
+        if let Some(r) = v.moves.iter().rev().find(|r| ended(r)).filter(|r| {
+            newest.is_some_and(|n| n.moving.is_some_and(|m| m.partition == r.partition && m.version == r.version))
+        }) {
+            let _ = writeln!(out, "  node {}'s mover last ran it: {}", v.node_id, r.phase);
         }
     }
     if out.is_empty() { out } else { format!("MOVES\n{out}") }
+}
+
+/// A rebalance's plan as `dmkv cluster rebalance` prints it.
+pub fn render_plan(r: &dmkv_common::proto::MovePartitionReply) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "imbalance (max/mean): shard fill {:.2} -> {:.2}, bytes per node {:.2} -> {:.2}",
+        r.fill_before, r.fill_after, r.nodes_before, r.nodes_after
+    );
+    let bytes_moved: u64 = r.planned.iter().map(|m| m.bytes).sum();
+    let _ = writeln!(
+        out,
+        "{} partition moves ({}), {} leader transfers",
+        r.planned.len(),
+        bytes(bytes_moved),
+        r.leads.len()
+    );
+    for m in &r.planned {
+        let _ = writeln!(out, "  move partition {}: shard {} -> {} ({})", m.partition, m.from, m.to, bytes(m.bytes));
+    }
+    for l in &r.leads {
+        let _ = writeln!(out, "  lead shard {}: node {} -> {}", l.shard, l.from, l.to);
+    }
+    let _ = match (r.outcome.as_str(), r.planned.is_empty()) {
+        ("started", _) => {
+            writeln!(out, "the moves run one at a time in the background: `dmkv cluster status` shows them")
+        }
+        (_, true) => writeln!(out, "no partition needs to move"),
+        _ => writeln!(out, "no partition moved (a plan only)"),
+    };
+    out
 }
 
 #[cfg(test)]
@@ -132,6 +173,7 @@ mod tests {
             elapsed_ms,
             rate_bytes: 48 << 20,
             pause_us: 2500,
+            ..Default::default()
         }
     }
 
@@ -154,7 +196,9 @@ mod tests {
         };
         let mover = ClusterMapReply {
             node_id: 2,
+            version: 4,
             moves: vec![report("catch-up", 0, 2000), report("done", 100 << 20, 4100)],
+            history: vec![report("done", 100 << 20, 4100)],
             ..Default::default()
         };
         let text = render(&[source, mover]);

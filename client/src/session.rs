@@ -994,7 +994,49 @@ impl Session {
         to: u32,
         rate_mib: Option<u32>,
     ) -> Result<proto::MovePartitionReply, ClientError> {
-        let m = proto::MovePartition { partition, to, rate_mib: rate_mib.unwrap_or(0), unpaced: rate_mib == Some(0) };
+        let m = proto::MovePartition {
+            partition,
+            to,
+            rate_mib: rate_mib.unwrap_or(0),
+            unpaced: rate_mib == Some(0),
+            control: 0,
+        };
+        match self.inner.pool.call(Op::MovePartition(m)).await? {
+            R::MovePartition(r) => Ok(r),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Admin: plans a rebalance of the cluster (partition moves that even
+    /// out the shards' fill, leader transfers that even out the leaders);
+    /// unless `dry_run`, the node starts the moves in the background, one
+    /// at a time at `rate_mib` (as [`Session::move_partition`]), and
+    /// answers with the plan. The leader transfers are the caller's to ask
+    /// (`dmkv cluster rebalance` does). The node must lead the metadata
+    /// group.
+    pub async fn rebalance(
+        &self,
+        dry_run: bool,
+        rate_mib: Option<u32>,
+    ) -> Result<proto::MovePartitionReply, ClientError> {
+        let m = proto::MovePartition {
+            control: if dry_run { 4 } else { 3 },
+            rate_mib: rate_mib.unwrap_or(0),
+            unpaced: rate_mib == Some(0),
+            ..Default::default()
+        };
+        match self.inner.pool.call(Op::MovePartition(m)).await? {
+            R::MovePartition(r) => Ok(r),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Admin: pauses (`cancel` false) or cancels the move of `partition`
+    /// under way; the node must lead the metadata group. Only a move before
+    /// its cut-over can be; a paused one goes on when moved again to the
+    /// same shard, a cancelled one is undone before this answers.
+    pub async fn control_move(&self, partition: u32, cancel: bool) -> Result<proto::MovePartitionReply, ClientError> {
+        let m = proto::MovePartition { partition, control: if cancel { 2 } else { 1 }, ..Default::default() };
         match self.inner.pool.call(Op::MovePartition(m)).await? {
             R::MovePartition(r) => Ok(r),
             other => Err(unexpected(&other)),

@@ -120,6 +120,8 @@ impl Server {
                 let node = Arc::new(node);
                 // The placement as the metadata group has it.
                 cluster::meta::spawn_map_refresh(&node, stop.1.clone());
+                // Stopped moves carried on by the group's leader.
+                cluster::move_resume::spawn_move_resumer(&node, stop.1.clone());
                 if cfg.evict == config::Evict::Lru {
                     // Leaders choose, the log removes (docs/eviction.md).
                     cluster::node::start_eviction(&node, stop.1.clone());

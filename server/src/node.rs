@@ -389,7 +389,17 @@ impl Node {
             (false, 0) => u64::from(DEFAULT_MOVE_RATE_MIB) << 20,
             (false, mib) => u64::from(mib) << 20,
         };
-        match tokio::spawn(async move { c.move_partition(m.partition, m.to, rate).await }).await {
+        let run = async move {
+            match m.control {
+                0 => c.move_partition(m.partition, m.to, rate).await,
+                1 => c.control_move(m.partition, false).await,
+                2 => c.control_move(m.partition, true).await,
+                3 => c.rebalance(false, rate).await,
+                4 => c.rebalance(true, rate).await,
+                n => Err(crate::cluster::node::ClusterError::Failed(format!("move control {n} is of no known kind"))),
+            }
+        };
+        match tokio::spawn(run).await {
             Ok(r) => Ok(r?),
             Err(e) => Err(NodeError::Internal(format!("the mover failed: {e}"))),
         }

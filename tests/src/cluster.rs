@@ -365,6 +365,12 @@ impl TestCluster {
         &self.rpc[i]
     }
 
+    /// Runs the `dmkv` CLI against node index `i` with `args`; whether it
+    /// succeeded, and its stdout (on success) or stderr.
+    pub fn cli(&self, i: usize, args: &[&str]) -> (bool, String) {
+        cli_at(self.rpc(i), args)
+    }
+
     /// The address node index `i` printed for `name` ("rpc", "engine",
     /// "shm", "peer"), while it runs.
     pub fn endpoint(&self, i: usize, name: &str) -> Option<&str> {
@@ -406,4 +412,16 @@ impl Drop for TestCluster {
         self.disks.clear();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// Runs the `dmkv` CLI against the node at `rpc` with `args`; whether it
+/// succeeded, and its stdout (on success) or stderr.
+pub fn cli_at(rpc: &str, args: &[&str]) -> (bool, String) {
+    let out = std::process::Command::new(crate::bin_path("dmkv"))
+        .args(["--server", rpc])
+        .args(args)
+        .output()
+        .expect("run dmkv");
+    let text = if out.status.success() { &out.stdout } else { &out.stderr };
+    (out.status.success(), String::from_utf8_lossy(text).into_owned())
 }

@@ -216,6 +216,10 @@ pub fn record(rt: &tokio::runtime::Runtime, clients: Clients, fault: impl FnOnce
     record_windowed(rt, clients, (BEFORE_FAULT, AFTER_FAULT), fault)
 }
 
+/// Most windows after the fault a recording is stretched by while it
+/// lacks a write or a one-sided read since the fault ([`record_windowed`]).
+pub const MAX_STRETCH: u32 = 3;
+
 /// [`record`] with the times before and after the fault given: a slower
 /// machine (the emulated VM) needs longer for the same number of
 /// operations, and a failover to be over before the run ends.
@@ -278,6 +282,21 @@ pub fn record_windowed(
     fault();
     let after_fault: u64 = readers.iter().map(|r| r.client.read_stats().gets).sum();
     std::thread::sleep(after);
+    // On a slow machine (the emulated RDMA VM) the window is stretched, up
+    // to MAX_STRETCH windows more, until the run has what its tests look
+    // for: a write acknowledged since the fault and, for readers that read
+    // one-sided before it, a one-sided read since.
+    let one_sided_before = at_fault.iter().map(|s| s.gets).sum::<u64>() > 0;
+    let stretch_until = std::time::Instant::now() + after * MAX_STRETCH;
+    while std::time::Instant::now() < stretch_until {
+        let read = !one_sided_before || readers.iter().map(|r| r.client.read_stats().gets).sum::<u64>() > after_fault;
+        let wrote =
+            log.lock().unwrap()[fault_at..].iter().any(|e| matches!(e, Event::Return(_, _, RegisterRet::WriteOk)));
+        if read && wrote {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
     stop.store(true, Ordering::Relaxed);
     let (mut writes, mut reads) = (0, 0);
     for t in tasks {

@@ -179,13 +179,9 @@ fn status_shows_a_move_as_it_goes_and_after() {
         p
     });
     let dmkv = |args: &[&str]| {
-        let out = std::process::Command::new(dmkv_tests::bin_path("dmkv"))
-            .args(["--server", c.rpc(1)])
-            .args(args)
-            .output()
-            .expect("run dmkv");
-        assert!(out.status.success(), "dmkv {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-        String::from_utf8_lossy(&out.stdout).into_owned()
+        let (ok, out) = c.cli(1, args);
+        assert!(ok, "dmkv {args:?}: {out}");
+        out
     };
     // About 3 MiB at 1 MiB/s: seconds to look at it.
     let (p_arg, mover) = (p.to_string(), c.rpc(2).to_string());
@@ -223,4 +219,115 @@ fn status_shows_a_move_as_it_goes_and_after() {
         status.contains(&format!("ended: partition {p}: shard 0 -> 1 (map version")) && status.contains(", done in "),
         "{status}"
     );
+}
+
+/// `dmkv cluster pause-move` stops a running move before its cut-over
+/// (writes go on, nothing resumes it by itself), `cancel-move` undoes it
+/// (the partition stays, every key is read back), `move-partition` to the
+/// same shard carries a paused move on; the map keeps how each ended,
+/// across a restart of every node.
+#[test]
+fn a_move_is_paused_resumed_and_cancelled_and_its_history_outlives_the_nodes() {
+    let mut c = TestCluster::start(3, 2, 3, true, &["--memory", "64MiB"]);
+    let rt = rt();
+    let (p, keys) = rt.block_on(async {
+        let map = c.leaders_known(0).await;
+        let p = (0..)
+            .map(|i| partition_of(format!("pz-{i}").as_bytes()))
+            .find(|&p| map.shard_of_partition(p) == Some(0))
+            .expect("a partition of shard 0");
+        let client = Client::connect(c.rpc(0)).await.expect("connect");
+        let keys: Vec<String> =
+            (0..).map(|i| format!("pz-{i}")).filter(|k| partition_of(k.as_bytes()) == p).take(48).collect();
+        for (i, k) in keys.iter().enumerate() {
+            client.put(k, vec![i as u8; 64 << 10]).await.expect("fill");
+        }
+        (p, keys)
+    });
+    let dmkv = |c: &TestCluster, args: &[&str]| c.cli(1, args);
+    let p_arg = p.to_string();
+    // Starts a move at 1 MiB/s (about 3 s of copy) and waits until its
+    // mover copies.
+    let start_move = |c: &TestCluster| {
+        let (p_arg, via) = (p_arg.clone(), c.rpc(2).to_string());
+        let run = std::thread::spawn(move || {
+            std::process::Command::new(dmkv_tests::bin_path("dmkv"))
+                .args(["--server", &via, "cluster", "move-partition", &p_arg, "--to", "1", "--rate-mib", "1"])
+                .output()
+                .expect("run dmkv cluster move-partition")
+        });
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let (_, status) = dmkv(c, &["cluster", "status"]);
+            if status.contains("'s mover, phase copy") {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "the move never began copying: {status}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        run
+    };
+    let read_all = |c: &TestCluster| {
+        rt.block_on(async {
+            let client = Client::connect(c.rpc(0)).await.expect("connect");
+            for (i, k) in keys.iter().enumerate() {
+                let got = client.get(k).await.expect("get");
+                assert_eq!(got.as_deref(), Some(&vec![i as u8; 64 << 10][..]), "{k} lost or wrong");
+            }
+            // Nodes take a change of the map within a second.
+            for _ in 0..50 {
+                let map = client.cluster_map().await.expect("map");
+                if map.moving.is_none() {
+                    return map;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            panic!("the map still records a move");
+        })
+    };
+    let (ok, text) = dmkv(&c, &["cluster", "pause-move", &p_arg]);
+    assert!(!ok && text.contains("no move is under way"), "pausing nothing: {text}");
+
+    // Paused: its mover stops, writes go on, nothing resumes it.
+    let run = start_move(&c);
+    let (ok, text) = dmkv(&c, &["cluster", "pause-move", &p_arg]);
+    assert!(ok && text.contains(": paused"), "{text}");
+    let out = run.join().expect("mover thread");
+    let stopped = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stopped.contains("this mover stopped"), "the paused mover: {stopped}");
+    rt.block_on(async {
+        let client = Client::connect(c.rpc(1)).await.expect("connect");
+        client.put(&keys[0], vec![0u8; 64 << 10]).await.expect("a write to a paused move's partition");
+    });
+    std::thread::sleep(Duration::from_secs(5));
+    let (_, status) = dmkv(&c, &["cluster", "status"]);
+    assert!(status.contains(&format!("moving: partition {p} from shard 0 to shard 1 (paused;")), "{status}");
+
+    // Cancelled: undone, the partition stays on shard 0.
+    let (ok, text) = dmkv(&c, &["cluster", "cancel-move", &p_arg]);
+    assert!(ok && text.contains("cancelled; it stays on shard 0"), "{text}");
+    let map = read_all(&c);
+    assert_eq!((map.shard_of_partition(p), map.moving), (Some(0), None));
+
+    // Paused, then moved again: it goes on (unpaced) to the end.
+    let run = start_move(&c);
+    let (ok, text) = dmkv(&c, &["cluster", "pause-move", &p_arg]);
+    assert!(ok && text.contains(": paused"), "{text}");
+    run.join().expect("mover thread");
+    let (ok, text) = dmkv(&c, &["cluster", "move-partition", &p_arg, "--to", "1", "--rate-mib", "0"]);
+    assert!(ok && text.contains(&format!("partition {p} moved from shard 0 to shard 1")), "{text}");
+    let map = read_all(&c);
+    assert_eq!((map.shard_of_partition(p), map.moving), (Some(1), None));
+    let (ok, text) = dmkv(&c, &["cluster", "cancel-move", &p_arg]);
+    assert!(!ok && text.contains("no move is under way"), "cancelling a move that ended: {text}");
+
+    // Every node restarted: the map still says how both ended.
+    c.restart_all();
+    rt.block_on(c.leaders_known(0));
+    let (_, status) = dmkv(&c, &["cluster", "status"]);
+    println!("{status}");
+    let cancelled = format!("ended: partition {p}: shard 0 -> 1 (map version");
+    assert_eq!(status.matches(&cancelled).count(), 2, "{status}");
+    assert!(status.contains(", cancelled in ") && status.contains(", done in "), "{status}");
+    read_all(&c);
 }

@@ -184,3 +184,124 @@ fn a_move_completes_or_starts_over_when_a_leader_is_killed_mid_way() {
         from = to;
     }
 }
+
+/// Keys of the moving partition the writer of the hand-over test deletes
+/// (filled before the move with small values).
+const DOOMED_KEYS: usize = 200;
+
+/// The metadata group's leader hands over in the middle of a move while
+/// its mover runs on: the new leader resumes the recorded move by itself
+/// (no one asks again) under a newer claim, the old mover's copy still in
+/// flight is refused by the shards and it stops, and the move completes:
+/// every acknowledged write is there and no acknowledged delete comes
+/// back (a stale copy landing after the new mover's could bring one back).
+#[test]
+fn a_move_goes_on_by_itself_when_the_metadata_leader_hands_over_mid_way() {
+    let c = TestCluster::start(3, 2, 3, true, &["--memory", "96MiB"]);
+    let addrs: Vec<String> = (0..3).map(|i| c.rpc(i).to_string()).collect();
+    let rt = rt();
+    let map = rt.block_on(c.leaders_known(0));
+    let p = (0..)
+        .map(|i| partition_of(format!("mh-{i}").as_bytes()))
+        .find(|&p| map.shard_of_partition(p) == Some(0))
+        .expect("a partition of shard 0");
+    let of_p = |prefix: &'static str, n: usize| -> Vec<String> {
+        (0..).map(|i| format!("{prefix}{i}")).filter(|k| partition_of(k.as_bytes()) == p).take(n).collect()
+    };
+    // Twice the other test's: the first mover's copy (6 s at 1 MiB/s)
+    // still runs when the next mover's begins (3 s after the hand-over),
+    // so its late chunks meet the next mover's copy.
+    let keys = of_p("mh-", 2 * BIG_KEYS);
+    let doomed = of_p("mhd-", DOOMED_KEYS);
+    let fresh = of_p("mhf-", 4 * WRITER_KEYS);
+    rt.block_on(async {
+        let client = Client::connect(addrs[0].clone()).await.expect("connect");
+        for (i, k) in keys.iter().enumerate() {
+            client.put(k, vec![i as u8; BIG_VALUE]).await.expect("fill");
+        }
+        for k in &doomed {
+            client.put(k, k.as_bytes()).await.expect("fill");
+        }
+    });
+    let meta = leader_index(&rt, &addrs, META_SHARD).expect("a metadata leader");
+    let next = (meta + 1) % 3;
+    let stop = Arc::new(AtomicBool::new(false));
+    let written: Written = Arc::default();
+    let deleted: Arc<Mutex<Vec<String>>> = Arc::default();
+    let writer = {
+        let (stop, written, deleted, seed) =
+            (Arc::clone(&stop), Arc::clone(&written), Arc::clone(&deleted), addrs[next].clone());
+        rt.spawn(async move {
+            let cfg = ClientConfig::default().request_timeout(Duration::from_secs(10));
+            let client = Client::connect_with(seed, cfg).await.expect("connect");
+            let mut doomed = doomed.into_iter();
+            for (i, k) in fresh.into_iter().enumerate() {
+                if stop.load(Ordering::Relaxed) {
+                    break;
+                }
+                let ok = client.put(&k, k.as_bytes()).await.is_ok();
+                written.lock().unwrap().insert(k, ok);
+                if i % 4 == 0
+                    && let Some(d) = doomed.next()
+                    && client.delete(&d).await.is_ok()
+                {
+                    deleted.lock().unwrap().push(d);
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        })
+    };
+    // Asked once, of the metadata leader; its answer is not awaited for.
+    let mover = {
+        let addr = addrs[meta].clone();
+        std::thread::spawn(move || {
+            let cfg = ClientConfig::default().request_timeout(Duration::from_secs(120));
+            blocking::Client::connect_with(addr, cfg).and_then(|c| c.move_partition(p, 1, Some(RATE_MIB)))
+        })
+    };
+    std::thread::sleep(Duration::from_millis(1200));
+    let handed = rt.block_on(async {
+        let cfg = ClientConfig::default().request_timeout(Duration::from_secs(20));
+        let c = Client::connect_with(addrs[meta].clone(), cfg).await.expect("connect");
+        c.transfer_leader(META_SHARD, next as u64 + 1).await
+    });
+    handed.unwrap_or_else(|e| panic!("the metadata group's leadership did not move: {e}"));
+    let deadline = Instant::now() + MOVE_DEADLINE;
+    let flipped = loop {
+        let map = rt.block_on(async {
+            let c = Client::connect(addrs[next].clone()).await.ok()?;
+            c.cluster_map().await.ok()
+        });
+        if let Some(m) = map.filter(|m| m.shard_of_partition(p) == Some(1) && m.moving.is_none()) {
+            break m;
+        }
+        assert!(Instant::now() < deadline, "the move was not carried on within {MOVE_DEADLINE:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let first = mover.join().expect("mover thread");
+    stop.store(true, Ordering::Relaxed);
+    rt.block_on(writer).expect("writer");
+    let ended: Vec<_> = flipped.history.iter().filter(|h| h.partition == p).collect();
+    println!("the first mover: {first:?}; the map's history of partition {p}: {ended:?}");
+    assert!(ended.iter().any(|h| h.outcome == "done" && h.to == 1), "no move of {p} ended done: {ended:?}");
+    rt.block_on(async {
+        let check = Client::connect(addrs[(next + 1) % 3].clone()).await.expect("connect");
+        for (i, k) in keys.iter().enumerate() {
+            let got = check.get(k).await.expect("get");
+            assert_eq!(got.as_deref(), Some(&vec![i as u8; BIG_VALUE][..]), "{k} lost or wrong");
+        }
+        let written = written.lock().unwrap().clone();
+        assert!(written.len() < 4 * WRITER_KEYS, "the writer ran out of keys before the move ended");
+        for (k, acked) in written {
+            match check.get(&k).await.expect("get") {
+                Some(v) => assert_eq!(&v[..], k.as_bytes(), "{k} holds another value"),
+                None => assert!(!acked, "{k} was acknowledged and is lost"),
+            }
+        }
+        let deleted = deleted.lock().unwrap().clone();
+        assert!(!deleted.is_empty(), "the writer deleted nothing");
+        for k in deleted {
+            assert_eq!(check.get(&k).await.expect("get"), None, "{k} was deleted and came back");
+        }
+    });
+}

@@ -111,6 +111,9 @@ pub struct ClusterMap {
     /// A partition move under way: no other change of the placement is
     /// made until it flips or is abandoned (docs/elasticity.md).
     pub moving: Option<Moving>,
+    /// The last moves that ended, oldest first (at most
+    /// [`MAX_MOVE_HISTORY`]).
+    pub history: Vec<EndedMove>,
 }
 
 /// A partition move recorded in the map at its plan.
@@ -121,6 +124,122 @@ pub struct Moving {
     pub to: ShardId,
     /// The map version the move flips to.
     pub version: u64,
+    /// The claim of the mover run that holds the move: a mover acts on the
+    /// shards only while the record names it, and every change of the
+    /// record is written conditionally on the one it replaces, so a mover
+    /// that lost the record (to a mover on a new metadata leader, a pause
+    /// or a cancel) neither releases nor abandons. Claims only grow (the
+    /// shards order movers by them).
+    pub claim: u64,
+    /// The run that wrote the claim (random): two runs that read the same
+    /// record make the same claim, and only one writes it; this tells
+    /// which, when a write's outcome is read back.
+    pub run: u64,
+    pub phase: MovePhase,
+    /// The copy's pace (bytes a second, 0: unpaced), for a mover that
+    /// resumes the move by itself.
+    pub rate_bytes: u64,
+}
+
+/// Where a recorded move stands, as far as what may still be done to it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MovePhase {
+    /// Copying before the cut-over: it may be paused or abandoned.
+    Copying,
+    /// The cut-over may have begun (the source may have released the
+    /// partition): it can only be carried through.
+    Releasing,
+    /// Being abandoned (failed or cancelled before its cut-over): it can
+    /// only be undone.
+    Abandoning,
+    /// Stopped before its cut-over by an operator, until asked again.
+    Paused,
+}
+
+impl MovePhase {
+    pub fn code(self) -> u32 {
+        match self {
+            MovePhase::Copying => 0,
+            MovePhase::Releasing => 1,
+            MovePhase::Abandoning => 2,
+            MovePhase::Paused => 3,
+        }
+    }
+
+    pub fn of_code(c: u32) -> Option<MovePhase> {
+        Some(match c {
+            0 => MovePhase::Copying,
+            1 => MovePhase::Releasing,
+            2 => MovePhase::Abandoning,
+            3 => MovePhase::Paused,
+            _ => return None,
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            MovePhase::Copying => "copying",
+            MovePhase::Releasing => "cut-over",
+            MovePhase::Abandoning => "abandoning",
+            MovePhase::Paused => "paused",
+        }
+    }
+}
+
+/// Most ended moves a map keeps (oldest dropped first).
+pub const MAX_MOVE_HISTORY: usize = 16;
+/// Longest outcome text an ended move keeps.
+pub const MAX_OUTCOME_LEN: usize = 200;
+
+/// A move that ended, as the map keeps it (so its history outlives the
+/// node whose mover ran it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EndedMove {
+    pub partition: u32,
+    pub from: ShardId,
+    pub to: ShardId,
+    pub version: u64,
+    /// "done", "cancelled", or "abandoned: why".
+    pub outcome: String,
+    pub keys: u64,
+    pub bytes: u64,
+    pub pause_us: u64,
+    pub total_ms: u64,
+    /// Wall-clock time it ended (ms since the Unix epoch).
+    pub ended_unix_ms: u64,
+}
+
+impl EndedMove {
+    pub fn to_proto(&self) -> crate::proto::MoveReport {
+        crate::proto::MoveReport {
+            partition: self.partition,
+            from: self.from,
+            to: self.to,
+            version: self.version,
+            phase: self.outcome.clone(),
+            keys: self.keys,
+            bytes: self.bytes,
+            elapsed_ms: self.total_ms,
+            pause_us: self.pause_us,
+            ended_unix_ms: self.ended_unix_ms,
+            ..Default::default()
+        }
+    }
+
+    fn of_proto(r: &crate::proto::MoveReport) -> EndedMove {
+        EndedMove {
+            partition: r.partition,
+            from: r.from,
+            to: r.to,
+            version: r.version,
+            outcome: r.phase.clone(),
+            keys: r.keys,
+            bytes: r.bytes,
+            pause_us: r.pause_us,
+            total_ms: r.elapsed_ms,
+            ended_unix_ms: r.ended_unix_ms,
+        }
+    }
 }
 
 impl ClusterMap {
@@ -152,6 +271,7 @@ impl ClusterMap {
             shards,
             nodes,
             moving: None,
+            history: Vec::new(),
         };
         map.validate()?;
         Ok(map)
@@ -184,6 +304,9 @@ impl ClusterMap {
             if m.version <= self.version {
                 return Err(MapError::Moving("it flips to a version not past the map's"));
             }
+        }
+        if self.history.len() > MAX_MOVE_HISTORY || self.history.iter().any(|h| h.outcome.len() > MAX_OUTCOME_LEN) {
+            return Err(MapError::Moving("more ended moves, or longer outcomes, than a map keeps"));
         }
         for (i, sh) in self.shards.iter().enumerate() {
             let id = sh.id;
@@ -290,7 +413,12 @@ impl ClusterMap {
                 from: m.from,
                 to: m.to,
                 version: m.version,
+                claim: m.claim,
+                run: m.run,
+                phase: m.phase.code(),
+                rate_bytes: m.rate_bytes,
             }),
+            history: self.history.iter().map(EndedMove::to_proto).collect(),
             ..Default::default()
         }
     }
@@ -314,12 +442,20 @@ impl ClusterMap {
                 })
                 .collect(),
             nodes: m.nodes.iter().map(|n| (n.id, n.rpc.clone())).collect(),
-            moving: m.moving.as_ref().map(|m| Moving {
-                partition: m.partition,
-                from: m.from,
-                to: m.to,
-                version: m.version,
-            }),
+            moving: match &m.moving {
+                None => None,
+                Some(m) => Some(Moving {
+                    partition: m.partition,
+                    from: m.from,
+                    to: m.to,
+                    version: m.version,
+                    claim: m.claim,
+                    run: m.run,
+                    phase: MovePhase::of_code(m.phase).ok_or(MapError::Moving("a phase of no known kind"))?,
+                    rate_bytes: m.rate_bytes,
+                }),
+            },
+            history: m.history.iter().map(EndedMove::of_proto).collect(),
         };
         map.validate()?;
         Ok(map)

@@ -6,3 +6,4 @@
 pub mod lease;
 pub mod lease_check;
 pub mod map;
+pub mod rebalance;

@@ -207,10 +207,17 @@ pub fn encode_flush_all(now_ms: u64) -> Vec<u8> {
 /// The log entry data of a copy of items of `partition` from the shard it
 /// leaves, for the move at map version `move_version` (each key as the
 /// source held it when its next version was `source_version`, or its
-/// absence).
-pub fn encode_ingest(partition: u32, move_version: u64, source_version: u64, items: Vec<proto::IngestItem>) -> Vec<u8> {
+/// absence), sent by the mover of `claim`.
+pub fn encode_ingest(
+    partition: u32,
+    move_version: u64,
+    source_version: u64,
+    claim: u64,
+    items: Vec<proto::IngestItem>,
+) -> Vec<u8> {
     // No clock: a copy judges nothing by time.
-    command(Op::Ingest(proto::Ingest { partition, items, move_version, source_version, remembered: Vec::new() }), 0)
+    let g = proto::Ingest { partition, items, move_version, source_version, remembered: Vec::new(), claim };
+    command(Op::Ingest(g), 0)
 }
 
 /// The log entry data of a copy as given.
@@ -219,15 +226,15 @@ pub fn encode_ingest_entry(g: proto::Ingest) -> Vec<u8> {
 }
 
 /// The log entry data of a step of the move of `partition` at map version
-/// `version`.
-pub fn encode_move_step(partition: u32, version: u64, kind: proto::move_step::Kind) -> Vec<u8> {
-    command(Op::MoveStep(proto::MoveStep { partition, version, kind: kind as i32 }), 0)
+/// `version`, by the mover of `claim`.
+pub fn encode_move_step(partition: u32, version: u64, kind: proto::move_step::Kind, claim: u64) -> Vec<u8> {
+    command(Op::MoveStep(proto::MoveStep { partition, version, kind: kind as i32, claim }), 0)
 }
 
 /// The log entry data of a change of the partitions the shard owns, for
-/// map version `version`.
-pub fn encode_placement(version: u64, own: Vec<u32>, release: Vec<u32>, now_ms: u64) -> Vec<u8> {
-    command(Op::Placement(proto::PlacementChange { version, own, release }), now_ms)
+/// map version `version`, by the mover of `claim`.
+pub fn encode_placement(version: u64, own: Vec<u32>, release: Vec<u32>, claim: u64, now_ms: u64) -> Vec<u8> {
+    command(Op::Placement(proto::PlacementChange { version, own, release, claim }), now_ms)
 }
 
 fn command(op: Op, now_ms: u64) -> Vec<u8> {
@@ -572,7 +579,7 @@ pub fn apply_once(
         // target, while it does not own the partition: once it owns it, its
         // own writes are newer than anything a copy could carry, and a copy
         // of an abandoned move comes too late.
-        Some(Op::Ingest(g)) if !placement.takes(g.partition, g.move_version) => {
+        Some(Op::Ingest(g)) if !placement.takes(g.partition, g.move_version, g.claim) => {
             // At least one, so a copy of nothing but the horizon that is not
             // taken fails the move too.
             let skipped = (g.items.len() + g.remembered.len()).max(1) as u64;
@@ -584,7 +591,11 @@ pub fn apply_once(
                 tracing::warn!("move step at {index} refused: {e:?}");
             }
             noted.retain_watched(placement);
-            let recorded = placement.moves().iter().any(|r| r.partition == m.partition && r.version == m.version);
+            // Recorded as this mover's: a step of a mover taken over is not.
+            let recorded = placement
+                .moves()
+                .iter()
+                .any(|r| r.partition == m.partition && r.version == m.version && r.claim == m.claim);
             return Ok(Applied::Moving { recorded });
         }
         // A change naming what cannot be changes nothing, alike on every
@@ -727,7 +738,7 @@ mod tests {
         let put = encode_put_with(b"k", b"1", id(3, 1, 0), 0);
         assert!(matches!(run(&put), Applied::Put { .. }));
         let p = partition_of(b"k");
-        assert_eq!(run(&encode_placement(2, vec![], vec![p], 0)), Applied::Placement { changed: true });
+        assert_eq!(run(&encode_placement(2, vec![], vec![p], 0, 0)), Applied::Placement { changed: true });
         assert_eq!(run(&encode_put(b"k", b"2")), Applied::WrongShard);
         assert_eq!(run(&encode_delete(b"k")), Applied::WrongShard);
         let arith = proto::Arith { key: b"k".to_vec().into(), delta: 1, ..Default::default() };
@@ -735,9 +746,9 @@ mod tests {
         let touch = proto::Touch { key: b"k".to_vec().into(), ttl_secs: 5, ..Default::default() };
         assert_eq!(run(&encode_touch(touch, 0)), Applied::WrongShard);
         assert!(matches!(run(&put), Applied::Put { .. }), "a retry of a write applied before is answered as then");
-        assert_eq!(run(&encode_placement(2, vec![p], vec![], 0)), Applied::Placement { changed: false });
+        assert_eq!(run(&encode_placement(2, vec![p], vec![], 0, 0)), Applied::Placement { changed: false });
         assert_eq!(run(&encode_put(b"k", b"3")), Applied::WrongShard);
-        assert_eq!(run(&encode_placement(3, vec![p], vec![], 0)), Applied::Placement { changed: true });
+        assert_eq!(run(&encode_placement(3, vec![p], vec![], 0, 0)), Applied::Placement { changed: true });
         assert!(matches!(run(&encode_put(b"k", b"3")), Applied::Put { .. }));
         let bad = apply_once(
             &s,
@@ -745,7 +756,7 @@ mod tests {
             &mut placement,
             &mut Default::default(),
             next(),
-            &encode_placement(4, vec![1 << 20], vec![], 0),
+            &encode_placement(4, vec![1 << 20], vec![], 0, 0),
         );
         assert_eq!(bad.unwrap(), Applied::Placement { changed: false }, "changes nothing, on every replica");
         assert_eq!(placement.version(), 3);
@@ -775,7 +786,7 @@ mod tests {
             let (mut seen, mut placement, mut noted) = (Remembered::default(), Placement::all(), Noted::default());
             let mut run =
                 |index: u64, data: &[u8]| apply_once(s, &mut seen, &mut placement, &mut noted, index, data).unwrap();
-            assert_eq!(run(1, &encode_placement(2, vec![], vec![p], 0)), Applied::Placement { changed: true });
+            assert_eq!(run(1, &encode_placement(2, vec![], vec![p], 0, 0)), Applied::Placement { changed: true });
             assert!(matches!(run(2, &encode_put(&c, b"old")), Applied::WrongShard));
             let item = |key: &[u8], value: &[u8], version| proto::IngestItem {
                 key: key.to_vec().into(),
@@ -788,9 +799,9 @@ mod tests {
             let gone =
                 |key: &[u8], version| proto::IngestItem { key: key.to_vec().into(), version, ..Default::default() };
             // No record of the move yet: nothing is taken.
-            let early = encode_ingest(p, 3, 1200, vec![item(&e, b"early", 10)]);
+            let early = encode_ingest(p, 3, 1200, 0, vec![item(&e, b"early", 10)]);
             assert_eq!(run(3, &early), Applied::Ingested { items: 0, skipped: 1 });
-            assert_eq!(run(4, &encode_move_step(p, 3, Kind::Take)), Applied::Moving { recorded: true });
+            assert_eq!(run(4, &encode_move_step(p, 3, Kind::Take, 0)), Applied::Moving { recorded: true });
             // What no shard could hold is skipped: a version of 0 or past
             // the bound, an oversized value, another partition's key.
             let huge = vec![0u8; dmkv_common::limits::MAX_VALUE_LEN + 1];
@@ -802,20 +813,24 @@ mod tests {
                 item(&d, b"max", u64::MAX),
                 item(&d, &huge, 7),
             ];
-            assert_eq!(run(5, &encode_ingest(p, 3, 1200, copy.clone())), Applied::Ingested { items: 2, skipped: 4 });
-            assert_eq!(run(6, &encode_ingest(p, 3, 1200, copy)), Applied::Ingested { items: 0, skipped: 4 }, "again");
+            assert_eq!(run(5, &encode_ingest(p, 3, 1200, 0, copy.clone())), Applied::Ingested { items: 2, skipped: 4 });
+            assert_eq!(
+                run(6, &encode_ingest(p, 3, 1200, 0, copy)),
+                Applied::Ingested { items: 0, skipped: 4 },
+                "again"
+            );
             // A catch-up round: b went at the source, a changed; an older
             // copy of a arriving after it changes nothing.
             let round = vec![gone(&b, 1300), item(&a, b"va2", 1250)];
-            assert_eq!(run(7, &encode_ingest(p, 3, 1300, round)), Applied::Ingested { items: 2, skipped: 0 });
+            assert_eq!(run(7, &encode_ingest(p, 3, 1300, 0, round)), Applied::Ingested { items: 2, skipped: 0 });
             // A removal past every version (a purge's) raises no skew.
             let older = vec![item(&a, b"va", 1000), gone(&a, 1100), gone(&e, MAX_VERSION)];
-            assert_eq!(run(8, &encode_ingest(p, 3, 1200, older)), Applied::Ingested { items: 0, skipped: 0 });
+            assert_eq!(run(8, &encode_ingest(p, 3, 1200, 0, older)), Applied::Ingested { items: 0, skipped: 0 });
             // Another move's copy is not this one's.
-            let stray = encode_ingest(p, 4, 1300, vec![item(&e, b"stray", 10)]);
+            let stray = encode_ingest(p, 4, 1300, 0, vec![item(&e, b"stray", 10)]);
             assert_eq!(run(9, &stray), Applied::Ingested { items: 0, skipped: 1 });
-            assert_eq!(run(10, &encode_placement(3, vec![p], vec![], 0)), Applied::Placement { changed: true });
-            let late = encode_ingest(p, 3, 1300, vec![item(&a, b"stale", 1290)]);
+            assert_eq!(run(10, &encode_placement(3, vec![p], vec![], 0, 0)), Applied::Placement { changed: true });
+            let late = encode_ingest(p, 3, 1300, 0, vec![item(&a, b"stale", 1290)]);
             assert_eq!(run(11, &late), Applied::Ingested { items: 0, skipped: 1 });
             let Applied::Put { version } = run(12, &encode_put(&a, b"new")) else { panic!("a write of an owned key") };
             let Applied::Put { version: next } = run(13, &encode_put(&c, b"c")) else { panic!("a write") };
@@ -847,8 +862,8 @@ mod tests {
         let mut run = |index: u64, data: &[u8]| {
             apply_once(&s, &mut seen, &mut placement, &mut Default::default(), index, data).unwrap()
         };
-        run(1, &encode_placement(2, vec![], vec![p], 0));
-        run(2, &encode_move_step(p, 3, Kind::Take));
+        run(1, &encode_placement(2, vec![], vec![p], 0, 0));
+        run(2, &encode_move_step(p, 3, Kind::Take, 0));
         run(3, &encode_put(&own, b"mine"));
         let copy = proto::IngestItem {
             key: key.clone().into(),
@@ -857,7 +872,7 @@ mod tests {
             version: 9,
             ..Default::default()
         };
-        assert_eq!(run(4, &encode_ingest(p, 3, 10, vec![copy])), Applied::Ingested { items: 1, skipped: 0 });
+        assert_eq!(run(4, &encode_ingest(p, 3, 10, 0, vec![copy])), Applied::Ingested { items: 1, skipped: 0 });
         assert_eq!(run(5, &encode_flush_all(0)), Applied::Flushed { items: 1 });
         assert!(s.get(&own).unwrap().is_none());
         assert!(s.get(&key).unwrap().is_some(), "the incoming copy went with the flush");
@@ -886,8 +901,8 @@ mod tests {
         let mut run = |index: u64, data: &[u8]| {
             apply_once(&dst, &mut seen_t, &mut place_t, &mut Default::default(), index, data).unwrap()
         };
-        assert_eq!(run(1, &encode_placement(2, vec![], vec![p], 1_000)), Applied::Placement { changed: true });
-        assert_eq!(run(2, &encode_move_step(p, 3, Kind::Take)), Applied::Moving { recorded: true });
+        assert_eq!(run(1, &encode_placement(2, vec![], vec![p], 0, 1_000)), Applied::Placement { changed: true });
+        assert_eq!(run(2, &encode_move_step(p, 3, Kind::Take, 0)), Applied::Moving { recorded: true });
         let outcome = |w: &RememberedWrite| {
             let (kind, a, b) = outcome_fields(&w.outcome);
             proto::RememberedOutcome { client: w.client, seq: w.seq, kind: kind.into(), a, b, expires_ms: w.expires_ms }
@@ -896,7 +911,7 @@ mod tests {
         remembered.push(proto::RememberedOutcome { client: 9, seq: 2, kind: 77, ..Default::default() });
         let g = proto::Ingest { partition: p, move_version: 3, remembered, ..Default::default() };
         assert_eq!(run(3, &encode_ingest_entry(g)), Applied::Ingested { items: 0, skipped: 1 });
-        assert_eq!(run(4, &encode_placement(3, vec![p], vec![], 1_000)), Applied::Placement { changed: true });
+        assert_eq!(run(4, &encode_placement(3, vec![p], vec![], 0, 1_000)), Applied::Placement { changed: true });
         // The retry reaches the target: answered, not applied.
         assert_eq!(run(5, &put), Applied::Put { version });
         assert!(dst.get(&key).unwrap().is_none(), "applied again on the target");
@@ -918,7 +933,7 @@ mod tests {
             apply_once(&s, &mut seen, &mut placement, noted, index, data).unwrap()
         };
         run(&mut noted, 1, &encode_put(&keys[0], b"before the watch"));
-        assert_eq!(run(&mut noted, 2, &encode_move_step(p, 5, Kind::Watch)), Applied::Moving { recorded: true });
+        assert_eq!(run(&mut noted, 2, &encode_move_step(p, 5, Kind::Watch, 0)), Applied::Moving { recorded: true });
         run(&mut noted, 3, &encode_put(&keys[1], b"1"));
         run(&mut noted, 4, &encode_put(&outside, b"1"));
         run(&mut noted, 5, &encode_delete(&keys[2]));
@@ -933,7 +948,10 @@ mod tests {
         assert_eq!((got.keys, got.whole), (want, false));
         run(&mut noted, 9, &encode_flush_all(0));
         assert!(noted.take(p).whole, "a flush names no keys");
-        assert_eq!(run(&mut noted, 10, &encode_placement(5, vec![], vec![p], 0)), Applied::Placement { changed: true });
+        assert_eq!(
+            run(&mut noted, 10, &encode_placement(5, vec![], vec![p], 0, 0)),
+            Applied::Placement { changed: true }
+        );
         assert_eq!(run(&mut noted, 11, &encode_put(&keys[5], b"after")), Applied::WrongShard);
         assert!(noted.take(p).keys.is_empty(), "refused, not noted");
     }

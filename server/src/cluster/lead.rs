@@ -36,7 +36,7 @@ impl ClusterNode {
         to: NodeId,
     ) -> Result<proto::TransferLeaderReply, ClusterError> {
         let map = self.map();
-        if !map.shards().iter().any(|s| s.id == shard) {
+        if shard != dmkv_common::cluster::map::META_SHARD && !map.shards().iter().any(|s| s.id == shard) {
             return Err(ClusterError::Failed(format!(
                 "shard {shard} does not exist: there are {}",
                 map.shards().len()

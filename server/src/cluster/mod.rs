@@ -19,6 +19,8 @@ pub mod log;
 pub mod meta;
 pub mod move_ask;
 pub mod move_book;
+pub mod move_claim;
+pub mod move_resume;
 pub mod mover;
 pub mod moving;
 pub mod node;
@@ -27,6 +29,7 @@ pub mod pace;
 pub mod peer;
 pub mod peer_tls;
 pub mod placement;
+pub mod rebalancer;
 pub mod replica;
 pub mod shard;
 #[cfg(test)]

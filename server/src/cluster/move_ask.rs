@@ -4,8 +4,9 @@
 /// What a partition move asks of a shard's leader.
 #[derive(Debug, Clone, Copy)]
 pub enum MoveAsk {
-    /// The keys of this partition its log wrote since the last ask.
-    Notes(u32),
+    /// The keys of this partition its log wrote since the last ask, for
+    /// the mover of this claim (refused if the move was taken over).
+    Notes(u32, u64),
     /// A consistent view of its store.
     View,
     /// The outcomes it remembers of writes to keys of this partition.

@@ -31,6 +31,8 @@ const WALK_AHEAD: usize = 2;
 pub const MAX_PLACEMENT_CHANGE: usize = 64;
 /// Most one step at a peer may take, the copy of a big partition included.
 pub const MOVE_STEP_TIMEOUT: Duration = Duration::from_secs(120);
+/// Pause between two tries of a move's step.
+pub(super) const STEP_PAUSE: Duration = Duration::from_millis(100);
 
 impl ClusterNode {
     /// This node's replica of `shard` if it leads it; else NOT_LEADER
@@ -57,6 +59,7 @@ impl ClusterNode {
             Some(Work::Propose(data)) => self.propose_move(w.shard, data.to_vec()).await,
             Some(Work::Copy(c)) => self.copy_out(w.shard, &c).await,
             Some(Work::Purge(p)) => self.purge(w.shard, &p).await,
+            Some(Work::Census(_)) => self.census(w.shard).await,
             None => Err(ClusterError::Failed("a move step with no work".into())),
         }
     }
@@ -112,7 +115,7 @@ impl ClusterNode {
     }
 
     /// Asks this node's leading replica of `shard` for what a move needs.
-    async fn ask_leader(&self, r: &LocalReplica, ask: MoveAsk) -> Result<MoveAnswer, ClusterError> {
+    pub(super) async fn ask_leader(&self, r: &LocalReplica, ask: MoveAsk) -> Result<MoveAnswer, ClusterError> {
         match r.thread.moving(ask).await {
             Ok(Ok(a)) => Ok(a),
             Ok(Err(ProposeError::NotLeader { leader })) => Err(ClusterError::NotLeader {
@@ -133,7 +136,8 @@ impl ClusterNode {
         let r = self.leading(shard)?;
         let _sending = self.move_book.sending(c.partition, shard, c.to, c.version, c.rate_bytes);
         // Taken before any view: what is written after it is noted anew.
-        let MoveAnswer::Notes { notes, horizon } = self.ask_leader(r, MoveAsk::Notes(c.partition)).await? else {
+        let MoveAnswer::Notes { notes, horizon } = self.ask_leader(r, MoveAsk::Notes(c.partition, c.claim)).await?
+        else {
             return Err(ClusterError::Failed("the shard answered a view for notes".into()));
         };
         let mut reply = proto::MoveWorkReply::default();
@@ -167,7 +171,7 @@ impl ClusterNode {
         };
         // Everything the target holds of the partition is older than the
         // view's horizon: it goes, and the view brings back what is here.
-        let purge = proto::MovePurge { partition: c.partition, version: c.version, below: horizon };
+        let purge = proto::MovePurge { partition: c.partition, version: c.version, below: horizon, claim: c.claim };
         self.work_at(c.to, Work::Purge(purge)).await.map_err(of_target)?;
         let (tx, mut rx) = tokio::sync::mpsc::channel(WALK_AHEAD);
         let p = c.partition;
@@ -243,6 +247,7 @@ impl ClusterNode {
                 partition: c.partition,
                 move_version: c.version,
                 source_version: horizon,
+                claim: c.claim,
                 ..Default::default()
             };
             data.remembered = remembered;
@@ -262,7 +267,7 @@ impl ClusterNode {
         reply: &mut proto::MoveWorkReply,
         pace: &Pace,
     ) -> Result<(), ClusterError> {
-        let data = encode_ingest(c.partition, c.version, chunk.horizon, chunk.items);
+        let data = encode_ingest(c.partition, c.version, chunk.horizon, c.claim, chunk.items);
         let got = self.work_at(c.to, Work::Propose(data.into())).await.map_err(of_target)?;
         if got.skipped > 0 {
             return Err(ClusterError::Failed(format!(
@@ -308,7 +313,7 @@ impl ClusterNode {
         for part in keys.chunks(MAX_INGEST_KEYS) {
             let items = part.iter().map(|k| absent(k, below)).collect();
             // No source version: a removal raises no skew.
-            let data = encode_ingest(partition, p.version, 0, items);
+            let data = encode_ingest(partition, p.version, 0, p.claim, items);
             let got = self.propose_move(shard, data).await?;
             if got.skipped > 0 {
                 return Err(ClusterError::Failed(format!(
@@ -319,6 +324,27 @@ impl ClusterNode {
             reply.keys += got.keys;
         }
         Ok(reply)
+    }
+
+    /// A step at `shard`'s leader, tried again while the shard is between
+    /// leaders, busy, or the outcome unknown (every step may be asked
+    /// again).
+    pub(super) async fn step(
+        &self,
+        shard: ShardId,
+        work: Work,
+        tries: u32,
+    ) -> Result<proto::MoveWorkReply, ClusterError> {
+        let mut last = ClusterError::Busy;
+        for _ in 0..tries {
+            match self.work_at(shard, work.clone()).await {
+                Ok(r) => return Ok(r),
+                Err(e @ (ClusterError::NotLeader { .. } | ClusterError::Busy | ClusterError::Uncertain)) => last = e,
+                Err(e) => return Err(e),
+            }
+            tokio::time::sleep(STEP_PAUSE).await;
+        }
+        Err(last)
     }
 
     /// Does a move's step at the node leading `shard`: here, or at the

@@ -209,6 +209,8 @@ pub struct ClusterNode {
     map_wake: Arc<tokio::sync::Notify>,
     /// A partition move runs on this node (`mover.rs`).
     pub(super) mover_running: std::sync::atomic::AtomicBool,
+    /// A rebalance's moves run from this node (`rebalancer.rs`).
+    pub(super) rebalancing: std::sync::atomic::AtomicBool,
     /// The asks of the metadata group made for clients' stale maps.
     pub(super) client_asks: super::client_asks::ClientAsks,
     /// The moves this node takes part in, for `dmkv cluster status`.
@@ -505,6 +507,7 @@ impl ClusterNode {
             meta_leader: AtomicU64::new(0),
             map_wake,
             mover_running: Default::default(),
+            rebalancing: Default::default(),
             client_asks: Default::default(),
             move_book: Default::default(),
             dialer,
@@ -703,11 +706,13 @@ impl ClusterNode {
     }
 
     /// Takes `theirs` (the metadata group's) if its placement is newer than
-    /// this node's map's; the leaders this node knows stay, for shards
-    /// whose replicas are the same. Whether the map changed.
+    /// this node's map's, or as new with another move record (a move
+    /// paused or claimed by another mover: routing is the same); the
+    /// leaders this node knows stay, for shards whose replicas are the
+    /// same. Whether the map changed.
     pub fn adopt_map(&self, mut theirs: ClusterMap) -> bool {
         let mut map = crate::lock::lock(&self.map);
-        if theirs.version <= map.version {
+        if theirs.version < map.version || (theirs.version == map.version && theirs.moving == map.moving) {
             return false;
         }
         for sh in map.shards() {

@@ -108,7 +108,7 @@ mod tests {
     fn only_watched_partitions_are_noted_and_a_bound_makes_them_whole() {
         let mut placement = Placement::all();
         let (p, q) = (5, 6);
-        let watch = proto::MoveStep { partition: p, version: 2, kind: proto::move_step::Kind::Watch as i32 };
+        let watch = proto::MoveStep { partition: p, version: 2, kind: proto::move_step::Kind::Watch as i32, claim: 0 };
         assert_eq!(placement.apply_step(&watch), Ok(true));
         let mut n = Noted::default();
         n.note(&placement, &key_in(p, 0));
@@ -134,7 +134,8 @@ mod tests {
         n.note(&placement, &key_in(p, 1));
         n.all_whole(&placement);
         assert!(n.take(p).whole);
-        let forget = proto::MoveStep { partition: p, version: 2, kind: proto::move_step::Kind::Forget as i32 };
+        let forget =
+            proto::MoveStep { partition: p, version: 2, kind: proto::move_step::Kind::Forget as i32, claim: 0 };
         assert_eq!(placement.apply_step(&forget), Ok(true));
         n.note(&placement, &key_in(p, 2));
         n.retain_watched(&placement);

@@ -23,8 +23,11 @@ pub const ENCODED_LEN_V1: usize = 8 + WORDS * 8;
 pub const MAX_MOVES: usize = 8;
 /// Bytes of one move record: partition u32, version u64, role u8.
 const MOVE_LEN: usize = 13;
+/// Bytes of a record's claim, after all records (snapshots from before
+/// claims end with the records: their claims are 0).
+const CLAIM_LEN: usize = 8;
 /// Most bytes a placement takes in a snapshot (see [`Placement::encode`]).
-pub const MAX_ENCODED_LEN: usize = ENCODED_LEN_V1 + 8 + 1 + MAX_MOVES * MOVE_LEN;
+pub const MAX_ENCODED_LEN: usize = ENCODED_LEN_V1 + 8 + 1 + MAX_MOVES * (MOVE_LEN + CLAIM_LEN);
 /// Highest version an item may carry into a shard, and highest version
 /// skew: far above any log index a shard reaches, far below overflow.
 pub const MAX_VERSION: u64 = 1 << 62;
@@ -45,6 +48,10 @@ pub struct MoveRecord {
     /// The map version the move flips to.
     pub version: u64,
     pub role: MoveRole,
+    /// The highest claim of a mover that recorded this step (claims grow
+    /// with each mover that takes the move over, `move_claim.rs`): a step,
+    /// copy, note ask or own of a lower claim is a stale mover's, refused.
+    pub claim: u64,
 }
 
 /// The partitions a shard owns, as of its applied log index, and what a
@@ -93,6 +100,9 @@ pub enum BadChange {
     Partition(u32),
     /// It both takes and gives up one partition.
     Both(u32),
+    /// It owns a partition whose move the shard recorded under a higher
+    /// claim than the change's (a mover that was taken over).
+    Overtaken(u32),
 }
 
 impl std::fmt::Display for BadChange {
@@ -100,6 +110,7 @@ impl std::fmt::Display for BadChange {
         match self {
             BadChange::Partition(p) => write!(f, "partition {p} is not below {PARTITIONS}"),
             BadChange::Both(p) => write!(f, "partition {p} is both taken and given up"),
+            BadChange::Overtaken(p) => write!(f, "partition {p}'s move was taken over by a newer mover"),
         }
     }
 }
@@ -164,17 +175,26 @@ impl Placement {
         self.move_of(partition).is_some_and(|m| m.role == MoveRole::Out)
     }
 
-    /// Whether a copy of `partition` for the move at `version` is taken:
-    /// the shard records that move and does not own the partition (the
-    /// target before it owns it; the source after its release, whose copy
-    /// goes by the same entries).
-    pub fn takes(&self, partition: u32, version: u64) -> bool {
-        !self.owns(partition) && self.move_of(partition).is_some_and(|m| m.version == version)
+    /// Whether a copy of `partition` for the move at `version`, sent by a
+    /// mover of `claim`, is taken: the shard records that move under no
+    /// higher claim and does not own the partition (the target before it
+    /// owns it; the source after its release, whose copy goes by the same
+    /// entries).
+    pub fn takes(&self, partition: u32, version: u64, claim: u64) -> bool {
+        !self.owns(partition) && self.move_of(partition).is_some_and(|m| m.version == version && m.claim <= claim)
+    }
+
+    /// Whether a mover of `claim` was overtaken on `partition`'s move: the
+    /// shard recorded it under a higher claim.
+    pub fn overtaken(&self, partition: u32, claim: u64) -> bool {
+        self.move_of(partition).is_some_and(|m| m.claim > claim)
     }
 
     /// Records a step of a move; returns whether anything changed (the
     /// same step again changes nothing). A move's record replaces an older
-    /// one of the same partition (an abandoned move's).
+    /// one of the same partition (an abandoned move's); the same step of a
+    /// higher claim raises the record's, one of a lower claim is
+    /// [`BadStep::Stale`].
     pub fn apply_step(&mut self, step: &proto::MoveStep) -> Result<bool, BadStep> {
         use proto::move_step::Kind;
         let (p, v) = (step.partition, step.version);
@@ -191,15 +211,27 @@ impl Placement {
             }
             _ => return Err(BadStep::Malformed),
         };
+        // The step recorded already (by this mover, or one it took over):
+        // whatever the placement since (a source that released the
+        // partition keeps its record), only the claim may change.
+        if let Some(m) = self.moves.iter_mut().find(|m| m.partition == p && m.version == v && m.role == role) {
+            return match step.claim.cmp(&m.claim) {
+                std::cmp::Ordering::Less => Err(BadStep::Stale),
+                std::cmp::Ordering::Equal => Ok(false),
+                std::cmp::Ordering::Greater => {
+                    m.claim = step.claim;
+                    Ok(true)
+                }
+            };
+        }
         if v <= self.version {
             return Err(BadStep::Stale);
         }
         if self.owns(p) != (role == MoveRole::Out) {
             return Err(BadStep::WrongOwner);
         }
-        let record = MoveRecord { partition: p, version: v, role };
+        let record = MoveRecord { partition: p, version: v, role, claim: step.claim };
         match self.moves.iter().position(|m| m.partition == p) {
-            Some(i) if self.moves[i] == record => Ok(false),
             Some(i) if self.moves[i].version < v => {
                 self.moves[i] = record;
                 Ok(true)
@@ -235,6 +267,11 @@ impl Placement {
         if c.version <= self.version {
             return Ok(false);
         }
+        // A stale mover's own: the move was taken over here, and the
+        // target may lack what the newer mover is copying.
+        if let Some(&p) = c.own.iter().find(|&&p| self.overtaken(p, c.claim)) {
+            return Err(BadChange::Overtaken(p));
+        }
         for &p in &c.own {
             self.owned[p as usize / 64] |= 1 << (p % 64);
         }
@@ -242,6 +279,11 @@ impl Placement {
             self.owned[p as usize / 64] &= !(1 << (p % 64));
         }
         self.version = c.version;
+        // The change's mover (or undoer) holds the move now: a mover it
+        // took over sends no copy and takes no note from here on.
+        for m in self.moves.iter_mut().filter(|m| m.version == c.version) {
+            m.claim = m.claim.max(c.claim);
+        }
         // A target that owns the partition now takes no more copies: its
         // own writes are newer than any copy.
         self.moves.retain(|m| !(m.role == MoveRole::In && c.own.contains(&m.partition)));
@@ -250,7 +292,8 @@ impl Placement {
 
     /// The placement's bytes in a snapshot: version u64, the bit set's
     /// words, version skew u64, count u8, then per move partition u32,
-    /// version u64, role u8 (0 out, 1 in). At most [`MAX_ENCODED_LEN`].
+    /// version u64, role u8 (0 out, 1 in), then per move its claim u64. At
+    /// most [`MAX_ENCODED_LEN`].
     pub fn encode(&self) -> Vec<u8> {
         let mut b = Vec::with_capacity(MAX_ENCODED_LEN);
         b.extend_from_slice(&self.version.to_le_bytes());
@@ -264,6 +307,9 @@ impl Placement {
             b.extend_from_slice(&m.partition.to_le_bytes());
             b.extend_from_slice(&m.version.to_le_bytes());
             b.push(u8::from(m.role == MoveRole::In));
+        }
+        for m in &self.moves {
+            b.extend_from_slice(&m.claim.to_le_bytes());
         }
         b
     }
@@ -284,11 +330,17 @@ impl Placement {
         }
         p.version_skew = word(ENCODED_LEN_V1).filter(|&s| s <= MAX_VERSION)?;
         let count = *b.get(ENCODED_LEN_V1 + 8)? as usize;
-        let records = &b[ENCODED_LEN_V1 + 9..];
-        if count > MAX_MOVES || records.len() != count * MOVE_LEN {
+        let rest = &b[ENCODED_LEN_V1 + 9..];
+        if count > MAX_MOVES {
             return None;
         }
-        for r in records.chunks_exact(MOVE_LEN) {
+        // Records, then (since claims) their claims.
+        let (records, claims) = match rest.len() {
+            n if n == count * MOVE_LEN => (rest, &[][..]),
+            n if n == count * (MOVE_LEN + CLAIM_LEN) => rest.split_at(count * MOVE_LEN),
+            _ => return None,
+        };
+        for (i, r) in records.chunks_exact(MOVE_LEN).enumerate() {
             let partition = u32::from_le_bytes(r[..4].try_into().expect("4 bytes"));
             let version = u64::from_le_bytes(r[4..12].try_into().expect("8 bytes"));
             let role = match r[12] {
@@ -303,7 +355,10 @@ impl Placement {
             if partition >= PARTITIONS || !fresh {
                 return None;
             }
-            p.moves.push(MoveRecord { partition, version, role });
+            let claim = claims
+                .get(i * CLAIM_LEN..(i + 1) * CLAIM_LEN)
+                .map_or(0, |c| u64::from_le_bytes(c.try_into().expect("8 bytes")));
+            p.moves.push(MoveRecord { partition, version, role, claim });
         }
         Some(p)
     }
@@ -378,7 +433,7 @@ mod tests {
     }
 
     fn change(version: u64, own: &[u32], release: &[u32]) -> proto::PlacementChange {
-        proto::PlacementChange { version, own: own.to_vec(), release: release.to_vec() }
+        proto::PlacementChange { version, own: own.to_vec(), release: release.to_vec(), claim: 0 }
     }
 
     #[test]
@@ -425,7 +480,11 @@ mod tests {
     }
 
     fn step(partition: u32, version: u64, kind: proto::move_step::Kind) -> proto::MoveStep {
-        proto::MoveStep { partition, version, kind: kind as i32 }
+        claimed(partition, version, kind, 0)
+    }
+
+    fn claimed(partition: u32, version: u64, kind: proto::move_step::Kind, claim: u64) -> proto::MoveStep {
+        proto::MoveStep { partition, version, kind: kind as i32, claim }
     }
 
     /// A source watches only what it owns, a target takes only what it
@@ -444,25 +503,25 @@ mod tests {
         assert_eq!(p.apply_step(&step(other, v, Take)), Err(BadStep::Stale));
         assert_eq!(p.apply_step(&step(PARTITIONS, v + 2, Take)), Err(BadStep::Malformed));
         assert_eq!(
-            p.apply_step(&proto::MoveStep { partition: other, version: v + 2, kind: 0 }),
+            p.apply_step(&proto::MoveStep { partition: other, version: v + 2, kind: 0, claim: 0 }),
             Err(BadStep::Malformed)
         );
         assert_eq!(p.apply_step(&step(owned, v + 2, Watch)), Ok(true));
         assert_eq!(p.apply_step(&step(owned, v + 2, Watch)), Ok(false), "the same step again");
         assert!(p.watched(owned) && !p.watched(other));
         assert_eq!(p.apply_step(&step(other, v + 2, Take)), Ok(true));
-        assert!(p.takes(other, v + 2) && !p.takes(other, v + 3) && !p.takes(owned, v + 2));
+        assert!(p.takes(other, v + 2, 0) && !p.takes(other, v + 3, 0) && !p.takes(owned, v + 2, 0));
         assert_eq!(p.apply_step(&step(other, v + 4, Take)), Ok(true), "a newer move replaces the record");
         assert_eq!(p.apply_step(&step(other, v + 2, Take)), Err(BadStep::Stale), "an older move's step comes late");
-        assert!(p.takes(other, v + 4) && !p.takes(other, v + 2));
+        assert!(p.takes(other, v + 4, 0) && !p.takes(other, v + 2, 0));
         p.raise_version_skew(10, 1000);
         p.raise_version_skew(500, 900);
         assert_eq!(p.version_skew(), 990, "raised only");
         let back = Placement::decode(&p.encode(), false).expect("decodes");
         assert_eq!(back, p);
         let mut damaged = p.encode();
-        let last = damaged.len() - 1;
-        damaged[last] = 7;
+        let role = ENCODED_LEN_V1 + 9 + (p.moves().len() - 1) * MOVE_LEN + 12;
+        damaged[role] = 7;
         assert_eq!(Placement::decode(&damaged, false), None, "a role that does not exist");
         let mut skewed = p.encode();
         skewed[ENCODED_LEN_V1..ENCODED_LEN_V1 + 8].copy_from_slice(&(MAX_VERSION + 1).to_le_bytes());
@@ -470,7 +529,7 @@ mod tests {
         // Owning the partition ends the taking; the source's watch stays
         // until forgotten, and a snapshot holds it meanwhile.
         assert_eq!(p.apply(&change(v + 4, &[other], &[owned])), Ok(true));
-        assert!(!p.takes(other, v + 4) && p.move_of(other).is_none());
+        assert!(!p.takes(other, v + 4, 0) && p.move_of(other).is_none());
         let mut released = p.clone();
         assert_eq!(released.apply(&change(v + 5, &[], &[owned])), Ok(true));
         assert!(released.watched(owned) && released.version() >= v + 2);
@@ -486,5 +545,57 @@ mod tests {
         assert_eq!(full.apply_step(&step(free[MAX_MOVES], v + 1, Take)), Err(BadStep::Full));
         assert_eq!(Placement::decode(&full.encode(), false).map(|f| f.moves().len()), Some(MAX_MOVES));
         assert!(full.encode().len() <= MAX_ENCODED_LEN);
+    }
+
+    /// A mover that takes a move over raises its record's claim; the
+    /// stale mover's steps, copies (by `takes`) and own are refused from
+    /// then on; claims survive a snapshot, and a snapshot from before
+    /// claims decodes with claims of 0.
+    #[test]
+    fn a_newer_claim_fences_the_mover_it_took_over() {
+        use proto::move_step::Kind::{Take, Watch};
+        let mut p = Placement::of_map(&map(), 0);
+        let v = p.version() + 2;
+        let owned = (0..PARTITIONS).find(|&q| p.owns(q)).unwrap();
+        let other = (0..PARTITIONS).find(|&q| !p.owns(q)).unwrap();
+        assert_eq!(p.apply_step(&claimed(other, v, Take, 5)), Ok(true));
+        assert_eq!(p.apply_step(&claimed(owned, v, Watch, 5)), Ok(true));
+        assert!(p.takes(other, v, 5) && !p.takes(other, v, 4));
+        // Taken over by the mover of claim 9.
+        assert_eq!(p.apply_step(&claimed(other, v, Take, 9)), Ok(true));
+        assert_eq!(p.apply_step(&claimed(other, v, Take, 9)), Ok(false), "the same step again");
+        assert_eq!(p.apply_step(&claimed(other, v, Take, 5)), Err(BadStep::Stale), "the stale mover's step");
+        assert!(!p.takes(other, v, 5) && p.takes(other, v, 9));
+        assert!(p.overtaken(other, 5) && !p.overtaken(other, 9) && !p.overtaken(owned, 5));
+        let stale = proto::PlacementChange { version: v, own: vec![other], release: vec![], claim: 5 };
+        let before = p.clone();
+        assert_eq!(p.apply(&stale), Err(BadChange::Overtaken(other)));
+        assert_eq!(p, before, "a refused own changes nothing");
+        let back = Placement::decode(&p.encode(), false).expect("decodes");
+        assert_eq!(back, p);
+        assert_eq!(back.move_of(other).map(|m| m.claim), Some(9));
+        // Before claims: the records end the bytes.
+        let old = p.encode();
+        let old = &old[..old.len() - p.moves().len() * CLAIM_LEN];
+        let back = Placement::decode(old, false).expect("a snapshot from before claims");
+        assert!(back.moves().iter().all(|m| m.claim == 0) && back.moves().len() == 2);
+        assert_eq!(Placement::decode(&p.encode()[..old.len() + 3], false), None, "claims cut short");
+        // A source that released the partition takes the newer mover's
+        // watch (the resumed move's), and refuses the stale one's.
+        let release = proto::PlacementChange { version: v, own: vec![], release: vec![owned], claim: 5 };
+        let mut released = p.clone();
+        assert_eq!(released.apply(&release), Ok(true));
+        assert_eq!(released.apply_step(&claimed(owned, v, Watch, 9)), Ok(true));
+        assert_eq!(released.apply_step(&claimed(owned, v, Watch, 7)), Err(BadStep::Stale));
+        assert!(released.overtaken(owned, 7) && !released.overtaken(owned, 9));
+        // An undo's burn (no partition changes) raises the claim too: the
+        // stopped mover's copies and note asks are refused after it.
+        let mut burnt = p.clone();
+        let burn = proto::PlacementChange { version: v, own: vec![], release: vec![], claim: 11 };
+        assert_eq!(burnt.apply(&burn), Ok(true));
+        assert!(!burnt.takes(other, v, 9) && burnt.takes(other, v, 11) && burnt.overtaken(owned, 9));
+        let own = proto::PlacementChange { version: v, own: vec![other], release: vec![], claim: 9 };
+        assert_eq!(p.apply(&own), Ok(true));
+        assert!(p.owns(other));
     }
 }

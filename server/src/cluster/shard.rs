@@ -362,7 +362,11 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
         }
         let horizon = self.horizon();
         match ask {
-            MoveAsk::Notes(p) => Ok(MoveAnswer::Notes { notes: self.take_noted(p), horizon }),
+            // A mover taken over takes no notes: they are the newer one's.
+            MoveAsk::Notes(p, claim) if self.placement.overtaken(p, claim) => Err(ProposeError::Store(format!(
+                "partition {p}'s move was taken over by a newer mover: this copy is a stale one's"
+            ))),
+            MoveAsk::Notes(p, _) => Ok(MoveAnswer::Notes { notes: self.take_noted(p), horizon }),
             MoveAsk::Remembered(p) => Ok(MoveAnswer::Remembered(self.remembered.of_partition(p))),
             MoveAsk::View => match self.store.view() {
                 Ok(view) => Ok(MoveAnswer::View { view, horizon }),
@@ -1242,7 +1246,7 @@ mod tests {
         let l = leader(&cores, None).expect("a leader");
         cores[l].propose(encode_put(b"k", b"v"), 1).unwrap();
         let p = partition_of(b"k");
-        cores[l].propose(encode_placement(7, vec![], vec![p], 0), 2).unwrap();
+        cores[l].propose(encode_placement(7, vec![], vec![p], 0, 0), 2).unwrap();
         cores[l].propose(encode_put(b"k", b"w"), 3).unwrap();
         let mut answers = Vec::new();
         for _ in 0..20 {

@@ -9,7 +9,7 @@
 //! replica that made it.
 //!
 //! ```text
-//! magic "DMKVSNP6" | index u64 | term u64 | next_version u64
+//! magic "DMKVSNP7" | index u64 | term u64 | next_version u64
 //! | remembered_len u32 | remembered: log_now_ms u64, count u32,
 //!   (client u64, seq u64, kind u8, a u64, b u64, expires_ms u64, partition u32)*
 //! | placement: 0 u8, or 1 u8 | len u16 | `Placement::encode` (version, the
@@ -46,7 +46,12 @@ use super::apply::{
 use crate::store::Store;
 use crate::store::view::StoreView;
 
-const MAGIC: &[u8; 8] = b"DMKVSNP6";
+const MAGIC: &[u8; 8] = b"DMKVSNP7";
+/// The format before movers' claims: the same, its placement's move
+/// records without claims (they decode as 0). Still read; written with a
+/// new magic so that an older dmkv refuses a snapshot whose claims it
+/// would take for damage.
+const MAGIC_V6: &[u8; 8] = b"DMKVSNP6";
 /// The format before moves: the placement without skew or moves, and no
 /// length before it. Still read.
 const MAGIC_V5: &[u8; 8] = b"DMKVSNP5";
@@ -234,7 +239,8 @@ impl<R: Read> Decoder<R> {
         let v3 = &magic == MAGIC_V3;
         let v4 = &magic == MAGIC_V4;
         let v5 = &magic == MAGIC_V5;
-        if &magic != MAGIC && !v3 && !v4 && !v5 && magic.starts_with(b"DMKVSNP") {
+        let known = &magic == MAGIC || &magic == MAGIC_V6 || v3 || v4 || v5;
+        if !known && magic.starts_with(b"DMKVSNP") {
             // A newer dmkv's, after a downgrade: no damage, and the
             // replica must not throw away what may be the only copy.
             return Err(SnapshotError::OldFormat(
@@ -242,7 +248,7 @@ impl<R: Read> Decoder<R> {
                 "a format this version does not know (a newer dmkv's)",
             ));
         }
-        if &magic != MAGIC && !v3 && !v4 && !v5 {
+        if !known {
             return Err(SnapshotError::Damaged("not a dmkv snapshot".into()));
         }
         d.at = Point { index: d.u64("header")?, term: d.u64("header")? };
@@ -686,10 +692,10 @@ mod tests {
         let (a, seen) = sample();
         let mut parts = seen.to_parts();
         let mut placement = Placement::all();
-        let change = dmkv_common::proto::PlacementChange { version: 9, own: vec![], release: vec![3, 4000] };
+        let change = dmkv_common::proto::PlacementChange { version: 9, own: vec![], release: vec![3, 4000], claim: 0 };
         assert_eq!(placement.apply(&change), Ok(true));
-        let take = dmkv_common::proto::MoveStep { partition: 3, version: 11, kind: 2 };
-        let watch = dmkv_common::proto::MoveStep { partition: 7, version: 12, kind: 1 };
+        let take = dmkv_common::proto::MoveStep { partition: 3, version: 11, kind: 2, claim: 4 };
+        let watch = dmkv_common::proto::MoveStep { partition: 7, version: 12, kind: 1, claim: 0 };
         assert_eq!((placement.apply_step(&take), placement.apply_step(&watch)), (Ok(true), Ok(true)));
         placement.raise_version_skew(40, 7000);
         parts.placement = Some(placement.clone());
@@ -698,11 +704,23 @@ mod tests {
         validate(&bytes[..]).unwrap();
         let got = restore(&store(), &bytes[..]).unwrap();
         assert_eq!(got.placement, Some(placement.clone()));
-        // As DMKVSNP5 wrote it: remembered writes without partitions, the
-        // placement's version and bit set with no length.
         let flag = 8 + 24 + 4 + u32::from_le_bytes(bytes[32..36].try_into().unwrap()) as usize;
         assert_eq!(bytes[flag], 1, "a placement");
         let len = u16::from_le_bytes(bytes[flag + 1..flag + 3].try_into().unwrap()) as usize;
+        // As DMKVSNP6 wrote it: the move records without their claims.
+        let claims = 8 * placement.moves().len();
+        let mut v6 = b"DMKVSNP6".to_vec();
+        v6.extend_from_slice(&bytes[8..flag + 1]);
+        v6.extend_from_slice(&((len - claims) as u16).to_le_bytes());
+        v6.extend_from_slice(&bytes[flag + 3..flag + 3 + len - claims]);
+        v6.extend_from_slice(&bytes[flag + 3 + len..bytes.len() - 8]);
+        let sum = xxhash_rust::xxh3::xxh3_64(&v6);
+        v6.extend_from_slice(&sum.to_le_bytes());
+        let got = restore(&store(), &v6[..]).unwrap().placement.expect("a placement");
+        assert_eq!(got.moves().iter().map(|m| (m.partition, m.claim)).collect::<Vec<_>>(), vec![(3, 0), (7, 0)]);
+        assert_eq!((got.version(), got.version_skew()), (placement.version(), placement.version_skew()));
+        // As DMKVSNP5 wrote it: remembered writes without partitions, the
+        // placement's version and bit set with no length.
         let mut v5 = before_partitions(&bytes, b"DMKVSNP5");
         v5.push(1);
         v5.extend_from_slice(&bytes[flag + 3..flag + 3 + crate::cluster::placement::ENCODED_LEN_V1]);
