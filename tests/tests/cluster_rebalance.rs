@@ -11,9 +11,10 @@ use dmkv_common::cluster::map::partition_of;
 use dmkv_tests::cluster::TestCluster;
 
 const SHARDS: u32 = 3;
-/// Keys written, all on shard 0, and their size: 6 MiB.
-const KEYS: usize = 96;
-const VALUE: usize = 64 << 10;
+/// Keys written, all on shard 0, and their size: 6 MiB (few moves: a
+/// rebalance waits a second between two).
+const KEYS: usize = 24;
+const VALUE: usize = 256 << 10;
 /// Most the rebalance may take here (unpaced moves of a few MiB each).
 const DEADLINE: Duration = Duration::from_secs(120);
 

@@ -21,6 +21,12 @@
 //!   keys: the move's time, copy rate and write pause, the foreground
 //!   latency beside the same load idle, and the longest wait of a write
 //!   to the moving partition.
+//! - `rebalance`: `--mib` MiB written to one shard of an in-memory 3-node,
+//!   3-shard cluster, then `dmkv cluster rebalance` (at `--rate-mib`)
+//!   while a foreground client GETs (one-sided) and PUTs: the shards'
+//!   bytes and their imbalance (max over mean) before and after, the
+//!   rebalance's time and moves, and the foreground latency during it
+//!   beside the same load idle.
 //!
 //! Needs dmkvd built (release: `cargo build --release --bin dmkvd`).
 
@@ -100,6 +106,18 @@ enum Cmd {
         #[arg(long)]
         rate_mib: Option<u32>,
     },
+    /// Even out a cluster whose data sits on one shard, under load.
+    Rebalance {
+        /// Live data written to shard 0 (MiB).
+        #[arg(long, default_value_t = 64)]
+        mib: u64,
+        #[arg(long, default_value_t = 65536)]
+        value_size: usize,
+        /// Most MiB/s each move's copy sends (default: the node's; 0:
+        /// unpaced).
+        #[arg(long)]
+        rate_mib: Option<u32>,
+    },
     /// Resident memory of an in-memory cluster after many large PUTs.
     Rss {
         #[arg(long, default_value_t = 100_000)]
@@ -137,6 +155,7 @@ fn run(cli: Cli) -> Result<(), String> {
         Cmd::CatchUp { mib, value_size } => rt.block_on(catch_up(mib, value_size)),
         Cmd::Rss { puts, value_size, memory_mib } => rt.block_on(rss(puts, value_size, memory_mib)),
         Cmd::Move { mib, value_size, rate_mib } => rt.block_on(move_partition(mib, value_size, rate_mib)),
+        Cmd::Rebalance { mib, value_size, rate_mib } => rt.block_on(rebalance(mib, value_size, rate_mib)),
     }
 }
 
@@ -148,7 +167,7 @@ fn check(cmd: &Cmd) -> Result<(), String> {
         _ => Err(format!("--value-size {n}: expected 1 to {MAX_VALUE_LEN} bytes")),
     };
     match cmd {
-        Cmd::Move { mib, value_size, .. } => {
+        Cmd::Move { mib, value_size, .. } | Cmd::Rebalance { mib, value_size, .. } => {
             at_least_one("--mib", *mib)?;
             value(*value_size)
         }
@@ -687,6 +706,110 @@ async fn move_partition(mib: u64, value_size: usize, rate_mib: Option<u32>) -> R
         return Err(format!("{missing} keys missing after the move"));
     }
     println!("all {n} keys read back after the move ({:?})", check.read_stats());
+    Ok(())
+}
+
+/// Bytes each shard's leader holds, as the nodes report them.
+async fn shard_bytes(c: &TestCluster, shards: u32) -> Vec<u64> {
+    let mut bytes = vec![0u64; shards as usize];
+    for i in 0..c.len() {
+        let Ok(client) = Client::connect(c.rpc(i)).await else { continue };
+        let Ok(s) = client.cluster_status().await else { continue };
+        for r in s.local.iter().filter(|r| r.role == "leader" && r.shard < shards) {
+            bytes[r.shard as usize] = r.bytes;
+        }
+    }
+    bytes
+}
+
+fn max_over_mean(v: &[u64]) -> f64 {
+    let mean = v.iter().sum::<u64>() as f64 / v.len().max(1) as f64;
+    v.iter().copied().max().unwrap_or(0) as f64 / mean.max(1.0)
+}
+
+async fn rebalance(mib: u64, value_size: usize, rate_mib: Option<u32>) -> Result<(), String> {
+    use dmkv_common::cluster::map::partition_of;
+    const SHARDS: u32 = 3;
+    let memory = format!("{}MiB", 2 * mib + 256);
+    let c = tokio::task::block_in_place(|| TestCluster::try_start(3, SHARDS, 3, false, &["--memory", &memory]))
+        .map_err(|e| format!("the cluster did not start: {e}"))?;
+    let map = c.try_leaders_known(0).await?;
+    let client = Client::connect(c.rpc(0)).await.map_err(connect_err)?;
+    let n = ((mib << 20) / value_size as u64).max(1) as usize;
+    let keys: Arc<Vec<String>> = Arc::new(
+        (0..)
+            .map(|i| format!("rb-{i}"))
+            .filter(|k| map.shard_of_partition(partition_of(k.as_bytes())) == Some(0))
+            .take(n)
+            .collect(),
+    );
+    let value = vec![b'r'; value_size];
+    let started = Instant::now();
+    let k = Arc::clone(&keys);
+    put_all(&client, n, &value, move |i| k[i].clone()).await?;
+    println!("{n} keys of {value_size} B written to shard 0 in {:.1} s", started.elapsed().as_secs_f64());
+    let before = shard_bytes(&c, SHARDS).await;
+    let reader = ClientConfig::default().read_path(ReadPath::OneSided).transport(Some(Transport::Shm));
+    let fg = Client::connect_with(c.rpc(0), reader.clone()).await.map_err(connect_err)?;
+    let idle = Probe::start(fg.clone());
+    tokio::time::sleep(MOVE_IDLE).await;
+    let idle = idle.stop().await;
+    let during = Probe::start(fg);
+    let version = client.cluster_map().await.map_err(|e| format!("map: {e}"))?.version;
+    let t = Instant::now();
+    let mut plan = None;
+    for _ in 0..50 {
+        for i in 0..c.len() {
+            let admin = Client::connect(c.rpc(i)).await.map_err(connect_err)?;
+            match admin.rebalance(false, rate_mib).await {
+                Ok(r) => plan = Some(r),
+                Err(dmkv_client::ClientError::NotLeader { .. }) => continue,
+                Err(e) => return Err(format!("the rebalance failed at node {}: {e}", i + 1)),
+            }
+            break;
+        }
+        if plan.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let plan = plan.ok_or("no node leads the metadata group")?;
+    // Each move flips the map two versions on (its plan, its flip).
+    let done_at = version + 2 * plan.planned.len() as u64;
+    loop {
+        let map = client.cluster_map().await.map_err(|e| format!("map: {e}"))?;
+        if map.version >= done_at && map.moving.is_none() {
+            break;
+        }
+        if t.elapsed() > Duration::from_secs(3600) {
+            return Err(format!("the rebalance did not end within an hour (map version {})", map.version));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let took = t.elapsed();
+    let during = during.stop().await;
+    let after = shard_bytes(&c, SHARDS).await;
+    idle.print("idle");
+    during.print("during the rebalance");
+    let moved: u64 = plan.planned.iter().map(|m| m.bytes).sum();
+    println!(
+        "rebalanced in {:.1} s: {} moves ({:.1} MiB); planned fill imbalance {:.2} -> {:.2}; shard bytes {before:?} \
+         (max/mean {:.2}) -> {after:?} (max/mean {:.2})",
+        took.as_secs_f64(),
+        plan.planned.len(),
+        moved as f64 / f64::from(1 << 20),
+        plan.fill_before,
+        plan.fill_after,
+        max_over_mean(&before),
+        max_over_mean(&after)
+    );
+    let check = Client::connect_with(c.rpc(1), reader).await.map_err(connect_err)?;
+    for k in keys.iter() {
+        if check.get(k).await.map_err(|e| format!("GET {k}: {e}"))?.is_none() {
+            return Err(format!("{k} missing after the rebalance"));
+        }
+    }
+    println!("all {n} keys read back after the rebalance");
     Ok(())
 }
 

@@ -20,6 +20,12 @@ use super::node::{ClusterError, ClusterNode};
 
 /// Tries of one shard's census while it is between leaders (5 s).
 const CENSUS_TRIES: u32 = 50;
+/// Pause between two moves of a rebalance. Each flip costs every client
+/// reading either shard one-sided a map refresh (a round trip) on its
+/// next GET; moves back to back (tens a second for small partitions) made
+/// that a few percent of GETs, and GET p99 several times idle
+/// (docs/elasticity.md, "Rebalancing").
+pub const REBALANCE_MOVE_GAP: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl ClusterNode {
     /// The bytes and keys of each partition `shard` (led here) holds
@@ -127,6 +133,9 @@ impl ClusterNode {
     async fn carry_out(&self, plan: Plan, rate: u64) {
         let total = plan.moves.len();
         for (i, m) in plan.moves.into_iter().enumerate() {
+            if i > 0 {
+                tokio::time::sleep(REBALANCE_MOVE_GAP).await;
+            }
             match self.move_partition(m.partition, m.to, rate).await {
                 Ok(r) => tracing::info!(
                     partition = m.partition,
