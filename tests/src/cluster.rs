@@ -365,6 +365,20 @@ impl TestCluster {
         &self.rpc[i]
     }
 
+    /// Bytes each of the first `shards` data shards' leader holds, as the
+    /// nodes report them (0 for a shard whose leader did not answer).
+    pub async fn shard_bytes(&self, shards: u32) -> Vec<u64> {
+        let mut bytes = vec![0u64; shards as usize];
+        for i in 0..self.len() {
+            let Ok(client) = dmkv_client::Client::connect(self.rpc(i)).await else { continue };
+            let Ok(s) = client.cluster_status().await else { continue };
+            for r in s.local.iter().filter(|r| r.role == "leader" && r.shard < shards) {
+                bytes[r.shard as usize] = r.bytes;
+            }
+        }
+        bytes
+    }
+
     /// Runs the `dmkv` CLI against node index `i` with `args`; whether it
     /// succeeded, and its stdout (on success) or stderr.
     pub fn cli(&self, i: usize, args: &[&str]) -> (bool, String) {

@@ -22,24 +22,9 @@ fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime")
 }
 
-/// Bytes each shard's leader holds, as the nodes report them.
-fn shard_bytes(rt: &tokio::runtime::Runtime, c: &TestCluster) -> Vec<u64> {
-    rt.block_on(async {
-        let mut bytes = vec![0u64; SHARDS as usize];
-        for i in 0..3 {
-            let Ok(client) = Client::connect(c.rpc(i)).await else { continue };
-            let Ok(s) = client.cluster_status().await else { continue };
-            for r in s.local.iter().filter(|r| r.role == "leader" && r.shard < SHARDS) {
-                bytes[r.shard as usize] = r.bytes;
-            }
-        }
-        bytes
-    })
-}
-
+/// Max over mean of the shards' bytes.
 fn imbalance(v: &[u64]) -> f64 {
-    let mean = v.iter().sum::<u64>() as f64 / v.len() as f64;
-    *v.iter().max().unwrap() as f64 / mean
+    dmkv_common::cluster::rebalance::imbalance(&v.iter().map(|&b| b as f64).collect::<Vec<_>>())
 }
 
 #[test]
@@ -64,7 +49,7 @@ fn a_rebalance_evens_out_a_cluster_whose_data_sits_on_one_shard() {
         assert!(ok, "dmkv {args:?}: {out}");
         out
     };
-    let before = shard_bytes(&rt, &c);
+    let before = rt.block_on(c.shard_bytes(SHARDS));
     let version = rt.block_on(async { Client::connect(c.rpc(0)).await.unwrap().cluster_map().await.unwrap().version });
     let plan = dmkv(&["cluster", "rebalance", "--dry-run"]);
     println!("{plan}");
@@ -78,7 +63,7 @@ fn a_rebalance_evens_out_a_cluster_whose_data_sits_on_one_shard() {
     println!("{out}");
     assert!(out.contains("the moves run one at a time in the background"), "{out}");
     let bytes = loop {
-        let bytes = shard_bytes(&rt, &c);
+        let bytes = rt.block_on(c.shard_bytes(SHARDS));
         let map = rt.block_on(async { Client::connect(c.rpc(2)).await.unwrap().cluster_map().await.unwrap() });
         if map.moving.is_none() && imbalance(&bytes) <= 1.1 {
             break bytes;

@@ -709,22 +709,9 @@ async fn move_partition(mib: u64, value_size: usize, rate_mib: Option<u32>) -> R
     Ok(())
 }
 
-/// Bytes each shard's leader holds, as the nodes report them.
-async fn shard_bytes(c: &TestCluster, shards: u32) -> Vec<u64> {
-    let mut bytes = vec![0u64; shards as usize];
-    for i in 0..c.len() {
-        let Ok(client) = Client::connect(c.rpc(i)).await else { continue };
-        let Ok(s) = client.cluster_status().await else { continue };
-        for r in s.local.iter().filter(|r| r.role == "leader" && r.shard < shards) {
-            bytes[r.shard as usize] = r.bytes;
-        }
-    }
-    bytes
-}
-
+/// Max over mean of the shards' bytes.
 fn max_over_mean(v: &[u64]) -> f64 {
-    let mean = v.iter().sum::<u64>() as f64 / v.len().max(1) as f64;
-    v.iter().copied().max().unwrap_or(0) as f64 / mean.max(1.0)
+    dmkv_common::cluster::rebalance::imbalance(&v.iter().map(|&b| b as f64).collect::<Vec<_>>())
 }
 
 async fn rebalance(mib: u64, value_size: usize, rate_mib: Option<u32>) -> Result<(), String> {
@@ -748,7 +735,7 @@ async fn rebalance(mib: u64, value_size: usize, rate_mib: Option<u32>) -> Result
     let k = Arc::clone(&keys);
     put_all(&client, n, &value, move |i| k[i].clone()).await?;
     println!("{n} keys of {value_size} B written to shard 0 in {:.1} s", started.elapsed().as_secs_f64());
-    let before = shard_bytes(&c, SHARDS).await;
+    let before = c.shard_bytes(SHARDS).await;
     let reader = ClientConfig::default().read_path(ReadPath::OneSided).transport(Some(Transport::Shm));
     let fg = Client::connect_with(c.rpc(0), reader.clone()).await.map_err(connect_err)?;
     let idle = Probe::start(fg.clone());
@@ -757,23 +744,8 @@ async fn rebalance(mib: u64, value_size: usize, rate_mib: Option<u32>) -> Result
     let during = Probe::start(fg);
     let version = client.cluster_map().await.map_err(|e| format!("map: {e}"))?.version;
     let t = Instant::now();
-    let mut plan = None;
-    for _ in 0..50 {
-        for i in 0..c.len() {
-            let admin = Client::connect(c.rpc(i)).await.map_err(connect_err)?;
-            match admin.rebalance(false, rate_mib).await {
-                Ok(r) => plan = Some(r),
-                Err(dmkv_client::ClientError::NotLeader { .. }) => continue,
-                Err(e) => return Err(format!("the rebalance failed at node {}: {e}", i + 1)),
-            }
-            break;
-        }
-        if plan.is_some() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let plan = plan.ok_or("no node leads the metadata group")?;
+    let plan =
+        at_meta_leader(&c, Duration::from_secs(10), async |admin| admin.rebalance(false, rate_mib).await).await?;
     // Each move flips the map two versions on (its plan, its flip).
     let done_at = version + 2 * plan.planned.len() as u64;
     loop {
@@ -788,7 +760,7 @@ async fn rebalance(mib: u64, value_size: usize, rate_mib: Option<u32>) -> Result
     }
     let took = t.elapsed();
     let during = during.stop().await;
-    let after = shard_bytes(&c, SHARDS).await;
+    let after = c.shard_bytes(SHARDS).await;
     idle.print("idle");
     during.print("during the rebalance");
     let moved: u64 = plan.planned.iter().map(|m| m.bytes).sum();
@@ -821,14 +793,24 @@ async fn move_at_meta_leader(
     to: u32,
     rate_mib: Option<u32>,
 ) -> Result<dmkv_common::proto::MovePartitionReply, String> {
-    let patient = ClientConfig::default().request_timeout(Duration::from_secs(600));
+    at_meta_leader(c, Duration::from_secs(600), async |admin| admin.move_partition(p, to, rate_mib).await).await
+}
+
+/// Asks each node in turn (`timeout` per request) until the one leading
+/// the metadata group answers something other than NOT_LEADER.
+async fn at_meta_leader<T>(
+    c: &TestCluster,
+    timeout: Duration,
+    ask: impl AsyncFn(Client) -> Result<T, dmkv_client::ClientError>,
+) -> Result<T, String> {
+    let patient = ClientConfig::default().request_timeout(timeout);
     for _ in 0..50 {
         for i in 0..c.len() {
             let admin = Client::connect_with(c.rpc(i), patient.clone()).await.map_err(connect_err)?;
-            match admin.move_partition(p, to, rate_mib).await {
+            match ask(admin).await {
                 Ok(r) => return Ok(r),
                 Err(dmkv_client::ClientError::NotLeader { .. }) => continue,
-                Err(e) => return Err(format!("the move failed at node {}: {e}", i + 1)),
+                Err(e) => return Err(format!("node {}: {e}", i + 1)),
             }
         }
         tokio::time::sleep(Duration::from_millis(100)).await;

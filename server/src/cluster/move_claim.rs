@@ -214,24 +214,19 @@ impl ClusterNode {
             (MovePhase::Abandoning, false) => {
                 Err(ClusterError::Failed(format!("the move of partition {p} is being abandoned")))
             }
-            (_, false) => {
+            (_, cancel) => {
+                // Claimed anew, so whichever mover held it stops.
+                let phase = if cancel { MovePhase::Abandoning } else { MovePhase::Paused };
                 let mut held = Held { map: map.clone(), stored };
                 let mut next = map;
-                next.moving =
-                    Some(Moving { claim: claim_after(stored), run: new_run(), phase: MovePhase::Paused, ..m });
+                next.moving = Some(Moving { claim: claim_after(stored), run: new_run(), phase, ..m });
                 self.rewrite(&mut held, next).await?;
-                tracing::info!(partition = p, "the move is paused");
-                Ok(reply("paused"))
-            }
-            (_, true) => {
-                let mut held = Held { map: map.clone(), stored };
-                let mut next = map;
-                next.moving =
-                    Some(Moving { claim: claim_after(stored), run: new_run(), phase: MovePhase::Abandoning, ..m });
-                self.rewrite(&mut held, next).await?;
-                tracing::info!(partition = p, "the move is cancelled");
-                self.undo(&mut held, "cancelled".into(), started.elapsed().as_millis() as u64).await?;
-                Ok(reply("cancelled"))
+                let outcome = if cancel { "cancelled" } else { "paused" };
+                tracing::info!(partition = p, "the move is {outcome}");
+                if cancel {
+                    self.undo(&mut held, outcome.into(), started.elapsed().as_millis() as u64).await?;
+                }
+                Ok(reply(outcome))
             }
         }
     }
