@@ -618,6 +618,10 @@ async fn rss(puts: usize, value_size: usize, memory_mib: u64) -> Result<(), Stri
 
 /// How long the foreground load runs idle before a move.
 const MOVE_IDLE: Duration = Duration::from_secs(5);
+/// How long a rebalance may flip nothing, with no move under way, before
+/// the bench calls it stopped (moves are a second apart; a stopped mover
+/// is resumed within seconds).
+const REBALANCE_STALL: Duration = Duration::from_secs(30);
 /// Keys of the moving partition its writer cycles over.
 const WRITER_KEYS: usize = 64;
 
@@ -748,10 +752,22 @@ async fn rebalance(mib: u64, value_size: usize, rate_mib: Option<u32>) -> Result
         at_meta_leader(&c, Duration::from_secs(10), async |admin| admin.rebalance(false, rate_mib).await).await?;
     // Each move flips the map two versions on (its plan, its flip).
     let done_at = version + 2 * plan.planned.len() as u64;
+    let mut last = (version, Instant::now());
     loop {
         let map = client.cluster_map().await.map_err(|e| format!("map: {e}"))?;
         if map.version >= done_at && map.moving.is_none() {
             break;
+        }
+        // A rebalance that stopped early (a move failed: its outcome is in
+        // the map's history) flips nothing more: say so, not wait an hour.
+        if map.version != last.0 {
+            last = (map.version, Instant::now());
+        } else if map.moving.is_none() && last.1.elapsed() > REBALANCE_STALL {
+            return Err(format!(
+                "the rebalance stopped at map version {} of {done_at}; last moves: {:?}",
+                map.version,
+                map.history.iter().rev().take(3).map(|m| (m.partition, m.outcome.as_str())).collect::<Vec<_>>()
+            ));
         }
         if t.elapsed() > Duration::from_secs(3600) {
             return Err(format!("the rebalance did not end within an hour (map version {})", map.version));
