@@ -84,7 +84,14 @@ impl TestCluster {
         durable: bool,
         args: &[&str],
     ) -> Result<TestCluster, String> {
-        TestCluster::try_start_with(nodes, shards, replicas, durable.then_some(None), args)
+        TestCluster::try_start_with(nodes, 0, shards, replicas, durable.then_some(None), args)
+    }
+
+    /// An in-memory [`TestCluster::start`] of `nodes` nodes holding the
+    /// shards and `spares` more (the last ones, `spare = true` in the
+    /// cluster file) holding none.
+    pub fn start_with_spares(nodes: usize, spares: usize, shards: u32, replicas: usize, args: &[&str]) -> TestCluster {
+        TestCluster::try_start_with(nodes, spares, shards, replicas, None, args).unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// A durable [`TestCluster::try_start`] whose nodes each keep their
@@ -97,13 +104,14 @@ impl TestCluster {
         bytes: u64,
         args: &[&str],
     ) -> Result<TestCluster, String> {
-        TestCluster::try_start_with(nodes, shards, replicas, Some(Some(bytes)), args)
+        TestCluster::try_start_with(nodes, 0, shards, replicas, Some(Some(bytes)), args)
     }
 
     /// `durable`: `None`, no data directories; `Some(tmpfs)`, each node's,
-    /// on a tmpfs of that size if given.
+    /// on a tmpfs of that size if given. The last `spares` nodes are spares.
     fn try_start_with(
-        nodes: usize,
+        placed: usize,
+        spares: usize,
         shards: u32,
         replicas: usize,
         durable: Option<Option<u64>>,
@@ -111,6 +119,7 @@ impl TestCluster {
     ) -> Result<TestCluster, String> {
         let dir = std::env::temp_dir().join(format!("dmkv-cluster-{}-{}", std::process::id(), free_port()));
         std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        let nodes = placed + spares;
         let mut text = format!("shards = {shards}\nreplicas = {replicas}\n");
         let mut rpc = Vec::new();
         let ips = peer_ips(nodes);
@@ -120,7 +129,7 @@ impl TestCluster {
             let (pl, pp) = held_port_on(*ip);
             held.extend([rl, pl]);
             let (r, p) = (format!("127.0.0.1:{rp}"), format!("{ip}:{pp}"));
-            text += &format!("[[node]]\nid = {id}\nrpc = \"{r}\"\npeer = \"{p}\"\n");
+            text += &format!("[[node]]\nid = {id}\nrpc = \"{r}\"\npeer = \"{p}\"\nspare = {}\n", id > placed);
             rpc.push(r);
         }
         drop(held);
@@ -147,16 +156,17 @@ impl TestCluster {
         // Clients of TLS or authenticating clusters bring their own
         // settings: their tests wait for what they need.
         if !c.args.iter().any(|a| a == "--tls-cert" || a == "--auth-file") {
-            c.wait_settled(shards, replicas)?;
+            c.wait_settled(placed, shards, replicas)?;
         }
         Ok(c)
     }
 
     /// Waits (up to 20 s) until every shard, and the metadata group, has a
     /// leader whose members are `replicas` voters on distinct nodes (the
-    /// metadata group: the first three) and no learner: nodes that start
-    /// apart can have one join as a new member first.
-    fn wait_settled(&self, shards: u32, replicas: usize) -> Result<(), String> {
+    /// metadata group: the first three that are not spares) and no
+    /// learner: nodes that start apart can have one join as a new member
+    /// first.
+    fn wait_settled(&self, placed: usize, shards: u32, replicas: usize) -> Result<(), String> {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -172,7 +182,7 @@ impl TestCluster {
                         // The metadata group has its own size: the first
                         // three nodes.
                         let want = match r.shard {
-                            META_SHARD => self.rpc.len().min(META_REPLICAS),
+                            META_SHARD => placed.min(META_REPLICAS),
                             _ => replicas,
                         };
                         let nodes: std::collections::BTreeSet<u64> = r.voters.iter().map(|v| v >> 32).collect();

@@ -560,3 +560,58 @@ fn transfer_leader_hands_a_shard_to_the_node_named_and_refuses_what_cannot_be() 
         client.put("after-transfers", "1").await.expect("a PUT after the transfers");
     });
 }
+
+/// One memcached text command and its answer's lines up to `last`.
+fn memcached(s: &mut std::io::BufReader<std::net::TcpStream>, cmd: &str, last: &str) -> Vec<String> {
+    use std::io::{BufRead, Write};
+    s.get_mut().write_all(cmd.as_bytes()).expect("send to the memcached port");
+    let mut lines = Vec::new();
+    loop {
+        let mut l = String::new();
+        s.read_line(&mut l).expect("a memcached answer");
+        let end = l.is_empty() || l.starts_with(last) || l.contains("ERROR");
+        lines.push(l);
+        if end {
+            return lines;
+        }
+    }
+}
+
+#[test]
+fn a_spare_node_holds_no_replica_and_serves_every_key_through_the_others() {
+    let c = TestCluster::start_with_spares(3, 1, 3, 3, &["--memcached-listen", "127.0.0.1:0"]);
+    let spare = 3;
+    rt().block_on(async {
+        c.leaders_known(0).await;
+        let status = Client::connect(c.rpc(spare)).await.expect("connect").cluster_status().await.expect("status");
+        assert_eq!(status.node_id, 4);
+        assert!(status.local.is_empty(), "the spare has replicas: {:?}", status.local);
+        assert!(status.nodes.iter().any(|n| n.id == 4), "the spare is in the map: {:?}", status.nodes);
+        assert!(status.shards.iter().all(|s| !s.replicas.contains(&4)), "placed on the spare: {:?}", status.shards);
+        // A client seeded with the spare reaches every shard.
+        let client = Client::connect(c.rpc(spare)).await.expect("connect");
+        for i in 0..60 {
+            client.put(format!("sp-{i}"), format!("v{i}")).await.expect("put");
+        }
+        let other = Client::connect(c.rpc(0)).await.expect("connect");
+        for i in 0..60 {
+            assert_eq!(other.get(format!("sp-{i}")).await.expect("get").as_deref(), Some(format!("v{i}").as_bytes()));
+        }
+    });
+    // memcached's port on the spare passes every key on.
+    let port: u16 =
+        c.endpoint(spare, "memcached").expect("a memcached port").rsplit(':').next().unwrap().parse().unwrap();
+    let s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect to the spare's memcached port");
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut s = std::io::BufReader::new(s);
+    for i in 0..30 {
+        let v = format!("mc{i}");
+        let set = memcached(&mut s, &format!("set spmc-{i} 0 0 {}\r\n{v}\r\n", v.len()), "STORED");
+        assert_eq!(set, vec!["STORED\r\n".to_string()], "set spmc-{i}");
+        let got = memcached(&mut s, &format!("get sp-{i}\r\n"), "END");
+        assert_eq!(
+            got,
+            vec![format!("VALUE sp-{i} 0 {}\r\n", format!("v{i}").len()), format!("v{i}\r\n"), "END\r\n".into()]
+        );
+    }
+}

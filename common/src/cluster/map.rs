@@ -9,7 +9,7 @@
 //! terms instead. A shard checks what it owns itself; the map only routes
 //! (docs/elasticity.md).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use thiserror::Error;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -66,11 +66,11 @@ pub fn partition_of(key: &[u8]) -> u32 {
 /// What is wrong with a map (built locally or received).
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum MapError {
-    #[error("a cluster needs at least one node")]
+    #[error("a cluster needs at least one node that is not a spare")]
     NoNodes,
     #[error("{0} shards: must be 1 to {MAX_SHARDS}")]
     Shards(u32),
-    #[error("replication factor {rf} with {nodes} nodes: must be 1 to min(nodes, {MAX_REPLICAS})")]
+    #[error("replication factor {rf} with {nodes} nodes (spares aside): must be 1 to min(nodes, {MAX_REPLICAS})")]
     ReplicationFactor { rf: usize, nodes: usize },
     #[error("partition table has {0} entries, not {PARTITIONS}")]
     PartitionCount(usize),
@@ -246,16 +246,27 @@ impl ClusterMap {
     /// The first map of a cluster: `shards` shards of `rf` replicas placed
     /// round-robin on distinct nodes, partitions dealt out round-robin.
     pub fn initial(nodes: BTreeMap<NodeId, String>, shards: u32, rf: usize) -> Result<ClusterMap, MapError> {
-        if nodes.is_empty() {
+        ClusterMap::initial_with_spares(nodes, &BTreeSet::new(), shards, rf)
+    }
+
+    /// [`ClusterMap::initial`] with `spares`: nodes of the cluster (in its
+    /// map, reachable, able to take replicas later) given none at first.
+    pub fn initial_with_spares(
+        nodes: BTreeMap<NodeId, String>,
+        spares: &BTreeSet<NodeId>,
+        shards: u32,
+        rf: usize,
+    ) -> Result<ClusterMap, MapError> {
+        let ids: Vec<NodeId> = nodes.keys().copied().filter(|n| !spares.contains(n)).collect();
+        if ids.is_empty() {
             return Err(MapError::NoNodes);
         }
         if shards == 0 || shards > MAX_SHARDS {
             return Err(MapError::Shards(shards));
         }
-        if rf == 0 || rf > nodes.len() || rf > MAX_REPLICAS {
-            return Err(MapError::ReplicationFactor { rf, nodes: nodes.len() });
+        if rf == 0 || rf > ids.len() || rf > MAX_REPLICAS {
+            return Err(MapError::ReplicationFactor { rf, nodes: ids.len() });
         }
-        let ids: Vec<NodeId> = nodes.keys().copied().collect();
         let shards = (0..shards)
             .map(|s| ShardInfo {
                 id: s,

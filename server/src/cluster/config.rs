@@ -10,7 +10,20 @@
 //! id = 1
 //! rpc = "127.0.0.1:7070"    # clients
 //! peer = "127.0.0.1:7170"   # raft traffic between nodes; dials to peers leave from its IP
+//!
+//! [[node]]
+//! id = 4
+//! rpc = "127.0.0.1:7073"
+//! peer = "127.0.0.1:7173"
+//! spare = true              # in the cluster, given no replicas at first
 //! ```
+//!
+//! A spare is a member every node can reach (its peers know its address
+//! and, with peer TLS, its identity) that the first placement leaves out:
+//! it serves clients by passing their requests on, and is where
+//! replicas go when the cluster grows. Since the first placement is
+//! computed from the file's non-spare nodes only, a spare can be added to
+//! the file (and the nodes restarted one by one) without moving anything.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -41,6 +54,9 @@ pub struct NodeEntry {
     pub id: NodeId,
     pub rpc: SocketAddr,
     pub peer: SocketAddr,
+    /// Given no replicas (nor a place in the metadata group) at first.
+    #[serde(default)]
+    pub spare: bool,
 }
 
 /// A checked cluster file.
@@ -85,14 +101,19 @@ impl ClusterConfig {
                 }
             }
         }
-        let replicas = f.replicas.unwrap_or(DEFAULT_REPLICAS.min(f.node.len()));
-        if replicas == 0 || replicas > f.node.len() || replicas > MAX_REPLICAS {
+        let placed = f.node.iter().filter(|n| !n.spare).count();
+        if placed == 0 {
+            return Err("cluster file: every node is a spare; at least one must hold replicas".into());
+        }
+        let replicas = f.replicas.unwrap_or(DEFAULT_REPLICAS.min(placed));
+        if replicas == 0 || replicas > placed || replicas > MAX_REPLICAS {
             return Err(format!(
-                "cluster file: replicas = {replicas}, must be 1 to {} (nodes, at most {MAX_REPLICAS})",
-                f.node.len().min(MAX_REPLICAS)
+                "cluster file: replicas = {replicas}, must be 1 to {} (nodes that are not spares, at most \
+                 {MAX_REPLICAS})",
+                placed.min(MAX_REPLICAS)
             ));
         }
-        let shards = f.shards.unwrap_or(DEFAULT_SHARDS_PER_NODE * f.node.len() as u32);
+        let shards = f.shards.unwrap_or(DEFAULT_SHARDS_PER_NODE * placed as u32);
         let cfg = ClusterConfig { nodes: f.node, shards, replicas };
         cfg.initial_map().map_err(|e| format!("cluster file: {e}"))?;
         Ok(cfg)
@@ -106,10 +127,18 @@ impl ClusterConfig {
         })
     }
 
-    /// The cluster's first map.
+    /// The cluster's first map: every node in it, replicas on the nodes
+    /// that are not spares.
     pub fn initial_map(&self) -> Result<ClusterMap, dmkv_common::cluster::map::MapError> {
         let nodes: BTreeMap<NodeId, String> = self.nodes.iter().map(|n| (n.id, n.rpc.to_string())).collect();
-        ClusterMap::initial(nodes, self.shards, self.replicas)
+        let spares: BTreeSet<NodeId> = self.nodes.iter().filter(|n| n.spare).map(|n| n.id).collect();
+        ClusterMap::initial_with_spares(nodes, &spares, self.shards, self.replicas)
+    }
+
+    /// The nodes the first placement uses (the metadata group's are the
+    /// first of them).
+    pub fn placed_nodes(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.nodes.iter().filter(|n| !n.spare).map(|n| n.id)
     }
 }
 
@@ -158,5 +187,20 @@ peer = "127.0.0.1:7172"
         // One node: one replica by default.
         let one = "[[node]]\nid = 1\nrpc = \"127.0.0.1:7070\"\npeer = \"127.0.0.1:7170\"\n";
         assert_eq!(ClusterConfig::parse(one).unwrap().replicas, 1);
+    }
+
+    #[test]
+    fn a_spare_joins_the_map_but_not_the_placement_and_adding_one_moves_nothing() {
+        let with_spare =
+            format!("{THREE}[[node]]\nid = 4\nrpc = \"127.0.0.1:7073\"\npeer = \"127.0.0.1:7173\"\nspare = true\n");
+        let (c, first) = (ClusterConfig::parse(&with_spare).unwrap(), ClusterConfig::parse(THREE).unwrap());
+        let (m, m0) = (c.initial_map().unwrap(), first.initial_map().unwrap());
+        assert_eq!(m.nodes.get(&4).map(String::as_str), Some("127.0.0.1:7073"));
+        assert_eq!(m.shards(), m0.shards(), "the spare holds nothing and changes nothing");
+        assert_eq!(c.placed_nodes().collect::<Vec<_>>(), vec![1, 2, 3]);
+        // Replicas count only the nodes that take them.
+        assert!(ClusterConfig::parse(&format!("replicas = 4\n{with_spare}")).unwrap_err().contains("not spares"));
+        let all_spare = "[[node]]\nid = 1\nrpc = \"127.0.0.1:7070\"\npeer = \"127.0.0.1:7170\"\nspare = true\n";
+        assert!(ClusterConfig::parse(all_spare).unwrap_err().contains("every node is a spare"));
     }
 }

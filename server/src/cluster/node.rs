@@ -254,7 +254,7 @@ impl ClusterNode {
         let data_shards = local.len();
         // The metadata group, on the first nodes: a shard like the others
         // to raft, its log and its snapshots, that holds the map.
-        let meta_nodes = meta_nodes(cfg.nodes.iter().map(|n| n.id));
+        let meta_nodes = meta_nodes(cfg.placed_nodes());
         if meta_nodes.contains(&me) {
             local.push(ShardInfo { id: META_SHARD, replicas: meta_nodes.clone(), leader: None, term: 0 });
         }

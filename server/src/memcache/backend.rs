@@ -312,8 +312,8 @@ impl McKv<'_> {
     async fn run(&self, key: &[u8], op: Op, write: bool) -> Result<R, Error> {
         let McKv::Cluster { node, shared } = self else { return Err(Error::Unavailable) };
         let deadline = tokio::time::Instant::now() + MAX_LEADER_WAIT;
-        let mut target = None;
-        let mut hops = 0;
+        let mut target = first_hop(node, key, 0);
+        let (mut hops, mut asks) = (0, 0);
         loop {
             let r = match target {
                 Some(to) if to != node.id => forwarded(node.forward.call(to, op.clone()).await, write),
@@ -334,13 +334,31 @@ impl McKv<'_> {
                     if tokio::time::Instant::now() < deadline =>
                 {
                     tokio::time::sleep(LEADER_POLL).await;
-                    target = node.map().shard_of(key).leader;
+                    asks += 1;
+                    target = first_hop(node, key, asks);
                     hops = 0;
                 }
                 code => return Err(error_of(code, &e)),
             }
         }
     }
+}
+
+/// Where a request for `key` goes first (`None`: here): the leader this
+/// node knows; else, if it holds no replica of the key's shard (a spare,
+/// or a shard placed elsewhere), one of the shard's nodes, a different
+/// one each `ask`, whose NOT_LEADER names the leader. Leaders are learnt
+/// from a node's own replicas, so one without any would otherwise wait
+/// for an election it never hears of.
+fn first_hop(node: &ClusterNode, key: &[u8], ask: usize) -> Option<NodeId> {
+    let map = node.map();
+    let shard = map.shard_of(key);
+    shard.leader.or_else(|| {
+        if shard.replicas.contains(&node.id) || shard.replicas.is_empty() {
+            return None;
+        }
+        Some(shard.replicas[ask % shard.replicas.len()])
+    })
 }
 
 /// Sends `op` to node `to` (this one: runs it here).
