@@ -2,6 +2,8 @@
 # Runs a 3-node dmkv cluster on loopback, for trying things out and tests.
 #
 #   deploy/local-cluster.sh start            # build if needed, start nodes 1-3
+#   deploy/local-cluster.sh add-node         # start node 4 (a spare) and give it its share of replicas
+#   deploy/local-cluster.sh remove-node NODE # move every replica off a node (it stays, a spare)
 #   deploy/local-cluster.sh status           # processes and `dmkv cluster status`
 #   deploy/local-cluster.sh kill NODE        # SIGKILL one node (a crash)
 #   deploy/local-cluster.sh restart NODE     # start it again (from its raft log)
@@ -19,6 +21,8 @@ set -euo pipefail
 
 cd "$(dirname "$0")/.."
 NODES=3
+# Node 4 is listed as a spare (no replicas until add-node gives it some).
+ALL=4
 PORT=${DMKV_CLUSTER_PORT:-7070}
 DIR=${DMKV_CLUSTER_DIR:-${TMPDIR:-/tmp}/dmkv-local-cluster}
 MEMORY=${DMKV_CLUSTER_MEMORY:-256MiB}
@@ -40,11 +44,12 @@ write_config() {
         echo "# written by deploy/local-cluster.sh"
         echo "shards = 6"
         echo "replicas = 3"
-        for n in $(seq 1 $NODES); do
+        for n in $(seq 1 $ALL); do
             echo "[[node]]"
             echo "id = $n"
             echo "rpc = \"127.0.0.1:$((PORT + n - 1))\""
             echo "peer = \"127.0.0.1:$((PORT + 100 + n - 1))\""
+            if (( n > NODES )); then echo "spare = true"; fi
         done
     } > "$DIR/cluster.toml"
 }
@@ -92,7 +97,7 @@ wait_leaders() {
 }
 
 node_arg() {
-    [[ ${1:-} =~ ^[1-9][0-9]*$ && $1 -le $NODES ]] || die "name a node: 1 to $NODES"
+    [[ ${1:-} =~ ^[1-9][0-9]*$ && $1 -le $ALL ]] || die "name a node: 1 to $ALL"
 }
 
 stop_node() {
@@ -113,17 +118,17 @@ start)
     echo "cluster up: clients may use any of 127.0.0.1:$PORT-$((PORT + NODES - 1)); state in $DIR"
     ;;
 stop)
-    for n in $(seq 1 $NODES); do
+    for n in $(seq 1 $ALL); do
         if running "$n"; then kill -TERM "$(pid_of "$n")"; fi
     done
-    for n in $(seq 1 $NODES); do stop_node "$n"; done
+    for n in $(seq 1 $ALL); do stop_node "$n"; done
     echo "cluster stopped (raft logs kept in $DIR; remove it to start afresh)"
     ;;
 status)
-    for n in $(seq 1 $NODES); do
+    for n in $(seq 1 $ALL); do
         if running "$n"; then echo "node $n: running (pid $(pid_of "$n"))"; else echo "node $n: stopped"; fi
     done
-    for n in $(seq 1 $NODES); do
+    for n in $(seq 1 $ALL); do
         if running "$n"; then
             exec "$DMKV" --server "127.0.0.1:$((PORT + n - 1))" cluster status
         fi
@@ -149,11 +154,27 @@ restart)
     wait_serving "$2"
     echo "node $2 restarted"
     ;;
+add-node)
+    [[ -f $DIR/cluster.toml ]] || die "no cluster here; run: $0 start"
+    grep -q "^id = $ALL\$" "$DIR/cluster.toml" ||
+        die "$DIR/cluster.toml lists no node $ALL (written by an older version): stop, remove $DIR, start again"
+    if ! running "$ALL"; then
+        : > "$DIR/node$ALL.out"
+        start_node "$ALL"
+        wait_serving "$ALL"
+    fi
+    "$DMKV" --server "127.0.0.1:$PORT" cluster add-node "$ALL"
+    ;;
+remove-node)
+    node_arg "${2:-}"
+    "$DMKV" --server "127.0.0.1:$PORT" cluster remove-node "$2"
+    ;;
 rolling-restart)
     # One node at a time: a stopping node hands its shards' leadership
     # over first, so clients see no election.
     [[ -f $DIR/cluster.toml ]] || die "no cluster here; run: $0 start"
-    for n in $(seq 1 $NODES); do
+    for n in $(seq 1 $ALL); do
+        if ((n > NODES)) && ! running "$n"; then continue; fi
         stop_node "$n"
         : > "$DIR/node$n.out"
         start_node "$n"
@@ -163,7 +184,7 @@ rolling-restart)
     done
     ;;
 *)
-    sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
     ;;
 esac

@@ -166,6 +166,16 @@ impl Client {
         self.run(self.inner.replace_replica(shard))
     }
 
+    /// See [`crate::Client::move_replica`].
+    pub fn move_replica(
+        &self,
+        shard: u32,
+        from: u64,
+        to: u64,
+    ) -> Result<dmkv_common::proto::MoveReplicaReply, ClientError> {
+        self.run(self.inner.move_replica(shard, from, to))
+    }
+
     /// See [`AsyncClient::move_partition`].
     pub fn move_partition(
         &self,

@@ -288,6 +288,11 @@ impl Client {
         self.inner.node.move_partition(partition, to, rate_mib).await
     }
 
+    /// See [`crate::session::Session::move_replica`].
+    pub async fn move_replica(&self, shard: u32, from: u64, to: u64) -> Result<proto::MoveReplicaReply, ClientError> {
+        self.inner.node.move_replica(shard, from, to).await
+    }
+
     /// See [`crate::session::Session::rebalance`].
     pub async fn rebalance(
         &self,

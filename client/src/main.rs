@@ -155,6 +155,26 @@ enum ClusterCmd {
     /// Cancel the move of a partition under way (before its cut-over):
     /// the target drops what it took and the partition stays where it was.
     CancelMove { partition: u32 },
+    /// Move a shard's replica from one node to another: the new one joins,
+    /// catches up and votes before the old one leaves (docs/elasticity.md).
+    MoveReplica {
+        #[arg(long)]
+        shard: u32,
+        /// The node the replica leaves.
+        #[arg(long)]
+        from: u64,
+        /// The node it goes to.
+        #[arg(long)]
+        to: u64,
+    },
+    /// Give a node (a spare, or one emptied by remove-node) its share of
+    /// replicas, moved one at a time from the nodes holding the most; then
+    /// `rebalance` spreads leaders. NODE is its id or its client address.
+    AddNode { node: String },
+    /// Move every replica off a node, one at a time, each to the node
+    /// holding the fewest that has none of that shard; the node stays in
+    /// the cluster as a spare. NODE is its id or its client address.
+    RemoveNode { node: String },
     /// Hand a shard's leadership to another node's replica (before
     /// stopping a node by hand, or to spread leaders): the leader gives its
     /// lease up and hands over once that replica has caught up.
@@ -461,6 +481,30 @@ fn run(cli: Cli, explicit: Explicit) -> Result<ExitCode, Failure> {
             .map_err(written)?;
             Ok(ExitCode::SUCCESS)
         }
+        Cmd::Cluster { cmd: ClusterCmd::MoveReplica { shard, from, to } } => {
+            let r = at_meta_leader(&client, &cfg, |c| c.move_replica(shard, from, to))?;
+            writeln!(stdout, "{}", replica_moved(shard, from, to, &r)).map_err(written)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Cluster { cmd: ClusterCmd::AddNode { node } } => {
+            let map = client.cluster_status().map_err(|e| format!("{e} (is this server a cluster node?)"))?;
+            let id = node_named(&map, &node)?;
+            let (shards, nodes) = placement_of(&map);
+            let moves = dmkv_common::cluster::replica_plan::plan_add(&shards, &nodes, id);
+            run_replica_moves(&client, &cfg, &moves, &mut stdout)?;
+            writeln!(stdout, "node {id} holds its share ({} replicas moved to it)", moves.len()).map_err(written)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Cluster { cmd: ClusterCmd::RemoveNode { node } } => {
+            let map = client.cluster_status().map_err(|e| format!("{e} (is this server a cluster node?)"))?;
+            let id = node_named(&map, &node)?;
+            let (shards, nodes) = placement_of(&map);
+            let moves = dmkv_common::cluster::replica_plan::plan_remove(&shards, &nodes, id)?;
+            run_replica_moves(&client, &cfg, &moves, &mut stdout)?;
+            writeln!(stdout, "node {id} holds no replica ({} moved off it); it stays a spare", moves.len())
+                .map_err(written)?;
+            Ok(ExitCode::SUCCESS)
+        }
         Cmd::Cluster { cmd: ClusterCmd::TransferLeader { shard, to } } => {
             let r = transfer_leader(&client, &cfg, shard, to)?;
             let line = match r.from == r.to {
@@ -519,17 +563,68 @@ fn transfer_leader(
     Err(last)
 }
 
+/// The node `name` names: its id, or its client address as the map has it.
+fn node_named(map: &dmkv_common::proto::ClusterMapReply, name: &str) -> Result<u64, String> {
+    let found = match name.parse::<u64>() {
+        Ok(id) => map.nodes.iter().find(|n| n.id == id),
+        Err(_) => map.nodes.iter().find(|n| n.rpc == name),
+    };
+    found.map(|n| n.id).ok_or_else(|| {
+        let known: Vec<String> = map.nodes.iter().map(|n| format!("{} ({})", n.id, n.rpc)).collect();
+        format!(
+            "no node {name} in the cluster (nodes: {}); a new node is listed in the cluster file first",
+            known.join(", ")
+        )
+    })
+}
+
+/// Each shard's nodes, and every node, as the map has them.
+fn placement_of(map: &dmkv_common::proto::ClusterMapReply) -> (Vec<(u32, Vec<u64>)>, Vec<u64>) {
+    let shards = map.shards.iter().map(|s| (s.id, s.replicas.clone())).collect();
+    let mut nodes: Vec<u64> = map.nodes.iter().map(|n| n.id).collect();
+    nodes.sort_unstable();
+    (shards, nodes)
+}
+
+/// Carries `moves` out one at a time at the metadata group's leader,
+/// printing each as it ends; stops at the first that fails.
+fn run_replica_moves(
+    client: &Client,
+    cfg: &ClientConfig,
+    moves: &[dmkv_common::cluster::replica_plan::ReplicaMove],
+    out: &mut impl Write,
+) -> Result<(), Failure> {
+    for (i, m) in moves.iter().enumerate() {
+        let r = at_meta_leader(client, cfg, |c| c.move_replica(m.shard, m.from, m.to)).map_err(|e| {
+            format!("move {} of {} (shard {}: node {} -> {}): {e}", i + 1, moves.len(), m.shard, m.from, m.to)
+        })?;
+        writeln!(out, "[{}/{}] {}", i + 1, moves.len(), replica_moved(m.shard, m.from, m.to, &r)).map_err(written)?;
+    }
+    Ok(())
+}
+
+fn replica_moved(shard: u32, from: u64, to: u64, r: &dmkv_common::proto::MoveReplicaReply) -> String {
+    match r.outcome.as_str() {
+        "already" => format!("shard {shard}: its replica is on node {to}, not {from}, already"),
+        _ => format!(
+            "shard {shard}: replica moved from node {from} to node {to} (map version {}) in {:.1} s",
+            r.version,
+            r.total_ms as f64 / 1000.0
+        ),
+    }
+}
+
 /// Most `dmkv cluster move-partition` waits for the move's answer.
 const MOVE_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// Asks the metadata group's leader (to move a partition, or pause or
 /// cancel a move): the nodes in turn (the group's are the first by id),
 /// following NOT_LEADER.
-fn at_meta_leader(
+fn at_meta_leader<T>(
     client: &Client,
     cfg: &ClientConfig,
-    ask: impl Fn(&Client) -> Result<dmkv_common::proto::MovePartitionReply, dmkv_client::ClientError>,
-) -> Result<dmkv_common::proto::MovePartitionReply, String> {
+    ask: impl Fn(&Client) -> Result<T, dmkv_client::ClientError>,
+) -> Result<T, String> {
     let map = client.cluster_status().map_err(|e| format!("{e} (is this server a cluster node?)"))?;
     let mut nodes: Vec<(u64, String)> = map.nodes.iter().map(|n| (n.id, n.rpc.clone())).collect();
     nodes.sort();

@@ -1007,6 +1007,16 @@ impl Session {
         }
     }
 
+    /// Admin: moves shard `shard`'s replica from node `from` to node `to`
+    /// (asked of the node leading the metadata group): answered once the
+    /// new replica votes and the old one left.
+    pub async fn move_replica(&self, shard: u32, from: u64, to: u64) -> Result<proto::MoveReplicaReply, ClientError> {
+        match self.inner.pool.call(Op::MoveReplica(proto::MoveReplica { shard, from, to })).await? {
+            R::MoveReplica(r) => Ok(r),
+            other => Err(unexpected(&other)),
+        }
+    }
+
     /// Admin: plans a rebalance of the cluster (partition moves that even
     /// out the shards' fill, leader transfers that even out the leaders);
     /// unless `dry_run`, the node starts the moves in the background, one

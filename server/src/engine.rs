@@ -26,7 +26,7 @@ use crate::access::{Denied, Gate, handshake_timeout};
 use crate::counters::EngineCounters;
 use crate::framed;
 use crate::listen;
-use crate::registration::{Served, find_by_rkey};
+use crate::registration::{ServedSet, find_by_rkey};
 
 /// Threads of the engine's runtime: like a NIC's several read engines, so
 /// one busy connection does not hold up the others.
@@ -72,8 +72,8 @@ pub struct Bounds {
 /// What the engine serves and how: the region and its registration, the
 /// counters it keeps, and who may connect.
 pub struct Engine {
-    /// The regions it reads (at least one), found by the rkey of each read.
-    pub regions: Arc<[Served]>,
+    /// The regions it reads, found by the rkey of each read.
+    pub regions: ServedSet,
     pub counters: Arc<EngineCounters>,
     pub bounds: Bounds,
     pub gate: Arc<Gate>,
@@ -88,7 +88,7 @@ pub async fn serve(listener: TcpListener, engine: Engine, shutdown: watch::Recei
     let Engine { regions, counters, bounds, gate, tls, stats } = engine;
     let conn_stats = Arc::clone(&stats);
     let mut conns = listen::serve(listener, stats, bounds.max_connections, shutdown, move |(stream, peer)| {
-        let reads = Reads { regions: Arc::clone(&regions), counters: Arc::clone(&counters), peer, wrs: Vec::new() };
+        let reads = Reads { regions: regions.clone(), counters: Arc::clone(&counters), peer, wrs: Vec::new() };
         let conn =
             Conn { gate: Arc::clone(&gate), tls: tls.clone(), limits: bounds.limits, stats: Arc::clone(&conn_stats) };
         serve_connection(stream, reads, conn, rx.clone())
@@ -164,7 +164,7 @@ async fn handshake(
 /// One engine connection's reads: checked against the registration like a
 /// NIC would, then copied out of the region.
 struct Reads {
-    regions: Arc<[Served]>,
+    regions: ServedSet,
     counters: Arc<EngineCounters>,
     peer: SocketAddr,
     /// The batch being answered; kept to reuse its allocation.
@@ -181,10 +181,15 @@ impl framed::Handler for Reads {
         // of a cluster region judges the lease by these (`lease::judge`).
         let mut reply = ReplyBuilder::new(out, batch_id, self.wrs.len(), crate::clock::mono_ns());
         let mut bytes = 0u64;
+        let regions = self.regions.current();
         for (i, w) in self.wrs.iter().enumerate() {
-            // An rkey no region has is checked against the first region's,
-            // which refuses it like a NIC would.
-            let target = find_by_rkey(&self.regions, w.rkey).unwrap_or(&self.regions[0]);
+            // An rkey no region has is refused like a NIC would.
+            let Some(target) = find_by_rkey(&regions, w.rkey) else {
+                self.counters.rejected.fetch_add(1, Ordering::Relaxed);
+                debug!(peer = ?self.peer, offset = w.offset, len = w.len, "one-sided read of no region rejected");
+                reply.push(i, ReadStatus::BadRkey, w.len, |_| {});
+                continue;
+            };
             let status = check_read(w, target.reg.rkey(), target.region.len() as u64, bytes);
             if status == ReadStatus::Success {
                 bytes += w.len as u64;

@@ -122,6 +122,8 @@ impl Server {
                 cluster::meta::spawn_map_refresh(&node, stop.1.clone());
                 // Stopped moves carried on by the group's leader.
                 cluster::move_resume::spawn_move_resumer(&node, stop.1.clone());
+                // Replicas opened and closed as the map places shards.
+                cluster::reconcile::spawn_reconciler(&node, stop.1.clone());
                 if cfg.evict == config::Evict::Lru {
                     // Leaders choose, the log removes (docs/eviction.md).
                     cluster::node::start_eviction(&node, stop.1.clone());
@@ -290,9 +292,9 @@ impl Server {
         // What one-sided readers may read: the node's region, or in a
         // cluster each of its shard replicas' (read only under a lease).
         let served = self.shared.node.served();
-        if let Some(l) = self.engine.filter(|_| !served.is_empty()) {
+        if let Some(l) = self.engine {
             let engine = engine::Engine {
-                regions: Arc::clone(&served),
+                regions: served.clone(),
                 counters: Arc::clone(&self.shared.engine_counters),
                 bounds: engine::Bounds { max_connections: self.max_engine_connections, limits: self.shared.limits },
                 gate: Arc::clone(&self.shared.gate),
@@ -312,13 +314,13 @@ impl Server {
             }
         }
         if let Some(l) = self.shm {
-            let (served, rx) = (Arc::clone(&served), stop_rx.clone());
+            let (served, rx) = (served.clone(), stop_rx.clone());
             let cap = self.max_shm_connections;
             let gate = Arc::clone(&self.shared.gate);
             let stats = Arc::clone(&self.shared.metrics.shm);
             let shared = Arc::clone(&self.shared);
             side.spawn(async move {
-                if let Err(e) = shm::serve(l, &served, gate, cap, stats, rx).await {
+                if let Err(e) = shm::serve(l, served, gate, cap, stats, rx).await {
                     warn!("shared-memory handoff stopped: {e}");
                     let _ = shared.metrics.failed.set(format!("shared-memory handoff stopped: {e}"));
                 }

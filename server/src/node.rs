@@ -28,7 +28,7 @@ use crate::compact::{self, Compactor};
 use crate::config::validate::{human, plain};
 use crate::kv::{self, Item, ItemMeta, Kv, arith_of, expiry_of, write_of};
 use crate::region::Region;
-use crate::registration::{Registration, Served};
+use crate::registration::{Registration, Served, ServedSet};
 use crate::store::{Location, Store};
 
 /// What this node serves (a handle: cloning it shares the node).
@@ -371,6 +371,10 @@ impl Node {
         Ok(self.cluster_only()?.join_shard(shard, replica_id).await?)
     }
 
+    pub async fn leave_shard(&self, shard: ShardId, replica_id: u64) -> Result<JoinStep, NodeError> {
+        Ok(self.cluster_only()?.leave_shard(shard, replica_id).await?)
+    }
+
     pub async fn replace_replica(&self, shard: ShardId) -> Result<u64, NodeError> {
         Ok(self.cluster_only()?.replace_replica(shard).await?)
     }
@@ -402,6 +406,15 @@ impl Node {
         match tokio::spawn(run).await {
             Ok(r) => Ok(r?),
             Err(e) => Err(NodeError::Internal(format!("the mover failed: {e}"))),
+        }
+    }
+
+    /// Runs apart from the connection that asked, as a partition move.
+    pub async fn move_replica(&self, m: proto::MoveReplica) -> Result<proto::MoveReplicaReply, NodeError> {
+        let c = self.cluster().cloned().ok_or_else(|| NodeError::BadRequest(NOT_IN_CLUSTER.into()))?;
+        match tokio::spawn(async move { c.move_replica(m.shard, m.from, m.to).await }).await {
+            Ok(r) => Ok(r?),
+            Err(e) => Err(NodeError::Internal(format!("the replica move failed: {e}"))),
         }
     }
 
@@ -465,15 +478,14 @@ impl Node {
         }
     }
 
-    /// What the engine and the shm handoff serve.
-    pub fn served(&self) -> Arc<[Served]> {
+    /// What the engine and the shm handoff serve (a cluster node's
+    /// regions change as its replicas open and close).
+    pub fn served(&self) -> ServedSet {
         match self {
             Node::Single(s) => {
-                vec![Served { region: Arc::clone(s.store.region()), reg: Arc::clone(&s.registration) }].into()
+                ServedSet::new(vec![Served { region: Arc::clone(s.store.region()), reg: Arc::clone(&s.registration) }])
             }
-            Node::Cluster(c) => {
-                c.regions().into_iter().map(|r| Served { region: Arc::clone(r.store.region()), reg: r.reg }).collect()
-            }
+            Node::Cluster(c) => c.served(),
         }
     }
 
@@ -488,10 +500,10 @@ impl Node {
     }
 
     /// The stores holding this node's data.
-    pub fn stores(&self) -> Vec<&Arc<Store>> {
+    pub fn stores(&self) -> Vec<Arc<Store>> {
         match self {
-            Node::Single(s) => vec![&s.store],
-            Node::Cluster(c) => c.stores().collect(),
+            Node::Single(s) => vec![Arc::clone(&s.store)],
+            Node::Cluster(c) => c.stores(),
         }
     }
 
@@ -531,10 +543,10 @@ impl Node {
                 out
             }
             Node::Cluster(c) => {
-                let mut out = stats::summed(c.stores().map(|s| &**s));
-                out.push(("shard_replicas".into(), c.stores().count() as u64));
+                let mut out = stats::summed(c.stores().iter().map(|s| &**s));
+                out.push(("shard_replicas".into(), c.stores().len() as u64));
                 out.extend(c.replica_counters().into_iter().map(|(k, v)| (k.to_string(), v)));
-                out.extend(stats::compactor_stats(c.compactors()));
+                out.extend(stats::compactor_stats(c.compactors().iter().map(|c| &**c)));
                 out
             }
         }

@@ -88,6 +88,30 @@ pub struct Served {
     pub reg: Arc<Registration>,
 }
 
+/// The regions a node serves one-sided readers. A cluster node's change
+/// while it runs (a replica opens or closes as the map places shards), so
+/// the engine and the handoff take the list as it is for each batch and
+/// each handoff.
+#[derive(Clone)]
+pub struct ServedSet(Arc<std::sync::RwLock<Arc<[Served]>>>);
+
+impl ServedSet {
+    pub fn new(served: Vec<Served>) -> ServedSet {
+        ServedSet(Arc::new(std::sync::RwLock::new(served.into())))
+    }
+
+    /// The regions served now.
+    pub fn current(&self) -> Arc<[Served]> {
+        Arc::clone(&self.0.read().unwrap_or_else(std::sync::PoisonError::into_inner))
+    }
+
+    /// Serves `served` from now on (readers of a region no longer listed
+    /// are refused as for a wrong rkey).
+    pub fn set(&self, served: Vec<Served>) {
+        *self.0.write().unwrap_or_else(std::sync::PoisonError::into_inner) = served.into();
+    }
+}
+
 /// The served region whose current rkey is `rkey` (compared in constant
 /// time per region).
 pub fn find_by_rkey(served: &[Served], rkey: u64) -> Option<&Served> {

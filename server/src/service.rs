@@ -406,9 +406,12 @@ fn needed_role(op: &Op) -> Role {
         // Never served on the client port (`misplaced`); admin all the
         // same, should that check ever go.
         Op::Raft(_) | Op::JoinShard(_) | Op::SnapshotChunk(_) => Role::Admin,
-        Op::Reregister(_) | Op::ReplaceReplica(_) | Op::MovePartition(_) | Op::MoveWork(_) | Op::TransferLeader(_) => {
-            Role::Admin
-        }
+        Op::Reregister(_)
+        | Op::ReplaceReplica(_)
+        | Op::MovePartition(_)
+        | Op::MoveWork(_)
+        | Op::TransferLeader(_)
+        | Op::MoveReplica(_) => Role::Admin,
         // Walks every store under its writer lock: a diagnosis, not data.
         Op::Stats(s) if s.digests => Role::Admin,
         _ => Role::Data,
@@ -707,6 +710,9 @@ pub(crate) async fn node_op(shared: &Shared, op: Op) -> Result<R, proto::Error> 
         Op::Reregister(_) => node.reregister().map(|_| R::Reregister(Box::new(region_info(shared)))),
         Op::GetMap(g) => node.map_reply_past(g.newer_than).await.map(|m| R::Map(Box::new(m))),
         Op::MetaMap(_) => node.meta_map().await.map(|m| R::Map(Box::new(m))),
+        Op::JoinShard(j) if j.leave => node.leave_shard(j.shard, j.replica_id).await.map(|step| {
+            R::JoinShard(proto::JoinShardReply { done: step == JoinStep::Done, step: format!("{step:?}") })
+        }),
         Op::JoinShard(j) => node.join_shard(j.shard, j.replica_id).await.map(|step| {
             R::JoinShard(proto::JoinShardReply { done: step == JoinStep::Done, step: format!("{step:?}") })
         }),
@@ -718,6 +724,7 @@ pub(crate) async fn node_op(shared: &Shared, op: Op) -> Result<R, proto::Error> 
         Op::MoveWork(w) => node.move_work(w).await.map(R::MoveWork),
         Op::MovePartition(m) => node.move_partition(m).await.map(R::MovePartition),
         Op::TransferLeader(t) => node.transfer_leader(t.shard, t.to).await.map(R::TransferLeader),
+        Op::MoveReplica(m) => node.move_replica(m).await.map(R::MoveReplica),
         Op::FlushAll(_) => node.flush_led().await.map(|items| R::FlushAll(proto::FlushAllReply { items })),
         Op::Raft(batch) => {
             return match &shared.raft {

@@ -33,11 +33,11 @@ use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags, sendmsg}
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::watch;
-use tracing::debug;
+use tracing::{debug, warn};
 
 use crate::access::{Denied, Gate};
 use crate::listen;
-use crate::registration::{Registration, Served};
+use crate::registration::{Registration, Served, ServedSet, find_by_rkey};
 
 /// How long a client gets to send its request: the whole request, so a
 /// client trickling it holds its connection no longer than this.
@@ -92,32 +92,24 @@ struct Entry {
 
 /// What every handoff connection shares.
 struct Ctx {
-    regions: Vec<Entry>,
+    served: ServedSet,
     gate: Arc<Gate>,
 }
 
 /// Serves handoffs until shutdown, to at most `max_connections` clients at
 /// once (each holds its connection for as long as it maps the region).
 /// `gate` holds the server's secrets (with none, clients need no proof and
-/// send zeros) and counts failures, per uid here.
+/// send zeros) and counts failures, per uid here. The regions given are
+/// `served`'s as they are at each handoff.
 pub async fn serve(
     listener: ShmListener,
-    served: &[Served],
+    served: ServedSet,
     gate: Arc<Gate>,
     max_connections: usize,
     stats: Arc<crate::counters::ListenerStats>,
     shutdown: watch::Receiver<bool>,
 ) -> io::Result<()> {
-    // A read-only reopen of the memfd: what clients get can only be mapped
-    // for reading (and the seals keep a read-write reopen from writing).
-    let regions = served
-        .iter()
-        .map(|s| {
-            let ro = File::open(format!("/proc/self/fd/{}", s.region.fd().as_raw_fd()))?;
-            Ok(Entry { ro, len: s.region.len() as u64, reg: Arc::clone(&s.reg) })
-        })
-        .collect::<io::Result<Vec<_>>>()?;
-    let ctx = Arc::new(Ctx { regions, gate });
+    let ctx = Arc::new(Ctx { served, gate });
     let rx = shutdown.clone();
     let mut conns = listen::serve(listener, stats, max_connections, shutdown, move |stream| {
         handoff(stream, Arc::clone(&ctx), rx.clone())
@@ -141,13 +133,16 @@ fn peer_key(stream: &UnixStream) -> IpAddr {
     }
 }
 
+/// A region to hand over: a read-only reopen of its memfd, so that what
+/// clients get can only be mapped for reading (and the seals keep a
+/// read-write reopen from writing).
+fn entry(s: &Served) -> io::Result<Entry> {
+    let ro = File::open(format!("/proc/self/fd/{}", s.region.fd().as_raw_fd()))?;
+    Ok(Entry { ro, len: s.region.len() as u64, reg: Arc::clone(&s.reg) })
+}
+
 /// Checks a request: the status to answer, and the region it asked for.
-fn check<'c>(
-    ctx: &'c Ctx,
-    req: &[u8; handoff::REQUEST_LEN],
-    nonce: &[u8; NONCE_LEN],
-    peer: IpAddr,
-) -> (u8, Option<&'c Entry>) {
+fn check(ctx: &Ctx, req: &[u8; handoff::REQUEST_LEN], nonce: &[u8; NONCE_LEN], peer: IpAddr) -> (u8, Option<Entry>) {
     let (proof, rkey, epoch) = handoff::decode_request(req);
     if ctx.gate.enabled() {
         match ctx.gate.check(Purpose::Shm, Some(peer), nonce, &proof, Role::Data) {
@@ -158,16 +153,23 @@ fn check<'c>(
     } else if !ctx.gate.allowed(peer) {
         return (handoff::STATUS_RATE_LIMITED, None);
     }
-    let found = ctx.regions.iter().find(|e| handoff::rkey_matches(rkey, e.reg.rkey()));
-    if let Some(e) = found
-        && epoch == e.reg.epoch()
+    let regions = ctx.served.current();
+    let found = find_by_rkey(&regions, rkey);
+    if let Some(s) = found
+        && epoch == s.reg.epoch()
     {
-        return (handoff::STATUS_OK, Some(e));
+        return match entry(s) {
+            Ok(e) => (handoff::STATUS_OK, Some(e)),
+            Err(e) => {
+                warn!("shm handoff: cannot reopen the region read-only: {e}");
+                (handoff::STATUS_REFUSED, None)
+            }
+        };
     }
     // Only a wrong rkey for a current epoch counts as a guess: a client
     // that missed a re-registration presents the old pair, and any answer
     // to a wrong epoch is a refusal whatever the rkey, so it tells nothing.
-    if found.is_none() && ctx.regions.iter().any(|e| e.reg.epoch() == epoch) {
+    if found.is_none() && regions.iter().any(|s| s.reg.epoch() == epoch) {
         ctx.gate.failed(Purpose::Shm, peer, "shm handoff refused: wrong rkey");
     }
     (handoff::STATUS_REFUSED, None)
@@ -187,8 +189,8 @@ async fn handoff(mut stream: UnixStream, ctx: Arc<Ctx>, mut shutdown: watch::Rec
         _ => return,
     }
     let (status, entry) = check(&ctx, &req, &nonce, peer);
-    let reply = handoff::encode_reply(status, entry.map_or(0, |e| e.len));
-    if let Err(e) = send_with_fd(&stream, &reply, entry.map(|e| &e.ro)).await {
+    let reply = handoff::encode_reply(status, entry.as_ref().map_or(0, |e| e.len));
+    if let Err(e) = send_with_fd(&stream, &reply, entry.as_ref().map(|e| &e.ro)).await {
         debug!("shm handoff failed: {e}");
         return;
     }

@@ -87,11 +87,19 @@ impl TestCluster {
         TestCluster::try_start_with(nodes, 0, shards, replicas, durable.then_some(None), args)
     }
 
-    /// An in-memory [`TestCluster::start`] of `nodes` nodes holding the
-    /// shards and `spares` more (the last ones, `spare = true` in the
-    /// cluster file) holding none.
-    pub fn start_with_spares(nodes: usize, spares: usize, shards: u32, replicas: usize, args: &[&str]) -> TestCluster {
-        TestCluster::try_start_with(nodes, spares, shards, replicas, None, args).unwrap_or_else(|e| panic!("{e}"))
+    /// [`TestCluster::start`] of `nodes` nodes holding the shards and
+    /// `spares` more (the last ones, `spare = true` in the cluster file)
+    /// holding none.
+    pub fn start_with_spares(
+        nodes: usize,
+        spares: usize,
+        shards: u32,
+        replicas: usize,
+        durable: bool,
+        args: &[&str],
+    ) -> TestCluster {
+        TestCluster::try_start_with(nodes, spares, shards, replicas, durable.then_some(None), args)
+            .unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// A durable [`TestCluster::try_start`] whose nodes each keep their

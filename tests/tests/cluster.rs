@@ -579,7 +579,7 @@ fn memcached(s: &mut std::io::BufReader<std::net::TcpStream>, cmd: &str, last: &
 
 #[test]
 fn a_spare_node_holds_no_replica_and_serves_every_key_through_the_others() {
-    let c = TestCluster::start_with_spares(3, 1, 3, 3, &["--memcached-listen", "127.0.0.1:0"]);
+    let c = TestCluster::start_with_spares(3, 1, 3, 3, false, &["--memcached-listen", "127.0.0.1:0"]);
     let spare = 3;
     rt().block_on(async {
         c.leaders_known(0).await;

@@ -182,7 +182,7 @@ fn cluster_base_port() -> u16 {
     let mut p = from + (std::process::id() % u32::from(to - from)) as u16;
     let free = |q: u16| std::net::TcpListener::bind(("127.0.0.1", q)).is_ok();
     for _ in 0..200 {
-        if (0..3).all(|i| free(p + i) && free(p + 100 + i) && free(p + 200 + i)) {
+        if (0..4).all(|i| free(p + i) && free(p + 100 + i) && free(p + 200 + i)) {
             return p;
         }
         p = if p + 311 >= to { from + (p + 311 - to) } else { p + 311 };

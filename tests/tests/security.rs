@@ -538,7 +538,9 @@ fn cluster_raft_is_bound_to_the_node_that_proved_its_secret() {
         // The client port takes no raft traffic and no join, not even
         // from the admin role.
         let admin = Client::connect_with(c.rpc(0), cfg(Some(ADMIN))).await.unwrap();
-        let join = |node: u64| Op::JoinShard(proto::JoinShard { shard: 0, replica_id: (node << 32) | 0xdead_beef });
+        let join = |node: u64| {
+            Op::JoinShard(proto::JoinShard { shard: 0, replica_id: (node << 32) | 0xdead_beef, leave: false })
+        };
         for op in [raft_batch(2, 2), join(2)] {
             let r = admin.send(op).await.unwrap().wait(Duration::from_secs(5)).await.unwrap();
             let (code, message) = accepted(&Some(r)).unwrap_err();

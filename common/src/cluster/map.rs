@@ -364,6 +364,22 @@ impl ClusterMap {
         Ok(())
     }
 
+    /// Places `shard` on `nodes` (its replicas' nodes, in order), as a new
+    /// version of the map; checked like a received map, and left as it was
+    /// if the result is not valid.
+    pub fn set_replicas(&mut self, shard: ShardId, nodes: Vec<NodeId>) -> Result<(), MapError> {
+        let mut next = self.clone();
+        let sh = next.shards.get_mut(shard as usize).ok_or(MapError::Shards(shard))?;
+        if sh.leader.is_some_and(|l| !nodes.contains(&l)) {
+            sh.leader = None;
+        }
+        sh.replicas = nodes;
+        next.version += 1;
+        next.validate()?;
+        *self = next;
+        Ok(())
+    }
+
     /// The partitions `shard` holds, in order.
     pub fn partitions_of(&self, shard: ShardId) -> impl Iterator<Item = u32> + '_ {
         (0..PARTITIONS).filter(move |&p| self.partitions[p as usize] == shard)

@@ -7,3 +7,4 @@ pub mod lease;
 pub mod lease_check;
 pub mod map;
 pub mod rebalance;
+pub mod replica_plan;

@@ -114,6 +114,8 @@ enum Input {
     Read(ReadAnswer, bool),
     Raft(Message),
     Join(u64, oneshot::Sender<Result<JoinStep, ProposeError>>),
+    /// A node's replicas leave the shard; the nodes it is placed on.
+    Leave(u64, Vec<u64>, oneshot::Sender<Result<JoinStep, ProposeError>>),
     /// Start as the shard's first members' replica (see `ShardCore::bootstrap`).
     Bootstrap,
     /// Go on as a new replica with this id (see `ShardCore::replace`).
@@ -426,6 +428,20 @@ impl ShardThread {
         rx
     }
 
+    /// Asks the replica, if it leads, to take the next step taking node
+    /// `node`'s replicas out of the shard, placed on the nodes `placed`
+    /// (see [`ShardCore::leave`]).
+    pub fn leave(&self, node: u64, placed: Vec<u64>) -> oneshot::Receiver<Result<JoinStep, ProposeError>> {
+        let (answer, rx) = oneshot::channel();
+        if let Err(e) = self.tx.try_send(Input::Leave(node, placed, answer)) {
+            let (TrySendError::Full(input) | TrySendError::Disconnected(input)) = e;
+            if let Input::Leave(_, _, a) = input {
+                let _ = a.send(Err(ProposeError::Busy));
+            }
+        }
+        rx
+    }
+
     /// Replaces the replica by a new one, `id`, with no state (see
     /// `ShardCore::replace`).
     pub fn replace(&self, id: u64) -> oneshot::Receiver<Result<(), String>> {
@@ -585,7 +601,7 @@ fn refuse_until(rx: &Receiver<Input>, until: std::time::Instant, bootstrap: &mut
         match rx.recv_timeout(wait) {
             Ok(Input::Propose(_, a)) => drop(a.send(Err(down()))),
             Ok(Input::Read(a, _)) => drop(a.send(Err(down()))),
-            Ok(Input::Join(_, a)) => drop(a.send(Err(down()))),
+            Ok(Input::Join(_, a) | Input::Leave(_, _, a)) => drop(a.send(Err(down()))),
             Ok(Input::Replace(_, a)) => drop(a.send(Err("the shard's replica is starting again".into()))),
             Ok(Input::Bootstrap) => *bootstrap = true,
             Ok(Input::HandOver(_, answer)) => drop(answer.try_send(Err(super::shard::NoHandOver::NotLeader))),
@@ -650,6 +666,9 @@ fn run<S: LogStore>(
                 }
                 Ok(Input::Join(replica, answer)) => {
                     let _ = answer.send(core.join(replica));
+                }
+                Ok(Input::Leave(node, placed, answer)) => {
+                    let _ = answer.send(core.leave(node, &placed));
                 }
                 Ok(Input::SnapshotFailed(to, index)) => core.snapshot_failed(to, index),
                 Ok(Input::Moving(ask, answer)) => {

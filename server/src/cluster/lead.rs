@@ -46,6 +46,7 @@ impl ClusterNode {
             return Err(ClusterError::Failed(format!("node {to} is not in the cluster")));
         }
         let r = self.leading(shard)?;
+        let r = &*r;
         let term = || r.status.term.load(Ordering::Relaxed);
         if to == self.id {
             return Ok(proto::TransferLeaderReply { from: self.id, to, term: term() });

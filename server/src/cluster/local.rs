@@ -2,6 +2,7 @@
 //! [`RaftSink`] that hands each message to its shard's thread.
 
 use std::collections::HashMap;
+use std::sync::RwLock;
 
 use raft::prelude::Message;
 
@@ -10,22 +11,29 @@ use super::wire::RaftSink;
 /// Delivers a message to one shard thread (its inbox).
 pub type Inbox = Box<dyn Fn(Message) + Send + Sync>;
 
-/// This node's shard replicas, by shard id.
+/// This node's shard replicas, by shard id: replicas open and close while
+/// the node runs (docs/elasticity.md, "Adding and removing nodes").
 #[derive(Default)]
 pub struct LocalShards {
-    inboxes: HashMap<u32, Inbox>,
+    inboxes: RwLock<HashMap<u32, Inbox>>,
 }
 
 impl LocalShards {
     /// Registers shard `shard`'s inbox.
-    pub fn insert(&mut self, shard: u32, inbox: Inbox) {
-        self.inboxes.insert(shard, inbox);
+    pub fn insert(&self, shard: u32, inbox: Inbox) {
+        self.inboxes.write().unwrap_or_else(std::sync::PoisonError::into_inner).insert(shard, inbox);
+    }
+
+    /// Forgets shard `shard`'s inbox: its messages are dropped from now on.
+    pub fn remove(&self, shard: u32) {
+        self.inboxes.write().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&shard);
     }
 }
 
 impl RaftSink for LocalShards {
     fn deliver(&self, from: u64, msgs: Vec<(u32, Message)>) -> usize {
         let mut accepted = 0;
+        let inboxes = self.inboxes.read().unwrap_or_else(std::sync::PoisonError::into_inner);
         for (shard, m) in msgs {
             // A message must come from the node it says it is from: a raft
             // id holds its node's id, and the service takes a batch only
@@ -33,7 +41,7 @@ impl RaftSink for LocalShards {
             if dmkv_common::cluster::map::node_of(m.from) != from {
                 continue;
             }
-            if let Some(inbox) = self.inboxes.get(&shard) {
+            if let Some(inbox) = inboxes.get(&shard) {
                 inbox(m);
                 accepted += 1;
             }
@@ -50,7 +58,7 @@ mod tests {
     #[test]
     fn messages_reach_their_shard_only_from_their_sender() {
         let got: Arc<Mutex<Vec<(u32, u64)>>> = Arc::default();
-        let mut local = LocalShards::default();
+        let local = LocalShards::default();
         for shard in [1, 2] {
             let got = Arc::clone(&got);
             local.insert(shard, Box::new(move |m: Message| got.lock().unwrap().push((shard, m.term))));

@@ -315,6 +315,19 @@ impl RaftLog {
         Ok(())
     }
 
+    /// Empties the shard's log and saved snapshot and forgets who its
+    /// replica was (its node no longer holds the shard): a replica opened
+    /// on it again starts with no state, as a new member.
+    pub fn forget(&self) -> Result<(), LogError> {
+        if let Some(desk) = &self.desk {
+            desk.reset().map_err(|why| LogError::Damaged { dir: self.dir.clone(), why })?;
+        }
+        let mut b = LogBatch::default();
+        b.add_command(self.shard, Command::Clean);
+        self.engine.write(&mut b, true).map_err(|e| self.err(e))?;
+        Ok(())
+    }
+
     /// Records a membership change applied at the state machine.
     pub fn set_conf_state(&self, cs: &ConfState) -> Result<(), LogError> {
         let mut b = LogBatch::default();

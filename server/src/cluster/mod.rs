@@ -15,6 +15,7 @@ pub mod last_run;
 pub mod lead;
 pub mod leasing;
 pub mod local;
+pub mod local_replica;
 pub mod log;
 pub mod meta;
 pub mod move_ask;
@@ -30,7 +31,9 @@ pub mod peer;
 pub mod peer_tls;
 pub mod placement;
 pub mod rebalancer;
+pub mod reconcile;
 pub mod replica;
+pub mod replica_move;
 pub mod shard;
 #[cfg(test)]
 mod sim;

@@ -6,6 +6,7 @@
 //! port); every step is safe to ask again.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -37,7 +38,7 @@ pub(super) const STEP_PAUSE: Duration = Duration::from_millis(100);
 impl ClusterNode {
     /// This node's replica of `shard` if it leads it; else NOT_LEADER
     /// naming the leader it knows of.
-    pub(super) fn leading(&self, shard: ShardId) -> Result<&LocalReplica, ClusterError> {
+    pub(super) fn leading(&self, shard: ShardId) -> Result<Arc<LocalReplica>, ClusterError> {
         let map_version = self.map().version;
         let r = self.replica(shard).ok_or(ClusterError::NotLeader { leader: None, map_version })?;
         if !r.status.is_leader() {
@@ -85,6 +86,7 @@ impl ClusterNode {
             return Err(ClusterError::Failed("the metadata group holds no partitions".into()));
         }
         let r = self.leading(shard)?;
+        let r = &*r;
         // Only copies of items take room: a move's steps, removals and
         // remembered outcomes must go through on a full shard (a release,
         // an own or a purge refused would stall the move or leak items).
@@ -134,6 +136,7 @@ impl ClusterNode {
     /// what it held of it from before the view.
     async fn copy_out(&self, shard: ShardId, c: &proto::MoveCopy) -> Result<proto::MoveWorkReply, ClusterError> {
         let r = self.leading(shard)?;
+        let r = &*r;
         let _sending = self.move_book.sending(c.partition, shard, c.to, c.version, c.rate_bytes);
         // Taken before any view: what is written after it is noted anew.
         let MoveAnswer::Notes { notes, horizon } = self.ask_leader(r, MoveAsk::Notes(c.partition, c.claim)).await?
@@ -291,6 +294,7 @@ impl ClusterNode {
     /// (led here), through its log, a chunk of keys at a time.
     async fn purge(&self, shard: ShardId, p: &proto::MovePurge) -> Result<proto::MoveWorkReply, ClusterError> {
         let r = self.leading(shard)?;
+        let r = &*r;
         let MoveAnswer::View { view, .. } = self.ask_leader(r, MoveAsk::View).await? else {
             return Err(ClusterError::Failed("the shard answered notes for a view".into()));
         };

@@ -13,35 +13,29 @@ use bytes::Bytes;
 use dmkv_common::cluster::map::{ClusterMap, META_SHARD, NodeId, ShardId, ShardInfo, meta_nodes, node_of, replica_id};
 use dmkv_common::error::{Error as StoreError, check_key, check_value};
 use dmkv_common::proto;
-use raft::prelude::ConfState;
 use tokio::sync::{oneshot, watch};
 
 use super::apply::{
-    Applied, Remembered, RememberedStats, encode_arith, encode_delete_cas, encode_evict, encode_flush_all,
-    encode_touch, encode_write,
+    Applied, RememberedStats, encode_arith, encode_delete_cas, encode_evict, encode_flush_all, encode_touch,
+    encode_write,
 };
 use super::config::ClusterConfig;
 use super::desk::Desk;
-use super::driver::{LeasePublisher, ReplicaStatus, Restart, ShardThread, TICK};
+use super::driver::ReplicaStatus;
 use super::last_run;
-use super::leasing::LeaseKeeper;
 use super::local::LocalShards;
 use super::log::{RaftLog, Recovery};
-use super::peer::{self as peer, Dialer, Peers};
-use super::replica::{MemLog, Replica};
-use super::shard::{JoinStep, ProposeError, RoomHook, ShardCore};
-use super::snapshot::{self as snap, SnapshotSlot};
+use super::peer::{Dialer, Peers};
+use super::shard::{JoinStep, ProposeError};
 use super::sync_policy::{BATCH_SYNC_INTERVAL, SyncPolicy};
-use super::transfer::Link;
 use crate::compact::Compactor;
 use crate::kv::Item;
-use crate::region::Region;
-use crate::registration::Registration;
+use crate::registration::{Registration, Served, ServedSet};
 use crate::store::{Location, Store};
 
-/// Raft's election timeout in ticks of [`super::driver::TICK`]: 150 ms,
-/// randomized by raft up to twice that. Heartbeats go every 30 ms.
-pub const ELECTION_TICKS: usize = 15;
+pub(super) use super::local_replica::LocalReplica;
+pub use super::local_replica::{ELECTION_TICKS, LEASE_DRIFT_PPM, LEASE_MARGIN, lease_config};
+
 /// Most a stopping node waits for its shards' leadership to move
 /// ([`ClusterNode::hand_over_leadership`]): raft gives a transfer up after
 /// an election timeout (up to 300 ms), and a catching-up voter may need a
@@ -50,22 +44,6 @@ pub const MAX_HAND_OVER_WAIT: Duration = Duration::from_secs(2);
 /// How often a stopping node asks a shard it still leads to hand over
 /// again (a transfer raft gave up).
 pub const HAND_OVER_RETRY: Duration = Duration::from_millis(400);
-/// Most any node's clock rate is taken to differ from true time (ppm).
-pub const LEASE_DRIFT_PPM: u64 = dmkv_common::cluster::lease::MAX_DRIFT_PPM;
-/// Taken off the lease for scheduling between reading a clock and acting.
-pub const LEASE_MARGIN: Duration = Duration::from_millis(20);
-
-/// The lease bounds of this node's shard leaders. The election timeout is
-/// one tick short of raft's: a follower's count starts at a message but
-/// ends on whole ticks.
-pub fn lease_config() -> dmkv_common::cluster::lease::LeaseConfig {
-    dmkv_common::cluster::lease::LeaseConfig {
-        election_timeout_ns: (ELECTION_TICKS as u64 - 1) * TICK.as_nanos() as u64,
-        max_drift_ppm: LEASE_DRIFT_PPM,
-        margin_ns: LEASE_MARGIN.as_nanos() as u64,
-    }
-}
-
 /// A leader admits a write while live items, the index, the writes on
 /// their way and this one take at most this share of the data area: below
 /// the store's guarantee (`compact::GUARANTEED_PERCENT`), so that every
@@ -87,9 +65,6 @@ pub const EVICT_ROUND_TIMEOUT: Duration = Duration::from_millis(500);
 /// stopped waiting for, before they plan another (an entry lost with a
 /// leadership change may never be answered).
 pub const EVICT_ENTRY_PATIENCE: Duration = Duration::from_secs(5);
-
-/// The answer to an eviction entry.
-type EvictAnswer = oneshot::Receiver<Result<Applied, ProposeError>>;
 
 /// Tries of one RPC read whose permission did not hold by the end of the
 /// read (the lease ended, or the store was emptied meanwhile); then BUSY.
@@ -134,50 +109,6 @@ pub enum ClusterError {
     Failed(String),
 }
 
-/// One shard replica on this node.
-pub(super) struct LocalReplica {
-    pub(super) thread: ShardThread,
-    pub(super) store: Arc<Store>,
-    /// Its own compactor: each replica's free space is its own.
-    compactor: Arc<Compactor>,
-    /// Bytes of writes proposed here and not answered yet: admitted
-    /// against the guarantee before they are applied.
-    pub(super) in_flight: AtomicU64,
-    /// Bytes of writes waiting for eviction to make room for them.
-    waiting: AtomicU64,
-    /// An eviction entry whose round stopped waiting for it, and when it
-    /// was proposed: no other is planned while it may still apply (it
-    /// would remove the same want again).
-    evicting: Mutex<Option<(Instant, EvictAnswer)>>,
-    reg: Arc<Registration>,
-    pub(super) status: Arc<ReplicaStatus>,
-    remembered: Arc<RememberedStats>,
-    /// The partitions it owns, as its thread applied them.
-    placement: Arc<super::placement::SharedPlacement>,
-    /// Its snapshots (the receiver hands them chunks).
-    desk: Arc<Desk>,
-    /// Its region's registration for RDMA reads, for the node's life: a
-    /// fence does not rotate it (readers of a fenced region find its lease
-    /// block cleared, in the same batch as their data: docs/replication.md).
-    #[cfg(feature = "rdma")]
-    rdma: Option<crate::rdma::RdmaRegion>,
-}
-
-impl LocalReplica {
-    /// The version of its placement's last change applied.
-    pub(super) fn placement_version(&self) -> u64 {
-        self.placement.version()
-    }
-
-    fn rdma_rkey(&self) -> u32 {
-        #[cfg(feature = "rdma")]
-        if let Some(Ok(r)) = self.rdma.as_ref().map(|r| r.remote()) {
-            return r.rkey;
-        }
-        0
-    }
-}
-
 /// A local replica's region as one-sided readers find it.
 pub struct ReplicaRegion {
     pub shard: ShardId,
@@ -196,11 +127,20 @@ pub struct ClusterNode {
     /// The cluster file's map: the metadata group's state before any
     /// change was written.
     first_map: ClusterMap,
-    /// The data shards' replicas on this node.
-    replicas: HashMap<ShardId, LocalReplica>,
+    /// The data shards' replicas on this node: opened at the start, and
+    /// opened and closed while it runs as the map places shards here or
+    /// elsewhere (`reconcile.rs`).
+    replicas: std::sync::RwLock<HashMap<ShardId, Arc<LocalReplica>>>,
+    /// How a replica is opened (at the start, and later).
+    pub(super) opener: super::local_replica::Opener,
+    /// Region bytes of a replica opened while the node runs.
+    pub(super) later_per_shard: u64,
+    /// The replicas' regions as the engine and the handoff serve them,
+    /// set again whenever a replica opens or closes.
+    served: ServedSet,
     /// This node's replica of the metadata group, if it is one of its
     /// nodes.
-    meta: Option<LocalReplica>,
+    meta: Option<Arc<LocalReplica>>,
     /// The metadata group's nodes and their peer addresses.
     meta_nodes: Vec<(NodeId, std::net::SocketAddr)>,
     /// The node last found leading the metadata group (0: none known).
@@ -321,167 +261,39 @@ impl ClusterNode {
             None => None,
         };
         // Whole pages: the region is mapped and read in words. The
-        // metadata group's replica takes the smallest region beside.
+        // metadata group's replica takes the smallest region beside. A
+        // replica placed here later gets what a node of an even placement
+        // gives each (a spare holds none at first).
+        let even = (cfg.shards as usize * cfg.replicas).div_ceil(cfg.placed_nodes().count().max(1));
         let per_shard = (p.memory / data_shards.max(1) as u64 / 4096 * 4096).max(MIN_SHARD_MEMORY);
-        let logger = slog::Logger::root(slog::Discard, slog::o!());
+        let later_per_shard = (p.memory / even.max(1) as u64 / 4096 * 4096).max(MIN_SHARD_MEMORY);
         let mut replicas = HashMap::new();
         let mut meta = None;
         // Woken when a replica here applies a placement change too: the
         // map that goes with it is asked for at once, not at the next poll.
         let map_wake: Arc<tokio::sync::Notify> = Arc::default();
-        let mut sink = LocalShards::default();
-        for sh in local {
-            let per_shard = if sh.id == META_SHARD { MIN_SHARD_MEMORY } else { per_shard };
-            let region = Region::create(&format!("dmkv-shard-{}", sh.id), per_shard as usize)
-                .map_err(|e| format!("shard {}: cannot create its region: {e}", sh.id))?;
-            let epoch = rand::random::<u32>() as u64 + 1;
-            let buckets = per_shard / 4096;
-            // Every replica of a shard hashes keys alike, so their indexes
-            // split alike and a command that fits one fits all.
-            let store = Arc::new(
-                Store::format(Arc::new(region), buckets, shard_seed(cfg, sh.id), epoch, p.grace)
-                    .map_err(|e| format!("shard {}: {e}", sh.id))?,
-            );
-            let compactor = Arc::new(
-                Compactor::spawn(Arc::clone(&store), p.compactor)
-                    .map_err(|e| format!("shard {}: cannot start its compactor: {e}", sh.id))?,
-            );
-            // Before the shard's thread starts: a registration that must
-            // work (a named device) fails the start with nothing running.
+        let opener = super::local_replica::Opener {
+            me,
+            cfg: cfg.clone(),
+            first_map: map.clone(),
+            compactor: p.compactor,
+            grace: p.grace,
+            engine: engine.clone(),
+            data_dir: setup.data_dir.clone(),
+            sync: setup.sync,
+            log_limits: setup.log_limits,
+            dialer: dialer.clone(),
+            peers,
+            sink: Arc::default(),
+            map_wake: Arc::clone(&map_wake),
+            logger: slog::Logger::root(slog::Discard, slog::o!()),
+            stop: stop.clone(),
             #[cfg(feature = "rdma")]
-            let rdma = match &p.rdma {
-                Some(rdma) => rdma.register(Arc::clone(store.region()), &format!("shard {}'s region", sh.id))?,
-                None => None,
-            };
-            let reg = Arc::new(Registration::new(*store.header()));
-            let publisher = LeasePublisher::new(Arc::clone(store.region()), Arc::clone(&reg), store.header().hash_seed);
-            // The first members: every replica node's first incarnation.
-            let conf =
-                ConfState { voters: sh.replicas.iter().map(|&n| replica_id(n, 1)).collect(), ..Default::default() };
-            let status = Arc::new(ReplicaStatus::for_shard(sh.id));
-            let remembered = Arc::new(RememberedStats::default());
-            let first_placement = match sh.id {
-                META_SHARD => super::placement::Placement::all(),
-                id => super::placement::Placement::of_map(&map, id),
-            };
-            let placement =
-                Arc::new(super::placement::SharedPlacement::new(&first_placement).with_wake(Arc::clone(&map_wake)));
-            let send = {
-                let (peers, shard) = (Arc::clone(&peers), sh.id);
-                move |msgs: Vec<raft::prelude::Message>| {
-                    for m in msgs {
-                        peers.send(shard, m);
-                    }
-                }
-            };
-            let name = format!("shard-{}", sh.id);
-            // A received snapshot holds at most the region's items, met at
-            // most twice (see `store::view`), and its framing.
-            let max_snapshot = 2 * per_shard + super::desk::RECEIVE_SLACK;
-            let desk = Arc::new(match &engine {
-                Some(_) => {
-                    let dir = setup.data_dir.as_ref().expect("a log engine comes with a data dir");
-                    let snaps = PathBuf::from(format!("{}-snapshots", dir.join("raft").display()));
-                    Desk::durable(&snaps, sh.id, max_snapshot).map_err(|e| format!("shard {}: {e}", sh.id))?
-                }
-                None => Desk::memory(sh.id, max_snapshot),
-            });
-            // An in-memory log is cut by bytes too, tied to the memory it
-            // takes beside the region; one on disk by the time it replays.
-            let max_log_bytes =
-                if engine.is_some() { 2 * per_shard } else { per_shard / super::shard::LOG_MEMORY_SHARE };
-            let parts = Arc::new(ShardParts {
-                shard: sh.id,
-                me,
-                store: Arc::clone(&store),
-                slot: Arc::new(SnapshotSlot::default()),
-                desk: Arc::clone(&desk),
-                conf,
-                limits: super::shard::LogLimits { max_bytes: max_log_bytes, ..setup.log_limits },
-                replicas: sh.replicas.len(),
-                compactor: Arc::clone(&compactor),
-                logger: logger.clone(),
-                distrust: Mutex::new(distrust.clone().filter(|_| sh.replicas.len() > 1)),
-                remembered: Arc::clone(&remembered),
-                placement: first_placement.clone(),
-                shared_placement: Arc::clone(&placement),
-            });
-            if let (Some(why), 1) = (&distrust, sh.replicas.len()) {
-                tracing::error!(
-                    shard = sh.id,
-                    "{why}; the shard has no other replica to catch up from, so it goes on with what the log holds"
-                );
-            }
-            let (thread, joining) = match &engine {
-                Some(engine) => {
-                    let log = RaftLog::new(Arc::clone(engine), u64::from(sh.id))
-                        .with_sync(setup.sync == SyncPolicy::Always)
-                        .with_snapshots(Arc::clone(&parts.slot))
-                        .with_desk(Arc::clone(&desk));
-                    if raft::Storage::initial_state(&log).map_err(|e| e.to_string())?.conf_state.voters.is_empty() {
-                        log.set_conf_state(&parts.conf).map_err(|e| e.to_string())?;
-                    }
-                    let (core, joining) = parts.durable(&log)?;
-                    let again = Arc::clone(&parts);
-                    // After a failure: the store again from the snapshot
-                    // and the log, as at a start.
-                    let restart: Restart<RaftLog> = Box::new(move |_| {
-                        log.probe().map_err(|e| format!("the disk takes no writes yet: {e}"))?;
-                        again.store.clear(1).map_err(|e| format!("emptying the store: {e}"))?;
-                        again.durable(&log).map(|(core, _)| core)
-                    });
-                    (ShardThread::spawn(name, core, restart, Arc::clone(&status), Some(publisher), send), joining)
-                }
-                None => {
-                    // A replica with no state starts as a member-to-be
-                    // under a new incarnation; the membership task makes it
-                    // a first member or has the leader add it (see
-                    // `membership`).
-                    let core = parts.memory(fresh_incarnation(me), true)?;
-                    let again = Arc::clone(&parts);
-                    // After a failure its memory is not to be trusted: it
-                    // joins again as a new incarnation, as after a restart.
-                    let restart: Restart<MemLog> = Box::new(move |_| {
-                        again.store.clear(1).map_err(|e| format!("emptying the store: {e}"))?;
-                        again.memory(fresh_incarnation(again.me), false)
-                    });
-                    let joining = Some(Box::new(|_| Ok(())) as RecordId);
-                    (ShardThread::spawn(name, core, restart, Arc::clone(&status), Some(publisher), send), joining)
-                }
-            };
-            let thread = thread.map_err(|e| format!("shard {}: cannot start its thread: {e}", sh.id))?;
-            let shard_peers: Vec<_> = sh
-                .replicas
-                .iter()
-                .filter(|&&n| n != me)
-                .filter_map(|&n| cfg.nodes.iter().find(|e| e.id == n).map(|e| (n, e.peer)))
-                .collect();
-            tokio::spawn(membership(Membership {
-                shard: sh.id,
-                dialer: dialer.clone(),
-                peers: shard_peers,
-                status: Arc::clone(&status),
-                undecided: joining,
-                bootstrap: thread.bootstrapper(),
-                stop: stop.clone(),
-            }));
-            sink.insert(sh.id, Box::new(thread.inbox()));
-            peers.snapshots.register(sh.id, Link { desk: Arc::clone(&desk), failed: thread.snapshot_failer() });
-            let replica = LocalReplica {
-                thread,
-                store,
-                compactor,
-                in_flight: AtomicU64::new(0),
-                waiting: AtomicU64::new(0),
-                evicting: Mutex::new(None),
-                reg,
-                status,
-                remembered,
-                placement,
-                desk,
-                #[cfg(feature = "rdma")]
-                rdma,
-            };
+            rdma: p.rdma,
+        };
+        for sh in local {
+            let size = if sh.id == META_SHARD { MIN_SHARD_MEMORY } else { per_shard };
+            let replica = Arc::new(opener.open(&sh, &sh.replicas, size, distrust.clone(), true)?);
             match sh.id {
                 META_SHARD => meta = Some(replica),
                 id => {
@@ -498,7 +310,6 @@ impl ClusterNode {
             id: me,
             map: Mutex::new(map.clone()),
             first_map: map,
-            replicas,
             meta,
             meta_nodes: meta_nodes
                 .iter()
@@ -511,14 +322,18 @@ impl ClusterNode {
             client_asks: Default::default(),
             move_book: Default::default(),
             dialer,
-            sink: Arc::new(sink),
+            sink: Arc::clone(&opener.sink),
             log: engine,
             data_dir: setup.data_dir.clone(),
             sync: setup.sync,
             peer_tls,
             forward,
             #[cfg(feature = "rdma")]
-            rdma: p.rdma.map(|r| r.device),
+            rdma: opener.rdma.as_ref().map(|r| Arc::clone(&r.device)),
+            opener,
+            later_per_shard,
+            served: ServedSet::new(served_of(replicas.values())),
+            replicas: std::sync::RwLock::new(replicas),
         })
     }
 
@@ -536,8 +351,8 @@ impl ClusterNode {
         use super::shard::NoHandOver;
         let deadline = std::time::Instant::now() + MAX_HAND_OVER_WAIT;
         // Every shard led now but not alone: asked until it leads no more.
-        let mut waiting: Vec<&LocalReplica> =
-            self.replicas.values().chain(&self.meta).filter(|r| r.status.is_leader()).collect();
+        let mut waiting: Vec<Arc<LocalReplica>> =
+            self.all_replicas().into_iter().filter(|r| r.status.is_leader()).collect();
         loop {
             // All asked at once, then the answers collected against the
             // one deadline (a shard thread busy with a long apply answers
@@ -545,14 +360,14 @@ impl ClusterNode {
             let asked: Vec<(*const LocalReplica, _)> = waiting
                 .iter()
                 .filter(|r| r.status.is_leader())
-                .map(|&r| (r as *const _, r.thread.hand_over(None)))
+                .map(|r| (Arc::as_ptr(r), r.thread.hand_over(None)))
                 .collect();
             for (asked, rx) in asked {
                 let left = deadline.saturating_duration_since(std::time::Instant::now());
                 if let Some(Err(NoHandOver::NotLeader | NoHandOver::Alone)) =
                     rx.and_then(|rx| rx.recv_timeout(left).ok())
                 {
-                    waiting.retain(|&r| !std::ptr::eq(r, asked));
+                    waiting.retain(|r| !std::ptr::eq(Arc::as_ptr(r), asked));
                 }
             }
             let retry = (std::time::Instant::now() + HAND_OVER_RETRY).min(deadline);
@@ -572,7 +387,7 @@ impl ClusterNode {
     /// Stops every replica (each fences first), forces the log to disk and
     /// records that this run stopped cleanly (`last_run`). Blocks.
     pub fn shut_down(&self) {
-        for r in self.replicas.values().chain(&self.meta) {
+        for r in self.all_replicas() {
             r.thread.halt();
         }
         if let (Some(engine), Some(dir)) = (&self.log, &self.data_dir) {
@@ -597,7 +412,7 @@ impl ClusterNode {
     /// named leader: clients go to the others.
     pub fn map(&self) -> ClusterMap {
         let mut map = crate::lock::lock(&self.map);
-        for (&shard, r) in &self.replicas {
+        for (shard, r) in self.data_replicas() {
             if r.status.role() == "stopped" {
                 map.forget_leader(shard, self.id);
                 continue;
@@ -616,10 +431,10 @@ impl ClusterNode {
         let mut reply = self.map().to_proto();
         reply.node_id = self.id;
         let mut local: Vec<_> = self
-            .replicas
-            .iter()
-            .chain(self.meta.as_ref().map(|m| (&META_SHARD, m)))
-            .map(|(&shard, r)| {
+            .data_replicas()
+            .into_iter()
+            .chain(self.meta.as_ref().map(|m| (META_SHARD, Arc::clone(m))))
+            .map(|(shard, r)| {
                 let (voters, learners) = r.status.members();
                 proto::ReplicaState {
                     shard,
@@ -646,10 +461,10 @@ impl ClusterNode {
     }
 
     /// The local replica of `key`'s shard, or where to go instead.
-    fn replica_of(&self, key: &[u8]) -> Result<&LocalReplica, ClusterError> {
+    fn replica_of(&self, key: &[u8]) -> Result<Arc<LocalReplica>, ClusterError> {
         let map = crate::lock::lock(&self.map);
         let shard = map.shard_of(key);
-        match self.replicas.get(&shard.id) {
+        match self.data_replica(shard.id) {
             Some(r) => Ok(r),
             None => Err(ClusterError::NotLeader { leader: shard.leader, map_version: map.version }),
         }
@@ -666,16 +481,62 @@ impl ClusterNode {
     }
 
     /// This node's replica of `shard` (a data shard or the metadata group).
-    pub(super) fn replica(&self, shard: ShardId) -> Option<&LocalReplica> {
+    pub(super) fn replica(&self, shard: ShardId) -> Option<Arc<LocalReplica>> {
         match shard {
-            META_SHARD => self.meta.as_ref(),
-            _ => self.replicas.get(&shard),
+            META_SHARD => self.meta.clone(),
+            _ => self.data_replica(shard),
         }
     }
 
     /// This node's replica of the metadata group, if it has one.
     pub(super) fn meta_replica(&self) -> Option<&LocalReplica> {
-        self.meta.as_ref()
+        self.meta.as_deref()
+    }
+
+    /// This node's replica of data shard `shard`, if it holds one.
+    pub(super) fn data_replica(&self, shard: ShardId) -> Option<Arc<LocalReplica>> {
+        self.replicas.read().unwrap_or_else(std::sync::PoisonError::into_inner).get(&shard).cloned()
+    }
+
+    /// This node's data shards' replicas, by shard.
+    pub(super) fn data_replicas(&self) -> Vec<(ShardId, Arc<LocalReplica>)> {
+        let mut v: Vec<_> = self
+            .replicas
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .map(|(&s, r)| (s, Arc::clone(r)))
+            .collect();
+        v.sort_by_key(|r| r.0);
+        v
+    }
+
+    /// Every replica on this node, the metadata group's included.
+    fn all_replicas(&self) -> Vec<Arc<LocalReplica>> {
+        self.data_replicas().into_iter().map(|(_, r)| r).chain(self.meta.clone()).collect()
+    }
+
+    /// Adds `replica` of `shard` (opened while the node runs); one-sided
+    /// readers can attach to its region from now on.
+    pub(super) fn insert_replica(&self, shard: ShardId, replica: Arc<LocalReplica>) {
+        let mut table = self.replicas.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+        table.insert(shard, replica);
+        self.served.set(served_of(table.values()));
+    }
+
+    /// Takes this node's replica of `shard` out of its table and out of
+    /// what one-sided readers are served.
+    pub(super) fn remove_replica(&self, shard: ShardId) -> Option<Arc<LocalReplica>> {
+        let mut table = self.replicas.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let r = table.remove(&shard);
+        self.served.set(served_of(table.values()));
+        r
+    }
+
+    /// The regions one-sided readers are served (the engine's and the
+    /// handoff's list, which follows the replicas).
+    pub fn served(&self) -> ServedSet {
+        self.served.clone()
     }
 
     /// The metadata group's nodes and their peer addresses.
@@ -702,7 +563,7 @@ impl ClusterNode {
     /// node's map: the map that goes with it is on its way.
     pub(super) fn map_behind(&self) -> bool {
         let v = self.map_version();
-        self.replicas.values().any(|r| r.placement.version() > v)
+        self.data_replicas().iter().any(|(_, r)| r.placement.version() > v)
     }
 
     /// Takes `theirs` (the metadata group's) if its placement is newer than
@@ -760,7 +621,7 @@ impl ClusterNode {
         // is already on its way (a DELETE needs no room but is counted
         // alike: it is small).
         let bytes = (data.len() + dmkv_common::layout::ITEM_HEADER_LEN) as u64;
-        if !admit(r, bytes) {
+        if !admit(&r, bytes) {
             // An evicting shard makes room (`evict_round`, through the
             // log): the write waits for it, boundedly, as a single node's
             // waits for its own eviction. Each waiter is admitted on its
@@ -779,7 +640,7 @@ impl ClusterNode {
                     return Err(ClusterError::Store(StoreError::OutOfMemory));
                 }
                 tokio::time::sleep(EVICT_CHECK / 2).await;
-                if admit(r, bytes) {
+                if admit(&r, bytes) {
                     break;
                 }
             }
@@ -855,7 +716,7 @@ impl ClusterNode {
     /// shard another node leads is not touched: NOT_LEADER names it.
     pub async fn flush_led(&self) -> Result<u64, ClusterError> {
         let mut items = 0;
-        for r in self.replicas.values() {
+        for (_, r) in self.data_replicas() {
             if !r.status.is_leader() {
                 continue;
             }
@@ -890,7 +751,8 @@ impl ClusterNode {
         read: impl Fn(&Store) -> Result<T, StoreError>,
         owned: impl Fn(&super::placement::SharedPlacement) -> bool,
     ) -> Result<T, ClusterError> {
-        self.read_replica(self.replica_of(key)?, read, owned).await
+        let r = self.replica_of(key)?;
+        self.read_replica(&r, read, owned).await
     }
 
     /// [`ClusterNode::read_linearizably`] of replica `r`'s store.
@@ -1081,9 +943,9 @@ impl ClusterNode {
     /// This node's shard replicas' regions, for one-sided readers, by shard.
     pub fn regions(&self) -> Vec<ReplicaRegion> {
         let mut v: Vec<_> = self
-            .replicas
-            .iter()
-            .map(|(&shard, r)| ReplicaRegion {
+            .data_replicas()
+            .into_iter()
+            .map(|(shard, r)| ReplicaRegion {
                 shard,
                 store: Arc::clone(&r.store),
                 reg: Arc::clone(&r.reg),
@@ -1106,10 +968,10 @@ impl ClusterNode {
     /// Counters of this node's replicas, summed (for STATS).
     pub fn replica_counters(&self) -> [(&'static str, u64); 8] {
         use std::sync::atomic::Ordering::Relaxed;
-        let sum =
-            |f: fn(&ReplicaStatus) -> &AtomicU64| self.replicas.values().map(|r| f(&r.status).load(Relaxed)).sum();
+        let local = self.data_replicas();
+        let sum = |f: fn(&ReplicaStatus) -> &AtomicU64| local.iter().map(|(_, r)| f(&r.status).load(Relaxed)).sum();
         let remembered = |f: fn(&RememberedStats) -> &AtomicU64| -> u64 {
-            self.replicas.values().map(|r| f(&r.remembered).load(Relaxed)).sum()
+            local.iter().map(|(_, r)| f(&r.remembered).load(Relaxed)).sum()
         };
         [
             ("shard_lease_reads", sum(|s| &s.lease_reads)),
@@ -1125,15 +987,13 @@ impl ClusterNode {
 
     /// Each local replica's status, by shard (for metrics and readiness).
     pub fn statuses(&self) -> Vec<(ShardId, Arc<ReplicaStatus>)> {
-        let mut v: Vec<_> = self.replicas.iter().map(|(&s, r)| (s, Arc::clone(&r.status))).collect();
-        v.sort_by_key(|r| r.0);
+        let v: Vec<_> = self.data_replicas().into_iter().map(|(s, r)| (s, Arc::clone(&r.status))).collect();
         v
     }
 
     /// Each local replica's remembered writes, by shard (for metrics).
     pub fn remembered(&self) -> Vec<(ShardId, Arc<RememberedStats>)> {
-        let mut v: Vec<_> = self.replicas.iter().map(|(&s, r)| (s, Arc::clone(&r.remembered))).collect();
-        v.sort_by_key(|r| r.0);
+        let v: Vec<_> = self.data_replicas().into_iter().map(|(s, r)| (s, Arc::clone(&r.remembered))).collect();
         v
     }
 
@@ -1148,9 +1008,9 @@ impl ClusterNode {
     /// for STATS with digests. Walks every store under its writer lock.
     pub fn digests(&self) -> Vec<(ShardId, u64, u64, u64)> {
         use std::sync::atomic::Ordering::Relaxed;
-        self.replicas
-            .iter()
-            .map(|(&shard, r)| {
+        self.data_replicas()
+            .into_iter()
+            .map(|(shard, r)| {
                 let before = r.status.applied.load(Relaxed);
                 let (items, digest) = r.store.digest();
                 let applied = if r.status.applied.load(Relaxed) == before { before } else { 0 };
@@ -1160,15 +1020,15 @@ impl ClusterNode {
     }
 
     /// The stores of this node's replicas (for STATS).
-    pub fn stores(&self) -> impl Iterator<Item = &Arc<Store>> {
-        self.replicas.values().map(|r| &r.store)
+    pub fn stores(&self) -> Vec<Arc<Store>> {
+        self.data_replicas().into_iter().map(|(_, r)| Arc::clone(&r.store)).collect()
     }
 
     /// Notes a client's one-sided reads of `shard`'s leader's region, for
     /// eviction's recency, if this node's replica leads it (and so owns
     /// the region read); anything else is dropped.
     pub fn note_accesses(&self, shard: ShardId, units: &[u64]) {
-        if let Some(r) = self.replicas.get(&shard).filter(|r| r.status.is_leader()) {
+        if let Some(r) = self.data_replica(shard).filter(|r| r.status.is_leader()) {
             r.store.note_remote_accesses(units);
         }
     }
@@ -1178,7 +1038,7 @@ impl ClusterNode {
     /// goes, and every replica removes it as a log entry applies
     /// ([`start_eviction`]).
     pub fn enable_eviction(&self) {
-        for r in self.replicas.values() {
+        for (_, r) in self.data_replicas() {
             r.store.enable_replicated_eviction();
         }
     }
@@ -1195,7 +1055,7 @@ impl ClusterNode {
         // still apply after the round gave up on it (it names items by
         // version, so it removes nothing written since); until it does,
         // that shard plans no other.
-        let rounds = self.replicas.values().map(|r| async move {
+        let rounds = self.data_replicas().into_iter().map(|(_, r)| async move {
             if !r.status.is_leader() || !r.store.evicts() {
                 return 0;
             }
@@ -1251,12 +1111,16 @@ impl ClusterNode {
     /// The stores of the shards this node leads now (what its memcached
     /// port's `stats` counts: every item once across the cluster).
     pub fn led_stores(&self) -> Vec<Arc<Store>> {
-        self.replicas.values().filter(|r| r.status.is_leader()).map(|r| Arc::clone(&r.store)).collect()
+        self.data_replicas()
+            .into_iter()
+            .filter(|(_, r)| r.status.is_leader())
+            .map(|(_, r)| Arc::clone(&r.store))
+            .collect()
     }
 
     /// The compactors of this node's replicas (for STATS).
-    pub fn compactors(&self) -> impl Iterator<Item = &Compactor> {
-        self.replicas.values().map(|r| &*r.compactor)
+    pub fn compactors(&self) -> Vec<Arc<Compactor>> {
+        self.data_replicas().into_iter().map(|(_, r)| Arc::clone(&r.compactor)).collect()
     }
 }
 
@@ -1264,252 +1128,6 @@ impl ClusterNode {
 /// than was proposed: the log holds another command at its index.
 fn unexpected(what: &str, a: Applied) -> ClusterError {
     ClusterError::Failed(format!("{what} applied as {a:?}"))
-}
-
-/// Records the raft id a replica joins under (durable logs keep it).
-type RecordId = Box<dyn Fn(u64) -> Result<(), String> + Send + Sync>;
-
-/// A raft id for this node's replica under a new random incarnation.
-fn fresh_incarnation(me: NodeId) -> u64 {
-    replica_id(me, rand::random_range(2..=u32::MAX))
-}
-
-/// What one shard replica is built from: at the node's start, and again
-/// by its thread after it failed.
-struct ShardParts {
-    shard: ShardId,
-    me: NodeId,
-    store: Arc<Store>,
-    slot: Arc<SnapshotSlot>,
-    desk: Arc<Desk>,
-    /// The shard's first members.
-    conf: ConfState,
-    limits: super::shard::LogLimits,
-    /// Replicas the shard has.
-    replicas: usize,
-    compactor: Arc<Compactor>,
-    logger: slog::Logger,
-    /// Why the log is not to be trusted, until the replica has dropped it
-    /// (taken at the first build).
-    distrust: Mutex<Option<String>>,
-    /// Counts of the replica's remembered write ids (every build shares
-    /// them, so the metrics follow the replica across restarts).
-    remembered: Arc<RememberedStats>,
-    /// The partitions the shard owns before anything applied.
-    placement: super::placement::Placement,
-    /// What it owns as its thread applies changes (every build shares it).
-    shared_placement: Arc<super::placement::SharedPlacement>,
-}
-
-type Core<S> = ShardCore<S, super::driver::Answer, super::driver::ReadAnswer>;
-
-impl ShardParts {
-    fn raft_err(&self) -> impl Fn(raft::Error) -> String + '_ {
-        move |e| format!("shard {}: raft: {e}", self.shard)
-    }
-
-    /// The core around `replica`, with what every replica has.
-    fn core<S: super::replica::LogStore>(&self, replica: Replica<S>) -> Result<Core<S>, String> {
-        let keeper = LeaseKeeper::new(lease_config()).map_err(|e| e.to_string())?;
-        let c = Arc::clone(&self.compactor);
-        let room: RoomHook = Box::new(move |units| c.after_out_of_memory(units));
-        Ok(ShardCore::new(replica, Arc::clone(&self.store))
-            .with_leases(keeper, ELECTION_TICKS as u64)
-            .with_room(room)
-            .with_snapshots(self.limits, Arc::clone(&self.slot), Arc::clone(&self.desk))
-            .with_remembered_stats(Arc::clone(&self.remembered))
-            .with_placement(self.placement.clone(), Arc::clone(&self.shared_placement)))
-    }
-
-    /// A replica over a durable log: the store restored from the saved
-    /// snapshot and the log replayed after it. One that never decided who
-    /// it is (an empty log) starts as a member-to-be: returned with how to
-    /// record the id it joins under.
-    fn durable(&self, log: &RaftLog) -> Result<(Core<RaftLog>, Option<RecordId>), String> {
-        if let Some(why) = crate::lock::lock(&self.distrust).take() {
-            // Never as the member it was: its log and snapshot go, and it
-            // joins under a new incarnation, catching up from the leader.
-            let id = fresh_incarnation(self.me);
-            tracing::warn!(shard = self.shard, id, "{why}: the replica rejoins the shard as a new incarnation");
-            log.reset(id, &self.conf).map_err(|e| e.to_string())?;
-        }
-        let (applied, remembered, placement) = match recover(log, &self.desk, &self.store) {
-            Ok(r) => (r.at.index, r.remembered, r.placement),
-            // Where the shard has other replicas to catch up from, a
-            // replica whose saved state is damaged starts over (a new
-            // incarnation, as a distrusted log does): a node always starts.
-            Err(Unrecovered::Damaged(e)) if self.replicas > 1 => {
-                let id = fresh_incarnation(self.me);
-                tracing::error!(shard = self.shard, id, "{e}: the replica rejoins the shard as a new incarnation");
-                log.reset(id, &self.conf).map_err(|e| e.to_string())?;
-                self.store.clear(1).map_err(|e| format!("emptying the store: {e}"))?;
-                (0, Remembered::default(), None)
-            }
-            Err(Unrecovered::Damaged(e) | Unrecovered::Other(e)) => return Err(format!("shard {}: {e}", self.shard)),
-        };
-        let known = log.replica_id().map_err(|e| e.to_string())?;
-        let id = known.unwrap_or_else(|| fresh_incarnation(self.me));
-        let replica =
-            Replica::new_at(id, log.clone(), ELECTION_TICKS, applied, &self.logger).map_err(self.raft_err())?;
-        let mut core = self.core(replica)?.restored(applied, remembered, placement);
-        let (fresh_log, fresh_logger, fresh_conf) = (log.clone(), self.logger.clone(), self.conf.clone());
-        core = core.with_fresh(Box::new(move |id| {
-            fresh_log.reset(id, &fresh_conf).map_err(|e| raft::Error::Store(raft::StorageError::Other(e.into())))?;
-            Replica::new(id, fresh_log.clone(), ELECTION_TICKS, &fresh_logger)
-        }));
-        if known.is_some() {
-            return Ok((core, None));
-        }
-        let (first_log, logger, first) = (log.clone(), self.logger.clone(), replica_id(self.me, 1));
-        core = core.with_first_member(Box::new(move || {
-            first_log.set_replica_id(first).map_err(|e| raft::Error::Store(raft::StorageError::Other(e.into())))?;
-            Replica::new(first, first_log, ELECTION_TICKS, &logger)
-        }));
-        let record = log.clone();
-        Ok((core, Some(Box::new(move |id| record.set_replica_id(id).map_err(|e| e.to_string())) as RecordId)))
-    }
-
-    /// A replica kept in memory only, as raft id `id`: a member-to-be (the
-    /// leader adds it), that may become one of the shard's first members
-    /// if `may_be_first` and the shard turns out never to have run.
-    fn memory(&self, id: u64, may_be_first: bool) -> Result<Core<MemLog>, String> {
-        let log = MemLog::new(self.conf.clone(), Arc::clone(&self.slot));
-        let replica = Replica::new(id, log, ELECTION_TICKS, &self.logger).map_err(self.raft_err())?;
-        let (fresh_logger, fresh_slot, fresh_conf) = (self.logger.clone(), Arc::clone(&self.slot), self.conf.clone());
-        let mut core = self.core(replica)?.with_fresh(Box::new(move |id| {
-            let log = MemLog::new(fresh_conf.clone(), Arc::clone(&fresh_slot));
-            Replica::new(id, log, ELECTION_TICKS, &fresh_logger)
-        }));
-        if may_be_first {
-            let (logger, slot, conf, first) =
-                (self.logger.clone(), Arc::clone(&self.slot), self.conf.clone(), replica_id(self.me, 1));
-            core = core.with_first_member(Box::new(move || {
-                Replica::new(first, MemLog::new(conf, slot), ELECTION_TICKS, &logger)
-            }));
-        }
-        Ok(core)
-    }
-}
-
-/// How often the membership task looks again.
-pub const MEMBERSHIP_INTERVAL: Duration = Duration::from_millis(300);
-/// How often a replica with no state asks its peers while it cannot tell
-/// a first start from a restart: often, so that nodes starting together
-/// all see each other before any has a term (a node that sees a term
-/// first joins as a new member, which is safe but slower).
-pub const UNDECIDED_INTERVAL: Duration = Duration::from_millis(20);
-
-/// What a shard replica's membership task works with.
-struct Membership {
-    shard: ShardId,
-    dialer: Dialer,
-    /// The other nodes holding the shard: (node, peer address).
-    peers: Vec<(NodeId, std::net::SocketAddr)>,
-    status: Arc<ReplicaStatus>,
-    /// A replica that started with no state, and how to record the id it
-    /// joins under; `None`: it knows who it is.
-    undecided: Option<RecordId>,
-    bootstrap: Box<dyn Fn() + Send + Sync>,
-    stop: watch::Receiver<bool>,
-}
-
-/// Makes a replica a member of its shard and keeps it one. A replica that
-/// started with no state cannot tell a first start from a restart, so it
-/// asks the shard's other nodes: if every one answers and none ever had a
-/// raft term, the shard never ran and the replica becomes one of its first
-/// members (incarnation 1); if any has a term, the shard runs without
-/// this node's forgotten replica, and the replica joins as a new member
-/// (its own incarnation, so it never votes or acknowledges as the old one
-/// did). A joining replica asks the peers until the leader made it a voter
-/// and removed its node's older replicas.
-async fn membership(mut m: Membership) {
-    let mut warned = false;
-    loop {
-        if *m.stop.borrow() {
-            return;
-        }
-        if let Some(record) = &m.undecided {
-            let mut terms = Vec::new();
-            for &(to, addr) in &m.peers {
-                let term = match peer::ask(&m.dialer, to, addr, proto::request::Op::GetMap(proto::GetMap::default()))
-                    .await
-                {
-                    Ok(proto::response::Result::Map(r)) => r.local.iter().find(|l| l.shard == m.shard).map(|l| l.term),
-                    _ => None,
-                };
-                terms.push(term);
-            }
-            let id = m.status.id.load(Ordering::Relaxed);
-            if terms.iter().any(|t| t.is_some_and(|t| t > 0)) {
-                match record(id) {
-                    Ok(()) => {
-                        tracing::info!(shard = m.shard, id, "the shard runs: joining it as a new replica");
-                        m.undecided = None;
-                    }
-                    Err(e) => tracing::error!(shard = m.shard, "cannot record the replica's id: {e}"),
-                }
-            } else if terms.iter().all(|t| *t == Some(0)) {
-                (m.bootstrap)();
-                m.undecided = None;
-            } else if !warned {
-                tracing::info!(shard = m.shard, "waiting for the shard's other nodes to tell whether it ran before");
-                warned = true;
-            }
-        } else if !m.status.joined() && m.status.id.load(Ordering::Relaxed) != 0 {
-            let join = proto::JoinShard { shard: m.shard, replica_id: m.status.id.load(Ordering::Relaxed) };
-            for &(to, addr) in &m.peers {
-                if let Ok(proto::response::Result::JoinShard(r)) =
-                    peer::ask(&m.dialer, to, addr, proto::request::Op::JoinShard(join)).await
-                {
-                    tracing::info!(shard = m.shard, step = r.step, "joining the shard");
-                    break;
-                }
-            }
-        }
-        let wait = if m.undecided.is_some() { UNDECIDED_INTERVAL } else { MEMBERSHIP_INTERVAL };
-        tokio::select! {
-            _ = tokio::time::sleep(wait) => {}
-            _ = m.stop.changed() => return,
-        }
-    }
-}
-
-/// Restores `store` from the shard's saved snapshot, if it has one;
-/// returns the index it is at and the writes it remembers. The file is
-/// read whole first (a damaged one changes nothing, and is named). A
-/// snapshot saved while the log was being replaced by it (a crash in
-/// between) is installed in the log now.
-fn recover(log: &RaftLog, desk: &Desk, store: &Store) -> Result<snap::Restored, Unrecovered> {
-    let other = Unrecovered::Other;
-    let none = || snap::Restored { at: snap::Point::default(), remembered: Remembered::default(), placement: None };
-    let Some((file, f)) = desk.saved().map_err(other)? else { return Ok(none()) };
-    let named = |e: snap::SnapshotError| {
-        let why = format!("{}: {e}", file.display());
-        match e {
-            snap::SnapshotError::Damaged(_) | snap::SnapshotError::WrongPoint { .. } => Unrecovered::Damaged(why),
-            _ => Unrecovered::Other(why),
-        }
-    };
-    snap::validate(std::io::BufReader::with_capacity(1 << 20, f)).map_err(named)?;
-    let f = std::fs::File::open(&file).map_err(|e| other(format!("{}: {e}", file.display())))?;
-    let got = snap::restore(store, std::io::BufReader::with_capacity(1 << 20, f)).map_err(named)?;
-    let commit = raft::Storage::initial_state(log).map_err(|e| other(e.to_string()))?.hard_state.commit;
-    if got.at.index > commit {
-        log.finish_install(got.at).map_err(|e| other(e.to_string()))?;
-    }
-    Ok(got)
-}
-
-/// Why a replica's saved state could not be restored.
-#[derive(Debug)]
-enum Unrecovered {
-    /// The snapshot file is damaged: the replica may start over from its
-    /// peers.
-    Damaged(String),
-    /// Anything else (the disk failing, a store too small for what was
-    /// saved, an older format): the state may be the only copy of
-    /// acknowledged writes, so it is kept and the error reported.
-    Other(String),
 }
 
 /// `--sync batch`: forces the node's log to disk every
@@ -1596,11 +1214,9 @@ impl Drop for InFlight<'_> {
     }
 }
 
-/// The hash seed of `shard`'s stores: the same on every replica (from the
-/// cluster file every node shares), different per shard.
-fn shard_seed(cfg: &ClusterConfig, shard: ShardId) -> u64 {
-    let nodes: Vec<String> = cfg.nodes.iter().map(|n| format!("{}={}/{}", n.id, n.rpc, n.peer)).collect();
-    xxhash_rust::xxh3::xxh3_64(format!("dmkv shard seed {shard} {}", nodes.join(",")).as_bytes())
+/// What one-sided readers of `replicas` are served.
+fn served_of<'a>(replicas: impl Iterator<Item = &'a Arc<LocalReplica>>) -> Vec<Served> {
+    replicas.map(|r| Served { region: Arc::clone(r.store.region()), reg: Arc::clone(&r.reg) }).collect()
 }
 
 /// Starts `node`'s eviction (`--evict lru`): every [`EVICT_CHECK`], each
@@ -1619,76 +1235,4 @@ pub fn start_eviction(node: &Arc<ClusterNode>, mut stop: watch::Receiver<bool>) 
             node.evict_round().await;
         }
     });
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::cluster::snapshot::{Point, encode};
-    use raft::prelude::{Snapshot, SnapshotMetadata};
-
-    fn store() -> Store {
-        Store::format(Arc::new(Region::create("recover", 4 << 20).unwrap()), 64, 1, 1, Duration::ZERO).unwrap()
-    }
-
-    /// A durable replica's desk and log of `shard`, in a directory of their own.
-    fn durable(shard: u32) -> (tempfile::TempDir, Arc<Desk>, RaftLog) {
-        let dir = tempfile::tempdir().unwrap();
-        let engine = RaftLog::open_engine(dir.path().join("raft").to_str().unwrap()).unwrap().0;
-        let desk = Arc::new(Desk::durable(&dir.path().join("raft-snapshots"), shard, 1 << 30).unwrap());
-        let log = RaftLog::new(engine, u64::from(shard)).with_desk(Arc::clone(&desk));
-        (dir, desk, log)
-    }
-
-    /// `from`'s items taken as from a leader at index 42 (as snapshot
-    /// `id`): received, saved, and the log starts after it.
-    fn take_snapshot(desk: &Desk, log: &RaftLog, from: &Arc<Store>, id: u64) {
-        let at = Point { index: 42, term: 3 };
-        let bytes = encode(&from.view().unwrap(), &Default::default(), at).unwrap();
-        let desc = crate::cluster::desk::Descriptor { id, at };
-        let crate::cluster::desk::Taken::Whole(data) = desk.receive(1, id, 0, &bytes, true).unwrap() else {
-            panic!("one part")
-        };
-        desk.received(desc, data);
-        let mut sn = Snapshot { data: desc.encode().into(), ..Default::default() };
-        sn.set_metadata(SnapshotMetadata { index: at.index, term: at.term, ..Default::default() });
-        crate::cluster::replica::LogStore::persist(log, &[], None, Some(&sn)).unwrap();
-    }
-
-    #[test]
-    fn a_saved_snapshot_restores_and_a_damaged_one_is_named() {
-        let (_dir, desk, log) = durable(4);
-        assert_eq!(recover(&log, &desk, &store()).unwrap().at.index, 0, "nothing saved: from the start");
-        let from = Arc::new(store());
-        from.put(b"k", b"v").unwrap();
-        take_snapshot(&desk, &log, &from, 9);
-        let to = store();
-        assert_eq!(recover(&log, &desk, &to).unwrap().at.index, 42);
-        assert_eq!(to.get(b"k").unwrap().unwrap().0, bytes::Bytes::from_static(b"v"));
-        assert_eq!(raft::Storage::first_index(&log).unwrap(), 43);
-        // A store too small for what was saved is no damage: the replica
-        // must keep its state (it may hold the only copy) and say why.
-        let tiny = store();
-        let big = Arc::new(
-            Store::format(Arc::new(Region::create("recover-big", 16 << 20).unwrap()), 64, 1, 1, Duration::ZERO)
-                .unwrap(),
-        );
-        for i in 0..700u32 {
-            big.put(format!("big{i}").as_bytes(), &[7u8; 8 << 10]).unwrap();
-        }
-        let (dir2, desk2, log2) = durable(5);
-        take_snapshot(&desk2, &log2, &big, 10);
-        assert!(matches!(recover(&log2, &desk2, &tiny), Err(Unrecovered::Other(_))), "too small is not damaged");
-        drop(dir2);
-        let file = desk.saved_file().unwrap();
-        let mut bytes = std::fs::read(&file).unwrap();
-        let n = bytes.len();
-        bytes[n / 2] ^= 0xff;
-        std::fs::write(&file, bytes).unwrap();
-        let kept = store();
-        kept.put(b"kept", b"1").unwrap();
-        let Err(Unrecovered::Damaged(err)) = recover(&log, &desk, &kept) else { panic!("damage must be told apart") };
-        assert!(err.contains("shard-4.snap") && err.contains("damaged"), "{err}");
-        assert!(kept.get(b"kept").unwrap().is_some(), "a damaged file changes nothing");
-    }
 }

@@ -32,6 +32,7 @@ impl ClusterNode {
     /// items of, from a view of its store, and the shard's memory.
     pub(super) async fn census(&self, shard: ShardId) -> Result<proto::MoveWorkReply, ClusterError> {
         let r = self.leading(shard)?;
+        let r = &*r;
         let capacity = r.store.region().len() as u64;
         let MoveAnswer::View { view, .. } = self.ask_leader(r, MoveAsk::View).await? else {
             return Err(ClusterError::Failed("the shard answered notes for a view".into()));

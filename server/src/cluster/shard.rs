@@ -806,6 +806,40 @@ impl<S: LogStore, P, R> ShardCore<S, P, R> {
         Ok(step)
     }
 
+    /// The next step to take node `node`'s replicas out of the shard (the
+    /// map no longer places the shard there), taken if this replica leads:
+    /// once every node of `placed` has a voter, one removal at a time.
+    /// `Done` when none is left. A node that leads hands over first: the
+    /// leader never removes its own node's replica here.
+    pub fn leave(&mut self, node: u64, placed: &[u64]) -> Result<JoinStep, ProposeError> {
+        use dmkv_common::cluster::map::node_of;
+        use raft::prelude::{ConfChange, ConfChangeType};
+        let r = &self.replica.raft().raft;
+        if r.state != StateRole::Leader {
+            return Err(self.not_leader());
+        }
+        if placed.contains(&node) {
+            return Err(ProposeError::Store(format!("node {node} is still placed on this shard")));
+        }
+        if node_of(r.id) == node {
+            return Ok(JoinStep::Waiting("the leader is on the leaving node: it hands over first"));
+        }
+        if r.pending_conf_index > self.applied || !r.commit_to_current_term() {
+            return Ok(JoinStep::Waiting("a membership change is under way"));
+        }
+        let conf = r.prs().conf().to_conf_state();
+        let leaving = conf.voters.iter().chain(&conf.learners).copied().find(|&id| node_of(id) == node);
+        let Some(old) = leaving else { return Ok(JoinStep::Done) };
+        // The replicas that stay must hold a quorum of their own first: a
+        // node's replica leaves only after the one placed instead joined.
+        if !placed.iter().all(|&n| conf.voters.iter().any(|&v| node_of(v) == n)) {
+            return Ok(JoinStep::Waiting("a placed node has no voter yet"));
+        }
+        let cc = ConfChange { change_type: ConfChangeType::RemoveNode, node_id: old, ..Default::default() };
+        self.replica.propose_conf_change(cc).map_err(|e| ProposeError::Store(e.to_string()))?;
+        Ok(JoinStep::Proposed("a replica of the leaving node removed"))
+    }
+
     /// Makes the store what a leader's snapshot holds (received whole and
     /// checked before `step` let raft take it).
     fn install(&mut self, sn: &raft::prelude::Snapshot) -> Result<(), raft::Error> {

@@ -79,6 +79,12 @@ impl Transfers {
         self.links.write().unwrap_or_else(std::sync::PoisonError::into_inner).insert(shard, Arc::new(link));
     }
 
+    /// Forgets shard `shard`'s replica (it closed): its snapshots are
+    /// sent no more.
+    pub fn unregister(&self, shard: ShardId) {
+        self.links.write().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&shard);
+    }
+
     /// Sends raft's MsgSnapshot `m` of `shard`: its stream first, then `m`
     /// (from the shard thread: never blocks). One that cannot go is
     /// reported failed at once, so raft tries again.

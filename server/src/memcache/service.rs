@@ -54,7 +54,7 @@ impl Service {
     pub fn region_bytes(&self) -> u64 {
         match &self.backend {
             Backend::Single(n) => n.store().header().region_len,
-            Backend::Cluster(c) => c.stores().map(|s| s.header().region_len).sum(),
+            Backend::Cluster(c) => c.stores().iter().map(|s| s.header().region_len).sum(),
         }
     }
 }

@@ -1,0 +1,193 @@
+//! A node's replicas follow the map: a shard the map places here that the
+//! node holds no replica of is opened (a new member, which joins the
+//! shard and catches up from its leader); a replica of a shard the map no
+//! longer places here hands its leadership over, asks the shard's leader
+//! to take it out of the members, and closes once it is out. The map is
+//! changed by `move-replica` (`replica_move.rs`), which places the new
+//! node before it takes the old one out: the replicas that stay hold a
+//! quorum of their own before any leaves (`ShardCore::leave`).
+//! docs/elasticity.md, "Adding and removing nodes", has the design.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use dmkv_common::cluster::map::{META_SHARD, NodeId, ShardId, ShardInfo, node_of, replica_id};
+use dmkv_common::proto::{self, request::Op, response::Result as R};
+use tokio::sync::watch;
+
+use super::dial;
+use super::local_replica::LocalReplica;
+use super::log::RaftLog;
+use super::node::{ClusterError, ClusterNode};
+use super::shard::JoinStep;
+
+/// How often a node compares its replicas with its map.
+pub const RECONCILE_INTERVAL: Duration = Duration::from_millis(300);
+/// Most a leave ask of one node waits for its answer.
+pub const LEAVE_ASK_TIMEOUT: Duration = Duration::from_secs(2);
+
+impl ClusterNode {
+    /// Node `node_of(replica)`'s replicas of `shard` leave it (its node is
+    /// no longer placed there): the next step, if this node's replica
+    /// leads. Refused while this node's map still places the shard there.
+    pub async fn leave_shard(&self, shard: ShardId, replica: u64) -> Result<JoinStep, ClusterError> {
+        if shard == META_SHARD {
+            return Err(ClusterError::Failed("the metadata group's members are its first three nodes".into()));
+        }
+        let Some(r) = self.data_replica(shard) else {
+            return Err(ClusterError::Failed(format!("shard {shard} has no replica on node {}", self.id)));
+        };
+        let map = self.map();
+        let placed = map.shards().get(shard as usize).map(|s| s.replicas.clone()).unwrap_or_default();
+        let node = node_of(replica);
+        if placed.contains(&node) {
+            return Err(ClusterError::Failed(format!(
+                "the map (version {}) still places shard {shard} on node {node}",
+                map.version
+            )));
+        }
+        match r.thread.leave(node, placed).await {
+            Ok(Ok(step)) => Ok(step),
+            Ok(Err(e)) => Err(self.cluster_error(e)),
+            Err(_) => Err(ClusterError::Failed("the shard's replica stopped".into())),
+        }
+    }
+
+    /// One comparison of the replicas with the map, and the steps it calls
+    /// for. Nothing is done on the cluster file's map: the node has not
+    /// heard from the metadata group yet, and the file's placement is what
+    /// it opened.
+    async fn reconcile(self: &Arc<Self>) {
+        let map = self.map();
+        if map.version <= self.first_map().version {
+            return;
+        }
+        for sh in map.shards() {
+            match (sh.replicas.contains(&self.id), self.data_replica(sh.id)) {
+                (true, None) => self.open_placed(sh).await,
+                (false, Some(r)) => self.leave_unplaced(sh, &r).await,
+                _ => {}
+            }
+        }
+    }
+
+    /// Opens a replica of `sh`, placed here: a member-to-be that joins the
+    /// running shard (its membership task asks the leader).
+    async fn open_placed(self: &Arc<Self>, sh: &ShardInfo) {
+        let Some(first) = self.first_map().shards().get(sh.id as usize).cloned() else { return };
+        let (node, members, shard) = (Arc::clone(self), sh.replicas.clone(), sh.id);
+        // Creating the region and formatting the store touch every page of
+        // the index: off the async workers.
+        let opened = tokio::task::spawn_blocking(move || {
+            node.opener.open(&first, &members, node.later_per_shard, None, false).map(Arc::new)
+        })
+        .await;
+        match opened {
+            Ok(Ok(r)) => {
+                tracing::info!(shard, "the map places the shard here: its replica opened, and joins");
+                self.insert_replica(shard, r);
+            }
+            Ok(Err(e)) => tracing::error!(shard, "the map places the shard here, but its replica cannot open: {e}"),
+            Err(e) => tracing::error!(shard, "opening the shard's replica failed: {e}"),
+        }
+    }
+
+    /// A step out of `sh`, which the map no longer places here: hand the
+    /// leadership over if it leads; else ask the leader to take this
+    /// node's replicas out; once none is left, close.
+    async fn leave_unplaced(self: &Arc<Self>, sh: &ShardInfo, r: &LocalReplica) {
+        if r.status.is_leader() {
+            let _ = r.thread.hand_over(None);
+            return;
+        }
+        let id = match r.status.id.load(Ordering::Relaxed) {
+            0 => replica_id(self.id, 1),
+            id => id,
+        };
+        let ask = proto::JoinShard { shard: sh.id, replica_id: id, leave: true };
+        for &n in &sh.replicas {
+            let Some(addr) = self.opener.cfg.nodes.iter().find(|e| e.id == n).map(|e| e.peer) else { continue };
+            let answer = dial::ask_within(self.dialer(), n, addr, Op::JoinShard(ask), LEAVE_ASK_TIMEOUT).await;
+            match answer {
+                Ok(R::JoinShard(j)) if j.done => {
+                    self.close_replica(sh.id).await;
+                    return;
+                }
+                Ok(R::JoinShard(j)) => {
+                    tracing::debug!(shard = sh.id, step = j.step, "leaving the shard");
+                    return;
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Closes this node's replica of `shard`, out of its members: no more
+    /// raft traffic, snapshots or one-sided readers reach it, its thread
+    /// stops, and a log on disk forgets it (a replica placed here again
+    /// joins as a new member).
+    pub(super) async fn close_replica(self: &Arc<Self>, shard: ShardId) {
+        let Some(r) = self.remove_replica(shard) else { return };
+        let _ = r.closed.send(true);
+        self.opener.sink.remove(shard);
+        self.opener.peers.snapshots.unregister(shard);
+        let engine = self.opener.engine.clone();
+        let closed = tokio::task::spawn_blocking(move || {
+            r.thread.halt();
+            match engine {
+                Some(engine) => RaftLog::new(engine, u64::from(shard)).with_desk(Arc::clone(&r.desk)).forget(),
+                None => Ok(()),
+            }
+        })
+        .await;
+        match closed {
+            Ok(Ok(())) => tracing::info!(shard, "the shard left this node: its replica closed"),
+            Ok(Err(e)) => tracing::error!(shard, "the shard's replica closed, but its log could not be emptied: {e}"),
+            Err(e) => tracing::error!(shard, "closing the shard's replica failed: {e}"),
+        }
+    }
+}
+
+/// Keeps `node`'s replicas what its map places on it, every
+/// [`RECONCILE_INTERVAL`]; ends when `stop` turns true or the node is
+/// dropped.
+pub fn spawn_reconciler(node: &Arc<ClusterNode>, mut stop: watch::Receiver<bool>) {
+    let weak = Arc::downgrade(node);
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep(RECONCILE_INTERVAL) => {}
+                _ = stop.changed() => return,
+            }
+            let Some(node) = weak.upgrade() else { return };
+            node.reconcile().await;
+        }
+    });
+}
+
+/// The members of `shard` as its leader reports them (voters, learners),
+/// asked of the nodes `nodes` (this one's own state read directly).
+pub(super) async fn shard_members(
+    node: &ClusterNode,
+    shard: ShardId,
+    nodes: &[NodeId],
+) -> Option<(Vec<u64>, Vec<u64>)> {
+    for &n in nodes {
+        let reply = if n == node.id {
+            node.map_reply()
+        } else {
+            let Some(addr) = node.opener.cfg.nodes.iter().find(|e| e.id == n).map(|e| e.peer) else { continue };
+            match dial::ask_within(node.dialer(), n, addr, Op::GetMap(proto::GetMap::default()), LEAVE_ASK_TIMEOUT)
+                .await
+            {
+                Ok(R::Map(m)) => *m,
+                _ => continue,
+            }
+        };
+        if let Some(l) = reply.local.iter().find(|l| l.shard == shard && l.role == "leader") {
+            return Some((l.voters.clone(), l.learners.clone()));
+        }
+    }
+    None
+}
