@@ -614,8 +614,9 @@ fn replica_moved(shard: u32, from: u64, to: u64, r: &dmkv_common::proto::MoveRep
     }
 }
 
-/// Most `dmkv cluster move-partition` waits for the move's answer.
-const MOVE_TIMEOUT: Duration = Duration::from_secs(600);
+/// Most `dmkv cluster move-partition` (and `move-replica`) waits for the
+/// move's answer: past a new replica's 600 s to catch up.
+const MOVE_TIMEOUT: Duration = Duration::from_secs(720);
 
 /// Asks the metadata group's leader (to move a partition, or pause or
 /// cancel a move): the nodes in turn (the group's are the first by id),

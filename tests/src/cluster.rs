@@ -98,8 +98,20 @@ impl TestCluster {
         durable: bool,
         args: &[&str],
     ) -> TestCluster {
-        TestCluster::try_start_with(nodes, spares, shards, replicas, durable.then_some(None), args)
+        TestCluster::try_start_with_spares(nodes, spares, shards, replicas, durable, args)
             .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`TestCluster::start_with_spares`] without the panic.
+    pub fn try_start_with_spares(
+        nodes: usize,
+        spares: usize,
+        shards: u32,
+        replicas: usize,
+        durable: bool,
+        args: &[&str],
+    ) -> Result<TestCluster, String> {
+        TestCluster::try_start_with(nodes, spares, shards, replicas, durable.then_some(None), args)
     }
 
     /// A durable [`TestCluster::try_start`] whose nodes each keep their

@@ -27,6 +27,13 @@
 //!   bytes and their imbalance (max over mean) before and after, the
 //!   rebalance's time and moves, and the foreground latency during it
 //!   beside the same load idle.
+//! - `grow`: `--mib` MiB written to an in-memory 3-node cluster of
+//!   `--shards` shards, then its spare fourth node added (`dmkv cluster
+//!   add-node`: replica moves, one at a time) while a foreground client
+//!   GETs (one-sided) and PUTs: the time from add-node to balanced, each
+//!   move's time, the bytes per node and their imbalance before and
+//!   after, and the foreground latency during it beside the same load
+//!   idle.
 //!
 //! Needs dmkvd built (release: `cargo build --release --bin dmkvd`).
 
@@ -118,6 +125,16 @@ enum Cmd {
         #[arg(long)]
         rate_mib: Option<u32>,
     },
+    /// Add a spare fourth node to a 3-node cluster holding data, under load.
+    Grow {
+        /// Live data written before the node is added (MiB).
+        #[arg(long, default_value_t = 1024)]
+        mib: u64,
+        #[arg(long, default_value_t = 65536)]
+        value_size: usize,
+        #[arg(long, default_value_t = 12)]
+        shards: u32,
+    },
     /// Resident memory of an in-memory cluster after many large PUTs.
     Rss {
         #[arg(long, default_value_t = 100_000)]
@@ -156,6 +173,7 @@ fn run(cli: Cli) -> Result<(), String> {
         Cmd::Rss { puts, value_size, memory_mib } => rt.block_on(rss(puts, value_size, memory_mib)),
         Cmd::Move { mib, value_size, rate_mib } => rt.block_on(move_partition(mib, value_size, rate_mib)),
         Cmd::Rebalance { mib, value_size, rate_mib } => rt.block_on(rebalance(mib, value_size, rate_mib)),
+        Cmd::Grow { mib, value_size, shards } => rt.block_on(grow(mib, value_size, shards)),
     }
 }
 
@@ -169,6 +187,14 @@ fn check(cmd: &Cmd) -> Result<(), String> {
     match cmd {
         Cmd::Move { mib, value_size, .. } | Cmd::Rebalance { mib, value_size, .. } => {
             at_least_one("--mib", *mib)?;
+            value(*value_size)
+        }
+        Cmd::Grow { mib, value_size, shards } => {
+            at_least_one("--mib", *mib)?;
+            at_least_one("--shards", u64::from(*shards))?;
+            if mib.checked_mul(4 << 20).is_none() {
+                return Err(format!("--mib {mib} is too large"));
+            }
             value(*value_size)
         }
         Cmd::Failover { kills, shards, .. } => {
@@ -798,6 +824,86 @@ async fn rebalance(mib: u64, value_size: usize, rate_mib: Option<u32>) -> Result
         }
     }
     println!("all {n} keys read back after the rebalance");
+    Ok(())
+}
+
+/// Each node's bytes: the live bytes of the replicas it holds.
+async fn node_bytes(c: &TestCluster) -> Vec<u64> {
+    let mut out = Vec::new();
+    for i in 0..c.len() {
+        let bytes = match Client::connect(c.rpc(i)).await {
+            Ok(client) => match client.cluster_status().await {
+                Ok(s) => {
+                    s.local.iter().filter(|l| l.shard != dmkv_common::cluster::map::META_SHARD).map(|l| l.bytes).sum()
+                }
+                Err(_) => 0,
+            },
+            Err(_) => 0,
+        };
+        out.push(bytes);
+    }
+    out
+}
+
+async fn grow(mib: u64, value_size: usize, shards: u32) -> Result<(), String> {
+    // Every node holds a replica of every shard before the fourth comes:
+    // its memory takes the whole data set, twice over for the index,
+    // free space and the snapshots it sends.
+    let memory = format!("{}MiB", 2 * mib + 256);
+    let c = tokio::task::block_in_place(|| {
+        TestCluster::try_start_with_spares(3, 1, shards, 3, false, &["--memory", &memory])
+    })
+    .map_err(|e| format!("the cluster did not start: {e}"))?;
+    c.try_leaders_known(0).await?;
+    let client = Client::connect(c.rpc(0)).await.map_err(connect_err)?;
+    let n = ((mib << 20) / value_size as u64).max(1) as usize;
+    let value = vec![b'g'; value_size];
+    let started = Instant::now();
+    put_all(&client, n, &value, |i| format!("gr-{i}")).await?;
+    println!("{n} keys of {value_size} B written to {shards} shards in {:.1} s", started.elapsed().as_secs_f64());
+    let before = node_bytes(&c).await;
+    let reader = ClientConfig::default().read_path(ReadPath::OneSided).transport(Some(Transport::Shm));
+    let fg = Client::connect_with(c.rpc(0), reader.clone()).await.map_err(connect_err)?;
+    let idle = Probe::start(fg.clone());
+    tokio::time::sleep(MOVE_IDLE).await;
+    let idle = idle.stop().await;
+    let during = Probe::start(fg);
+    let map = client.cluster_status().await.map_err(|e| format!("status: {e}"))?;
+    let placed: Vec<(u32, Vec<u64>)> = map.shards.iter().map(|s| (s.id, s.replicas.clone())).collect();
+    let mut nodes: Vec<u64> = map.nodes.iter().map(|n| n.id).collect();
+    nodes.sort_unstable();
+    let moves = dmkv_common::cluster::replica_plan::plan_add(&placed, &nodes, 4);
+    let t = Instant::now();
+    let mut took = Vec::new();
+    for m in &moves {
+        let one = Instant::now();
+        at_meta_leader(&c, Duration::from_secs(900), async |admin| admin.move_replica(m.shard, m.from, m.to).await)
+            .await?;
+        took.push(one.elapsed().as_secs_f64());
+    }
+    let total = t.elapsed();
+    let during = during.stop().await;
+    let after = node_bytes(&c).await;
+    idle.print("idle");
+    during.print("during add-node");
+    let longest = took.iter().copied().fold(0.0, f64::max);
+    println!(
+        "add-node to balanced in {:.1} s: {} replica moves (longest {longest:.1} s, mean {:.1} s); bytes per node \
+         {before:?} (max/mean over the 3 nodes {:.2}) -> {after:?} (max/mean over 4 {:.2})",
+        total.as_secs_f64(),
+        moves.len(),
+        took.iter().sum::<f64>() / took.len().max(1) as f64,
+        max_over_mean(&before[..3]),
+        max_over_mean(&after)
+    );
+    let check = Client::connect_with(c.rpc(3), reader).await.map_err(connect_err)?;
+    for i in 0..n {
+        let k = format!("gr-{i}");
+        if check.get(&k).await.map_err(|e| format!("GET {k}: {e}"))?.is_none() {
+            return Err(format!("{k} missing after add-node"));
+        }
+    }
+    println!("all {n} keys read back through the new node");
     Ok(())
 }
 

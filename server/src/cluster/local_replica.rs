@@ -117,6 +117,12 @@ pub(super) struct Opener {
     pub(super) peers: Arc<Peers>,
     pub(super) sink: Arc<LocalShards>,
     pub(super) map_wake: Arc<tokio::sync::Notify>,
+    /// The node's map (its placement as the metadata group last told it).
+    pub(super) map: Arc<Mutex<ClusterMap>>,
+    /// Why the node's log is not to be trusted (its last run may have lost
+    /// what it acknowledged): every replica opened with a log from then,
+    /// at the start or later, rejoins as a new incarnation.
+    pub(super) distrust: Option<String>,
     pub(super) logger: slog::Logger,
     pub(super) stop: watch::Receiver<bool>,
     #[cfg(feature = "rdma")]
@@ -127,16 +133,17 @@ impl Opener {
     /// Opens this node's replica of `sh` (its first members: `sh.replicas`)
     /// with a region of `per_shard` bytes, whose shard the nodes `members`
     /// hold now. `distrust`: why the node's log is not to be trusted.
-    /// `at_start`: opened as the node starts, when a replica with no state
-    /// may turn out to be one of a new shard's first members; later, one
-    /// only ever joins a shard that runs.
+    /// `may_found`: a replica with no state may turn out to be one of a
+    /// new shard's first members (opened as the node starts, the map never
+    /// having placed replicas elsewhere); otherwise it only ever joins a
+    /// shard that runs.
     pub(super) fn open(
         &self,
         sh: &ShardInfo,
         members: &[NodeId],
         per_shard: u64,
         distrust: Option<String>,
-        at_start: bool,
+        may_found: bool,
     ) -> Result<LocalReplica, String> {
         let distrust = &distrust;
         let region = Region::create(&format!("dmkv-shard-{}", sh.id), per_shard as usize)
@@ -243,7 +250,7 @@ impl Opener {
                 // under a new incarnation; the membership task makes it
                 // a first member or has the leader add it (see
                 // `membership`).
-                let core = parts.memory(fresh_incarnation(self.me), at_start)?;
+                let core = parts.memory(fresh_incarnation(self.me), may_found)?;
                 let again = Arc::clone(&parts);
                 // After a failure its memory is not to be trusted: it
                 // joins again as a new incarnation, as after a restart.
@@ -256,22 +263,38 @@ impl Opener {
             }
         };
         let thread = thread.map_err(|e| format!("shard {}: cannot start its thread: {e}", sh.id))?;
-        let shard_peers: Vec<_> = members
-            .iter()
-            .filter(|&&n| n != self.me)
-            .filter_map(|&n| self.cfg.nodes.iter().find(|e| e.id == n).map(|e| (n, e.peer)))
-            .collect();
+        // Asked each round: the shard's nodes in the map as this node has
+        // it now (the leader may be on a node placed since), and its first
+        // members (the cluster file's, before the map is heard from).
+        let peers: PeerSource = {
+            let (map, shard, me, first) = (Arc::clone(&self.map), sh.id, self.me, sh.replicas.clone());
+            let addrs: Vec<(NodeId, std::net::SocketAddr)> = self.cfg.nodes.iter().map(|e| (e.id, e.peer)).collect();
+            Box::new(move || {
+                let mut nodes = crate::lock::lock(&map)
+                    .shards()
+                    .get(shard as usize)
+                    .map(|s| s.replicas.clone())
+                    .unwrap_or_default();
+                nodes.extend(first.iter().copied());
+                let mut seen = std::collections::BTreeSet::new();
+                nodes
+                    .into_iter()
+                    .filter(|&n| n != me && seen.insert(n))
+                    .filter_map(|n| addrs.iter().find(|a| a.0 == n).copied())
+                    .collect()
+            })
+        };
         let (closed, closed_rx) = watch::channel(false);
         tokio::spawn(membership(Membership {
             shard: sh.id,
             dialer: self.dialer.clone(),
-            peers: shard_peers,
+            peers,
             status: Arc::clone(&status),
             undecided: joining,
             bootstrap: thread.bootstrapper(),
             stop: self.stop.clone(),
             closed: closed_rx,
-            may_bootstrap: at_start,
+            may_bootstrap: may_found,
         }));
         self.sink.insert(sh.id, Box::new(thread.inbox()));
         self.peers.snapshots.register(sh.id, Link { desk: Arc::clone(&desk), failed: thread.snapshot_failer() });
@@ -428,12 +451,15 @@ pub const MEMBERSHIP_INTERVAL: Duration = Duration::from_millis(300);
 /// first joins as a new member, which is safe but slower).
 pub const UNDECIDED_INTERVAL: Duration = Duration::from_millis(20);
 
+/// The other nodes of a replica's shard as its node knows them now.
+type PeerSource = Box<dyn Fn() -> Vec<(NodeId, std::net::SocketAddr)> + Send + Sync>;
+
 /// What a shard replica's membership task works with.
 struct Membership {
     shard: ShardId,
     dialer: Dialer,
     /// The other nodes holding the shard: (node, peer address).
-    peers: Vec<(NodeId, std::net::SocketAddr)>,
+    peers: PeerSource,
     status: Arc<ReplicaStatus>,
     /// A replica that started with no state, and how to record the id it
     /// joins under; `None`: it knows who it is.
@@ -464,7 +490,7 @@ async fn membership(mut m: Membership) {
         }
         if let Some(record) = &m.undecided {
             let mut terms = Vec::new();
-            for &(to, addr) in &m.peers {
+            for (to, addr) in (m.peers)() {
                 let term = match peer::ask(&m.dialer, to, addr, proto::request::Op::GetMap(proto::GetMap::default()))
                     .await
                 {
@@ -492,7 +518,7 @@ async fn membership(mut m: Membership) {
         } else if !m.status.joined() && m.status.id.load(Ordering::Relaxed) != 0 {
             let join =
                 proto::JoinShard { shard: m.shard, replica_id: m.status.id.load(Ordering::Relaxed), leave: false };
-            for &(to, addr) in &m.peers {
+            for (to, addr) in (m.peers)() {
                 if let Ok(proto::response::Result::JoinShard(r)) =
                     peer::ask(&m.dialer, to, addr, proto::request::Op::JoinShard(join)).await
                 {

@@ -319,12 +319,15 @@ impl RaftLog {
     /// replica was (its node no longer holds the shard): a replica opened
     /// on it again starts with no state, as a new member.
     pub fn forget(&self) -> Result<(), LogError> {
-        if let Some(desk) = &self.desk {
-            desk.reset().map_err(|why| LogError::Damaged { dir: self.dir.clone(), why })?;
-        }
+        // The log first: a log without its snapshot would replay from a
+        // compacted index into an empty store, where an empty log only
+        // joins again.
         let mut b = LogBatch::default();
         b.add_command(self.shard, Command::Clean);
         self.engine.write(&mut b, true).map_err(|e| self.err(e))?;
+        if let Some(desk) = &self.desk {
+            desk.reset().map_err(|why| LogError::Damaged { dir: self.dir.clone(), why })?;
+        }
         Ok(())
     }
 

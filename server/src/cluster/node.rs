@@ -123,7 +123,7 @@ pub struct ClusterNode {
     pub id: NodeId,
     /// The map as this node knows it: the placement the metadata group
     /// last told it (`refresh_map`), and the leaders its replicas know.
-    map: Mutex<ClusterMap>,
+    map: Arc<Mutex<ClusterMap>>,
     /// The cluster file's map: the metadata group's state before any
     /// change was written.
     first_map: ClusterMap,
@@ -138,6 +138,12 @@ pub struct ClusterNode {
     /// The replicas' regions as the engine and the handoff serve them,
     /// set again whenever a replica opens or closes.
     served: ServedSet,
+    /// `--evict lru`: replicas opened later evict too.
+    evicts: std::sync::atomic::AtomicBool,
+    /// The data directory records that replicas moved ([`REPLICAS_MOVED`]).
+    replicas_moved: std::sync::atomic::AtomicBool,
+    /// A replica move runs from this node (`replica_move.rs`).
+    pub(super) replica_moving: std::sync::atomic::AtomicBool,
     /// This node's replica of the metadata group, if it is one of its
     /// nodes.
     meta: Option<Arc<LocalReplica>>,
@@ -286,14 +292,20 @@ impl ClusterNode {
             peers,
             sink: Arc::default(),
             map_wake: Arc::clone(&map_wake),
+            map: Arc::new(Mutex::new(map.clone())),
+            distrust: distrust.clone(),
             logger: slog::Logger::root(slog::Discard, slog::o!()),
             stop: stop.clone(),
             #[cfg(feature = "rdma")]
             rdma: p.rdma,
         };
+        // Once the map placed replicas elsewhere than the file, the file's
+        // first members of a shard are no longer who founds it.
+        let moved_before = setup.data_dir.as_ref().is_some_and(|d| d.join(REPLICAS_MOVED).exists());
         for sh in local {
             let size = if sh.id == META_SHARD { MIN_SHARD_MEMORY } else { per_shard };
-            let replica = Arc::new(opener.open(&sh, &sh.replicas, size, distrust.clone(), true)?);
+            let may_found = sh.id == META_SHARD || !moved_before;
+            let replica = Arc::new(opener.open(&sh, &sh.replicas, size, distrust.clone(), may_found)?);
             match sh.id {
                 META_SHARD => meta = Some(replica),
                 id => {
@@ -308,7 +320,7 @@ impl ClusterNode {
         }
         Ok(ClusterNode {
             id: me,
-            map: Mutex::new(map.clone()),
+            map: Arc::clone(&opener.map),
             first_map: map,
             meta,
             meta_nodes: meta_nodes
@@ -333,6 +345,9 @@ impl ClusterNode {
             opener,
             later_per_shard,
             served: ServedSet::new(served_of(replicas.values())),
+            evicts: Default::default(),
+            replicas_moved: std::sync::atomic::AtomicBool::new(moved_before),
+            replica_moving: Default::default(),
             replicas: std::sync::RwLock::new(replicas),
         })
     }
@@ -519,6 +534,9 @@ impl ClusterNode {
     /// Adds `replica` of `shard` (opened while the node runs); one-sided
     /// readers can attach to its region from now on.
     pub(super) fn insert_replica(&self, shard: ShardId, replica: Arc<LocalReplica>) {
+        if self.evicts.load(Ordering::Relaxed) {
+            replica.store.enable_replicated_eviction();
+        }
         let mut table = self.replicas.write().unwrap_or_else(std::sync::PoisonError::into_inner);
         table.insert(shard, replica);
         self.served.set(served_of(table.values()));
@@ -581,8 +599,32 @@ impl ClusterNode {
                 let _ = theirs.set_leader(sh.id, l, sh.term);
             }
         }
+        let moved_replicas = self.first_map.shards().iter().zip(theirs.shards()).any(|(a, b)| a.replicas != b.replicas);
         *map = theirs;
+        drop(map);
+        if moved_replicas {
+            self.note_replicas_moved();
+        }
         true
+    }
+
+    /// Records in the data directory (once, durably) that the map has
+    /// placed replicas elsewhere than the cluster file does: from the next
+    /// start on, a replica with no state never founds its shard anew (the
+    /// file's first members of a shard that moved away would otherwise
+    /// find each other at term 0, and start a stray group under it).
+    fn note_replicas_moved(&self) {
+        let Some(dir) = &self.data_dir else { return };
+        if self.replicas_moved.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        if let Err(e) =
+            write_synced(&dir.join(REPLICAS_MOVED), b"the map placed replicas elsewhere than the cluster file\n")
+        {
+            // Asked again at the next map change.
+            self.replicas_moved.store(false, Ordering::Relaxed);
+            tracing::error!("cannot record that replicas moved: {e}");
+        }
     }
 
     pub(super) fn cluster_error(&self, e: ProposeError) -> ClusterError {
@@ -962,7 +1004,7 @@ impl ClusterNode {
     /// nothing.
     #[cfg(feature = "rdma")]
     pub fn rdma_device(&self) -> Option<&Arc<crate::rdma::RdmaDevice>> {
-        self.rdma.as_ref().filter(|_| self.replicas.values().any(|r| r.rdma.is_some()))
+        self.rdma.as_ref().filter(|_| self.data_replicas().iter().any(|(_, r)| r.rdma.is_some()))
     }
 
     /// Counters of this node's replicas, summed (for STATS).
@@ -1038,6 +1080,7 @@ impl ClusterNode {
     /// goes, and every replica removes it as a log entry applies
     /// ([`start_eviction`]).
     pub fn enable_eviction(&self) {
+        self.evicts.store(true, Ordering::Relaxed);
         for (_, r) in self.data_replicas() {
             r.store.enable_replicated_eviction();
         }
@@ -1212,6 +1255,22 @@ impl Drop for InFlight<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(self.1, Ordering::Relaxed);
     }
+}
+
+/// The file in a data directory that says the map has placed replicas
+/// elsewhere than the cluster file ([`ClusterNode::note_replicas_moved`]).
+pub const REPLICAS_MOVED: &str = "replicas-moved";
+
+/// Writes `bytes` to `path` and forces it to disk (the directory too).
+fn write_synced(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut f = std::fs::File::create(path)?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    if let Some(dir) = path.parent() {
+        std::fs::File::open(dir)?.sync_all()?;
+    }
+    Ok(())
 }
 
 /// What one-sided readers of `replicas` are served.

@@ -8,9 +8,10 @@
 //! quorum of their own before any leaves (`ShardCore::leave`).
 //! docs/elasticity.md, "Adding and removing nodes", has the design.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use dmkv_common::cluster::map::{META_SHARD, NodeId, ShardId, ShardInfo, node_of, replica_id};
 use dmkv_common::proto::{self, request::Op, response::Result as R};
@@ -26,6 +27,11 @@ use super::shard::JoinStep;
 pub const RECONCILE_INTERVAL: Duration = Duration::from_millis(300);
 /// Most a leave ask of one node waits for its answer.
 pub const LEAVE_ASK_TIMEOUT: Duration = Duration::from_secs(2);
+/// Least time between two tries to open a replica that could not open
+/// (each creates and formats a whole region).
+pub const OPEN_RETRY: Duration = Duration::from_secs(10);
+/// Least time between two asks of a leaving replica to hand over.
+pub const HAND_OVER_GAP: Duration = Duration::from_secs(2);
 
 impl ClusterNode {
     /// Node `node_of(replica)`'s replicas of `shard` leave it (its node is
@@ -58,47 +64,86 @@ impl ClusterNode {
     /// for. Nothing is done on the cluster file's map: the node has not
     /// heard from the metadata group yet, and the file's placement is what
     /// it opened.
-    async fn reconcile(self: &Arc<Self>) {
+    async fn reconcile(self: &Arc<Self>, state: &mut Reconciling) {
         let map = self.map();
         if map.version <= self.first_map().version {
             return;
         }
         for sh in map.shards() {
             match (sh.replicas.contains(&self.id), self.data_replica(sh.id)) {
-                (true, None) => self.open_placed(sh).await,
-                (false, Some(r)) => self.leave_unplaced(sh, &r).await,
+                (true, None) if state.failed_open.get(&sh.id).is_none_or(|t| t.elapsed() >= OPEN_RETRY) => {
+                    if self.open_placed(sh).await {
+                        state.failed_open.remove(&sh.id);
+                    } else {
+                        state.failed_open.insert(sh.id, Instant::now());
+                    }
+                }
+                (false, Some(r)) => self.leave_unplaced(sh, &r, state).await,
+                (true, Some(r)) if r.status.is_leader() => self.remove_unplaced(sh, &r).await,
                 _ => {}
             }
         }
     }
 
+    /// As `sh`'s leader: takes out the members of a node the map no longer
+    /// places on it, once every placed node has a voter (one change at a
+    /// time, `ShardCore::leave`). The leaving node asks the same itself;
+    /// this is for a node that is down, or restarted without the shard.
+    async fn remove_unplaced(&self, sh: &ShardInfo, r: &LocalReplica) {
+        let (voters, learners) = r.status.members();
+        let gone = voters.iter().chain(&learners).map(|&id| node_of(id)).find(|n| !sh.replicas.contains(n));
+        if let Some(node) = gone {
+            match r.thread.leave(node, sh.replicas.clone()).await {
+                Ok(Ok(step)) => tracing::debug!(shard = sh.id, node, ?step, "taking an unplaced node's replica out"),
+                Ok(Err(e)) => tracing::debug!(shard = sh.id, node, "not taken out yet: {e:?}"),
+                Err(_) => {}
+            }
+        }
+    }
+
     /// Opens a replica of `sh`, placed here: a member-to-be that joins the
-    /// running shard (its membership task asks the leader).
-    async fn open_placed(self: &Arc<Self>, sh: &ShardInfo) {
-        let Some(first) = self.first_map().shards().get(sh.id as usize).cloned() else { return };
+    /// running shard (its membership task asks the leader). Whether it
+    /// opened.
+    async fn open_placed(self: &Arc<Self>, sh: &ShardInfo) -> bool {
+        let Some(first) = self.first_map().shards().get(sh.id as usize).cloned() else { return false };
         let (node, members, shard) = (Arc::clone(self), sh.replicas.clone(), sh.id);
         // Creating the region and formatting the store touch every page of
-        // the index: off the async workers.
+        // the index: off the async workers. A log the node distrusts
+        // (its last run may have lost what it acknowledged) is dropped and
+        // the replica rejoins as a new incarnation, as at the start.
         let opened = tokio::task::spawn_blocking(move || {
-            node.opener.open(&first, &members, node.later_per_shard, None, false).map(Arc::new)
+            let distrust = node.opener.distrust.clone();
+            node.opener.open(&first, &members, node.later_per_shard, distrust, false).map(Arc::new)
         })
         .await;
         match opened {
             Ok(Ok(r)) => {
                 tracing::info!(shard, "the map places the shard here: its replica opened, and joins");
                 self.insert_replica(shard, r);
+                true
             }
-            Ok(Err(e)) => tracing::error!(shard, "the map places the shard here, but its replica cannot open: {e}"),
-            Err(e) => tracing::error!(shard, "opening the shard's replica failed: {e}"),
+            Ok(Err(e)) => {
+                tracing::error!(shard, "the map places the shard here, but its replica cannot open: {e}");
+                false
+            }
+            Err(e) => {
+                tracing::error!(shard, "opening the shard's replica failed: {e}");
+                false
+            }
         }
     }
 
     /// A step out of `sh`, which the map no longer places here: hand the
     /// leadership over if it leads; else ask the leader to take this
     /// node's replicas out; once none is left, close.
-    async fn leave_unplaced(self: &Arc<Self>, sh: &ShardInfo, r: &LocalReplica) {
+    async fn leave_unplaced(self: &Arc<Self>, sh: &ShardInfo, r: &LocalReplica, state: &mut Reconciling) {
         if r.status.is_leader() {
-            let _ = r.thread.hand_over(None);
+            // Each ask gives the lease up while the transfer runs: not
+            // asked again before the last one had its time.
+            if state.handed_over.get(&sh.id).is_none_or(|t| t.elapsed() >= HAND_OVER_GAP) {
+                state.handed_over.insert(sh.id, Instant::now());
+                let _ = r.thread.hand_over(None);
+            }
             return;
         }
         let id = match r.status.id.load(Ordering::Relaxed) {
@@ -149,19 +194,29 @@ impl ClusterNode {
     }
 }
 
+/// What the reconciler remembers between rounds.
+#[derive(Default)]
+struct Reconciling {
+    /// When a replica that could not open was last tried, by shard.
+    failed_open: HashMap<ShardId, Instant>,
+    /// When a leaving replica that leads was last asked to hand over.
+    handed_over: HashMap<ShardId, Instant>,
+}
+
 /// Keeps `node`'s replicas what its map places on it, every
 /// [`RECONCILE_INTERVAL`]; ends when `stop` turns true or the node is
 /// dropped.
 pub fn spawn_reconciler(node: &Arc<ClusterNode>, mut stop: watch::Receiver<bool>) {
     let weak = Arc::downgrade(node);
     tokio::spawn(async move {
+        let mut state = Reconciling::default();
         loop {
             tokio::select! {
                 _ = tokio::time::sleep(RECONCILE_INTERVAL) => {}
                 _ = stop.changed() => return,
             }
             let Some(node) = weak.upgrade() else { return };
-            node.reconcile().await;
+            node.reconcile(&mut state).await;
         }
     });
 }

@@ -18,6 +18,7 @@
 //! placement change; a reader of the old node's region finds its lease
 //! gone once it stops leading, like after any hand-over.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use dmkv_common::cluster::map::{META_SHARD, NodeId, ShardId, node_of};
@@ -49,6 +50,19 @@ impl ClusterNode {
     ) -> Result<proto::MoveReplicaReply, ClusterError> {
         let started = Instant::now();
         let failed = |why: String| ClusterError::Failed(why);
+        // One at a time: two moves of one shard's replicas (a move and its
+        // reverse, asked at once) could each take out the node the other
+        // placed.
+        if self.replica_moving.swap(true, Ordering::AcqRel) {
+            return Err(failed("another replica move runs on this node: one at a time".into()));
+        }
+        struct Running<'a>(&'a AtomicBool);
+        impl Drop for Running<'_> {
+            fn drop(&mut self) {
+                self.0.store(false, Ordering::Release);
+            }
+        }
+        let _running = Running(&self.replica_moving);
         if shard == META_SHARD {
             return Err(failed("the metadata group's members are its first three nodes: they do not move".into()));
         }
@@ -81,10 +95,23 @@ impl ClusterNode {
             .await?;
         }
         self.wait_voter(shard, to).await?;
-        // 2. Not the old one.
-        let version = self.place(shard, |r| r.retain(|&n| n != from)).await?;
+        // 2. Not the old one, and only while the new one is still placed
+        // (a change made meanwhile by another metadata leader is not
+        // undone: the move stops and says so).
+        let version = self
+            .place(shard, |r| {
+                if r.contains(&to) {
+                    r.retain(|&n| n != from);
+                }
+            })
+            .await?;
         let (map, _) = self.meta_map().await?;
         let placed = map.shards().get(shard as usize).map(|s| s.replicas.clone()).unwrap_or_default();
+        if !placed.contains(&to) || placed.contains(&from) {
+            return Err(failed(format!(
+                "shard {shard}'s placement changed while its replica moved (it is on {placed:?} now); ask again"
+            )));
+        }
         self.wait_out(shard, from, &placed).await?;
         tracing::info!(shard, from, to, "replica moved");
         Ok(proto::MoveReplicaReply { version, total_ms: started.elapsed().as_millis() as u64, outcome: "done".into() })
