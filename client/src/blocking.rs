@@ -161,6 +161,11 @@ impl Client {
         self.run(self.inner.cluster_status())
     }
 
+    /// See [`AsyncClient::cluster_status_past`].
+    pub fn cluster_status_past(&self, version: u64) -> Result<dmkv_common::proto::ClusterMapReply, ClientError> {
+        self.run(self.inner.cluster_status_past(version))
+    }
+
     /// See [`AsyncClient::replace_replica`].
     pub fn replace_replica(&self, shard: u32) -> Result<u64, ClientError> {
         self.run(self.inner.replace_replica(shard))

@@ -271,6 +271,13 @@ impl Client {
         self.inner.node.cluster_status().await
     }
 
+    /// [`Client::cluster_status`] with the placement as the metadata group
+    /// holds it now: the node asks the group first unless its map is newer
+    /// than `version` (pass the version of a map already read).
+    pub async fn cluster_status_past(&self, version: u64) -> Result<proto::ClusterMapReply, ClientError> {
+        self.inner.node.cluster_status_past(version).await
+    }
+
     /// Admin: replaces this node's replica of `shard` by a new one with no
     /// state, which joins the shard and catches up from its leader (the
     /// old one is removed from the members). Returns the new raft id.

@@ -487,7 +487,7 @@ fn run(cli: Cli, explicit: Explicit) -> Result<ExitCode, Failure> {
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Cluster { cmd: ClusterCmd::AddNode { node } } => {
-            let map = client.cluster_status().map_err(|e| format!("{e} (is this server a cluster node?)"))?;
+            let map = current_map(&client)?;
             let id = node_named(&map, &node)?;
             let (shards, nodes) = placement_of(&map);
             let moves = dmkv_common::cluster::replica_plan::plan_add(&shards, &nodes, id);
@@ -496,7 +496,7 @@ fn run(cli: Cli, explicit: Explicit) -> Result<ExitCode, Failure> {
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Cluster { cmd: ClusterCmd::RemoveNode { node } } => {
-            let map = client.cluster_status().map_err(|e| format!("{e} (is this server a cluster node?)"))?;
+            let map = current_map(&client)?;
             let id = node_named(&map, &node)?;
             let (shards, nodes) = placement_of(&map);
             let moves = dmkv_common::cluster::replica_plan::plan_remove(&shards, &nodes, id)?;
@@ -576,6 +576,14 @@ fn node_named(map: &dmkv_common::proto::ClusterMapReply, name: &str) -> Result<u
             known.join(", ")
         )
     })
+}
+
+/// The map with the placement as the metadata group holds it now (the
+/// node asked answers from its own, which can be a poll behind: a plan
+/// made from that would miss the last move).
+fn current_map(client: &Client) -> Result<dmkv_common::proto::ClusterMapReply, String> {
+    let seen = client.cluster_status().map_err(|e| format!("{e} (is this server a cluster node?)"))?;
+    client.cluster_status_past(seen.version).map_err(|e| format!("the metadata group's map: {e}"))
 }
 
 /// Each shard's nodes, and every node, as the map has them.

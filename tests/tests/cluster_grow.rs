@@ -319,6 +319,22 @@ fn nodes_that_gained_and_lost_replicas_restart_from_their_logs() {
             assert_eq!(n_of(&got), k as u64);
         }
     });
+    // Node 4 goes down and is removed (the leaders take its replicas out);
+    // back up, it is added again: its logs of those shards name members
+    // the shards no longer count, so its replicas join anew instead of
+    // coming back as voters no one talks to.
+    c.kill(3);
+    let (ok, out) = c.cli(0, &["cluster", "remove-node", "4"]);
+    assert!(ok, "remove-node of a node that is down: {out}");
+    c.restart(3);
+    let (ok, out) = c.cli(0, &["cluster", "add-node", "4"]);
+    assert!(ok, "add-node again: {out}");
+    rt.block_on(async {
+        assert_eq!(settled_local(&c, 3, 2).await, gained, "node 4 added again");
+        for s in &gained {
+            assert!(joined(&c, 3, *s).await, "node 4's replica of shard {s} is not counted by its leader");
+        }
+    });
 }
 
 /// Whether node index `i`'s replica of `shard` is a voter as the shard's

@@ -385,6 +385,13 @@ impl ShardParts {
             tracing::warn!(shard = self.shard, id, "{why}: the replica rejoins the shard as a new incarnation");
             log.reset(id, &self.conf).map_err(|e| e.to_string())?;
         }
+        // A log that knows no replica id holds nothing (new, or cleaned when
+        // its node left the shard): a snapshot beside it was left by a close
+        // that stopped between cleaning the log and removing the snapshot,
+        // and is not this replica's.
+        if log.replica_id().map_err(|e| e.to_string())?.is_none() {
+            self.desk.reset().map_err(|e| format!("shard {}: {e}", self.shard))?;
+        }
         let (applied, remembered, placement) = match recover(log, &self.desk, &self.store) {
             Ok(r) => (r.at.index, r.remembered, r.placement),
             // Where the shard has other replicas to catch up from, a

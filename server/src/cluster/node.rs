@@ -302,6 +302,7 @@ impl ClusterNode {
         // Once the map placed replicas elsewhere than the file, the file's
         // first members of a shard are no longer who founds it.
         let moved_before = setup.data_dir.as_ref().is_some_and(|d| d.join(REPLICAS_MOVED).exists());
+        let opened: std::collections::BTreeSet<u64> = local.iter().map(|sh| u64::from(sh.id)).collect();
         for sh in local {
             let size = if sh.id == META_SHARD { MIN_SHARD_MEMORY } else { per_shard };
             let may_found = sh.id == META_SHARD || !moved_before;
@@ -314,6 +315,14 @@ impl ClusterNode {
             }
         }
         if let (Some(why), Some(dir)) = (&distrust, &setup.data_dir) {
+            // Shards placed here at run time open later, and would rejoin
+            // anew too: their logs go now, before the distrust is settled,
+            // so that a stop before they open cannot make them trusted.
+            if let Some(engine) = engine.as_ref().filter(|_| cfg.replicas > 1) {
+                for g in engine.raft_groups().into_iter().filter(|g| !opened.contains(g)) {
+                    RaftLog::new(Arc::clone(engine), g).forget().map_err(|e| format!("shard {g}: {e}"))?;
+                }
+            }
             // Every replica that could drop the distrusted log has, durably.
             last_run::settled(dir)?;
             tracing::info!("{why}: every replica with others to catch up from rejoins as a new incarnation");
@@ -534,10 +543,12 @@ impl ClusterNode {
     /// Adds `replica` of `shard` (opened while the node runs); one-sided
     /// readers can attach to its region from now on.
     pub(super) fn insert_replica(&self, shard: ShardId, replica: Arc<LocalReplica>) {
-        if self.evicts.load(Ordering::Relaxed) {
+        let mut table = self.replicas.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Under the table's lock: `enable_eviction` sees this replica, or
+        // this sees its flag.
+        if self.evicts.load(Ordering::Acquire) {
             replica.store.enable_replicated_eviction();
         }
-        let mut table = self.replicas.write().unwrap_or_else(std::sync::PoisonError::into_inner);
         table.insert(shard, replica);
         self.served.set(served_of(table.values()));
     }
@@ -590,6 +601,13 @@ impl ClusterNode {
     /// leaders this node knows stay, for shards whose replicas are the
     /// same. Whether the map changed.
     pub fn adopt_map(&self, mut theirs: ClusterMap) -> bool {
+        // Recorded before any replica can act on the map (a forgotten log),
+        // and a map that cannot be recorded is not taken (asked again at
+        // the next poll).
+        let moved = self.first_map.shards().iter().zip(theirs.shards()).any(|(a, b)| a.replicas != b.replicas);
+        if moved && !self.note_replicas_moved() {
+            return false;
+        }
         let mut map = crate::lock::lock(&self.map);
         if theirs.version < map.version || (theirs.version == map.version && theirs.moving == map.moving) {
             return false;
@@ -599,12 +617,7 @@ impl ClusterNode {
                 let _ = theirs.set_leader(sh.id, l, sh.term);
             }
         }
-        let moved_replicas = self.first_map.shards().iter().zip(theirs.shards()).any(|(a, b)| a.replicas != b.replicas);
         *map = theirs;
-        drop(map);
-        if moved_replicas {
-            self.note_replicas_moved();
-        }
         true
     }
 
@@ -613,17 +626,22 @@ impl ClusterNode {
     /// start on, a replica with no state never founds its shard anew (the
     /// file's first members of a shard that moved away would otherwise
     /// find each other at term 0, and start a stray group under it).
-    fn note_replicas_moved(&self) {
-        let Some(dir) = &self.data_dir else { return };
-        if self.replicas_moved.swap(true, Ordering::Relaxed) {
-            return;
+    /// Whether it is recorded (or nothing needs to be: no data directory).
+    /// Once per node life: one fsync, on the caller's thread.
+    fn note_replicas_moved(&self) -> bool {
+        let Some(dir) = &self.data_dir else { return true };
+        if self.replicas_moved.load(Ordering::Acquire) {
+            return true;
         }
-        if let Err(e) =
-            write_synced(&dir.join(REPLICAS_MOVED), b"the map placed replicas elsewhere than the cluster file\n")
-        {
-            // Asked again at the next map change.
-            self.replicas_moved.store(false, Ordering::Relaxed);
-            tracing::error!("cannot record that replicas moved: {e}");
+        match write_synced(&dir.join(REPLICAS_MOVED), b"the map placed replicas elsewhere than the cluster file\n") {
+            Ok(()) => {
+                self.replicas_moved.store(true, Ordering::Release);
+                true
+            }
+            Err(e) => {
+                tracing::error!("cannot record that replicas moved (the new map is not taken): {e}");
+                false
+            }
         }
     }
 
@@ -1080,7 +1098,9 @@ impl ClusterNode {
     /// goes, and every replica removes it as a log entry applies
     /// ([`start_eviction`]).
     pub fn enable_eviction(&self) {
-        self.evicts.store(true, Ordering::Relaxed);
+        let table = self.replicas.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+        self.evicts.store(true, Ordering::Release);
+        drop(table);
         for (_, r) in self.data_replicas() {
             r.store.enable_replicated_eviction();
         }

@@ -53,10 +53,11 @@ impl ClusterNode {
                 map.version
             )));
         }
-        match r.thread.leave(node, placed).await {
-            Ok(Ok(step)) => Ok(step),
-            Ok(Err(e)) => Err(self.cluster_error(e)),
-            Err(_) => Err(ClusterError::Failed("the shard's replica stopped".into())),
+        match tokio::time::timeout(LEAVE_ASK_TIMEOUT, r.thread.leave(node, placed)).await {
+            Ok(Ok(Ok(step))) => Ok(step),
+            Ok(Ok(Err(e))) => Err(self.cluster_error(e)),
+            Ok(Err(_)) => Err(ClusterError::Failed("the shard's replica stopped".into())),
+            Err(_) => Err(ClusterError::Busy),
         }
     }
 
@@ -72,10 +73,10 @@ impl ClusterNode {
         for sh in map.shards() {
             match (sh.replicas.contains(&self.id), self.data_replica(sh.id)) {
                 (true, None) if state.failed_open.get(&sh.id).is_none_or(|t| t.elapsed() >= OPEN_RETRY) => {
-                    if self.open_placed(sh).await {
-                        state.failed_open.remove(&sh.id);
-                    } else {
-                        state.failed_open.insert(sh.id, Instant::now());
+                    match self.open_placed(sh).await {
+                        Some(true) => drop(state.failed_open.remove(&sh.id)),
+                        Some(false) => drop(state.failed_open.insert(sh.id, Instant::now())),
+                        None => {}
                     }
                 }
                 (false, Some(r)) => self.leave_unplaced(sh, &r, state).await,
@@ -91,21 +92,58 @@ impl ClusterNode {
     /// this is for a node that is down, or restarted without the shard.
     async fn remove_unplaced(&self, sh: &ShardInfo, r: &LocalReplica) {
         let (voters, learners) = r.status.members();
-        let gone = voters.iter().chain(&learners).map(|&id| node_of(id)).find(|n| !sh.replicas.contains(n));
-        if let Some(node) = gone {
-            match r.thread.leave(node, sh.replicas.clone()).await {
-                Ok(Ok(step)) => tracing::debug!(shard = sh.id, node, ?step, "taking an unplaced node's replica out"),
-                Ok(Err(e)) => tracing::debug!(shard = sh.id, node, "not taken out yet: {e:?}"),
-                Err(_) => {}
-            }
+        let Some(node) = voters.iter().chain(&learners).map(|&id| node_of(id)).find(|n| !sh.replicas.contains(n))
+        else {
+            return;
+        };
+        // This node's map may be behind the group's (a node placed since,
+        // added by a leader that knew): the group's own map decides.
+        let placed = match self.fetch_meta_map().await {
+            Ok(m) => m.shards().get(sh.id as usize).map(|s| s.replicas.clone()).unwrap_or_default(),
+            Err(_) => return,
+        };
+        if placed.contains(&node) {
+            return;
+        }
+        match tokio::time::timeout(LEAVE_ASK_TIMEOUT, r.thread.leave(node, placed)).await {
+            Ok(Ok(Ok(step))) => tracing::debug!(shard = sh.id, node, ?step, "taking an unplaced node's replica out"),
+            Ok(Ok(Err(e))) => tracing::debug!(shard = sh.id, node, "not taken out yet: {e:?}"),
+            _ => {}
         }
     }
 
     /// Opens a replica of `sh`, placed here: a member-to-be that joins the
     /// running shard (its membership task asks the leader). Whether it
-    /// opened.
-    async fn open_placed(self: &Arc<Self>, sh: &ShardInfo) -> bool {
-        let Some(first) = self.first_map().shards().get(sh.id as usize).cloned() else { return false };
+    /// opened (`None`: not yet, asked again next round).
+    async fn open_placed(self: &Arc<Self>, sh: &ShardInfo) -> Option<bool> {
+        let Some(first) = self.first_map().shards().get(sh.id as usize).cloned() else { return Some(false) };
+        // A log this node kept of the shard names a member only if the
+        // shard still counts it: one taken out while the node was away (a
+        // remove-node of a node that was down) would come back as a voter
+        // no one talks to. Then the log goes, and the replica joins anew.
+        if let Some(engine) = &self.opener.engine {
+            let log = RaftLog::new(Arc::clone(engine), u64::from(sh.id));
+            if let Ok(Some(id)) = log.replica_id() {
+                match shard_members(self, sh.id, &sh.replicas).await {
+                    Some((voters, learners)) if !voters.contains(&id) && !learners.contains(&id) => {
+                        tracing::info!(
+                            shard = sh.id,
+                            id,
+                            "the shard no longer counts this node's replica: it joins anew"
+                        );
+                        if let Err(e) = log.forget() {
+                            tracing::error!(shard = sh.id, "cannot empty the shard's log: {e}");
+                            return Some(false);
+                        }
+                    }
+                    Some(_) => {}
+                    // No leader to ask: a shard of other replicas waits for
+                    // one; a shard of this replica only opens what it has.
+                    None if sh.replicas.iter().any(|&n| n != self.id) => return None,
+                    None => {}
+                }
+            }
+        }
         let (node, members, shard) = (Arc::clone(self), sh.replicas.clone(), sh.id);
         // Creating the region and formatting the store touch every page of
         // the index: off the async workers. A log the node distrusts
@@ -120,15 +158,15 @@ impl ClusterNode {
             Ok(Ok(r)) => {
                 tracing::info!(shard, "the map places the shard here: its replica opened, and joins");
                 self.insert_replica(shard, r);
-                true
+                Some(true)
             }
             Ok(Err(e)) => {
                 tracing::error!(shard, "the map places the shard here, but its replica cannot open: {e}");
-                false
+                Some(false)
             }
             Err(e) => {
                 tracing::error!(shard, "opening the shard's replica failed: {e}");
-                false
+                Some(false)
             }
         }
     }

@@ -38,6 +38,8 @@ pub const REPLICA_MOVE_POLL: Duration = Duration::from_millis(100);
 /// Map writes tried again after another change took the group's map
 /// first (a partition move's, or a node's).
 pub const MAP_WRITE_TRIES: usize = 20;
+/// Most a replica move waits for a partition move under way to end.
+pub const PARTITION_MOVE_WAIT: Duration = Duration::from_secs(300);
 
 impl ClusterNode {
     /// Moves `shard`'s replica on node `from` to node `to` (see the
@@ -121,8 +123,26 @@ impl ClusterNode {
     /// a CAS, read again and retried if another change came first; returns
     /// the version written (or the map's, if `change` changed nothing).
     async fn place(&self, shard: ShardId, change: impl Fn(&mut Vec<NodeId>)) -> Result<u64, ClusterError> {
-        for _ in 0..MAP_WRITE_TRIES {
+        let deadline = Instant::now() + PARTITION_MOVE_WAIT;
+        let mut tries = 0;
+        while tries < MAP_WRITE_TRIES {
             let (map, stored) = self.meta_map().await?;
+            // A partition move holds the map's next versions (its flip):
+            // the placement changes between two (a rebalance's are a
+            // second apart).
+            if let Some(m) = map.moving {
+                if Instant::now() >= deadline {
+                    return Err(ClusterError::Failed(format!(
+                        "partition {}'s move has been under way for {} s: replicas move between partition moves \
+                         (pause or cancel it, or ask again)",
+                        m.partition,
+                        PARTITION_MOVE_WAIT.as_secs()
+                    )));
+                }
+                tokio::time::sleep(REPLICA_MOVE_POLL).await;
+                continue;
+            }
+            tries += 1;
             let mut nodes = map.shards().get(shard as usize).map(|s| s.replicas.clone()).unwrap_or_default();
             let before = nodes.clone();
             change(&mut nodes);
